@@ -1,0 +1,45 @@
+"""snapshard: distributed checkpointing of sharded JAX training state.
+
+snapshard.save(path, tree)                 # every process, same tree; atomic
+tree = snapshard.load(path, target)        # onto any mesh / process count, or NumPy
+snapshard.metadata(path)                   # shapes, dtypes, shardings; no data read
+"""
+
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CoordinationError,
+    CorruptCheckpointError,
+    SnapshardError,
+    StorageError,
+    TargetMismatchError,
+    UnsupportedLeafError,
+    ValidationError,
+)
+from .metadata import ArrayMetadata, ValueMetadata, metadata
+from .restore import ReadStats, load
+from .save import SaveTimings, save
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrayMetadata",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "ChecksumMismatchError",
+    "CoordinationError",
+    "CorruptCheckpointError",
+    "ReadStats",
+    "SaveTimings",
+    "SnapshardError",
+    "StorageError",
+    "TargetMismatchError",
+    "UnsupportedLeafError",
+    "ValidationError",
+    "ValueMetadata",
+    "__version__",
+    "load",
+    "metadata",
+    "save",
+]

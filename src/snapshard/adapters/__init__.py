@@ -1,0 +1,1 @@
+"""Framework adapters: translate arrays to and from (box, host buffer) pairs."""

@@ -1,0 +1,51 @@
+"""The exceptions snapshard raises. Every message names the path, the leaf and the problem."""
+
+from __future__ import annotations
+
+
+class SnapshardError(Exception):
+    """Base class of every error raised by snapshard."""
+
+
+class CheckpointNotFoundError(SnapshardError, FileNotFoundError):
+    """No committed checkpoint at the given location."""
+
+
+class CheckpointExistsError(SnapshardError, FileExistsError):
+    """A committed checkpoint is already at the location and overwrite was not asked for."""
+
+
+class CorruptCheckpointError(SnapshardError):
+    """The manifest or an index is unreadable, malformed, or inconsistent with the data."""
+
+
+class ChecksumMismatchError(CorruptCheckpointError):
+    """Bytes read back do not match the checksum recorded at save time."""
+
+    def __init__(self, *, file: str, leaf: str, chunk: int, block: int, expected: int, actual: int):
+        self.file, self.leaf, self.chunk, self.block = file, leaf, chunk, block
+        self.expected, self.actual = expected, actual
+        super().__init__(
+            f"checksum mismatch in file {file!r}, leaf {leaf!r}, chunk {chunk}, block {block}: "
+            f"expected crc32c {expected:#010x}, read {actual:#010x}"
+        )
+
+
+class ValidationError(CorruptCheckpointError):
+    """A merged manifest does not cover every array exactly once, or is otherwise invalid."""
+
+
+class TargetMismatchError(SnapshardError, ValueError):
+    """The restore target does not fit the saved tree (structure, shape or kind)."""
+
+
+class UnsupportedLeafError(SnapshardError, TypeError):
+    """A leaf of the tree has a type snapshard cannot save."""
+
+
+class CoordinationError(SnapshardError):
+    """Another process failed, or did not report within the timeout."""
+
+
+class StorageError(SnapshardError, OSError):
+    """The storage backend failed in a way that retrying will not fix."""

@@ -1,0 +1,165 @@
+"""Checks of a manifest: cheap structural checks on every read, and the full coverage check
+(every array tiled by its chunks exactly once) before a save commits."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from ..dtypes import NAME_TO_DTYPE
+from ..errors import CorruptCheckpointError, ValidationError
+from ..planning.read_plan import ChunkIndex
+from ..tree import iter_leaf_nodes
+from .manifest import ArrayLeaf, ChunkTable, Manifest
+
+_MAX_GRID_CELLS = 1 << 24
+_MAX_REPORTED = 4
+
+
+def validate_structure(m: Manifest, where: str) -> None:
+    """Everything a reader relies on: leaf references, dtypes, chunk bounds, file bounds."""
+    refs = list(iter_leaf_nodes(m.structure))
+    if sorted(refs) != list(range(len(m.leaves))):
+        raise CorruptCheckpointError(f"{where}: the tree structure and the leaf list disagree")
+    sizes = [f.size for f in m.files]
+    for leaf in m.arrays:
+        name = f"{where}, leaf {leaf.name!r}"
+        dt = NAME_TO_DTYPE.get(leaf.dtype)
+        if dt is None:
+            raise CorruptCheckpointError(f"{name}: unknown dtype {leaf.dtype!r}")
+        if leaf.kind == "prng_key" and (not leaf.key_impl or not leaf.shape):
+            raise CorruptCheckpointError(
+                f"{name}: PRNG key without implementation or key-data axis"
+            )
+        check_chunks(leaf, leaf.chunks, dt.itemsize, sizes, name)
+
+
+def check_chunks(
+    leaf: ArrayLeaf, t: ChunkTable, itemsize: int, file_sizes: list[int], name: str
+) -> None:
+    if not len(t):
+        return
+    shape = np.asarray(leaf.shape, dtype=np.int64)
+    if np.any(t.starts < 0) or np.any(t.stops > shape) or np.any(t.stops <= t.starts):
+        bad = int(
+            np.flatnonzero(
+                np.any((t.starts < 0) | (t.stops > shape) | (t.stops <= t.starts), axis=1)
+            )[0]
+        )
+        raise CorruptCheckpointError(
+            f"{name}: chunk {bad} box {_box(t.starts[bad], t.stops[bad])} is empty or outside shape {leaf.shape}"
+        )
+    vol = np.prod(t.stops - t.starts, axis=1, dtype=np.int64)
+    bad_len = np.flatnonzero(vol * itemsize != t.nbytes)
+    if len(bad_len):
+        i = int(bad_len[0])
+        raise CorruptCheckpointError(
+            f"{name}: chunk {i} has {t.nbytes[i]} bytes, its box needs {vol[i] * itemsize}"
+        )
+    if np.any(t.file < 0) or np.any(t.file >= len(file_sizes)):
+        raise CorruptCheckpointError(f"{name}: chunk refers to a file not in the manifest")
+    ends = t.offset + t.nbytes
+    if np.any(t.offset < 0) or np.any(ends > np.asarray(file_sizes, dtype=np.int64)[t.file]):
+        i = int(np.flatnonzero((t.offset < 0) | (ends > np.asarray(file_sizes)[t.file]))[0])
+        raise CorruptCheckpointError(f"{name}: chunk {i} lies outside its file")
+    for i in range(len(t)):
+        if t.block[i] <= 0:
+            raise CorruptCheckpointError(f"{name}: chunk {i} has checksum block size {t.block[i]}")
+        nblocks = -(-int(t.nbytes[i]) // int(t.block[i]))
+        crc = t.crc32c[i]
+        if len(crc) != 8 * nblocks or any(c not in "0123456789abcdef" for c in crc):
+            raise CorruptCheckpointError(
+                f"{name}: chunk {i} has {len(crc) // 8} checksums, needs {nblocks}"
+            )
+
+
+def _box(start: np.ndarray, stop: np.ndarray) -> str:
+    return (
+        "["
+        + ", ".join(f"{a}:{b}" for a, b in zip(start.tolist(), stop.tolist(), strict=True))
+        + "]"
+    )
+
+
+def coverage_problems(
+    shape: tuple[int, ...], starts: np.ndarray, stops: np.ndarray
+) -> tuple[list[str], list[str]]:
+    """Boxes of `shape` covered by no chunk, and boxes covered by more than one (a few of each)."""
+    nd = len(shape)
+    if math.prod(shape) == 0:
+        return [], []
+    if nd == 0:
+        n = len(starts)
+        return (["[]"] if n == 0 else []), (["[]"] if n > 1 else [])
+    bounds = [
+        np.unique(np.concatenate([[0, shape[a]], starts[:, a], stops[:, a]])) for a in range(nd)
+    ]
+    cells = math.prod(len(b) - 1 for b in bounds)
+    if cells > _MAX_GRID_CELLS:
+        return _coverage_by_index(shape, starts, stops)
+    count = np.zeros(tuple(len(b) - 1 for b in bounds), dtype=np.int32)
+    lo = np.stack([np.searchsorted(bounds[a], starts[:, a]) for a in range(nd)], axis=1)
+    hi = np.stack([np.searchsorted(bounds[a], stops[:, a]) for a in range(nd)], axis=1)
+    for i in range(len(starts)):
+        count[tuple(slice(int(a), int(b)) for a, b in zip(lo[i], hi[i], strict=True))] += 1
+
+    def boxes(mask: np.ndarray) -> list[str]:
+        out = []
+        for cell in np.argwhere(mask)[:_MAX_REPORTED]:
+            s = np.array([bounds[a][c] for a, c in enumerate(cell)])
+            e = np.array([bounds[a][c + 1] for a, c in enumerate(cell)])
+            out.append(_box(s, e))
+        return out
+
+    return boxes(count == 0), boxes(count > 1)
+
+
+def _coverage_by_index(
+    shape: tuple[int, ...], starts: np.ndarray, stops: np.ndarray
+) -> tuple[list[str], list[str]]:
+    """For tilings too fine for a grid: pairwise overlaps through the index, then the volume."""
+    idx = ChunkIndex(starts, stops)
+    overlaps = []
+    for i in range(len(starts)):
+        for j in idx.overlapping(starts[i], stops[i]):
+            if j > i:
+                s, e = np.maximum(starts[i], starts[j]), np.minimum(stops[i], stops[j])
+                overlaps.append(_box(s, e))
+                if len(overlaps) >= _MAX_REPORTED:
+                    return [], overlaps
+    if overlaps:
+        return [], overlaps
+    covered = int(np.prod(stops - starts, axis=1, dtype=np.int64).sum())
+    missing = math.prod(shape) - covered
+    return ([f"{missing} elements (boxes not listed for this many chunks)"] if missing else []), []
+
+
+def validate_coverage(m: Manifest, where: str) -> None:
+    """Every array tiled exactly once by its chunks; no two chunks share bytes of a file."""
+    for leaf in m.arrays:
+        missing, overlapping = coverage_problems(leaf.shape, leaf.chunks.starts, leaf.chunks.stops)
+        if missing or overlapping:
+            parts = []
+            if missing:
+                parts.append("missing boxes " + ", ".join(missing))
+            if overlapping:
+                parts.append("boxes written more than once " + ", ".join(overlapping))
+            raise ValidationError(
+                f"{where}: array {leaf.name!r} of shape {leaf.shape}: " + "; ".join(parts)
+            )
+    spans: dict[int, list[tuple[int, int, str]]] = {}
+    for leaf in m.arrays:
+        t = leaf.chunks
+        for i in range(len(t)):
+            spans.setdefault(int(t.file[i]), []).append(
+                (int(t.offset[i]), int(t.offset[i] + t.nbytes[i]), leaf.name)
+            )
+    for f, s in spans.items():
+        s.sort()
+        for (_, a1, n0), (b0, _, n1) in itertools.pairwise(s):
+            if b0 < a1:
+                raise ValidationError(
+                    f"{where}: file {m.files[f].name!r}: bytes {b0}..{a1} belong to both {n0!r} and {n1!r}"
+                )

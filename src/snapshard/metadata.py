@@ -1,0 +1,56 @@
+"""What a checkpoint holds, read from its manifest alone (no array data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .format import ArrayLeaf
+from .restore import read_manifest
+from .storage import Location, Storage, storage_for
+from .tree import unflatten
+
+
+@dataclass(frozen=True)
+class ArrayMetadata:
+    """A saved array: shape and dtype as the user sees them, bytes stored, saved sharding."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    sharding: dict[str, Any] | None
+    kind: str  # "array", "scalar" or "prng_key"
+    chunks: int
+    key_impl: str | None = None
+
+
+@dataclass(frozen=True)
+class ValueMetadata:
+    """A Python value stored in the manifest."""
+
+    value: Any
+
+
+def leaf_metadata(leaf: Any) -> ArrayMetadata | ValueMetadata:
+    if isinstance(leaf, ArrayLeaf):
+        dtype = f"key<{leaf.key_impl}>" if leaf.kind == "prng_key" else leaf.dtype
+        return ArrayMetadata(
+            shape=leaf.logical_shape,
+            dtype=dtype,
+            nbytes=leaf.nbytes,
+            sharding=leaf.sharding,
+            kind=leaf.kind,
+            chunks=len(leaf.chunks),
+            key_impl=leaf.key_impl,
+        )
+    return ValueMetadata(leaf.value)
+
+
+def metadata(directory: Location | Storage) -> Any:
+    """The saved tree, with an ArrayMetadata or ValueMetadata at every leaf."""
+    storage = storage_for(directory)
+    try:
+        manifest = read_manifest(storage)
+    finally:
+        storage.close()
+    return unflatten(manifest.structure, lambda i: leaf_metadata(manifest.leaves[i]))

@@ -1,0 +1,112 @@
+"""Sharding metadata of one array as plain data: where every device's box is and who holds it.
+
+This is the planner's only input about an array. It is built by the framework adapter from
+metadata every process already has (global shape, each device's index box, replica id and
+process id), so every process builds the same layout with no communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+
+@dataclass(eq=False)
+class ArrayLayout:
+    """One row per device: its box [starts, stops), its replica id and its process id.
+
+    Layouts with the same shape and sharding should be the same object: the planner caches
+    per-layout work on it.
+    """
+
+    shape: tuple[int, ...]
+    itemsize: int
+    starts: np.ndarray  # int64 (devices, ndim)
+    stops: np.ndarray  # int64 (devices, ndim)
+    replica_ids: np.ndarray  # int64 (devices,)
+    process_ids: np.ndarray  # int64 (devices,)
+    _cache: dict[object, object] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        nd = len(self.shape)
+        self.replica_ids = np.asarray(self.replica_ids, dtype=np.int64).reshape(-1)
+        self.process_ids = np.asarray(self.process_ids, dtype=np.int64).reshape(-1)
+        n = len(self.replica_ids)
+        if len(self.process_ids) != n or n == 0:
+            raise ValueError("a layout needs one start, stop, replica id and process id per device")
+        self.starts = np.asarray(self.starts, dtype=np.int64).reshape(n, nd)
+        self.stops = np.asarray(self.stops, dtype=np.int64).reshape(n, nd)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+
+    @cached_property
+    def shards(self) -> ShardGroups:
+        return ShardGroups.of(self)
+
+
+@dataclass(frozen=True, eq=False)
+class ShardGroups:
+    """The unique boxes of a layout and, for each, the processes holding a copy.
+
+    Candidates of box u are rows cand_ptr[u]:cand_ptr[u+1] of cand_process / cand_row,
+    ordered by the lowest replica id each process holds (so candidate 0 holds replica 0).
+    """
+
+    starts: np.ndarray  # (U, ndim)
+    stops: np.ndarray  # (U, ndim)
+    nbytes: np.ndarray  # (U,)
+    cand_ptr: np.ndarray  # (U + 1,)
+    cand_process: np.ndarray  # (M,)
+    cand_row: np.ndarray  # (M,) the device row whose shard is read for this candidate
+
+    @property
+    def count(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def num_candidates(self) -> np.ndarray:
+        return np.diff(self.cand_ptr)
+
+    @staticmethod
+    def of(layout: ArrayLayout) -> ShardGroups:
+        nd = layout.ndim
+        boxes = np.concatenate([layout.starts, layout.stops], axis=1)
+        if nd == 0:
+            box_of_row = np.zeros(len(layout.replica_ids), dtype=np.int64)
+            ustarts = np.zeros((1, 0), dtype=np.int64)
+            ustops = np.zeros((1, 0), dtype=np.int64)
+        else:
+            ubox, box_of_row = np.unique(boxes, axis=0, return_inverse=True)
+            box_of_row = box_of_row.reshape(-1)
+            ustarts, ustops = ubox[:, :nd], ubox[:, nd:]
+        nproc = int(layout.process_ids.max()) + 1
+        # One candidate per (box, process): the row with the lowest replica id there.
+        order = np.lexsort((layout.replica_ids, layout.process_ids, box_of_row))
+        key = box_of_row[order] * nproc + layout.process_ids[order]
+        first = np.ones(len(order), dtype=bool)
+        first[1:] = key[1:] != key[:-1]
+        rows = order[first]
+        # Order each box's candidates by the replica id they hold.
+        rows = rows[np.lexsort((layout.replica_ids[rows], box_of_row[rows]))]
+        cand_box = box_of_row[rows]
+        ubox_count = len(ustarts)
+        cand_ptr = np.zeros(ubox_count + 1, dtype=np.int64)
+        np.cumsum(np.bincount(cand_box, minlength=ubox_count), out=cand_ptr[1:])
+        extents = ustops - ustarts
+        volume = np.prod(extents, axis=1, dtype=np.int64) if nd else np.ones(1, np.int64)
+        return ShardGroups(
+            starts=ustarts,
+            stops=ustops,
+            nbytes=volume * layout.itemsize,
+            cand_ptr=cand_ptr,
+            cand_process=layout.process_ids[rows],
+            cand_row=rows.astype(np.int64),
+        )

@@ -1,0 +1,424 @@
+"""The restore executor: read exactly the bytes each process needs and build its arrays.
+
+For every target box this process holds (replicated boxes once), the overlapping chunks are
+found through an index, the overlaps become byte runs, runs are coalesced into reads, and
+each read scatters straight into preallocated, aligned host buffers (preadv). With
+verification on (the default), every checksum block a read touches is read whole and
+checked. Buffers become jax.Arrays with make_array_from_single_device_arrays; on the CPU
+backend the first device of a box takes the buffer without a copy.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes, to_devices
+from .checksum import BlockVerifier
+from .dtypes import dtype_from_name
+from .errors import ChecksumMismatchError, TargetMismatchError
+from .format import ArrayLeaf, Manifest, ValueLeaf, validate_structure
+from .planning import ChunkIndex, ReadRange, coalesce_runs, overlap_runs
+from .storage import Location, Storage, storage_for
+from .tree import Path, keypath_to_path, path_str, unflatten
+
+DEFAULT_MEMORY_BUDGET = 4 << 30
+DEFAULT_MAX_GAP = 4096
+DEFAULT_THREADS = 4
+_ALIGN = 64
+
+
+@dataclass
+class ReadStats:
+    """What a load read on this process. bytes_needed counts each target box once."""
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    reads: int = 0
+    chunks_touched: int = 0
+    read_s: float = 0.0
+    assemble_s: float = 0.0
+    total_s: float = 0.0
+
+    @property
+    def read_amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dict(self.__dict__)
+        d["read_amplification"] = self.read_amplification
+        return d
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A uint8 buffer whose data pointer is 64-byte aligned (lets XLA's CPU client alias it)."""
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off : off + nbytes]
+
+
+def is_target_leaf(x: Any) -> bool:
+    return isinstance(
+        x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float | str
+    )
+
+
+def _is_python_value(x: Any) -> bool:
+    return isinstance(x, bool | int | float | str) and not isinstance(x, np.generic)
+
+
+@dataclass
+class _Dest:
+    """One host buffer to fill: box [start, stop) of a saved array."""
+
+    leaf: ArrayLeaf
+    start: np.ndarray
+    stop: np.ndarray
+    buf: np.ndarray
+    devices: list[Any] = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.stop - self.start)
+
+
+@dataclass
+class _Request:
+    """One leaf to produce. kind: 'numpy', 'scalar', 'jax', 'key' (typed PRNG key)."""
+
+    saved: ArrayLeaf
+    kind: str
+    dtype: np.dtype
+    sharding: Any = None
+    dests: list[_Dest] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.buf.nbytes for d in self.dests)
+
+
+def _request(saved: ArrayLeaf, target: Any, url: str) -> _Request:
+    """What to build for a saved array leaf given its target leaf (None: NumPy as saved)."""
+    name = saved.name
+    saved_dtype = dtype_from_name(saved.dtype)
+    if target is None:
+        if saved.kind == "prng_key":
+            return _request_boxes(_Request(saved, "key", saved_dtype), None)
+        kind = "scalar" if saved.kind == "scalar" else "numpy"
+        return _request_boxes(_Request(saved, kind, saved_dtype), None)
+    if isinstance(target, jax.Array | jax.ShapeDtypeStruct):
+        shape, dtype = tuple(target.shape), target.dtype
+        sharding = (
+            target.sharding if isinstance(target, jax.Array) else getattr(target, "sharding", None)
+        )
+    elif isinstance(target, np.ndarray | np.generic):
+        shape, dtype, sharding = tuple(np.shape(target)), target.dtype, None
+    else:
+        raise TargetMismatchError(
+            f"{url}: target for leaf {name!r} is a {type(target).__name__}; expected jax.Array, "
+            "jax.ShapeDtypeStruct or np.ndarray"
+        )
+    wants_key = key_dtype_is_prng(dtype)
+    if wants_key and saved.kind != "prng_key":
+        raise TargetMismatchError(
+            f"{url}: leaf {name!r} was saved as {saved.dtype} data, the target asks for PRNG keys"
+        )
+    expected = saved.logical_shape if wants_key else saved.shape
+    if shape != expected:
+        raise TargetMismatchError(
+            f"{url}: leaf {name!r} has shape {expected} in the checkpoint, the target asks for {shape}"
+        )
+    if wants_key:
+        return _request_boxes(_Request(saved, "key", saved_dtype, sharding), None)
+    out_dtype = np.dtype(dtype)
+    if sharding is None:
+        kind = "scalar" if isinstance(target, np.generic) else "numpy"
+        return _request_boxes(_Request(saved, kind, out_dtype), None)
+    return _request_boxes(_Request(saved, "jax", out_dtype, sharding), sharding)
+
+
+def _request_boxes(req: _Request, sharding: Any) -> _Request:
+    shape = req.saved.shape
+    itemsize = dtype_from_name(req.saved.dtype).itemsize
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], list[Any]]]
+    if sharding is None:
+        boxes = [(tuple(0 for _ in shape), shape, [])]
+    else:
+        boxes = local_device_boxes(sharding, shape)
+    for start, stop, devices in boxes:
+        s, e = np.asarray(start, dtype=np.int64), np.asarray(stop, dtype=np.int64)
+        nbytes = math.prod(int(x) for x in e - s) * itemsize
+        req.dests.append(_Dest(req.saved, s, e, aligned_empty(nbytes), list(devices)))
+    return req
+
+
+@dataclass
+class _Task:
+    """One contiguous read of a chunk, scattered into destination buffers and scratch."""
+
+    file: str
+    leaf: ArrayLeaf
+    chunk: int
+    file_offset: int  # where the chunk starts in its file
+    rng: ReadRange
+    src: np.ndarray  # sorted run offsets in the chunk
+    length: np.ndarray
+    dest: np.ndarray  # index into the batch's dest list
+    dst: np.ndarray  # run offsets in the destination buffer
+
+
+def _plan_tasks(
+    manifest: Manifest, dests: list[_Dest], verify: bool, max_gap: int, stats: ReadStats
+) -> list[_Task]:
+    indexes: dict[int, ChunkIndex] = {}
+    per_chunk: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int, int]]] = {}
+    leaves: dict[int, ArrayLeaf] = {}
+    for di, d in enumerate(dests):
+        leaf = d.leaf
+        t = leaf.chunks
+        key = id(leaf)
+        leaves[key] = leaf
+        if key not in indexes:
+            indexes[key] = ChunkIndex(t.starts, t.stops)
+        itemsize = dtype_from_name(leaf.dtype).itemsize
+        stats.bytes_needed += d.buf.nbytes
+        for c in indexes[key].overlapping(d.start, d.stop):
+            os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
+            src, dst, run = overlap_runs(
+                t.starts[c], t.stops[c], d.start, d.stop, os_, oe, itemsize
+            )
+            per_chunk.setdefault((key, int(c)), []).append((src, dst, run, di))
+    tasks = []
+    for (key, c), parts in per_chunk.items():
+        leaf = leaves[key]
+        t = leaf.chunks
+        src = np.concatenate([p[0] for p in parts])
+        dst = np.concatenate([p[1] for p in parts])
+        length = np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in parts])
+        dest = np.concatenate([np.full(len(p[0]), p[3], dtype=np.int64) for p in parts])
+        order = np.argsort(src, kind="stable")
+        src, dst, length, dest = src[order], dst[order], length[order], dest[order]
+        block = int(t.block[c]) if verify else None
+        ranges = coalesce_runs(src, length, int(t.nbytes[c]), block=block, max_gap=max_gap)
+        stats.chunks_touched += 1
+        file = manifest.files[int(t.file[c])].name
+        for r in ranges:
+            stats.bytes_read += r.stop - r.start
+            stats.reads += 1
+            tasks.append(_Task(file, leaf, c, int(t.offset[c]), r, src, length, dest, dst))
+    return tasks
+
+
+def _run_task(storage: Storage, task: _Task, dests: list[_Dest], verify: bool) -> None:
+    r = task.rng
+    bufs: list[memoryview] = []
+    scratch_need = 0
+    pos = r.start
+    layout: list[tuple[int, int, int]] = []  # (kind 0=scratch/1=dest, a, b)
+    for p in range(r.p0, r.p1):
+        s = int(task.src[p])
+        if s > pos:
+            layout.append((0, scratch_need, scratch_need + s - pos))
+            scratch_need += s - pos
+        n = int(task.length[p])
+        layout.append((1, p, n))
+        pos = s + n
+    if pos < r.stop:
+        layout.append((0, scratch_need, scratch_need + r.stop - pos))
+        scratch_need += r.stop - pos
+    scratch = np.empty(scratch_need, dtype=np.uint8).data if scratch_need else None
+    for kind, a, b in layout:
+        if kind == 0:
+            assert scratch is not None
+            bufs.append(scratch[a:b])
+        else:
+            d = int(task.dest[a])
+            off = int(task.dst[a])
+            bufs.append(dests[d].buf.data[off : off + b])
+    storage.read_into(task.file, task.file_offset + r.start, bufs)
+    if verify:
+        t = task.leaf.chunks
+        block = int(t.block[task.chunk])
+        v = BlockVerifier(
+            t.block_crcs(task.chunk).tolist(), r.start // block, block, r.stop - r.start
+        )
+        for piece in bufs:
+            v.update(piece)
+        if v.mismatch is not None:
+            blk, want, got = v.mismatch
+            raise ChecksumMismatchError(
+                file=f"{storage.url}/{task.file}",
+                leaf=task.leaf.name,
+                chunk=task.chunk,
+                block=blk,
+                expected=want,
+                actual=got,
+            )
+
+
+def _build(req: _Request) -> Any:
+    saved_dtype = dtype_from_name(req.saved.dtype)
+
+    def host(d: _Dest, dtype: np.dtype) -> np.ndarray:
+        a = d.buf.view(saved_dtype).reshape(d.shape)
+        return a if dtype == saved_dtype else a.astype(dtype)
+
+    if req.kind in ("numpy", "scalar"):
+        a = host(req.dests[0], req.dtype)
+        return a[()] if req.kind == "scalar" else a
+    if req.kind == "key":
+        keys = jax.random.wrap_key_data(
+            jnp.asarray(host(req.dests[0], saved_dtype)), impl=req.saved.key_impl
+        )
+        return keys if req.sharding is None else jax.device_put(keys, req.sharding)
+    per_device: dict[Any, jax.Array] = {}
+    for d in req.dests:
+        per_device.update(zip(d.devices, to_devices(host(d, req.dtype), d.devices), strict=True))
+    return assemble(req.saved.shape, req.sharding, per_device)
+
+
+def _read_batch(
+    storage: Storage,
+    manifest: Manifest,
+    reqs: list[_Request],
+    verify: bool,
+    threads: int,
+    max_gap: int,
+    stats: ReadStats,
+) -> None:
+    dests = [d for r in reqs for d in r.dests]
+    tasks = _plan_tasks(manifest, dests, verify, max_gap, stats)
+    # Largest reads first keeps the threads busy to the end.
+    tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
+    if threads > 1 and len(tasks) > 1:
+        with ThreadPoolExecutor(
+            min(threads, len(tasks)), thread_name_prefix="snapshard-read"
+        ) as pool:
+            for f in [pool.submit(_run_task, storage, t, dests, verify) for t in tasks]:
+                f.result()
+    else:
+        for t in tasks:
+            _run_task(storage, t, dests, verify)
+
+
+def _batches(reqs: list[_Request], budget: int | None) -> list[list[_Request]]:
+    if budget is None:
+        return [reqs] if reqs else []
+    out: list[list[_Request]] = []
+    cur: list[_Request] = []
+    size = 0
+    for r in reqs:
+        if cur and size + r.nbytes > budget:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(r)
+        size += r.nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    manifest = Manifest.from_json(storage.read_manifest(), storage.url)
+    validate_structure(manifest, storage.url)
+    return manifest
+
+
+def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple[Path, Any]], Any]:
+    """(path, target leaf) pairs of the target, and its treedef."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+    saved = manifest.leaf_by_path()
+    pairs = []
+    for keypath, t in flat:
+        path = keypath_to_path(keypath)
+        if path not in saved:
+            below = [p for p in saved if p[: len(path)] == path]
+            if below:
+                raise TargetMismatchError(
+                    f"{url}: the target has a leaf at {path_str(path)!r}, the checkpoint has a subtree there "
+                    f"({len(below)} leaves, e.g. {path_str(below[0])!r})"
+                )
+            near = sorted(path_str(p) for p in saved if p[:-1] == path[:-1])[:5]
+            raise TargetMismatchError(
+                f"{url}: leaf {path_str(path)!r} of the target is not in the checkpoint"
+                + (f" (saved leaves beside it: {', '.join(near)})" if near else "")
+            )
+        pairs.append((path, t))
+    return pairs, treedef
+
+
+def load(
+    directory: Location | Storage,
+    target: Any = None,
+    *,
+    verify: bool = True,
+    stats: ReadStats | None = None,
+    threads: int = DEFAULT_THREADS,
+    memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
+    max_gap: int = DEFAULT_MAX_GAP,
+) -> Any:
+    """Restore a checkpoint.
+
+    target=None: the saved tree as NumPy arrays (typed PRNG keys as jax key arrays) and Python
+    values, in plain containers. Otherwise a pytree whose leaves say what to build:
+    ShapeDtypeStruct with a sharding or a jax.Array (a jax.Array on that sharding), an
+    np.ndarray or ShapeDtypeStruct without sharding (NumPy). Leaves the target omits are not
+    read; a differing dtype is cast on the host. `memory_budget` bounds the host bytes held
+    at once while building jax.Arrays.
+    """
+    t_start = time.perf_counter()
+    stats = stats if stats is not None else ReadStats()
+    owns_storage = not isinstance(directory, Storage)
+    storage = storage_for(directory)
+    try:
+        manifest = read_manifest(storage)
+        url = storage.url
+        if target is None:
+            pairs = [(leaf.path, None) for leaf in manifest.leaves]
+            treedef = None
+        else:
+            pairs, treedef = _match_target(manifest, target, url)
+        saved = manifest.leaf_by_path()
+        results: dict[Path, Any] = {}
+        reqs: list[tuple[Path, _Request]] = []
+        for path, t in pairs:
+            leaf = saved[path]
+            if isinstance(leaf, ValueLeaf):
+                if t is not None and not _is_python_value(t):
+                    raise TargetMismatchError(
+                        f"{url}: leaf {leaf.name!r} is a saved {type(leaf.value).__name__} value, not an array"
+                    )
+                results[path] = leaf.value
+            else:
+                if _is_python_value(t):
+                    raise TargetMismatchError(
+                        f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
+                    )
+                reqs.append((path, _request(leaf, t, url)))
+        budget = None if all(r.kind in ("numpy", "scalar") for _, r in reqs) else memory_budget
+        by_req = {id(r): p for p, r in reqs}
+        for batch in _batches([r for _, r in reqs], budget):
+            t0 = time.perf_counter()
+            _read_batch(storage, manifest, batch, verify, threads, max_gap, stats)
+            t1 = time.perf_counter()
+            for r in batch:
+                results[by_req[id(r)]] = _build(r)
+                r.dests.clear()
+            stats.read_s += t1 - t0
+            stats.assemble_s += time.perf_counter() - t1
+    finally:
+        if owns_storage:
+            storage.close()
+    stats.total_s = time.perf_counter() - t_start
+    if treedef is None:
+        by_index: Callable[[int], Any] = lambda i: results[manifest.leaves[i].path]  # noqa: E731
+        return unflatten(manifest.structure, by_index)
+    return jax.tree_util.tree_unflatten(treedef, [results[p] for p, _ in pairs])

@@ -1,0 +1,418 @@
+"""The save executor: plan, stage the owned slices on the host, write, then commit.
+
+Blocking phase (the caller waits): flatten the tree, plan (cached), start the host copies of
+every owned slice and wait for them. Nothing else.
+
+Background phase: every process writes its own data files and index with no coordination,
+reports "written" through the coordinator, and process 0 merges the indexes into the
+manifest, validates it, removes stale files, and commits; every process learns the outcome.
+Synchronisation points per save: one rendezvous after writing (process 0 waits for every
+process's report) and one outcome broadcast. See docs/design.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .adapters.leaves import SaveArray, classify, is_save_leaf, start_host_copies
+from .checksum import block_crcs, crcs_to_hex
+from .coordination import Coordinator, default_coordinator
+from .errors import CheckpointExistsError, CoordinationError
+from .format import (
+    DATA_DIR,
+    INDEX_DIR,
+    ArrayLeaf,
+    ChunkTable,
+    FileEntry,
+    Leaf,
+    Manifest,
+    ProcessIndex,
+    ValueLeaf,
+    checksum_block,
+    validate_coverage,
+    validate_structure,
+)
+from .planning import WritePlan, plan_writes
+from .storage import Location, Storage, storage_for
+from .tree import flatten
+
+log = logging.getLogger("snapshard")
+
+DEFAULT_TIMEOUT_S = 600.0
+_WRITE_PIECE = 16 << 20
+_attempts: dict[str, int] = {}
+_attempts_lock = threading.Lock()
+
+
+@dataclass
+class SaveTimings:
+    """Seconds spent in each phase of one save, as seen by this process."""
+
+    plan_s: float = 0.0
+    stage_s: float = 0.0  # device-to-host copies: the blocking phase ends here
+    write_s: float = 0.0  # data files and index, fsynced
+    commit_s: float = 0.0  # waiting for the others, merge, validate, commit (process 0)
+    blocking_s: float = 0.0
+    total_s: float = 0.0
+    bytes_written: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Item:
+    leaf: int  # index into the flat leaf list
+    start: np.ndarray
+    stop: np.ndarray
+    host: np.ndarray  # staged bytes of the box (a view where possible)
+    nbytes: int
+
+
+@dataclass
+class _Prepared:
+    storage: Storage
+    coordinator: Coordinator
+    leaves: list[Leaf | SaveArray]
+    structure: dict[str, Any]
+    plan: WritePlan
+    items: list[_Item]
+    key_prefix: str
+    overwrite: bool
+    timeout_s: float
+    threads: int
+    timings: SaveTimings = field(default_factory=SaveTimings)
+
+
+def _key_prefix(url: str) -> str:
+    """A coordination namespace for this save, the same on every process without talking:
+    processes save to the same location the same number of times."""
+    with _attempts_lock:
+        n = _attempts.get(url, 0)
+        _attempts[url] = n + 1
+    return f"snapshard/save/{hashlib.sha256(url.encode()).hexdigest()[:16]}/{n}"
+
+
+def prepare(
+    location: Location | Storage,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    mode: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    coordinator: Coordinator | None = None,
+    threads: int = 2,
+    copy_host_values: bool = False,
+) -> _Prepared:
+    """The blocking phase: plan, then copy every owned slice to host memory."""
+    t0 = time.perf_counter()
+    coord = coordinator or default_coordinator()
+    storage = storage_for(location)
+    flat = flatten(tree, is_save_leaf)
+    leaves: list[Leaf | SaveArray] = [
+        classify(p, v, coord.process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)
+    ]
+    arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
+    plan = plan_writes([a.layout for _, a in arrays], mode, num_processes=coord.process_count)
+    t1 = time.perf_counter()
+    mine = plan.items_of(coord.process_index)
+    rows = [(a, int(plan.arrays[a].source_row[k])) for a, k in mine]
+    shards = start_host_copies([a for _, a in arrays], rows)
+    items = []
+    for a, k in mine:
+        leaf_index, arr = arrays[a]
+        p = plan.arrays[a]
+        if int(p.nbytes[k]) == 0:
+            continue
+        view = arr.host_view(int(p.source_row[k]), p.starts[k], p.stops[k], shards.get(a))
+        if copy_host_values and arr.devices is None:
+            view = np.array(view, copy=True)
+        items.append(_Item(leaf_index, p.starts[k], p.stops[k], view, int(p.nbytes[k])))
+    t2 = time.perf_counter()
+    timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
+    return _Prepared(
+        storage,
+        coord,
+        leaves,
+        flat.structure,
+        plan,
+        items,
+        _key_prefix(storage.url),
+        overwrite,
+        timeout_s,
+        threads,
+        timings,
+    )
+
+
+def _split_files(items: list[_Item], n: int) -> list[list[_Item]]:
+    """Items into n files of nearly equal size (largest first, each to the lightest file)."""
+    n = max(1, min(n, len(items)))
+    files: list[list[_Item]] = [[] for _ in range(n)]
+    load = [0] * n
+    for it in sorted(items, key=lambda it: -it.nbytes):
+        j = load.index(min(load))
+        files[j].append(it)
+        load[j] += it.nbytes
+    return [f for f in files if f]
+
+
+def _write_file(
+    storage: Storage, name: str, items: list[_Item]
+) -> tuple[int, list[tuple[int, dict[str, Any]]]]:
+    """Write items back to back into one file, checksumming as they go; returns size and chunk rows."""
+    writer = storage.open_writer(name)
+    rows = []
+    offset = 0
+    try:
+        for it in items:
+            data = np.ascontiguousarray(it.host).reshape(-1).view(np.uint8)
+            mv = data.data
+            block = checksum_block(it.nbytes)
+            crcs: list[int] = []
+            piece = max(block, (_WRITE_PIECE // block) * block)
+            for a in range(0, len(mv), piece):
+                part = mv[a : a + piece]
+                crcs.extend(block_crcs(part, block))
+                writer.write(part)
+            rows.append(
+                (
+                    it.leaf,
+                    {
+                        "start": it.start.tolist(),
+                        "stop": it.stop.tolist(),
+                        "file": 0,
+                        "offset": offset,
+                        "nbytes": it.nbytes,
+                        "block": block,
+                        "crc32c": crcs_to_hex(crcs),
+                    },
+                )
+            )
+            offset += it.nbytes
+        size = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return size, rows
+
+
+def _write_own(prep: _Prepared) -> str:
+    """Write this process's data files and its index; returns the index file name."""
+    pid = prep.coordinator.process_index
+    nonce = uuid.uuid4().hex[:8]
+    prep.storage.prepare_staging()
+    groups = _split_files(prep.items, prep.threads)
+    names = [f"{DATA_DIR}/p{pid:05d}-{nonce}-{j}.bin" for j in range(len(groups))]
+    if len(groups) > 1:
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
+            results = list(
+                pool.map(lambda a: _write_file(prep.storage, *a), zip(names, groups, strict=True))
+            )
+    else:
+        results = [_write_file(prep.storage, n, g) for n, g in zip(names, groups, strict=True)]
+    files = [FileEntry(n, size) for n, (size, _) in zip(names, results, strict=True)]
+    by_leaf: dict[int, list[dict[str, Any]]] = {}
+    for j, (_, rows) in enumerate(results):
+        for leaf, row in rows:
+            row["file"] = j
+            by_leaf.setdefault(leaf, []).append(row)
+    ndims = {
+        i: len(leaf.shape) for i, leaf in enumerate(prep.leaves) if isinstance(leaf, SaveArray)
+    }
+    index = ProcessIndex(
+        pid,
+        files,
+        {i: ChunkTable.from_rows(r, ndims[i], f"process {pid}") for i, r in by_leaf.items()},
+    )
+    name = f"{INDEX_DIR}/p{pid:05d}-{nonce}.json"
+    prep.storage.write_bytes(name, index.to_json())
+    prep.timings.bytes_written = sum(f.size for f in files)
+    return name
+
+
+def _wait_reports(prep: _Prepared, deadline: float) -> list[str]:
+    """Process 0: every process's index name, or a CoordinationError naming who failed."""
+    coord = prep.coordinator
+    reports: dict[int, dict[str, Any]] = {}
+    for p in range(coord.process_count):
+        left = deadline - time.monotonic()
+        try:
+            reports[p] = json.loads(coord.get(f"{prep.key_prefix}/written/{p}", max(left, 0.001)))
+        except TimeoutError:
+            missing = [
+                q
+                for q in range(coord.process_count)
+                if coord.try_get(f"{prep.key_prefix}/written/{q}") is None
+            ]
+            raise CoordinationError(
+                f"save to {prep.storage.url}: process(es) {missing} did not report within "
+                f"{prep.timeout_s:g} s (stopped or died); nothing was committed"
+            ) from None
+        if not reports[p]["ok"]:
+            raise CoordinationError(
+                f"save to {prep.storage.url}: process {p} failed: {reports[p]['error']}; nothing was committed"
+            )
+    return [reports[p]["index"] for p in range(coord.process_count)]
+
+
+def _merge(prep: _Prepared, index_names: list[str]) -> Manifest:
+    url = prep.storage.url
+    ndims = {
+        i: len(leaf.shape) for i, leaf in enumerate(prep.leaves) if isinstance(leaf, SaveArray)
+    }
+    files: list[FileEntry] = []
+    tables: dict[int, list[ChunkTable]] = {}
+    for name in index_names:
+        idx = ProcessIndex.from_json(prep.storage.read_staging(name), f"{url}/{name}", ndims)
+        base = len(files)
+        files.extend(idx.files)
+        for leaf_index, t in idx.chunks.items():
+            t.file = t.file + base
+            tables.setdefault(leaf_index, []).append(t)
+    out: list[Leaf] = []
+    for i, leaf in enumerate(prep.leaves):
+        if isinstance(leaf, SaveArray):
+            out.append(
+                ArrayLeaf(
+                    leaf.path,
+                    leaf.kind,
+                    leaf.dtype.name,
+                    leaf.shape,
+                    leaf.sharding,
+                    leaf.key_impl,
+                    ChunkTable.concat(tables.get(i, []), len(leaf.shape)),
+                )
+            )
+        else:
+            assert isinstance(leaf, ValueLeaf)
+            out.append(leaf)
+    return Manifest(
+        structure=prep.structure,
+        leaves=out,
+        files=files,
+        process_count=prep.coordinator.process_count,
+        write_mode=prep.plan.mode,
+        extra={"indexes": index_names},
+    )
+
+
+def _check_staged_files(prep: _Prepared, manifest: Manifest, index_names: list[str]) -> None:
+    """Files on storage are exactly those of this save, with the sizes the indexes claim.
+
+    Files of an earlier attempt that died (other nonces) are removed first.
+    """
+    expected = {f.name: f.size for f in manifest.files}
+    listing = prep.storage.list_staging()
+    stale = [n for n in listing if n not in expected and n not in index_names]
+    if stale:
+        log.warning(
+            "save to %s: removing %d stale file(s) of an earlier attempt",
+            prep.storage.url,
+            len(stale),
+        )
+        prep.storage.delete_staging_files(stale)
+    for name, size in expected.items():
+        if listing.get(name) != size:
+            raise CoordinationError(
+                f"save to {prep.storage.url}: file {name!r} has {listing.get(name)} bytes on storage, its index says {size}"
+            )
+
+
+def finish(prep: _Prepared, on_commit: Callable[[Manifest], None] | None = None) -> SaveTimings:
+    """The background phase. Raises on this process if the save failed anywhere."""
+    t0 = time.perf_counter()
+    coord = prep.coordinator
+    pid = coord.process_index
+    written_key = f"{prep.key_prefix}/written/{pid}"
+    outcome_key = f"{prep.key_prefix}/outcome"
+
+    def fail(e: BaseException) -> None:
+        """Process 0: tell everyone, and remove what was staged (nothing was visible)."""
+        coord.set(outcome_key, json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
+        log.error("save to %s failed: %s", prep.storage.url, e)
+        prep.storage.discard_staging()
+
+    try:
+        index_name = _write_own(prep)
+    except BaseException as e:
+        coord.set(written_key, json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
+        if coord.is_leader:
+            fail(e)
+        raise
+    coord.set(written_key, json.dumps({"ok": True, "index": index_name}))
+    t1 = time.perf_counter()
+    prep.timings.write_s = t1 - t0
+    deadline = time.monotonic() + prep.timeout_s
+    if coord.is_leader:
+        try:
+            index_names = _wait_reports(prep, deadline)
+            manifest = _merge(prep, index_names)
+            where = prep.storage.url
+            validate_structure(manifest, where)
+            validate_coverage(manifest, where)
+            _check_staged_files(prep, manifest, index_names)
+            prep.storage.commit(manifest.to_json(), overwrite=prep.overwrite)
+        except BaseException as e:
+            fail(e)
+            raise
+        coord.set(outcome_key, json.dumps({"ok": True}))
+        if on_commit is not None:
+            on_commit(manifest)
+    else:
+        try:
+            outcome = json.loads(coord.get(outcome_key, max(deadline - time.monotonic(), 0.001)))
+        except TimeoutError:
+            raise CoordinationError(
+                f"save to {prep.storage.url}: process 0 did not report the outcome within {prep.timeout_s:g} s"
+            ) from None
+        if not outcome["ok"]:
+            raise CoordinationError(f"save to {prep.storage.url} failed: {outcome['error']}")
+    t2 = time.perf_counter()
+    prep.timings.commit_s = t2 - t1
+    prep.timings.total_s = prep.timings.blocking_s + (t2 - t0)
+    return prep.timings
+
+
+def save(
+    directory: Location | Storage,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    mode: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    coordinator: Coordinator | None = None,
+    threads: int = 2,
+) -> SaveTimings:
+    """Save `tree` to `directory`, atomically: the checkpoint appears whole or not at all.
+
+    Every process of a multi-process job calls this with the same tree; each writes only the
+    slices the shared plan gives it. `mode` is the write mode (see planning.write_plan);
+    `threads` the number of data files each process writes in parallel.
+    """
+    storage = storage_for(directory)
+    if not overwrite and storage.is_committed():
+        raise CheckpointExistsError(
+            f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
+        )
+    prep = prepare(
+        storage,
+        tree,
+        overwrite=overwrite,
+        mode=mode,
+        timeout_s=timeout_s,
+        coordinator=coordinator,
+        threads=threads,
+    )
+    return finish(prep)

@@ -1,0 +1,41 @@
+"""Storage backends, chosen by the location's URL scheme."""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlparse
+
+from .base import FileWriter, Storage
+from .local import LocalStorage
+
+Location = str | os.PathLike[str]
+OBJECT_STORE_SCHEMES = ("s3", "gs", "az", "azure", "abfs", "memory")
+
+
+def is_object_store_url(location: Location) -> bool:
+    return urlparse(os.fspath(location)).scheme in OBJECT_STORE_SCHEMES
+
+
+def storage_for(location: Location | Storage) -> Storage:
+    """The storage of a checkpoint location: a local path, file://, or an object-store URL."""
+    if isinstance(location, Storage):
+        return location
+    text = os.fspath(location)
+    scheme = urlparse(text).scheme
+    if scheme in ("", "file"):
+        return LocalStorage(urlparse(text).path if scheme == "file" else text)
+    if scheme in OBJECT_STORE_SCHEMES:
+        from .objstore import ObjectStorage  # optional dependency
+
+        return ObjectStorage(text)
+    raise ValueError(f"unsupported checkpoint location {text!r} (scheme {scheme!r})")
+
+
+__all__ = [
+    "FileWriter",
+    "LocalStorage",
+    "Location",
+    "Storage",
+    "is_object_store_url",
+    "storage_for",
+]

@@ -1,0 +1,92 @@
+"""The storage interface: one checkpoint location, its files, and its commit protocol.
+
+A save writes into a *staging* area that readers never see, then `commit` makes the whole
+checkpoint visible at once (a rename on a filesystem, a commit marker on an object store).
+Readers go through `read_manifest` and `read_into` only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class FileWriter(ABC):
+    """A file being written in the staging area. `close` makes it durable."""
+
+    @abstractmethod
+    def write(self, data: memoryview) -> None: ...
+
+    @abstractmethod
+    def close(self) -> int:
+        """Flush and sync the file; returns its size."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give up on the file (best effort, never raises)."""
+
+
+class Storage(ABC):
+    """A checkpoint location. File names are relative ('data/p00000-…-0.bin', 'index/…')."""
+
+    url: str
+
+    # ---- save side: the staging area -------------------------------------------------
+    @abstractmethod
+    def prepare_staging(self) -> None:
+        """Create the staging area. Idempotent: every process of a save may call it."""
+
+    @abstractmethod
+    def open_writer(self, name: str) -> FileWriter: ...
+
+    def write_bytes(self, name: str, data: bytes) -> int:
+        w = self.open_writer(name)
+        try:
+            w.write(memoryview(data))
+            return w.close()
+        except BaseException:
+            w.abort()
+            raise
+
+    @abstractmethod
+    def list_staging(self) -> dict[str, int]:
+        """Every file in the staging area with its size."""
+
+    @abstractmethod
+    def read_staging(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def delete_staging_files(self, names: Sequence[str]) -> None: ...
+
+    @abstractmethod
+    def commit(self, manifest: bytes, *, overwrite: bool) -> None:
+        """Write the manifest and make the staged checkpoint visible, all or nothing."""
+
+    @abstractmethod
+    def discard_staging(self) -> None:
+        """Remove the staging area (best effort)."""
+
+    # ---- read side -------------------------------------------------------------------
+    @abstractmethod
+    def is_committed(self) -> bool: ...
+
+    @abstractmethod
+    def read_manifest(self) -> bytes:
+        """The manifest bytes; raises CheckpointNotFoundError when nothing is committed here."""
+
+    @abstractmethod
+    def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        """Read len(sum(buffers)) bytes of a committed file from `offset`, filling the buffers in order."""
+
+    @abstractmethod
+    def delete(self) -> None:
+        """Remove a committed checkpoint so that it is never seen half-deleted."""
+
+    def close(self) -> None:  # noqa: B027 - most backends hold nothing to release
+        """Release cached handles."""
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,153 @@
+"""Pytree structure: flatten a tree into (path, leaf) pairs and store its shape as JSON.
+
+No pickle: the structure is a small JSON document of nodes. A path is the list of keys from
+the root to a leaf: dict keys (str or int), sequence indices (int), attribute names (str).
+The same path rules apply to a restore target, so leaves are matched by path.
+
+Without a target, a tree is rebuilt from plain Python containers: dicts, lists and tuples as
+saved; a namedtuple or any other registered pytree node becomes a dict of its children keyed
+by field or key (the class itself is not imported back: that would need pickle-like trust).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from .errors import CorruptCheckpointError, UnsupportedLeafError
+
+PathKey = str | int
+Path = tuple[PathKey, ...]
+JsonNode = dict[str, Any]
+
+
+def path_str(path: Path) -> str:
+    """The display form of a path: keys joined by '/' ('' for the root)."""
+    return "/".join(str(k) for k in path)
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _key_component(key: Any, where: Path) -> PathKey:
+    if isinstance(key, jax.tree_util.DictKey):
+        k = key.key
+        if isinstance(k, bool) or not isinstance(k, str | int):
+            raise UnsupportedLeafError(
+                f"at {path_str(where)!r}: dict key {k!r} is not a str or int and cannot be stored"
+            )
+        return k
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return int(key.idx)
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return str(key.name)
+    if isinstance(key, jax.tree_util.FlattenedIndexKey):
+        return int(key.key)
+    raise UnsupportedLeafError(f"at {path_str(where)!r}: unsupported pytree key {key!r}")
+
+
+def keypath_to_path(keypath: tuple[Any, ...]) -> Path:
+    """A JAX key path as a snapshard path."""
+    out: list[PathKey] = []
+    for key in keypath:
+        out.append(_key_component(key, tuple(out)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class FlatTree:
+    """A tree taken apart: its JSON structure and its leaves in structure order."""
+
+    structure: JsonNode
+    paths: list[Path]
+    leaves: list[Any]
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
+    """Walk `tree`; `is_leaf` says which values are leaves (None is always a value leaf)."""
+    paths: list[Path] = []
+    leaves: list[Any] = []
+
+    def leaf(path: Path, value: Any) -> JsonNode:
+        paths.append(path)
+        leaves.append(value)
+        return {"t": "leaf", "i": len(leaves) - 1}
+
+    def walk(node: Any, path: Path) -> JsonNode:
+        if node is None or is_leaf(node):
+            return leaf(path, node)
+        if type(node) is dict:
+            keys = list(node.keys())
+            for k in keys:
+                _key_component(jax.tree_util.DictKey(k), path)
+            return {"t": "dict", "k": keys, "c": [walk(node[k], (*path, k)) for k in keys]}
+        if type(node) is list:
+            return {"t": "list", "c": [walk(v, (*path, i)) for i, v in enumerate(node)]}
+        if type(node) is tuple:
+            return {"t": "tuple", "c": [walk(v, (*path, i)) for i, v in enumerate(node)]}
+        if _is_namedtuple(node):
+            fields = list(type(node)._fields)
+            return {
+                "t": "namedtuple",
+                "name": type(node).__qualname__,
+                "k": fields,
+                "c": [walk(getattr(node, f), (*path, f)) for f in fields],
+            }
+        try:
+            children, _ = jax.tree_util.flatten_one_level_with_keys(node)
+        except ValueError:
+            raise UnsupportedLeafError(
+                f"leaf {path_str(path)!r}: values of type {type(node).__module__}."
+                f"{type(node).__qualname__} cannot be saved"
+            ) from None
+        keys_out: list[PathKey] = []
+        kids: list[JsonNode] = []
+        for key, child in children:
+            k = _key_component(key, path)
+            keys_out.append(k)
+            kids.append(walk(child, (*path, k)))
+        return {
+            "t": "node",
+            "name": f"{type(node).__module__}.{type(node).__qualname__}",
+            "k": keys_out,
+            "c": kids,
+        }
+
+    structure = walk(tree, ())
+    return FlatTree(structure, paths, leaves)
+
+
+def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:
+    """Rebuild plain containers from a stored structure; leaf i becomes `leaf_values(i)`."""
+
+    def build(node: Any) -> Any:
+        if not isinstance(node, dict) or "t" not in node:
+            raise CorruptCheckpointError(f"malformed tree node {node!r}")
+        t = node["t"]
+        if t == "leaf":
+            return leaf_values(int(node["i"]))
+        children = [build(c) for c in node.get("c", [])]
+        if t == "dict" or t in ("namedtuple", "node"):
+            return dict(zip(node["k"], children, strict=True))
+        if t == "list":
+            return children
+        if t == "tuple":
+            return tuple(children)
+        raise CorruptCheckpointError(f"unknown tree node type {t!r}")
+
+    return build(structure)
+
+
+def iter_leaf_nodes(structure: JsonNode) -> Iterator[int]:
+    """The leaf indices of a stored structure, in order."""
+    stack = [structure]
+    while stack:
+        node = stack.pop()
+        if node.get("t") == "leaf":
+            yield int(node["i"])
+        else:
+            stack.extend(reversed(node.get("c", [])))
