@@ -275,10 +275,13 @@ def _build(req: _Request) -> Any:
         a = host(req.dests[0], req.dtype)
         return a[()] if req.kind == "scalar" else a
     if req.kind == "key":
-        keys = jax.random.wrap_key_data(
-            jnp.asarray(host(req.dests[0], saved_dtype)), impl=req.saved.key_impl
-        )
-        return keys if req.sharding is None else jax.device_put(keys, req.sharding)
+        # Key arrays are small: every process reads all of the key data and builds its part.
+        impl = req.saved.key_impl
+        data = host(req.dests[0], saved_dtype)
+        if req.sharding is None:
+            return jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
+        wrap = jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=req.sharding)
+        return wrap(data)
     per_device: dict[Any, jax.Array] = {}
     for d in req.dests:
         per_device.update(zip(d.devices, to_devices(host(d, req.dtype), d.devices), strict=True))

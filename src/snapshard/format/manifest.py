@@ -25,7 +25,7 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"
 INDEX_DIR = "index"
-MIN_CHECKSUM_BLOCK = 64 << 10
+MIN_CHECKSUM_BLOCK = 4 << 10
 MAX_BLOCKS_PER_CHUNK = 256
 _SAFE_NAME = re.compile(r"^(data|index)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 
@@ -33,7 +33,7 @@ ARRAY_KINDS = ("array", "scalar", "prng_key")
 
 
 def checksum_block(nbytes: int) -> int:
-    """Bytes per checksum block of a chunk: at least 64 KiB, at most 256 blocks per chunk.
+    """Bytes per checksum block of a chunk: at least 4 KiB, at most 256 blocks per chunk.
 
     Small blocks let a partial read verify what it reads without reading much more; the cap
     keeps the manifest small for large chunks.

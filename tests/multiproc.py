@@ -1,0 +1,140 @@
+"""Start several real processes joined by jax.distributed (CPU backend, gloo collectives).
+
+Each worker is a script in tests/workers/ run as `python worker.py ARGS...` with the
+process layout in its environment; it calls `workers._dist.init()` first and reports
+results as lines `RESULT <json>` on stdout. Every run is bounded in time, and all processes
+it started are killed (with their process groups) when it ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKERS = Path(__file__).parent / "workers"
+SRC = Path(__file__).parent.parent / "src"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    process_id: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+    results: list[dict] = field(default_factory=list)
+
+    def result(self) -> dict:
+        assert self.results, f"process {self.process_id} reported nothing:\n{self.stderr[-3000:]}"
+        return self.results[-1]
+
+
+def _env(pid: int, n: int, devices: int, port: int, extra: dict[str, str] | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "SNAPSHARD_TEST_PORT": str(port),
+            "SNAPSHARD_TEST_PROCESS_ID": str(pid),
+            "SNAPSHARD_TEST_NUM_PROCESSES": str(n),
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "JAX_PLATFORMS": "cpu",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(SRC), str(WORKERS.parent), env.get("PYTHONPATH", "")])
+            ),
+        }
+    )
+    env.update(extra or {})
+    return env
+
+
+def start(
+    worker: str,
+    n: int,
+    devices: int,
+    args: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+) -> list[subprocess.Popen]:
+    port = port or free_port()
+    procs = []
+    for pid in range(n):
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKERS / worker), *map(str, args)],
+                env=_env(pid, n, devices, port, env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def collect(procs: list[subprocess.Popen], timeout: float) -> list[Proc]:
+    """Wait for every process (killing all of them at the deadline) and parse their output."""
+    deadline = time.monotonic() + timeout
+    out = []
+    try:
+        for pid, p in enumerate(procs):
+            try:
+                stdout, stderr = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                kill_all(procs)
+                stdout, stderr = p.communicate()
+                stderr += f"\n[killed: the run exceeded {timeout} s]"
+            results = [
+                json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")
+            ]
+            out.append(Proc(pid, p.returncode, stdout, stderr, results))
+    finally:
+        kill_all(procs)
+    return out
+
+
+def run(
+    worker: str,
+    n: int,
+    devices: int,
+    *args: object,
+    timeout: float = 180,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> list[Proc]:
+    """Run `worker` as n processes of `devices` CPU devices each; all must exit 0 when check."""
+    procs = start(worker, n, devices, [str(a) for a in args], env=env)
+    done = collect(procs, timeout)
+    if check:
+        for p in done:
+            assert p.returncode == 0, (
+                f"process {p.process_id} exited {p.returncode}:\n{p.stderr[-4000:]}"
+            )
+    return done

@@ -1,0 +1,97 @@
+"""Several real processes joined by jax.distributed: save on one topology, restore on others."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import multiproc
+
+pytestmark = pytest.mark.multiprocess
+
+# (processes, devices per process, restore mesh rows, spec)
+TOPOLOGIES = {
+    "2x4": (2, 4, 2, "rows"),
+    "1x8": (1, 8, 4, "rows"),
+    "8x1": (8, 1, 0, "flat"),
+    "4x2": (4, 2, 2, "rows"),
+}
+
+
+def save_on(ckpt, procs, devices, *extra, check=True, timeout=120):
+    return multiproc.run(
+        "save_restore.py", procs, devices, "save", ckpt, *extra, timeout=timeout, check=check
+    )
+
+
+def restore_on(ckpt, topology):
+    n, d, rows, spec = TOPOLOGIES[topology]
+    return multiproc.run("save_restore.py", n, d, "restore", ckpt, rows, spec, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def saved_4x2(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("mp") / "ckpt"
+    procs = save_on(ckpt, 4, 2)
+    return ckpt, procs
+
+
+@pytest.mark.parametrize("topology", ["2x4", "1x8", "8x1"])
+def test_saved_on_4x2_restores_on_other_topologies(saved_4x2, topology):
+    ckpt, _ = saved_4x2
+    for p in restore_on(ckpt, topology):
+        r = p.result()
+        assert r["ok"], f"process {p.process_id} restored wrong values"
+        stats = r["stats"]
+        assert stats["bytes_read"] <= 1.05 * stats["bytes_needed"], stats
+
+
+@pytest.mark.parametrize("source", ["2x4", "1x8", "8x1"])
+def test_saved_on_other_topologies_restores_on_4x2(tmp_path, source):
+    n, d, _, _ = TOPOLOGIES[source]
+    ckpt = tmp_path / "ckpt"
+    save_on(ckpt, n, d)
+    for p in restore_on(ckpt, "4x2"):
+        assert p.result()["ok"]
+        assert p.result()["stats"]["bytes_read"] <= 1.05 * p.result()["stats"]["bytes_needed"]
+
+
+def test_manifest_bytes_are_the_unique_bytes_and_writes_are_balanced(saved_4x2):
+    ckpt, procs = saved_4x2
+    doc = json.loads((ckpt / "manifest.json").read_bytes())
+    unique = 1024 * 512 * 4 + 512 * 256 * 2 + 512 * 4 + 7 * 5 * 4 + 10 * 8 + 8 * 2 * 4
+    assert doc["total_bytes"] == unique
+    assert doc["process_count"] == 4
+    written = [p.result()["bytes_written"] for p in procs]
+    assert sum(written) == unique
+    assert max(written) / np.mean(written) <= 1.05
+    # Every process wrote its own files.
+    assert sorted({f["name"][5:11] for f in doc["files"]}) == [f"p0000{i}" for i in range(4)]
+
+
+def test_a_process_killed_during_save_commits_nothing(tmp_path):
+    older = tmp_path / "older"
+    save_on(older, 2, 4)
+    before = {p.name: p.read_bytes() for p in older.rglob("*") if p.is_file()}
+    ckpt = tmp_path / "ckpt"
+    procs = save_on(ckpt, 4, 2, "--kill-in-write", 2, "--timeout", 5, check=False, timeout=90)
+    assert procs[2].returncode == -9
+    for p in procs:
+        if p.process_id != 2:
+            assert p.returncode == 3, p.stderr[-2000:]
+            assert (
+                "process(es) [2]" in p.result()["error"] or "did not report" in p.result()["error"]
+            )
+    assert not ckpt.exists()
+    assert {p.name: p.read_bytes() for p in older.rglob("*") if p.is_file()} == before
+
+
+def test_a_process_raising_during_save_fails_everyone_quickly(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    procs = save_on(ckpt, 2, 4, "--fail-in-write", 1, "--timeout", 60, check=False, timeout=60)
+    assert all(p.returncode == 3 for p in procs)
+    assert "injected failure on process 1" in procs[0].result()["error"]
+    assert "process 1 failed" in procs[0].result()["error"]
+    assert not ckpt.exists()

@@ -1,0 +1,29 @@
+"""Worker side of tests/multiproc.py: join the job and report results."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def init() -> tuple[int, int]:
+    """Initialise jax.distributed from the environment set by the test; returns (pid, n)."""
+    import jax
+
+    pid = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
+    n = int(os.environ["SNAPSHARD_TEST_NUM_PROCESSES"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{os.environ['SNAPSHARD_TEST_PORT']}",
+        num_processes=n,
+        process_id=pid,
+        initialization_timeout=60,
+        heartbeat_timeout_seconds=int(os.environ.get("SNAPSHARD_TEST_HEARTBEAT_S", "10")),
+    )
+    return pid, n
+
+
+def report(**values: object) -> None:
+    print("RESULT " + json.dumps(values), flush=True)
+    sys.stdout.flush()

@@ -1,0 +1,142 @@
+"""Multi-process worker: save a sharded tree, or restore it onto this job's topology.
+
+usage: save_restore.py save CKPT [--kill-in-write PID] [--fail-in-write PID] [--timeout S]
+       save_restore.py restore CKPT MESH_ROWS SPEC
+   MESH_ROWS: rows of the restore mesh (data axis); SPEC: 'rows' (P('model', None)),
+   'cols' (P(None, 'model')) or 'flat' (1-D mesh, P('x')).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+
+from _dist import init, report
+
+
+def global_arrays():
+    import ml_dtypes
+    import numpy as np
+
+    rng = np.random.default_rng(1234)
+    return {
+        "w": rng.standard_normal((1024, 512), dtype=np.float32),
+        "e": rng.standard_normal((512, 256), dtype=np.float32).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal((512,), dtype=np.float32),
+        "odd": rng.standard_normal((7, 5), dtype=np.float32),
+        "host": np.arange(10, dtype=np.int64),
+    }
+
+
+def save(args) -> None:
+    pid, n = init()
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import snapshard
+    from snapshard.storage import local
+
+    g = global_arrays()
+    devs = np.array(jax.devices())
+    mesh = Mesh(devs.reshape(2, -1), ("data", "model"))
+
+    def put(x, *spec):
+        s = NamedSharding(mesh, P(*spec))
+        return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+    keys = jax.random.split(jax.random.key(42), len(devs))
+    tree = {
+        "params": {
+            "w": put(g["w"], None, "model"),
+            "e": put(g["e"], "data", "model"),
+            "b": put(g["b"]),
+        },
+        "odd": put(g["odd"]),
+        "host": g["host"],
+        "keys": jax.jit(lambda k: k, out_shardings=NamedSharding(mesh, P(("data", "model"))))(keys),
+        "step": 17,
+    }
+    if args.kill_in_write == pid or args.fail_in_write == pid:
+        real = local.LocalFileWriter.write
+
+        def write(self, data):
+            if args.kill_in_write == pid:
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(5, f"injected failure on process {pid}")
+
+        local.LocalFileWriter.write = write
+        del real
+    try:
+        t = snapshard.save(args.ckpt, tree, timeout_s=args.timeout, mode=args.mode)
+    except Exception as e:
+        report(ok=False, error=f"{type(e).__name__}: {e}")
+        # Skip jax.distributed's shutdown barrier: with a dead peer it would abort.
+        os._exit(3)
+    report(ok=True, bytes_written=t.bytes_written, timings=t.as_dict())
+
+
+def restore(args) -> None:
+    pid, n = init()
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import snapshard
+
+    g = global_arrays()
+    devs = np.array(jax.devices())
+    if args.spec == "flat":
+        mesh = Mesh(devs, ("x",))
+        big = P("x")
+    else:
+        mesh = Mesh(devs.reshape(args.rows, -1), ("data", "model"))
+        big = P("model", None) if args.spec == "rows" else P(None, "model")
+
+    def sds(x, spec):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    keys = jax.random.split(jax.random.key(42), 8)
+    target = {
+        "params": {"w": sds(g["w"], big), "e": sds(g["e"], big), "b": sds(g["b"], P())},
+        "odd": sds(g["odd"], P()),
+        "host": np.zeros(10, np.int64),
+        "keys": jax.ShapeDtypeStruct(keys.shape, keys.dtype, sharding=NamedSharding(mesh, P())),
+        "step": 0,
+    }
+    stats = snapshard.ReadStats()
+    out = snapshard.load(args.ckpt, target, stats=stats)
+    ok = True
+    for name, x in (
+        ("w", out["params"]["w"]),
+        ("e", out["params"]["e"]),
+        ("b", out["params"]["b"]),
+        ("odd", out["odd"]),
+    ):
+        ref = g[name]
+        for s in x.addressable_shards:
+            ok &= np.asarray(s.data).tobytes() == ref[s.index].tobytes()
+    ok &= out["host"].tolist() == list(range(10)) and out["step"] == 17
+    ok &= bool(np.array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(keys)))
+    report(ok=bool(ok), stats=stats.as_dict(), devices=len(devs))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("op", choices=["save", "restore"])
+    ap.add_argument("ckpt")
+    ap.add_argument("rows", nargs="?", type=int, default=1)
+    ap.add_argument("spec", nargs="?", default="rows")
+    ap.add_argument("--kill-in-write", type=int, default=-1)
+    ap.add_argument("--fail-in-write", type=int, default=-1)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--mode", default="auto")
+    args = ap.parse_args()
+    save(args) if args.op == "save" else restore(args)
+
+
+if __name__ == "__main__":
+    main()
