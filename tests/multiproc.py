@@ -8,6 +8,7 @@ it started are killed (with their process groups) when it ends, however it ends.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -88,15 +89,11 @@ def start(
 def kill_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     for p in procs:
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
 
 
 def collect(procs: list[subprocess.Popen], timeout: float) -> list[Proc]:

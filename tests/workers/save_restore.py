@@ -30,7 +30,7 @@ def global_arrays():
 
 
 def save(args) -> None:
-    pid, n = init()
+    pid, _n = init()
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -79,7 +79,7 @@ def save(args) -> None:
 
 
 def restore(args) -> None:
-    pid, n = init()
+    _pid, _n = init()
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
