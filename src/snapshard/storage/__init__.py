@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from urllib.parse import urlparse
 
-from .base import FileWriter, Storage
-from .local import LocalStorage
+from .base import CheckpointRoot, FileWriter, Storage
+from .local import LocalRoot, LocalStorage
 
 Location = str | os.PathLike[str]
 OBJECT_STORE_SCHEMES = ("s3", "gs", "az", "azure", "abfs", "memory")
@@ -28,6 +28,21 @@ def storage_for(location: Location | Storage) -> Storage:
         from .objstore import ObjectStorage  # optional dependency
 
         return ObjectStorage(text)
+    raise ValueError(f"unsupported checkpoint location {text!r} (scheme {scheme!r})")
+
+
+def root_for(location: Location | CheckpointRoot) -> CheckpointRoot:
+    """The root of several checkpoints (a manager's directory)."""
+    if isinstance(location, CheckpointRoot):
+        return location
+    text = os.fspath(location)
+    scheme = urlparse(text).scheme
+    if scheme in ("", "file"):
+        return LocalRoot(urlparse(text).path if scheme == "file" else text)
+    if scheme in OBJECT_STORE_SCHEMES:
+        from .objstore import ObjectRoot  # optional dependency
+
+        return ObjectRoot(text)
     raise ValueError(f"unsupported checkpoint location {text!r} (scheme {scheme!r})")
 
 

@@ -90,3 +90,25 @@ class Storage(ABC):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class CheckpointRoot(ABC):
+    """A location holding several checkpoints side by side (the steps of a manager)."""
+
+    url: str
+
+    @abstractmethod
+    def list(self) -> dict[str, bool]:
+        """Every checkpoint name under the root, with whether it is committed.
+
+        Incomplete saves (staging areas, checkpoints being deleted, object-store prefixes
+        without their commit marker) are listed as False under the checkpoint's name.
+        """
+
+    @abstractmethod
+    def child(self, name: str) -> Storage:
+        """The storage of the checkpoint `name` under this root."""
+
+    @abstractmethod
+    def remove_incomplete(self, name: str) -> None:
+        """Delete whatever an unfinished save or delete of `name` left (never a committed checkpoint)."""

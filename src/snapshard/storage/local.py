@@ -25,7 +25,7 @@ from ..errors import (
     StorageError,
 )
 from ..format.manifest import DATA_DIR, INDEX_DIR, MANIFEST_NAME
-from .base import FileWriter, Storage
+from .base import CheckpointRoot, FileWriter, Storage
 
 STAGING_SUFFIX = ".snapshard-tmp"
 DELETING_SUFFIX = ".snapshard-deleting"
@@ -235,6 +235,42 @@ class LocalStorage(Storage):
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+class LocalRoot(CheckpointRoot):
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(os.path.abspath(os.fspath(path)))
+        self.url = str(self.path)
+
+    def list(self) -> dict[str, bool]:
+        out: dict[str, bool] = {}
+        if not self.path.is_dir():
+            return out
+        for entry in os.scandir(self.path):
+            if not entry.is_dir():
+                continue
+            name = entry.name
+            for suffix in (STAGING_SUFFIX, DELETING_SUFFIX):
+                if suffix in name:
+                    base = name[: name.index(suffix)]
+                    out.setdefault(base, False)
+                    break
+            else:
+                out[name] = (Path(entry.path) / MANIFEST_NAME).is_file()
+        return out
+
+    def child(self, name: str) -> Storage:
+        return LocalStorage(self.path / name)
+
+    def remove_incomplete(self, name: str) -> None:
+        for entry in os.scandir(self.path) if self.path.is_dir() else ():
+            if entry.name.startswith(name) and entry.name[len(name) :].startswith(
+                (STAGING_SUFFIX, DELETING_SUFFIX)
+            ):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        target = self.path / name
+        if target.is_dir() and not (target / MANIFEST_NAME).is_file():
+            shutil.rmtree(target, ignore_errors=True)
 
 
 def _skip(buffers: list[memoryview], n: int) -> list[memoryview]:
