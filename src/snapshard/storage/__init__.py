@@ -47,10 +47,13 @@ def root_for(location: Location | CheckpointRoot) -> CheckpointRoot:
 
 
 __all__ = [
+    "CheckpointRoot",
     "FileWriter",
+    "LocalRoot",
     "LocalStorage",
     "Location",
     "Storage",
     "is_object_store_url",
+    "root_for",
     "storage_for",
 ]
