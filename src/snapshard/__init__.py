@@ -19,12 +19,13 @@ from .errors import (
 )
 from .metadata import ArrayMetadata, ValueMetadata, metadata
 from .restore import ReadStats, load
-from .save import SaveTimings, save
+from .save import AsyncSave, SaveTimings, save, save_async
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ArrayMetadata",
+    "AsyncSave",
     "CheckpointExistsError",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
@@ -42,4 +43,5 @@ __all__ = [
     "load",
     "metadata",
     "save",
+    "save_async",
 ]

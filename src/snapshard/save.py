@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .adapters.leaves import SaveArray, classify, is_save_leaf, start_host_copies
+from .adapters.leaves import SaveArray, classify, is_save_leaf
 from .checksum import block_crcs, crcs_to_hex
 from .coordination import Coordinator, default_coordinator
 from .errors import CheckpointExistsError, CoordinationError
@@ -44,7 +44,8 @@ from .format import (
     validate_structure,
 )
 from .planning import WritePlan, plan_writes
-from .storage import Location, Storage, storage_for
+from .staging import StagedItem, stage
+from .storage import FileWriter, Location, Storage, storage_for
 from .tree import flatten
 
 log = logging.getLogger("snapshard")
@@ -66,18 +67,10 @@ class SaveTimings:
     blocking_s: float = 0.0
     total_s: float = 0.0
     bytes_written: int = 0
+    bytes_staged: int = 0  # host bytes copied in the blocking phase (0: zero-copy views)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
-
-
-@dataclass
-class _Item:
-    leaf: int  # index into the flat leaf list
-    start: np.ndarray
-    stop: np.ndarray
-    host: np.ndarray  # staged bytes of the box (a view where possible)
-    nbytes: int
 
 
 @dataclass
@@ -87,11 +80,12 @@ class _Prepared:
     leaves: list[Leaf | SaveArray]
     structure: dict[str, Any]
     plan: WritePlan
-    items: list[_Item]
+    items: list[StagedItem]
     key_prefix: str
     overwrite: bool
     timeout_s: float
     threads: int
+    extra: dict[str, Any]
     timings: SaveTimings = field(default_factory=SaveTimings)
 
 
@@ -114,8 +108,10 @@ def prepare(
     coordinator: Coordinator | None = None,
     threads: int = 2,
     copy_host_values: bool = False,
+    host_budget: int | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> _Prepared:
-    """The blocking phase: plan, then copy every owned slice to host memory."""
+    """The blocking phase: plan, then bring every owned slice to host memory."""
     t0 = time.perf_counter()
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
@@ -126,21 +122,11 @@ def prepare(
     arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
     plan = plan_writes([a.layout for _, a in arrays], mode, num_processes=coord.process_count)
     t1 = time.perf_counter()
-    mine = plan.items_of(coord.process_index)
-    rows = [(a, int(plan.arrays[a].source_row[k])) for a, k in mine]
-    shards = start_host_copies([a for _, a in arrays], rows)
-    items = []
-    for a, k in mine:
-        leaf_index, arr = arrays[a]
-        p = plan.arrays[a]
-        if int(p.nbytes[k]) == 0:
-            continue
-        view = arr.host_view(int(p.source_row[k]), p.starts[k], p.stops[k], shards.get(a))
-        if copy_host_values and arr.devices is None:
-            view = np.array(view, copy=True)
-        items.append(_Item(leaf_index, p.starts[k], p.stops[k], view, int(p.nbytes[k])))
+    items, copied = stage(
+        arrays, plan, coord.process_index, budget=host_budget, copy_host_values=copy_host_values
+    )
     t2 = time.perf_counter()
-    timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0)
+    timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
     return _Prepared(
         storage,
         coord,
@@ -152,14 +138,15 @@ def prepare(
         overwrite,
         timeout_s,
         threads,
+        extra or {},
         timings,
     )
 
 
-def _split_files(items: list[_Item], n: int) -> list[list[_Item]]:
+def _split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
     """Items into n files of nearly equal size (largest first, each to the lightest file)."""
     n = max(1, min(n, len(items)))
-    files: list[list[_Item]] = [[] for _ in range(n)]
+    files: list[list[StagedItem]] = [[] for _ in range(n)]
     load = [0] * n
     for it in sorted(items, key=lambda it: -it.nbytes):
         j = load.index(min(load))
@@ -168,8 +155,20 @@ def _split_files(items: list[_Item], n: int) -> list[list[_Item]]:
     return [f for f in files if f]
 
 
+def _write_item(writer: FileWriter, it: StagedItem) -> tuple[int, list[int]]:
+    """Append one item to the file; returns its checksum block size and block crcs."""
+    data = np.ascontiguousarray(it.materialize()).reshape(-1).view(np.uint8).data
+    block = checksum_block(it.nbytes)
+    piece = max(block, (_WRITE_PIECE // block) * block)
+    crcs: list[int] = []
+    for a in range(0, len(data), piece):
+        crcs.extend(block_crcs(data[a : a + piece], block))
+        writer.write(data[a : a + piece])
+    return block, crcs
+
+
 def _write_file(
-    storage: Storage, name: str, items: list[_Item]
+    storage: Storage, name: str, items: list[StagedItem]
 ) -> tuple[int, list[tuple[int, dict[str, Any]]]]:
     """Write items back to back into one file, checksumming as they go; returns size and chunk rows."""
     writer = storage.open_writer(name)
@@ -177,29 +176,18 @@ def _write_file(
     offset = 0
     try:
         for it in items:
-            data = np.ascontiguousarray(it.host).reshape(-1).view(np.uint8)
-            mv = data.data
-            block = checksum_block(it.nbytes)
-            crcs: list[int] = []
-            piece = max(block, (_WRITE_PIECE // block) * block)
-            for a in range(0, len(mv), piece):
-                part = mv[a : a + piece]
-                crcs.extend(block_crcs(part, block))
-                writer.write(part)
-            rows.append(
-                (
-                    it.leaf,
-                    {
-                        "start": it.start.tolist(),
-                        "stop": it.stop.tolist(),
-                        "file": 0,
-                        "offset": offset,
-                        "nbytes": it.nbytes,
-                        "block": block,
-                        "crc32c": crcs_to_hex(crcs),
-                    },
-                )
-            )
+            block, crcs = _write_item(writer, it)
+            it.release()  # the bytes are in the file now: let the host copy go
+            row = {
+                "start": it.start.tolist(),
+                "stop": it.stop.tolist(),
+                "file": 0,
+                "offset": offset,
+                "nbytes": it.nbytes,
+                "block": block,
+                "crc32c": crcs_to_hex(crcs),
+            }
+            rows.append((it.leaf, row))
             offset += it.nbytes
         size = writer.close()
     except BaseException:
@@ -304,7 +292,7 @@ def _merge(prep: _Prepared, index_names: list[str]) -> Manifest:
         files=files,
         process_count=prep.coordinator.process_count,
         write_mode=prep.plan.mode,
-        extra={"indexes": index_names},
+        extra={**prep.extra, "indexes": index_names},
     )
 
 
@@ -416,3 +404,83 @@ def save(
         threads=threads,
     )
     return finish(prep)
+
+
+class AsyncSave:
+    """A save whose background phase is running.
+
+    `wait()` returns the save's timings or raises its error; `done()` polls. The background
+    thread is not a daemon: a program that ends while a save is in flight waits for it.
+    """
+
+    def __init__(self, prep: _Prepared, on_commit: Callable[[Manifest], None] | None = None):
+        self._prep = prep
+        self._on_commit = on_commit
+        self._error: BaseException | None = None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="snapshard-save", daemon=False)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            finish(self._prep, self._on_commit)
+        except BaseException as e:
+            self._error = e
+            log.error("background save to %s failed: %s", self._prep.storage.url, e)
+        finally:
+            self._done.set()
+
+    @property
+    def location(self) -> str:
+        return self._prep.storage.url
+
+    @property
+    def timings(self) -> SaveTimings:
+        """Per-phase durations; the background ones are filled in when the save is done."""
+        return self._prep.timings
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveTimings:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save to {self.location} still running after {timeout} s")
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._prep.timings
+
+
+def save_async(
+    directory: Location | Storage,
+    tree: Any,
+    *,
+    overwrite: bool = False,
+    mode: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    coordinator: Coordinator | None = None,
+    threads: int = 2,
+    host_budget: int | None = None,
+    extra: dict[str, Any] | None = None,
+    on_commit: Callable[[Manifest], None] | None = None,
+) -> AsyncSave:
+    """Start a save and return once every owned slice is on the host.
+
+    The caller may then change or donate its arrays (see staging.py for the rule when
+    `host_budget` is smaller than the bytes this process owns). Writing, syncing, merging,
+    validating and committing run in the background; an existing checkpoint at the
+    location is detected at commit, without blocking here.
+    """
+    prep = prepare(
+        directory,
+        tree,
+        overwrite=overwrite,
+        mode=mode,
+        timeout_s=timeout_s,
+        coordinator=coordinator,
+        threads=threads,
+        copy_host_values=True,
+        host_budget=host_budget,
+        extra=extra,
+    )
+    return AsyncSave(prep, on_commit)

@@ -100,10 +100,6 @@ def key_dtype_is_prng(dtype: Any) -> bool:
         return False
 
 
-def shard_by_device(x: jax.Array) -> dict[Any, Any]:
-    return {s.device: s for s in x.addressable_shards}
-
-
 def local_device_boxes(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...]
 ) -> list[tuple[tuple[int, ...], tuple[int, ...], list[Any]]]:

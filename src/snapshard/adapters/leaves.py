@@ -13,7 +13,7 @@ from ..errors import UnsupportedLeafError
 from ..format.manifest import ValueLeaf
 from ..planning.layout import ArrayLayout
 from ..tree import Path, path_str
-from .jax_arrays import describe_sharding, host_layout, is_prng_key, layout_of, shard_by_device
+from .jax_arrays import describe_sharding, host_layout, is_prng_key, layout_of
 
 VALUE_TYPES = (bool, int, float, str, type(None))
 
@@ -39,27 +39,6 @@ class SaveArray:
     @property
     def name(self) -> str:
         return path_str(self.path)
-
-    def host_view(
-        self, row: int, start: np.ndarray, stop: np.ndarray, shards: dict[Any, Any] | None
-    ) -> np.ndarray:
-        """A host view of box [start, stop) from the shard on layout row `row`.
-
-        On the CPU backend this is the device buffer itself (no copy); on an accelerator
-        np.asarray completes the device-to-host copy started by `start_host_copies`.
-        """
-        if self.devices is None:
-            base = self.source
-            origin = np.zeros(len(self.shape), dtype=np.int64)
-        else:
-            assert shards is not None
-            shard = shards[self.devices[row]]
-            base = np.asarray(shard.data)
-            origin = self.layout.starts[row]
-        rel = tuple(
-            slice(int(a), int(b)) for a, b in zip(start - origin, stop - origin, strict=True)
-        )
-        return base[rel]
 
 
 def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
@@ -98,18 +77,3 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
     raise UnsupportedLeafError(
         f"leaf {name!r}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved"
     )
-
-
-def start_host_copies(
-    arrays: list[SaveArray], rows: list[tuple[int, int]]
-) -> dict[int, dict[Any, Any]]:
-    """Start every needed device-to-host copy at once; returns the shard map of each array."""
-    shards: dict[int, dict[Any, Any]] = {}
-    for a, row in rows:
-        arr = arrays[a]
-        if arr.devices is None:
-            continue
-        if a not in shards:
-            shards[a] = shard_by_device(arr.source)
-        shards[a][arr.devices[row]].data.copy_to_host_async()
-    return shards

@@ -1,0 +1,126 @@
+"""The blocking phase of a save: bring every owned slice to host memory, under a byte budget.
+
+On the CPU backend a NumPy view of a device buffer shares its memory, so staging there costs
+no copy at all, provided that donating the array later cannot overwrite the memory the view
+holds. That holds on the JAX versions we support (the view keeps the buffer alive, and
+donation then falls back to a fresh output buffer); `cpu_views_survive_donation` checks it
+once per process, and where it fails we copy.
+
+On accelerators every owned slice is copied to the host: all copies are started at once
+(`copy_to_host_async`) and then awaited. Slices beyond `budget` bytes are not copied in the
+blocking phase: the background phase copies them just before writing them, which requires
+the caller not to donate or delete those arrays until the save has finished.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+
+from .adapters.leaves import SaveArray
+from .errors import SnapshardError
+from .planning import WritePlan
+
+_donation_safe: bool | None = None
+
+
+def cpu_views_survive_donation() -> bool:
+    """Whether a NumPy view of a CPU array keeps its bytes when the array is donated."""
+    global _donation_safe
+    if _donation_safe is None:
+        cpu = jax.local_devices(backend="cpu")[0]
+        x = jax.device_put(np.zeros(1024, np.float32), cpu)
+        view = np.asarray(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            jax.jit(lambda a: a + 1, donate_argnums=0)(x).block_until_ready()
+        _donation_safe = bool(np.all(view == 0))
+    return _donation_safe
+
+
+@dataclass
+class StagedItem:
+    """One box this process writes: its bytes on the host, or the device array to copy later."""
+
+    leaf: int
+    name: str
+    start: np.ndarray
+    stop: np.ndarray
+    nbytes: int
+    host: np.ndarray | None = None
+    deferred: Any = None  # a jax.Array whose host copy the background phase makes
+
+    def materialize(self) -> np.ndarray:
+        if self.host is not None:
+            return self.host
+        try:
+            return np.asarray(self.deferred)
+        except RuntimeError as e:
+            raise SnapshardError(
+                f"leaf {self.name!r}: its device buffer was deleted (donated?) before the background "
+                "phase copied it; raise the save's host memory budget or wait for the save before donating"
+            ) from e
+
+    def release(self) -> None:
+        self.host = None
+        self.deferred = None
+
+
+def _rel(arr: SaveArray, row: int, start: np.ndarray, stop: np.ndarray) -> tuple[slice, ...]:
+    origin = arr.layout.starts[row] if arr.devices is not None else np.zeros_like(start)
+    return tuple(slice(int(a), int(b)) for a, b in zip(start - origin, stop - origin, strict=True))
+
+
+def stage(
+    arrays: list[tuple[int, SaveArray]],
+    plan: WritePlan,
+    process: int,
+    *,
+    budget: int | None = None,
+    copy_host_values: bool = False,
+) -> tuple[list[StagedItem], int]:
+    """Stage this process's items; returns them and the host bytes copied for them."""
+    items: list[StagedItem] = []
+    copying: list[tuple[StagedItem, Any]] = []
+    used = 0
+    shard_maps: dict[int, dict[Any, Any]] = {}
+    for a, k in plan.items_of(process):
+        leaf_index, arr = arrays[a]
+        p = plan.arrays[a]
+        nbytes = int(p.nbytes[k])
+        if nbytes == 0:
+            continue
+        row = int(p.source_row[k])
+        rel = _rel(arr, row, p.starts[k], p.stops[k])
+        item = StagedItem(leaf_index, arr.name, p.starts[k], p.stops[k], nbytes)
+        items.append(item)
+        if arr.devices is None:  # a host value: the caller may change it once we return
+            item.host = (
+                np.array(arr.source[rel], copy=True) if copy_host_values else arr.source[rel]
+            )
+            used += nbytes if copy_host_values else 0
+            continue
+        if a not in shard_maps:
+            shard_maps[a] = {s.device: s for s in arr.source.addressable_shards}
+        data = shard_maps[a][arr.devices[row]].data
+        if data.device.platform == "cpu" and cpu_views_survive_donation():
+            item.host = np.asarray(data)[rel]
+            continue
+        whole = all(s.start == 0 and s.stop == n for s, n in zip(rel, data.shape, strict=True))
+        src = data if whole else data[rel]
+        if budget is not None and used + nbytes > budget:
+            item.deferred = src
+            continue
+        used += nbytes
+        if data.device.platform == "cpu":
+            item.host = np.array(np.asarray(src), copy=True)
+        else:
+            src.copy_to_host_async()
+            copying.append((item, src))
+    for item, src in copying:
+        item.host = np.asarray(src)
+    return items, used
