@@ -95,3 +95,15 @@ def test_a_process_raising_during_save_fails_everyone_quickly(tmp_path):
     assert "injected failure on process 1" in procs[0].result()["error"]
     assert "process 1 failed" in procs[0].result()["error"]
     assert not ckpt.exists()
+
+
+def test_managed_async_saves_on_two_processes_use_no_barrier(tmp_path):
+    procs = multiproc.run("managed.py", 2, 4, tmp_path / "run", 5, timeout=120)
+    for p in procs:
+        r = p.result()
+        assert r["ok"] and r["steps"] == [4, 5]
+        # The manager's start-up cleanup costs one barrier; each save costs none, and one
+        # blocking key-value wait: process 0 for the others' reports, the others for the outcome.
+        assert r["at_start"]["barrier"] == 1
+        assert r["per_save"]["barrier"] == 0
+        assert r["per_save"]["get"] <= 2

@@ -17,6 +17,7 @@ from .errors import (
     UnsupportedLeafError,
     ValidationError,
 )
+from .manager import BackgroundSaveError, CheckpointManager
 from .metadata import ArrayMetadata, ValueMetadata, metadata
 from .restore import ReadStats, load
 from .save import AsyncSave, SaveTimings, save, save_async
@@ -26,7 +27,9 @@ __version__ = "0.1.0"
 __all__ = [
     "ArrayMetadata",
     "AsyncSave",
+    "BackgroundSaveError",
     "CheckpointExistsError",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "ChecksumMismatchError",
     "CoordinationError",

@@ -318,7 +318,7 @@ def _check_staged_files(prep: _Prepared, manifest: Manifest, index_names: list[s
             )
 
 
-def finish(prep: _Prepared, on_commit: Callable[[Manifest], None] | None = None) -> SaveTimings:
+def finish(prep: _Prepared) -> SaveTimings:
     """The background phase. Raises on this process if the save failed anywhere."""
     t0 = time.perf_counter()
     coord = prep.coordinator
@@ -356,8 +356,6 @@ def finish(prep: _Prepared, on_commit: Callable[[Manifest], None] | None = None)
             fail(e)
             raise
         coord.set(outcome_key, json.dumps({"ok": True}))
-        if on_commit is not None:
-            on_commit(manifest)
     else:
         try:
             outcome = json.loads(coord.get(outcome_key, max(deadline - time.monotonic(), 0.001)))
@@ -413,9 +411,9 @@ class AsyncSave:
     thread is not a daemon: a program that ends while a save is in flight waits for it.
     """
 
-    def __init__(self, prep: _Prepared, on_commit: Callable[[Manifest], None] | None = None):
+    def __init__(self, prep: _Prepared, then: Callable[[SaveTimings], None] | None = None):
         self._prep = prep
-        self._on_commit = on_commit
+        self._then = then
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="snapshard-save", daemon=False)
@@ -423,7 +421,9 @@ class AsyncSave:
 
     def _run(self) -> None:
         try:
-            finish(self._prep, self._on_commit)
+            timings = finish(self._prep)
+            if self._then is not None:
+                self._then(timings)
         except BaseException as e:
             self._error = e
             log.error("background save to %s failed: %s", self._prep.storage.url, e)
@@ -462,14 +462,15 @@ def save_async(
     threads: int = 2,
     host_budget: int | None = None,
     extra: dict[str, Any] | None = None,
-    on_commit: Callable[[Manifest], None] | None = None,
+    then: Callable[[SaveTimings], None] | None = None,
 ) -> AsyncSave:
     """Start a save and return once every owned slice is on the host.
 
     The caller may then change or donate its arrays (see staging.py for the rule when
     `host_budget` is smaller than the bytes this process owns). Writing, syncing, merging,
-    validating and committing run in the background; an existing checkpoint at the
-    location is detected at commit, without blocking here.
+    validating and committing run in the background, then `then(timings)` (on every process,
+    after a successful commit). An existing checkpoint at the location is detected at
+    commit, without blocking here.
     """
     prep = prepare(
         directory,
@@ -483,4 +484,4 @@ def save_async(
         host_budget=host_budget,
         extra=extra,
     )
-    return AsyncSave(prep, on_commit)
+    return AsyncSave(prep, then)

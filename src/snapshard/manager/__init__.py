@@ -1,0 +1,34 @@
+"""Numbered steps with save and retention policies."""
+
+from .manager import BackgroundSaveError, CheckpointManager
+from .policies import (
+    AnyOf,
+    AtSteps,
+    EveryNSteps,
+    KeepAll,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    Retention,
+    RetentionPolicy,
+    SavePolicy,
+    StepInfo,
+    young_daly_interval,
+)
+
+__all__ = [
+    "AnyOf",
+    "AtSteps",
+    "BackgroundSaveError",
+    "CheckpointManager",
+    "EveryNSteps",
+    "KeepAll",
+    "KeepBest",
+    "KeepEvery",
+    "KeepLatest",
+    "Retention",
+    "RetentionPolicy",
+    "SavePolicy",
+    "StepInfo",
+    "young_daly_interval",
+]

@@ -1,0 +1,104 @@
+"""save_async: the blocking phase, donation after it returns, the host budget, errors."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+import snapshard
+from snapshard import staging
+from snapshard.storage import local
+
+from conftest import mesh, sharded
+
+
+def test_views_of_cpu_arrays_survive_donation():
+    # The zero-copy staging on CPU relies on this; where it fails we copy instead.
+    assert staging.cpu_views_survive_donation()
+
+
+def test_donating_arrays_right_after_save_async_returns_keeps_the_saved_values(ckpt, monkeypatch):
+    m = mesh(2, 4)
+    x = sharded(np.arange(256 * 64, dtype=np.float32).reshape(256, 64), m, None, "model")
+    expected = np.asarray(x).copy()
+    gate = threading.Event()
+    real_write = local.LocalFileWriter.write
+
+    def slow_write(self, data):
+        gate.wait(10)  # hold the background phase until the arrays were donated
+        real_write(self, data)
+
+    monkeypatch.setattr(local.LocalFileWriter, "write", slow_write)
+    handle = snapshard.save_async(ckpt, {"x": x})
+    assert not handle.done()
+    step = jax.jit(lambda a: a * 0 - 1, donate_argnums=0)
+    other = sharded(np.ones((256, 64), np.float32), m, None, "model")
+    step(other).block_until_ready()
+    assert other.is_deleted()  # donation is real on this backend...
+    y = step(x)
+    assert np.all(np.asarray(y) == -1)  # ...and ran on the array being saved
+    gate.set()
+    timings = handle.wait(60)
+    assert handle.done() and timings.total_s >= timings.blocking_s > 0
+    assert timings.bytes_staged == 0  # zero-copy views on CPU
+    assert np.array_equal(snapshard.load(ckpt)["x"], expected)
+
+
+def test_numpy_leaves_are_copied_so_later_changes_do_not_leak_in(ckpt, monkeypatch):
+    gate = threading.Event()
+    real_write = local.LocalFileWriter.write
+    monkeypatch.setattr(
+        local.LocalFileWriter, "write", lambda self, d: (gate.wait(10), real_write(self, d))
+    )
+    host = np.zeros(1000, np.float32)
+    handle = snapshard.save_async(ckpt, {"h": host})
+    host[:] = 7
+    gate.set()
+    handle.wait(60)
+    assert np.all(snapshard.load(ckpt)["h"] == 0)
+
+
+def test_host_budget_defers_copies_beyond_it(ckpt, monkeypatch):
+    # Force the copying path (as on an accelerator) to exercise the budget.
+    monkeypatch.setattr(staging, "_donation_safe", False)
+    m = mesh(2, 4)
+    tree = {f"w{i}": sharded(np.full((64, 64), i, np.float32), m, None, "model") for i in range(4)}
+    handle = snapshard.save_async(ckpt, tree, host_budget=2 * 64 * 64 * 4)
+    t = handle.wait(60)
+    assert 0 < t.bytes_staged <= 2 * 64 * 64 * 4
+    out = snapshard.load(ckpt)
+    for i in range(4):
+        assert np.all(out[f"w{i}"] == i)
+
+
+def test_a_deferred_array_deleted_before_its_copy_fails_with_a_clear_error(ckpt, monkeypatch):
+    monkeypatch.setattr(staging, "_donation_safe", False)
+    gate = threading.Event()
+    real_write = local.LocalFileWriter.write
+    monkeypatch.setattr(
+        local.LocalFileWriter, "write", lambda self, d: (gate.wait(10), real_write(self, d))
+    )
+    m = mesh(2, 4)
+    a = sharded(np.ones((64, 64), np.float32), m, None, "model")
+    b = sharded(np.ones((64, 64), np.float32), m, None, "model")
+    handle = snapshard.save_async(ckpt, {"a": a, "b": b}, host_budget=64 * 64 * 4, threads=1)
+    b.delete()
+    a.delete()
+    gate.set()
+    with pytest.raises(snapshard.SnapshardError, match=r"leaf '[ab]'.*deleted"):
+        handle.wait(60)
+    assert not ckpt.exists()
+
+
+def test_background_failure_is_raised_by_wait(ckpt, monkeypatch):
+    def boom(self, data):
+        raise PermissionError(13, "Permission denied (injected)")
+
+    monkeypatch.setattr(local.LocalFileWriter, "write", boom)
+    handle = snapshard.save_async(ckpt, {"x": np.ones(10)})
+    with pytest.raises(PermissionError, match="injected"):
+        handle.wait(60)
+    assert not ckpt.exists()

@@ -1,0 +1,184 @@
+"""CheckpointManager: save decisions, retention, lifecycle, errors, preemption, intervals."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import snapshard
+from snapshard import CheckpointManager
+from snapshard.manager import KeepBest, KeepEvery, KeepLatest, Retention, StepInfo
+from snapshard.storage import local
+
+
+def state(step):
+    return {"w": np.full((16, 16), step, np.float32), "step": step}
+
+
+def run(manager, steps, metrics=None):
+    for step in steps:
+        manager.save(step, state(step), metrics=metrics(step) if metrics else None)
+    manager.wait_until_finished()
+
+
+def on_disk(directory):
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def test_save_interval_and_explicit_steps(tmp_path):
+    with CheckpointManager(tmp_path, save_interval_steps=10, save_on_steps=[3, 25]) as m:
+        decided = [s for s in range(31) if m.should_save(s)]
+        assert decided == [0, 3, 10, 20, 25, 30]
+        saved = [s for s in range(31) if m.save(s, state(s))]
+        assert saved == decided
+        assert m.save(7, state(7), force=True)
+        m.wait_until_finished()
+        assert m.all_steps() == [0, 3, 7, 10, 20, 25, 30]
+        assert not m.should_save(10)  # already saved
+
+
+def test_latest_n_over_30_saves(tmp_path):
+    with CheckpointManager(tmp_path, max_to_keep=3) as m:
+        run(m, range(1, 31))
+        assert m.all_steps() == [28, 29, 30]
+    assert on_disk(tmp_path) == [28, 29, 30]
+
+
+def test_keep_period_with_latest_n_over_30_saves(tmp_path):
+    with CheckpointManager(tmp_path, max_to_keep=2, keep_period=10) as m:
+        run(m, range(1, 31))
+        assert m.all_steps() == [10, 20, 29, 30]
+    assert on_disk(tmp_path) == [10, 20, 29, 30]
+
+
+def test_best_n_by_metric_over_30_saves_keeps_unmeasured_steps(tmp_path):
+    # Loss is lowest at steps 7, 14, 21 (and 28 has no metrics at all).
+    def metrics(step):
+        if step == 28:
+            return None
+        return {"loss": 0.1 * (step % 7) + (1.0 if step > 21 else 0.0) + 0.001 * step}
+
+    with CheckpointManager(
+        tmp_path, max_to_keep=3, best_fn=lambda m: m["loss"], best_mode="min"
+    ) as m:
+        run(m, range(1, 31), metrics)
+        assert m.all_steps() == [7, 14, 21, 28, 30]  # 3 best, the unmeasured one, the newest
+        assert m.best_step() == 7
+        assert m.metrics(14)["loss"] == pytest.approx(0.014)
+    # A new manager reads the metrics back from the checkpoints.
+    with CheckpointManager(
+        tmp_path, max_to_keep=3, best_fn=lambda m: m["loss"], best_mode="min"
+    ) as m:
+        assert m.best_step() == 7 and m.all_steps() == [7, 14, 21, 28, 30]
+
+
+def test_retention_policies_compose():
+    steps = [StepInfo(s, {"acc": s % 5}) for s in range(1, 13)]
+    r = Retention((KeepLatest(2), KeepEvery(5), KeepBest(2, lambda m: m["acc"])))
+    kept = {s.step for s in steps} - set(r.to_delete(steps))
+    # latest: 11, 12; every 5: 5, 10; best acc (4): 9 and 4 (newer first on ties)
+    assert kept == {4, 5, 9, 10, 11, 12}
+    assert Retention((KeepLatest(0),)).to_delete(steps[:3]) == [1, 2]  # never the newest
+
+
+def test_incomplete_steps_are_never_listed_and_are_cleaned_at_start(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        run(m, [1, 2])
+    (tmp_path / ("3" + local.STAGING_SUFFIX) / "data").mkdir(parents=True)
+    (tmp_path / ("3" + local.STAGING_SUFFIX) / "data" / "p00000-x-0.bin").write_bytes(b"partial")
+    (tmp_path / "4").mkdir()  # a directory without a manifest is not a step either
+    with CheckpointManager(tmp_path) as m:
+        assert m.all_steps() == [1, 2] and m.latest_step() == 2
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+        assert m.restore()["step"] == 2
+
+
+def test_a_committed_step_is_never_overwritten(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        run(m, [5])
+        with pytest.raises(snapshard.CheckpointExistsError, match="step 5 already exists"):
+            m.save(5, state(99), force=True)
+        assert m.restore(5)["w"][0, 0] == 5
+
+
+def fail_step(monkeypatch, step):
+    real = local.LocalFileWriter.write
+
+    def write(self, data):
+        if self.path.parent.parent.name == f"{step}{local.STAGING_SUFFIX}":
+            raise PermissionError(13, f"Permission denied: {self.path} (injected)")
+        real(self, data)
+
+    monkeypatch.setattr(local.LocalFileWriter, "write", write)
+
+
+def test_background_error_is_raised_by_the_next_save_naming_the_step(tmp_path, monkeypatch, caplog):
+    fail_step(monkeypatch, 2)
+    m = CheckpointManager(tmp_path)
+    m.save(1, state(1))
+    m.save(2, state(2))  # fails in the background
+    with pytest.raises(
+        snapshard.BackgroundSaveError, match=r"step 2 failed.*Permission denied"
+    ) as e:
+        m.save(3, state(3))
+    assert e.value.step == 2
+    assert "background save" in caplog.text  # logged when it happened
+    m.save(3, state(3))  # the error was delivered; the manager carries on
+    m.close()
+    assert m.all_steps() == [1, 3]
+
+
+def test_background_error_is_raised_by_close(tmp_path, monkeypatch):
+    fail_step(monkeypatch, 1)
+    m = CheckpointManager(tmp_path)
+    m.save(1, state(1))
+    with pytest.raises(snapshard.BackgroundSaveError, match="step 1"):
+        m.close()
+    assert m.all_steps() == []
+    assert not (tmp_path / "1").exists()
+
+
+def test_background_error_is_raised_by_wait_until_finished(tmp_path, monkeypatch):
+    fail_step(monkeypatch, 1)
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, state(1))
+        with pytest.raises(snapshard.BackgroundSaveError, match="step 1"):
+            m.wait_until_finished()
+
+
+def test_sigterm_triggers_a_forced_save(tmp_path):
+    with CheckpointManager(tmp_path, save_interval_steps=100, handle_sigterm=True) as m:
+        assert not m.reached_preemption(7)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert m.reached_preemption(7)
+        assert not m.should_save(7)
+        assert m.save(7, state(7), force=True)
+        m.wait_until_finished()
+        assert m.all_steps() == [7]
+    assert signal.getsignal(signal.SIGTERM) is not None
+
+
+def test_save_durations_are_recorded_and_give_a_young_daly_interval(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        run(m, [1, 2, 3])
+        t = m.save_timings()
+        assert sorted(t) == [1, 2, 3]
+        assert all(0 < x.blocking_s <= x.total_s for x in t.values())
+        c = sum(x.blocking_s for x in t.values()) / 3
+        assert m.recommended_save_interval(3600.0) == pytest.approx(math.sqrt(2 * c * 3600.0))
+        assert m.recommended_save_interval(3600.0, step_time_s=1e-3) == max(
+            1.0, round(math.sqrt(2 * c * 3600.0) / 1e-3)
+        )
+
+
+def test_restore_waits_for_the_save_in_flight(tmp_path):
+    with CheckpointManager(tmp_path) as m:
+        m.save(1, state(1))
+        out = m.restore(1, {"w": np.zeros((16, 16), np.float32)})
+        assert out["w"][0, 0] == 1
+        with pytest.raises(snapshard.CheckpointNotFoundError):
+            m.restore(9)

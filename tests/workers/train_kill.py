@@ -1,0 +1,69 @@
+"""Run the demo's training loop, optionally SIGKILLing this process at a point of a save.
+
+usage: train_kill.py DIR STEPS EVERY [KILL_POINT SAVE_NUMBER]
+   KILL_POINT: 'stage' (during the host copy), 'write' (while writing data files),
+   'commit' (just before the commit); SAVE_NUMBER counts the saves of this run from 1.
+Prints 'RESULT {"digest": ...}' when the run ends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import sys
+from pathlib import Path
+
+from _dist import report
+
+
+def die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install_kill(point: str, at: int) -> None:
+    from snapshard.storage import local
+
+    save_mod = importlib.import_module("snapshard.save")  # the module, not snapshard.save()
+
+    calls = {"n": 0}
+    real_stage = save_mod.stage
+    real_write, real_commit = local.LocalFileWriter.write, local.LocalStorage.commit
+
+    def stage(*a, **k):
+        calls["n"] += 1
+        if point == "stage" and calls["n"] == at:
+            die()
+        return real_stage(*a, **k)
+
+    def write(self, data):
+        if point == "write" and calls["n"] == at and self.size > 0:
+            die()  # after the first bytes of a data file are out
+        return real_write(self, data)
+
+    def commit(self, manifest, *, overwrite):
+        if point == "commit" and calls["n"] == at:
+            die()
+        return real_commit(self, manifest, overwrite=overwrite)
+
+    save_mod.stage = stage
+    local.LocalFileWriter.write = write
+    local.LocalStorage.commit = commit
+
+
+def main() -> None:
+    directory, steps, every = sys.argv[1], sys.argv[2], sys.argv[3]
+    if len(sys.argv) > 4:
+        install_kill(sys.argv[4], int(sys.argv[5]))
+    demo_path = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
+    spec = importlib.util.spec_from_file_location("demo", demo_path)
+    assert spec is not None and spec.loader is not None
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    digest = demo.main(["--dir", directory, "--steps", steps, "--every", every, "--keep", "2"])
+    report(digest=digest)
+
+
+if __name__ == "__main__":
+    main()
