@@ -230,11 +230,13 @@ def _write_own(prep: _Prepared) -> str:
     return name
 
 
-def _wait_reports(prep: _Prepared, deadline: float) -> list[str]:
+def _wait_reports(prep: _Prepared, deadline: float, own_index: str) -> list[str]:
     """Process 0: every process's index name, or a CoordinationError naming who failed."""
     coord = prep.coordinator
-    reports: dict[int, dict[str, Any]] = {}
+    reports: dict[int, dict[str, Any]] = {coord.process_index: {"ok": True, "index": own_index}}
     for p in range(coord.process_count):
+        if p in reports:
+            continue
         left = deadline - time.monotonic()
         try:
             reports[p] = json.loads(coord.get(f"{prep.key_prefix}/written/{p}", max(left, 0.001)))
@@ -345,7 +347,7 @@ def finish(prep: _Prepared) -> SaveTimings:
     deadline = time.monotonic() + prep.timeout_s
     if coord.is_leader:
         try:
-            index_names = _wait_reports(prep, deadline)
+            index_names = _wait_reports(prep, deadline, index_name)
             manifest = _merge(prep, index_names)
             where = prep.storage.url
             validate_structure(manifest, where)
