@@ -20,13 +20,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes, to_devices
 from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
 from .errors import ChecksumMismatchError, TargetMismatchError
 from .format import ArrayLeaf, Manifest, ValueLeaf, validate_structure
-from .planning import ChunkIndex, ReadRange, coalesce_runs, overlap_runs
+from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid
 from .storage import Location, Storage, storage_for
 from .tree import Path, keypath_to_path, path_str, unflatten
 
@@ -161,25 +162,39 @@ def _request_boxes(req: _Request, sharding: Any) -> _Request:
 
 
 @dataclass
-class _Task:
-    """One contiguous read of a chunk, scattered into destination buffers and scratch."""
+class _ChunkRuns:
+    """Every run this process needs from one chunk, sorted by chunk offset."""
 
-    file: str
     leaf: ArrayLeaf
     chunk: int
+    file: str
     file_offset: int  # where the chunk starts in its file
-    rng: ReadRange
-    src: np.ndarray  # sorted run offsets in the chunk
+    src: np.ndarray  # run offsets in the chunk
     length: np.ndarray
     dest: np.ndarray  # index into the batch's dest list
     dst: np.ndarray  # run offsets in the destination buffer
+    overlap: np.ndarray  # index into `grids`
+    grids: list[tuple[int, RunGrid]]  # (dest index, runs) of each overlap
+
+
+@dataclass
+class _Task:
+    """One contiguous read of a chunk."""
+
+    runs: _ChunkRuns
+    rng: ReadRange
+
+
+# A read with more pieces than this goes through one contiguous scratch buffer and strided
+# copies, rather than an iovec per piece (Python cost per piece beats the extra memcpy).
+_MAX_SCATTER_PIECES = 64
 
 
 def _plan_tasks(
     manifest: Manifest, dests: list[_Dest], verify: bool, max_gap: int, stats: ReadStats
 ) -> list[_Task]:
     indexes: dict[int, ChunkIndex] = {}
-    per_chunk: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray, int, int]]] = {}
+    per_chunk: dict[tuple[int, int], list[tuple[int, RunGrid]]] = {}
     leaves: dict[int, ArrayLeaf] = {}
     for di, d in enumerate(dests):
         leaf = d.leaf
@@ -192,76 +207,123 @@ def _plan_tasks(
         stats.bytes_needed += d.buf.nbytes
         for c in indexes[key].overlapping(d.start, d.stop):
             os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
-            src, dst, run = overlap_runs(
-                t.starts[c], t.stops[c], d.start, d.stop, os_, oe, itemsize
-            )
-            per_chunk.setdefault((key, int(c)), []).append((src, dst, run, di))
+            grid = run_grid(t.starts[c], t.stops[c], d.start, d.stop, os_, oe, itemsize)
+            per_chunk.setdefault((key, int(c)), []).append((di, grid))
     tasks = []
-    for (key, c), parts in per_chunk.items():
+    for (key, c), grids in per_chunk.items():
         leaf = leaves[key]
         t = leaf.chunks
-        src = np.concatenate([p[0] for p in parts])
-        dst = np.concatenate([p[1] for p in parts])
-        length = np.concatenate([np.full(len(p[0]), p[2], dtype=np.int64) for p in parts])
-        dest = np.concatenate([np.full(len(p[0]), p[3], dtype=np.int64) for p in parts])
+        expanded = [g.runs() for _, g in grids]
+        src = np.concatenate([e[0] for e in expanded])
+        dst = np.concatenate([e[1] for e in expanded])
+        sizes = [g.count for _, g in grids]
+        overlap = np.repeat(np.arange(len(grids)), sizes)
+        length = np.repeat(np.array([g.run_bytes for _, g in grids], np.int64), sizes)
+        dest = np.repeat(np.array([di for di, _ in grids], np.int64), sizes)
         order = np.argsort(src, kind="stable")
-        src, dst, length, dest = src[order], dst[order], length[order], dest[order]
+        runs = _ChunkRuns(
+            leaf,
+            c,
+            manifest.files[int(t.file[c])].name,
+            int(t.offset[c]),
+            src[order],
+            length[order],
+            dest[order],
+            dst[order],
+            overlap[order],
+            grids,
+        )
         block = int(t.block[c]) if verify else None
-        ranges = coalesce_runs(src, length, int(t.nbytes[c]), block=block, max_gap=max_gap)
         stats.chunks_touched += 1
-        file = manifest.files[int(t.file[c])].name
-        for r in ranges:
+        for r in coalesce_runs(
+            runs.src, runs.length, int(t.nbytes[c]), block=block, max_gap=max_gap
+        ):
             stats.bytes_read += r.stop - r.start
             stats.reads += 1
-            tasks.append(_Task(file, leaf, c, int(t.offset[c]), r, src, length, dest, dst))
+            tasks.append(_Task(runs, r))
     return tasks
 
 
-def _run_task(storage: Storage, task: _Task, dests: list[_Dest], verify: bool) -> None:
-    r = task.rng
+def _scatter_views(task: _Task, dests: list[_Dest]) -> list[memoryview]:
+    """The range as iovecs: destination pieces, with scratch for the bytes between them."""
+    runs, r = task.runs, task.rng
     bufs: list[memoryview] = []
-    scratch_need = 0
+    gaps: list[tuple[int, int]] = []  # (position in bufs, size)
     pos = r.start
-    layout: list[tuple[int, int, int]] = []  # (kind 0=scratch/1=dest, a, b)
     for p in range(r.p0, r.p1):
-        s = int(task.src[p])
+        s = int(runs.src[p])
         if s > pos:
-            layout.append((0, scratch_need, scratch_need + s - pos))
-            scratch_need += s - pos
-        n = int(task.length[p])
-        layout.append((1, p, n))
+            gaps.append((len(bufs), s - pos))
+            bufs.append(memoryview(b""))
+        n = int(runs.length[p])
+        off = int(runs.dst[p])
+        bufs.append(dests[int(runs.dest[p])].buf.data[off : off + n])
         pos = s + n
     if pos < r.stop:
-        layout.append((0, scratch_need, scratch_need + r.stop - pos))
-        scratch_need += r.stop - pos
-    scratch = np.empty(scratch_need, dtype=np.uint8).data if scratch_need else None
-    for kind, a, b in layout:
-        if kind == 0:
-            assert scratch is not None
-            bufs.append(scratch[a:b])
-        else:
-            d = int(task.dest[a])
-            off = int(task.dst[a])
-            bufs.append(dests[d].buf.data[off : off + b])
-    storage.read_into(task.file, task.file_offset + r.start, bufs)
+        gaps.append((len(bufs), r.stop - pos))
+        bufs.append(memoryview(b""))
+    if gaps:
+        scratch = np.empty(sum(n for _, n in gaps), dtype=np.uint8).data
+        at = 0
+        for i, n in gaps:
+            bufs[i] = scratch[at : at + n]
+            at += n
+    return bufs
+
+
+def _copy_from_scratch(task: _Task, scratch: np.ndarray, dests: list[_Dest]) -> None:
+    """Copy the runs of a range read into `scratch` to their destinations: whole overlaps
+    as one strided NumPy copy each, runs of overlaps split across ranges one by one."""
+    runs, r = task.runs, task.rng
+    inside = runs.overlap[r.p0 : r.p1]
+    ids, counts = np.unique(inside, return_counts=True)
+    for ov, n in zip(ids.tolist(), counts.tolist(), strict=True):
+        di, g = runs.grids[ov]
+        dest = dests[di].buf
+        if n == g.count:
+            src = as_strided(
+                scratch[g.src_base - r.start :],
+                (*g.outer_shape, g.run_bytes),
+                (*g.src_strides, 1),
+                writeable=False,
+            )
+            dst = as_strided(dest[g.dst_base :], (*g.outer_shape, g.run_bytes), (*g.dst_strides, 1))
+            np.copyto(dst, src)
+            continue
+        for p in np.flatnonzero(inside == ov) + r.p0:
+            a, b, ln = int(runs.src[p]) - r.start, int(runs.dst[p]), int(runs.length[p])
+            dest[b : b + ln] = scratch[a : a + ln]
+
+
+def _run_task(storage: Storage, task: _Task, dests: list[_Dest], verify: bool) -> None:
+    runs, r = task.runs, task.rng
+    scratch = None
+    if r.p1 - r.p0 > _MAX_SCATTER_PIECES:
+        scratch = np.empty(r.stop - r.start, dtype=np.uint8)
+        bufs = [scratch.data]
+    else:
+        bufs = _scatter_views(task, dests)
+    storage.read_into(runs.file, runs.file_offset + r.start, bufs)
     if verify:
-        t = task.leaf.chunks
-        block = int(t.block[task.chunk])
+        t = runs.leaf.chunks
+        block = int(t.block[runs.chunk])
         v = BlockVerifier(
-            t.block_crcs(task.chunk).tolist(), r.start // block, block, r.stop - r.start
+            t.block_crcs(runs.chunk).tolist(), r.start // block, block, r.stop - r.start
         )
         for piece in bufs:
             v.update(piece)
         if v.mismatch is not None:
             blk, want, got = v.mismatch
             raise ChecksumMismatchError(
-                file=f"{storage.url}/{task.file}",
-                leaf=task.leaf.name,
-                chunk=task.chunk,
+                file=f"{storage.url}/{runs.file}",
+                leaf=runs.leaf.name,
+                chunk=runs.chunk,
                 block=blk,
                 expected=want,
                 actual=got,
             )
+    if scratch is not None:
+        _copy_from_scratch(task, scratch, dests)
 
 
 def _build(req: _Request) -> Any:

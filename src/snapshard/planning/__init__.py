@@ -1,7 +1,7 @@
 """Pure planning: layouts in, write and read plans out. No I/O, no JAX."""
 
 from .layout import ArrayLayout, ShardGroups
-from .read_plan import ChunkIndex, ReadRange, coalesce_runs, overlap_runs
+from .read_plan import ChunkIndex, ReadRange, RunGrid, coalesce_runs, overlap_runs, run_grid
 from .write_plan import MODES, ArrayWritePlan, WritePlan, band_bounds, plan_writes
 
 __all__ = [
@@ -10,10 +10,12 @@ __all__ = [
     "ArrayWritePlan",
     "ChunkIndex",
     "ReadRange",
+    "RunGrid",
     "ShardGroups",
     "WritePlan",
     "band_bounds",
     "coalesce_runs",
     "overlap_runs",
     "plan_writes",
+    "run_grid",
 ]

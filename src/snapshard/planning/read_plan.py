@@ -5,6 +5,7 @@ Pure functions over integers; no I/O. A box is a pair of int64 vectors [start, s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,65 @@ def strides(extent: np.ndarray) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class RunGrid:
+    """The byte runs that copy one overlap box from a chunk to a target buffer (both C order).
+
+    Runs are `run_bytes` long; run i (a multi-index over `outer_shape`) starts at
+    src_base + i·src_strides in the chunk and dst_base + i·dst_strides in the target. Runs
+    are as long as both sides allow: they span every trailing axis that the chunk and the
+    target both hold whole.
+    """
+
+    outer_shape: tuple[int, ...]
+    src_strides: tuple[int, ...]
+    dst_strides: tuple[int, ...]
+    src_base: int
+    dst_base: int
+    run_bytes: int
+
+    @property
+    def count(self) -> int:
+        return math.prod(self.outer_shape)
+
+    def runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(offsets in the chunk, offsets in the target) of every run, in C order."""
+        if not self.outer_shape:
+            return np.array([self.src_base], np.int64), np.array([self.dst_base], np.int64)
+        grid = np.indices(self.outer_shape, dtype=np.int64).reshape(len(self.outer_shape), -1)
+        src = self.src_base + np.asarray(self.src_strides, np.int64) @ grid
+        dst = self.dst_base + np.asarray(self.dst_strides, np.int64) @ grid
+        return src, dst
+
+
+def run_grid(
+    chunk_start: np.ndarray,
+    chunk_stop: np.ndarray,
+    target_start: np.ndarray,
+    target_stop: np.ndarray,
+    ov_start: np.ndarray,
+    ov_stop: np.ndarray,
+    itemsize: int,
+) -> RunGrid:
+    """The runs of the overlap [ov_start, ov_stop) of a chunk box and a target box."""
+    ov_ext = ov_stop - ov_start
+    c_ext = chunk_stop - chunk_start
+    t_ext = target_stop - target_start
+    if len(ov_ext) == 0:
+        return RunGrid((), (), (), 0, 0, itemsize)
+    partial = np.flatnonzero((ov_ext != c_ext) | (ov_ext != t_ext))
+    j = int(partial[-1]) if len(partial) else 0
+    c_str, t_str = strides(c_ext) * itemsize, strides(t_ext) * itemsize
+    return RunGrid(
+        outer_shape=tuple(int(x) for x in ov_ext[:j]),
+        src_strides=tuple(int(x) for x in c_str[:j]),
+        dst_strides=tuple(int(x) for x in t_str[:j]),
+        src_base=int(np.dot(ov_start - chunk_start, c_str)),
+        dst_base=int(np.dot(ov_start - target_start, t_str)),
+        run_bytes=int(np.prod(ov_ext[j:], dtype=np.int64)) * itemsize,
+    )
+
+
 def overlap_runs(
     chunk_start: np.ndarray,
     chunk_stop: np.ndarray,
@@ -65,32 +125,10 @@ def overlap_runs(
     ov_stop: np.ndarray,
     itemsize: int,
 ) -> tuple[np.ndarray, np.ndarray, int]:
-    """Byte runs that copy the overlap box from a chunk to a target buffer (both C order).
-
-    Returns (offsets in the chunk, offsets in the target, run length in bytes): runs are as
-    long as both sides allow, i.e. they span every trailing axis that both the chunk and the
-    target hold whole.
-    """
-    ov_ext = ov_stop - ov_start
-    c_ext = chunk_stop - chunk_start
-    t_ext = target_stop - target_start
-    nd = len(ov_ext)
-    if nd == 0:
-        return np.zeros(1, np.int64), np.zeros(1, np.int64), itemsize
-    partial = np.flatnonzero((ov_ext != c_ext) | (ov_ext != t_ext))
-    j = int(partial[-1]) if len(partial) else 0
-    run_elems = int(np.prod(ov_ext[j:], dtype=np.int64))
-    c_str, t_str = strides(c_ext), strides(t_ext)
-    c_base = int(np.dot(ov_start - chunk_start, c_str))
-    t_base = int(np.dot(ov_start - target_start, t_str))
-    if j == 0:
-        src = np.array([c_base], dtype=np.int64)
-        dst = np.array([t_base], dtype=np.int64)
-    else:
-        grid = np.indices(tuple(int(x) for x in ov_ext[:j]), dtype=np.int64).reshape(j, -1)
-        src = c_base + c_str[:j] @ grid
-        dst = t_base + t_str[:j] @ grid
-    return src * itemsize, dst * itemsize, run_elems * itemsize
+    """(offsets in the chunk, offsets in the target, run length in bytes) of an overlap."""
+    g = run_grid(chunk_start, chunk_stop, target_start, target_stop, ov_start, ov_stop, itemsize)
+    src, dst = g.runs()
+    return src, dst, g.run_bytes
 
 
 @dataclass(frozen=True)
