@@ -17,7 +17,7 @@ from .errors import (
     UnsupportedLeafError,
     ValidationError,
 )
-from .manager import BackgroundSaveError, CheckpointManager
+from .manager import BackgroundSaveError, CheckpointManager, LocalTier
 from .metadata import ArrayMetadata, ValueMetadata, metadata
 from .restore import ReadStats, load
 from .save import AsyncSave, SaveTimings, save, save_async
@@ -34,6 +34,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "LocalTier",
     "ReadStats",
     "SaveTimings",
     "SnapshardError",

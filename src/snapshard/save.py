@@ -18,7 +18,6 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .adapters.leaves import SaveArray, classify, is_save_leaf
+from .background import BackgroundTask
 from .checksum import block_crcs, crcs_to_hex
 from .coordination import Coordinator, default_coordinator
 from .errors import CheckpointExistsError, CoordinationError
@@ -44,9 +44,9 @@ from .format import (
     validate_structure,
 )
 from .planning import WritePlan, plan_writes
-from .staging import StagedItem, stage
+from .staging import Snapshot, StagedItem, stage
 from .storage import FileWriter, Location, Storage, storage_for
-from .tree import flatten
+from .tree import FlatTree, flatten
 
 log = logging.getLogger("snapshard")
 
@@ -89,6 +89,10 @@ class _Prepared:
     timings: SaveTimings = field(default_factory=SaveTimings)
 
 
+def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray]:
+    return [classify(p, v, process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)]
+
+
 def _key_prefix(url: str) -> str:
     """A coordination namespace for this save, the same on every process without talking:
     processes save to the same location the same number of times."""
@@ -110,20 +114,26 @@ def prepare(
     copy_host_values: bool = False,
     host_budget: int | None = None,
     extra: dict[str, Any] | None = None,
+    snapshot: Snapshot | None = None,
+    flat: FlatTree | None = None,
 ) -> _Prepared:
-    """The blocking phase: plan, then bring every owned slice to host memory."""
+    """The blocking phase: plan, then bring every owned slice to host memory (from
+    `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
     t0 = time.perf_counter()
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
-    flat = flatten(tree, is_save_leaf)
-    leaves: list[Leaf | SaveArray] = [
-        classify(p, v, coord.process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)
-    ]
+    flat = flat or flatten(tree, is_save_leaf)
+    leaves = classify_leaves(flat, coord.process_count)
     arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
     plan = plan_writes([a.layout for _, a in arrays], mode, num_processes=coord.process_count)
     t1 = time.perf_counter()
     items, copied = stage(
-        arrays, plan, coord.process_index, budget=host_budget, copy_host_values=copy_host_values
+        arrays,
+        plan,
+        coord.process_index,
+        budget=host_budget,
+        copy_host_values=copy_host_values,
+        snapshot=snapshot,
     )
     t2 = time.perf_counter()
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
@@ -406,31 +416,12 @@ def save(
     return finish(prep)
 
 
-class AsyncSave:
-    """A save whose background phase is running.
+class AsyncSave(BackgroundTask[SaveTimings]):
+    """A save whose background phase is running: `wait()` returns its timings or raises."""
 
-    `wait()` returns the save's timings or raises its error; `done()` polls. The background
-    thread is not a daemon: a program that ends while a save is in flight waits for it.
-    """
-
-    def __init__(self, prep: _Prepared, then: Callable[[SaveTimings], None] | None = None):
+    def __init__(self, prep: _Prepared):
         self._prep = prep
-        self._then = then
-        self._error: BaseException | None = None
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="snapshard-save", daemon=False)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            timings = finish(self._prep)
-            if self._then is not None:
-                self._then(timings)
-        except BaseException as e:
-            self._error = e
-            log.error("background save to %s failed: %s", self._prep.storage.url, e)
-        finally:
-            self._done.set()
+        super().__init__(lambda: finish(prep), f"save to {prep.storage.url}")
 
     @property
     def location(self) -> str:
@@ -439,17 +430,6 @@ class AsyncSave:
     @property
     def timings(self) -> SaveTimings:
         """Per-phase durations; the background ones are filled in when the save is done."""
-        return self._prep.timings
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> SaveTimings:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"save to {self.location} still running after {timeout} s")
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
         return self._prep.timings
 
 
@@ -464,15 +444,13 @@ def save_async(
     threads: int = 2,
     host_budget: int | None = None,
     extra: dict[str, Any] | None = None,
-    then: Callable[[SaveTimings], None] | None = None,
 ) -> AsyncSave:
     """Start a save and return once every owned slice is on the host.
 
     The caller may then change or donate its arrays (see staging.py for the rule when
     `host_budget` is smaller than the bytes this process owns). Writing, syncing, merging,
-    validating and committing run in the background, then `then(timings)` (on every process,
-    after a successful commit). An existing checkpoint at the location is detected at
-    commit, without blocking here.
+    validating and committing run in the background. An existing checkpoint at the location
+    is detected at commit, without blocking here.
     """
     prep = prepare(
         directory,
@@ -486,4 +464,4 @@ def save_async(
         host_budget=host_budget,
         extra=extra,
     )
-    return AsyncSave(prep, then)
+    return AsyncSave(prep)

@@ -70,6 +70,54 @@ class StagedItem:
         self.deferred = None
 
 
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+Snapshot = dict[int, dict[Box, np.ndarray]]
+
+
+def _on_host(data: Any) -> np.ndarray | None:
+    """The zero-copy host view of a CPU shard where that is safe, else None."""
+    if data.device.platform == "cpu" and cpu_views_survive_donation():
+        return np.asarray(data)
+    return None
+
+
+def host_snapshot(arrays: list[tuple[int, SaveArray]], process: int) -> Snapshot:
+    """Every unique box of every device array that this process holds, on the host.
+
+    One device-to-host copy per box (none on CPU); a save of the same step can stage its
+    owned slices from this snapshot instead of from the devices again.
+    """
+    out: Snapshot = {}
+    pending: list[tuple[dict[Box, np.ndarray], Box, Any]] = []
+    for leaf_index, arr in arrays:
+        if arr.devices is None:
+            continue
+        lay = arr.layout
+        shards = {s.device: s for s in arr.source.addressable_shards}
+        boxes: dict[Box, np.ndarray] = {}
+        out[leaf_index] = boxes
+        seen: set[Box] = set()
+        for row in np.flatnonzero(lay.process_ids == process):
+            box = (tuple(lay.starts[row].tolist()), tuple(lay.stops[row].tolist()))
+            if box in seen:
+                continue
+            seen.add(box)
+            data = shards[arr.devices[row]].data
+            view = _on_host(data)
+            if view is not None:
+                boxes[box] = view
+            else:
+                data.copy_to_host_async()
+                pending.append((boxes, box, data))
+    for boxes, box, data in pending:
+        boxes[box] = (
+            np.array(np.asarray(data), copy=True)
+            if data.device.platform == "cpu"
+            else np.asarray(data)
+        )
+    return out
+
+
 def _rel(arr: SaveArray, row: int, start: np.ndarray, stop: np.ndarray) -> tuple[slice, ...]:
     origin = arr.layout.starts[row] if arr.devices is not None else np.zeros_like(start)
     return tuple(slice(int(a), int(b)) for a, b in zip(start - origin, stop - origin, strict=True))
@@ -82,8 +130,11 @@ def stage(
     *,
     budget: int | None = None,
     copy_host_values: bool = False,
+    snapshot: Snapshot | None = None,
 ) -> tuple[list[StagedItem], int]:
-    """Stage this process's items; returns them and the host bytes copied for them."""
+    """Stage this process's items; returns them and the host bytes copied for them.
+
+    With a `snapshot` (see host_snapshot) device arrays are staged from it, copying nothing."""
     items: list[StagedItem] = []
     copying: list[tuple[StagedItem, Any]] = []
     used = 0
@@ -104,11 +155,16 @@ def stage(
             )
             used += nbytes if copy_host_values else 0
             continue
+        if snapshot is not None:
+            box = (tuple(arr.layout.starts[row].tolist()), tuple(arr.layout.stops[row].tolist()))
+            item.host = snapshot[leaf_index][box][rel]
+            continue
         if a not in shard_maps:
             shard_maps[a] = {s.device: s for s in arr.source.addressable_shards}
         data = shard_maps[a][arr.devices[row]].data
-        if data.device.platform == "cpu" and cpu_views_survive_donation():
-            item.host = np.asarray(data)[rel]
+        view = _on_host(data)
+        if view is not None:
+            item.host = view[rel]
             continue
         whole = all(s.start == 0 and s.stop == n for s, n in zip(rel, data.shape, strict=True))
         src = data if whole else data[rel]

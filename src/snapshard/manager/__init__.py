@@ -1,5 +1,6 @@
 """Numbered steps with save and retention policies."""
 
+from .local_tier import LocalTier
 from .manager import BackgroundSaveError, CheckpointManager
 from .policies import (
     AnyOf,
@@ -26,6 +27,7 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
+    "LocalTier",
     "Retention",
     "RetentionPolicy",
     "SavePolicy",

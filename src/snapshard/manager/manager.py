@@ -12,6 +12,7 @@ step, by the next `save`, `wait_until_finished` or `close` (once).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import signal
 import threading
@@ -20,12 +21,31 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
+import jax
+import numpy as np
+
+from ..adapters.leaves import SaveArray, is_save_leaf
+from ..background import BackgroundTask
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.jax_distributed import preemption_sync_point
+from ..coordination.transfer import exchange
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
-from ..restore import load, read_manifest
-from ..save import DEFAULT_TIMEOUT_S, AsyncSave, SaveTimings, save_async
+from ..restore import ReadStats, is_target_leaf, load, read_manifest
+from ..save import DEFAULT_TIMEOUT_S, SaveTimings, classify_leaves, finish, prepare
+from ..staging import Snapshot, host_snapshot
 from ..storage import CheckpointRoot, Location, root_for
+from ..tree import FlatTree, flatten, keypath_to_path, path_str
+from .local_tier import (
+    LocalStore,
+    LocalTier,
+    build_from_local,
+    local_tree,
+    pack_shards,
+    peers,
+    saved_fingerprints,
+    target_fingerprint,
+    unpack_shards,
+)
 from .policies import (
     AnyOf,
     AtSteps,
@@ -74,13 +94,15 @@ class CheckpointManager:
         write_mode: str = "auto",
         host_budget: int | None = None,
         handle_sigterm: bool = False,
+        local_tier: LocalTier | None = None,
     ):
         """`save_interval_steps`, `save_on_steps`: when `should_save` is true (or pass
         `save_policy`). Retention: keep the newest `max_to_keep` steps, or with `best_fn` the
         `max_to_keep` best by `best_fn(metrics)` (`best_mode` 'max'/'min'; steps without
         metrics are kept), plus every step divisible by `keep_period` (or pass `retention`).
         `handle_sigterm`: a SIGTERM makes `reached_preemption` true (single-process jobs;
-        multi-process jobs use JAX's preemption service)."""
+        multi-process jobs use JAX's preemption service). `local_tier`: also keep each
+        process's shards on node-local storage and on peers (see local_tier.py)."""
         self._root = root_for(directory)
         self._coord = coordinator or default_coordinator()
         self._timeout_s = timeout_s
@@ -104,13 +126,23 @@ class CheckpointManager:
         self._retention = Retention(tuple(retention)) if retention else Retention()
         self._best = KeepBest(1, best_fn, best_mode) if best_fn else None
         self._lock = threading.Lock()
-        self._inflight: tuple[int, AsyncSave] | None = None
+        self._inflight: tuple[int, BackgroundTask[None]] | None = None
         self._error: BaseException | None = None
         self._timings: dict[int, SaveTimings] = {}
         self._preempted = threading.Event()
         self._old_sigterm: Any = None
         if handle_sigterm:
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._tier_reports: dict[int, dict[str, float]] = {}
+        self._holdings: list[dict[str, list[int]]] = []
+        self.last_restore: dict[str, Any] = {}
+        self._local = (
+            LocalStore(local_tier, self._coord.process_index, self._coord.process_count)
+            if local_tier
+            else None
+        )
+        if self._local is not None:
+            self._local.retain(self._local.tier.max_to_keep)
         self._cleanup_incomplete()
         self._steps: dict[int, StepInfo] = self._scan()
 
@@ -172,6 +204,12 @@ class CheckpointManager:
             if step in self._steps:
                 return False
         return self._save_policy.should_save(step)
+
+    def tier_reports(self) -> dict[int, dict[str, float]]:
+        """Per step: blocking time, local snapshot and peer-exchange time, local and persistent
+        background time, and bytes this process wrote to each tier."""
+        with self._lock:
+            return {k: dict(v) for k, v in self._tier_reports.items()}
 
     def save_timings(self) -> dict[int, SaveTimings]:
         """Per-step blocking and background durations of the saves this manager made."""
@@ -241,10 +279,12 @@ class CheckpointManager:
     def save(
         self, step: int, tree: Any, metrics: Mapping[str, Any] | None = None, force: bool = False
     ) -> bool:
-        """Save `step` if the save policy (or `force`) says so; returns whether it saved.
+        """Save `step` if a save policy (or `force`) says so; returns whether it saved.
 
-        Waits for a save still in flight first. Raises the error of an earlier background
-        save, and CheckpointExistsError for a step that is already committed."""
+        The durable (persistent) tier saves when `should_save(step)`; the local tier, if
+        configured, every `local_tier.interval` steps; `force` saves to both. Waits for a save
+        still in flight first. Raises the error of an earlier background save, and
+        CheckpointExistsError for a step that is already committed."""
         self._wait_inflight()
         self._raise_pending()
         with self._lock:
@@ -252,34 +292,102 @@ class CheckpointManager:
                 raise CheckpointExistsError(
                     f"step {step} already exists in {self._root.url}; it is never overwritten"
                 )
-        if not force and not self._save_policy.should_save(step):
+        persistent = force or self._save_policy.should_save(step)
+        local = self._local is not None and (force or self._local.tier.should_save(step))
+        if not (persistent or local):
             return False
+        t0 = time.perf_counter()
         info_metrics = dict(metrics) if metrics is not None else None
+        flat = flatten(tree, is_save_leaf)
+        report: dict[str, float] = {}
+        local_work = None
+        snapshot = None
+        if local:
+            assert self._local is not None
+            local_work, snapshot = self._stage_local(step, flat, report)
+        prep = None
+        if persistent:
+            prep = prepare(
+                self._root.child(str(step)),
+                tree,
+                mode=self._write_mode,
+                timeout_s=self._timeout_s,
+                coordinator=self._coord,
+                copy_host_values=True,
+                host_budget=None if snapshot is not None else self._host_budget,
+                extra={"step": step, "metrics": info_metrics},
+                snapshot=snapshot,
+                flat=flat,
+            )
+        report["blocking_s"] = time.perf_counter() - t0
 
-        def committed(timings: SaveTimings) -> None:
-            self._after_commit(step, info_metrics, timings)
+        def work() -> None:
+            if local_work is not None:
+                local_work()
+            if prep is not None:
+                timings = finish(prep)
+                report["persistent_save_s"] = timings.total_s - timings.blocking_s
+                report["persistent_bytes"] = timings.bytes_written
+                self._after_commit(step, info_metrics)
 
-        handle = save_async(
-            self._root.child(str(step)),
-            tree,
-            mode=self._write_mode,
-            timeout_s=self._timeout_s,
-            coordinator=self._coord,
-            host_budget=self._host_budget,
-            extra={"step": step, "metrics": info_metrics},
-            then=committed,
-        )
+        task = BackgroundTask(work, f"save of step {step}")
         with self._lock:
-            self._inflight = (step, handle)
-            self._timings[step] = handle.timings
+            self._inflight = (step, task)
+            self._tier_reports[step] = report
+            if prep is not None:
+                self._timings[step] = prep.timings
         if not self._async:
             self._wait_inflight()
             self._raise_pending()
         return True
 
-    def _after_commit(
-        self, step: int, metrics: dict[str, Any] | None, timings: SaveTimings
-    ) -> None:
+    def _stage_local(
+        self, step: int, flat: FlatTree, report: dict[str, float]
+    ) -> tuple[Callable[[], None], Snapshot]:
+        """Blocking part of a local-tier save: the host snapshot and the copies to peers.
+        Returns the background part (writing own and peer copies) and the snapshot."""
+        assert self._local is not None
+        store = self._local
+        me, n = self._coord.process_index, self._coord.process_count
+        t0 = time.perf_counter()
+        leaves = classify_leaves(flat, n)
+        arrays = [(i, a) for i, a in enumerate(leaves) if isinstance(a, SaveArray)]
+        snapshot = host_snapshot(arrays, me)
+        own_tree = local_tree(leaves, flat, snapshot)
+        t1 = time.perf_counter()
+        received: dict[int, np.ndarray] = {}
+        if n > 1:
+            blob = pack_shards(leaves, snapshot, me)
+            for r in range(
+                1, len(peers(0, n, store.tier.replicas, store.tier.processes_per_host)) + 1
+            ):
+                k = r * store.tier.processes_per_host
+                got = exchange(blob, [(p, (p + k) % n) for p in range(n)])
+                if got is not None:
+                    received[(me - k) % n] = got
+        report["local_snapshot_s"] = t1 - t0
+        report["peer_exchange_s"] = time.perf_counter() - t1
+        extra = {
+            "tier": "local",
+            "step": step,
+            "process_count": n,
+            "paths": [list(p) for p in flat.paths],
+            "fingerprints": saved_fingerprints(flat),
+        }
+
+        def write() -> None:
+            t = time.perf_counter()
+            written = store.write(step, me, own_tree, extra)
+            for src, blob in received.items():
+                peer_tree = local_tree(leaves, flat, unpack_shards(leaves, blob, src))
+                written += store.write(step, src, peer_tree, extra)
+            store.retain(store.tier.max_to_keep)
+            report["local_save_s"] = time.perf_counter() - t
+            report["local_bytes"] = written
+
+        return write, snapshot
+
+    def _after_commit(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Runs in the save's thread on every process: record the step, apply retention."""
         with self._lock:
             self._steps[step] = StepInfo(step, metrics, time.time())
@@ -296,8 +404,22 @@ class CheckpointManager:
         self._raise_pending()
 
     def restore(self, step: int | None = None, target: Any = None, **load_options: Any) -> Any:
-        """Restore `step` (default: the latest committed) with snapshard.load's semantics."""
+        """Restore `step` (default: the newest restorable) with snapshard.load's semantics.
+
+        With a local tier and a target, all processes first agree (one exchange of what each
+        holds) on the newest step that the local tier and the peers' copies can restore
+        completely onto this target's layout; if it is newer than the newest persistent step
+        (or is the `step` asked for), each process restores from its own copy or a peer's.
+        Otherwise the persistent tier serves the restore (any topology). Every process must
+        call this with the same arguments. `last_restore` tells which tier served."""
         self._wait_inflight()
+        t0 = time.perf_counter()
+        if self._local is not None and target is not None:
+            local_step = self._agree_on_local_step(step, target)
+            if local_step is not None:
+                out = self._restore_local(local_step, target)
+                self.last_restore["seconds"] = time.perf_counter() - t0
+                return out
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -306,7 +428,83 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed step of {self._root.url}"
             )
-        return load(self._root.child(str(step)), target, **load_options)
+        stats = load_options.pop("stats", None) or ReadStats()
+        out = load(self._root.child(str(step)), target, stats=stats, **load_options)
+        self.last_restore = {
+            "tier": "persistent",
+            "step": step,
+            "bytes_read_persistent": stats.bytes_read,
+            "bytes_read_local": 0,
+            "bytes_from_peers": 0,
+            "seconds": time.perf_counter() - t0,
+        }
+        return out
+
+    def _agree_on_local_step(self, step: int | None, target: Any) -> int | None:
+        """The step to restore from the local tier, the same on every process, or None."""
+        assert self._local is not None
+        flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+        fps = {path_str(keypath_to_path(kp)): target_fingerprint(t) for kp, t in flat}
+        mine = self._local.holdings(fps)
+        n = self._coord.process_count
+        with _starts_lock:
+            k = _starts.get("restore:" + self._root.url, 0)
+            _starts["restore:" + self._root.url] = k + 1
+        prefix = f"snapshard/tiers/{hashlib.sha256(self._root.url.encode()).hexdigest()[:16]}/{k}"
+        self._coord.set(f"{prefix}/{self._coord.process_index}", json.dumps(mine))
+        held: list[dict[str, list[int]]] = [
+            json.loads(self._coord.get(f"{prefix}/{q}", self._timeout_s)) for q in range(n)
+        ]
+        self._holdings = held
+        complete = sorted(
+            int(s)
+            for s in set().union(*held)
+            if set().union(*(h.get(s, []) for h in held)) >= set(range(n))
+        )
+        if step is not None:
+            return step if step in complete else None
+        newest_persistent = self.latest_step()
+        if complete and (newest_persistent is None or complete[-1] > newest_persistent):
+            return complete[-1]
+        return None
+
+    def _restore_local(self, step: int, target: Any) -> Any:
+        """Every process rebuilds its shards from its own local copy, fetched from a peer
+        first where its own is missing."""
+        assert self._local is not None
+        store, held = self._local, self._holdings
+        me, n = self._coord.process_index, self._coord.process_count
+        key = str(step)
+        missing = [q for q in range(n) if q not in held[q].get(key, [])]
+        pairs = [(min(h for h in range(n) if q in held[h].get(key, [])), q) for q in missing]
+        received = 0
+        while pairs:  # rounds in which each process sends at most once and receives at most once
+            round_: list[tuple[int, int]] = []
+            rest: list[tuple[int, int]] = []
+            senders: set[int] = set()
+            for src, dst in pairs:
+                (rest if src in senders else round_).append((src, dst))
+                senders.add(src)
+            send = next((store.pack_files(step, dst) for src, dst in round_ if src == me), None)
+            got = exchange(send, round_)
+            if got is not None:
+                store.unpack_files(step, got)
+                received += got.nbytes
+            pairs = rest
+        entries, _, bytes_read = store.read_own(step)
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+        leaves = []
+        for kp, t in flat:
+            name = path_str(keypath_to_path(kp))
+            leaves.append(build_from_local(entries[name], t, name))
+        self.last_restore = {
+            "tier": "peer" if me in missing else "local",
+            "step": step,
+            "bytes_read_persistent": 0,
+            "bytes_read_local": bytes_read,
+            "bytes_from_peers": received,
+        }
+        return jax.tree_util.tree_unflatten(treedef, leaves)
 
     def close(self) -> None:
         """Wait for the save in flight and raise any background error not raised yet."""

@@ -1,0 +1,80 @@
+"""Moving bytes between processes over JAX's own collectives (ppermute under shard_map).
+
+Used by the multi-tier manager to copy a process's local checkpoint to its peers and back.
+Collectives must be issued in the same order on every process, so `exchange` is called on
+the caller's thread by every process, with the same permutation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+@lru_cache(maxsize=1)
+def _process_mesh() -> Mesh:
+    """A 1-D mesh of one device per process (each process's lowest-numbered device)."""
+    firsts: dict[int, Any] = {}
+    for d in jax.devices():
+        if d.process_index not in firsts or d.id < firsts[d.process_index].id:
+            firsts[d.process_index] = d
+    return Mesh(np.array([firsts[p] for p in sorted(firsts)]), ("process",))
+
+
+@lru_cache(maxsize=32)
+def _permute_fn(perm: tuple[tuple[int, int], ...], chunk: int) -> Any:
+    mesh = _process_mesh()
+    spec = P("process")
+    return jax.jit(
+        jax.shard_map(
+            lambda a: jax.lax.ppermute(a, "process", perm), mesh=mesh, in_specs=spec, out_specs=spec
+        )
+    )
+
+
+def exchange(
+    send: np.ndarray | None,
+    perm: Sequence[tuple[int, int]],
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> np.ndarray | None:
+    """Send this process's `send` bytes along `perm` ((source, destination) process pairs,
+    each process at most once as source and once as destination); returns the bytes this
+    process receives, or None. Every process calls it with the same `perm`."""
+    me, n = jax.process_index(), jax.process_count()
+    perm = tuple(sorted((int(a), int(b)) for a, b in perm))
+    if not perm:
+        return None
+    size = np.array([0 if send is None else send.nbytes], dtype=np.int64)
+    sizes = np.asarray(multihost_utils.process_allgather(size)).reshape(n)
+    sources = {dst: src for src, dst in perm}
+    longest = int(max(sizes[src] for src, _ in perm))
+    chunk = max(1, min(chunk_bytes, longest))
+    mesh = _process_mesh()
+    sharding = NamedSharding(mesh, P("process"))
+    device = mesh.devices[me]
+    flat = np.zeros(0, np.uint8) if send is None else send.reshape(-1).view(np.uint8)
+    recv_size = int(sizes[sources[me]]) if me in sources else 0
+    out = np.empty(recv_size, np.uint8) if me in sources else None
+    fn = _permute_fn(perm, chunk)
+    for start in range(0, max(longest, 1), chunk):
+        piece = np.zeros((1, chunk), np.uint8)
+        part = flat[start : start + chunk]
+        piece[0, : len(part)] = part
+        local = jax.device_put(piece, device)
+        arr = jax.make_array_from_single_device_arrays((n, chunk), sharding, [local])
+        got = fn(arr)
+        if out is not None:
+            take = min(chunk, recv_size - start)
+            if take > 0:
+                out[start : start + take] = np.asarray(got.addressable_shards[0].data)[0, :take]
+    return out

@@ -1,0 +1,326 @@
+"""The fast local tier: each process keeps its own shards on node-local storage, and copies of
+its peers' shards, so that a restart restores without touching the durable tier.
+
+On disk, under the tier's directory (one per host, e.g. /dev/shm/ckpt):
+
+    process-00003/120/own          process 3's addressable shards at step 120
+    process-00003/120/peer-00002   process 2's shards, copied to process 3
+
+Each is an ordinary snapshard checkpoint (atomic, checksummed) of the tree
+{"leaves": [entry, ...]}, one entry per leaf of the user's tree in flat order:
+{"shards": {"a:b,c:d": array}} for a device array (its unique local boxes) and
+{"value": x} for a host array or Python value. Its manifest's `extra` holds the leaf paths
+and a fingerprint of every leaf's global layout, so a restore can tell whether the step
+fits the target without reading data.
+
+Peers: the copies of process p's shards go to processes (p + r·k) mod n for r = 1..replicas,
+k the processes per host, so they sit on other hosts (a pure function of the layout, no
+talking). The copy travels over JAX's collectives (coordination.transfer.exchange).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..adapters.jax_arrays import layout_of, slices_to_box
+from ..adapters.leaves import SaveArray
+from ..coordination import SingleProcessCoordinator
+from ..format.manifest import ValueLeaf
+from ..restore import load
+from ..save import finish, prepare
+from ..staging import Box, Snapshot
+from ..storage import LocalRoot, LocalStorage
+from ..tree import FlatTree, path_str
+from ..tree import Path as TreePath
+
+_SINGLE = SingleProcessCoordinator()
+
+
+@dataclass(frozen=True)
+class LocalTier:
+    """Configuration of the local tier of a CheckpointManager.
+
+    directory: node-local storage (a fast disk or a RAM disk), the same path on every host.
+    interval: save to it every `interval` steps. max_to_keep: local steps kept per process.
+    replicas: copies of each process's shards on other hosts. processes_per_host: how many
+    consecutive process indices share a host (JAX's usual layout is host-major).
+    """
+
+    directory: str
+    interval: int = 1
+    max_to_keep: int = 2
+    replicas: int = 1
+    processes_per_host: int = 1
+
+    def should_save(self, step: int) -> bool:
+        return step % self.interval == 0
+
+
+def peers(process: int, n: int, replicas: int, per_host: int) -> list[int]:
+    """The processes holding copies of `process`'s shards, all on other hosts."""
+    hosts = max(1, n // per_host)
+    return [(process + r * per_host) % n for r in range(1, min(replicas, hosts - 1) + 1)]
+
+
+def box_key(box: Box) -> str:
+    return ",".join(f"{a}:{b}" for a, b in zip(*box, strict=True))
+
+
+def fingerprint(kind: str, shape: tuple[int, ...], sharding: Any) -> str:
+    """What must match between a saved leaf and a target leaf to restore it from this tier."""
+    h = hashlib.sha256(f"{kind}{shape}".encode())
+    if sharding is not None:
+        lay = layout_of(tuple(shape), 1, sharding).layout
+        for a in (lay.starts, lay.stops, lay.process_ids):
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()[:24]
+
+
+def saved_fingerprints(flat: FlatTree) -> dict[str, str]:
+    out = {}
+    for path, v in zip(flat.paths, flat.leaves, strict=True):
+        if isinstance(v, jax.Array):
+            out[path_str(path)] = fingerprint("device", tuple(v.shape), v.sharding)
+        elif isinstance(v, np.ndarray | np.generic):
+            out[path_str(path)] = fingerprint("host", tuple(np.shape(v)), None)
+        else:
+            out[path_str(path)] = fingerprint("value", (), None)
+    return out
+
+
+def target_fingerprint(t: Any) -> str:
+    if isinstance(t, jax.Array) or (
+        isinstance(t, jax.ShapeDtypeStruct) and getattr(t, "sharding", None) is not None
+    ):
+        return fingerprint("device", tuple(t.shape), t.sharding)
+    if isinstance(t, np.ndarray | np.generic | jax.ShapeDtypeStruct):
+        return fingerprint(
+            "host",
+            tuple(np.shape(t)) if not isinstance(t, jax.ShapeDtypeStruct) else tuple(t.shape),
+            None,
+        )
+    return fingerprint("value", (), None)
+
+
+def process_boxes(arr: SaveArray, process: int) -> list[Box]:
+    """The unique boxes of a device array held by `process`, in a canonical order."""
+    lay = arr.layout
+    rows = np.flatnonzero(lay.process_ids == process)
+    return sorted({(tuple(lay.starts[r].tolist()), tuple(lay.stops[r].tolist())) for r in rows})
+
+
+def pack_shards(leaves: Sequence[Any], snapshot: Snapshot, process: int) -> np.ndarray:
+    """The bytes of every local shard of `process`, concatenated in canonical order."""
+    parts = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, SaveArray) and leaf.devices is not None:
+            for box in process_boxes(leaf, process):
+                parts.append(np.ascontiguousarray(snapshot[i][box]).reshape(-1).view(np.uint8))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def unpack_shards(leaves: Sequence[Any], blob: np.ndarray, process: int) -> Snapshot:
+    """The inverse of pack_shards, for the shards of `process` (views into `blob`)."""
+    out: Snapshot = {}
+    at = 0
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, SaveArray) and leaf.devices is not None:
+            boxes = out.setdefault(i, {})
+            for box in process_boxes(leaf, process):
+                shape = tuple(b - a for a, b in zip(*box, strict=True))
+                n = math.prod(shape) * leaf.dtype.itemsize
+                boxes[box] = blob[at : at + n].view(leaf.dtype).reshape(shape)
+                at += n
+    if at != blob.nbytes:
+        raise ValueError(f"peer data of process {process} has {blob.nbytes} bytes, its shards {at}")
+    return out
+
+
+def local_tree(leaves: Sequence[Any], flat: FlatTree, snapshot: Snapshot) -> dict[str, Any]:
+    entries: list[dict[str, Any]] = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, SaveArray) and leaf.devices is not None:
+            entry: dict[str, Any] = {"shards": {box_key(b): a for b, a in snapshot[i].items()}}
+            if leaf.key_impl is not None:
+                entry["key_impl"] = leaf.key_impl
+            entries.append(entry)
+        elif isinstance(leaf, ValueLeaf):
+            entries.append({"value": leaf.value})
+        else:  # a host array: the caller may change it once save returns
+            entries.append({"value": np.array(flat.leaves[i], copy=True)})
+    return {"leaves": entries}
+
+
+class LocalStore:
+    """This process's part of the local tier."""
+
+    def __init__(self, tier: LocalTier, process: int, process_count: int):
+        self.tier = tier
+        self.process = process
+        self.process_count = process_count
+        self.root = Path(tier.directory) / f"process-{process:05d}"
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / str(step)
+
+    def copy_name(self, owner: int) -> str:
+        return "own" if owner == self.process else f"peer-{owner:05d}"
+
+    def write(self, step: int, owner: int, tree: dict[str, Any], extra: dict[str, Any]) -> int:
+        """Save `owner`'s local checkpoint of `step` here; returns the bytes written."""
+        storage = LocalStorage(self.step_dir(step) / self.copy_name(owner))
+        prep = prepare(
+            storage,
+            tree,
+            overwrite=True,
+            coordinator=_SINGLE,
+            extra={**extra, "owner": owner},
+            threads=1,
+        )
+        return finish(prep).bytes_written
+
+    def steps(self) -> list[int]:
+        """Steps with a directory here (their copies may still be incomplete)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.root.iterdir() if p.is_dir() and p.name.isdigit())
+
+    def holdings(self, target_fps: dict[str, str]) -> dict[int, list[int]]:
+        """{step: processes whose complete data this process holds}, for the steps whose
+        saved layout fits the target."""
+        out: dict[int, list[int]] = {}
+        for step in self.steps():
+            for copy, ok in LocalRoot(self.step_dir(step)).list().items():
+                if not ok or not (copy == "own" or copy.startswith("peer-")):
+                    continue
+                extra = _read_extra(LocalStorage(self.step_dir(step) / copy))
+                if extra.get("process_count") != self.process_count:
+                    continue
+                saved = extra.get("fingerprints", {})
+                if all(saved.get(p) == fp for p, fp in target_fps.items()):
+                    out.setdefault(step, []).append(int(extra["owner"]))
+        return {s: sorted(v) for s, v in out.items()}
+
+    def retain(self, keep: int) -> None:
+        """Keep the newest `keep` local steps of this process; remove the rest, and what
+        unfinished saves left in the steps kept."""
+        steps = self.steps()
+        for s in steps[:-keep] if keep > 0 else steps:
+            shutil.rmtree(self.step_dir(s), ignore_errors=True)
+        for s in steps[-keep:] if keep > 0 else []:
+            copies = LocalRoot(self.step_dir(s))
+            for name, ok in copies.list().items():
+                if not ok:
+                    copies.remove_incomplete(name)
+        for p in self.root.iterdir() if self.root.is_dir() else ():
+            if not p.name.isdigit():  # a step directory being created or removed
+                shutil.rmtree(p, ignore_errors=True)
+
+    def pack_files(self, step: int, owner: int) -> np.ndarray:
+        """The files of a local checkpoint as one blob: header length, JSON header, contents."""
+        d = self.step_dir(step) / self.copy_name(owner)
+        names = sorted(str(p.relative_to(d)) for p in d.rglob("*") if p.is_file())
+        header = json.dumps([[n, os.path.getsize(d / n)] for n in names]).encode()
+        blob = bytearray(struct.pack("<Q", len(header)) + header)
+        for n in names:
+            blob += (d / n).read_bytes()
+        return np.frombuffer(bytes(blob), np.uint8)
+
+    def unpack_files(self, step: int, blob: np.ndarray) -> None:
+        """Write a blob from pack_files as this process's own copy of `step` (atomically)."""
+        raw = blob.tobytes()
+        (hlen,) = struct.unpack("<Q", raw[:8])
+        files = json.loads(raw[8 : 8 + hlen])
+        final = self.step_dir(step) / "own"
+        tmp = final.with_name("own.snapshard-tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        at = 8 + hlen
+        for name, size in files:
+            if ".." in Path(name).parts or Path(name).is_absolute():
+                raise ValueError(f"unsafe file name {name!r} in peer data")
+            p = tmp / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_bytes(raw[at : at + size])
+            at += size
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+
+    def read_own(self, step: int) -> tuple[dict[str, Any], list[TreePath], int]:
+        """This process's own local checkpoint of `step`: entries by path string, paths, bytes read."""
+        from ..restore import ReadStats
+
+        storage = LocalStorage(self.step_dir(step) / "own")
+        extra = _read_extra(storage)
+        stats = ReadStats()
+        data = load(storage, stats=stats)
+        paths = [tuple(p) for p in extra["paths"]]
+        return (
+            {path_str(p): e for p, e in zip(paths, data["leaves"], strict=True)},
+            paths,
+            stats.bytes_read,
+        )
+
+
+def _read_extra(storage: LocalStorage) -> dict[str, Any]:
+    from ..restore import read_manifest
+
+    with storage:
+        return read_manifest(storage).extra
+
+
+def build_from_local(entry: dict[str, Any], target: Any, name: str) -> Any:
+    """A restore-target leaf built from this process's local entry of it."""
+    from ..adapters.jax_arrays import assemble, key_dtype_is_prng, to_devices
+
+    if "value" in entry:
+        v = entry["value"]
+        if isinstance(target, np.ndarray | np.generic) and isinstance(v, np.ndarray | np.generic):
+            return (
+                np.asarray(v).astype(target.dtype, copy=False)
+                if isinstance(target, np.ndarray)
+                else v
+            )
+        return v
+    shards: dict[str, np.ndarray] = entry["shards"]
+    shape = tuple(target.shape)
+    sharding = target.sharding
+    if key_dtype_is_prng(target.dtype):
+        k = next(iter(shards.values())).shape[-1]
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            spec = (*sharding.spec, *([None] * (len(shape) + 1 - len(sharding.spec))))
+            data_sharding: Any = jax.sharding.NamedSharding(
+                sharding.mesh, jax.sharding.PartitionSpec(*spec)
+            )
+        else:
+            data_sharding = sharding
+        data = build_from_local(
+            {"shards": shards},
+            jax.ShapeDtypeStruct((*shape, k), np.uint32, sharding=data_sharding),
+            name,
+        )
+        impl = entry["key_impl"]
+        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(
+            data
+        )
+    per_device: dict[Any, jax.Array] = {}
+    groups: dict[str, list[Any]] = {}
+    for d, idx in sharding.addressable_devices_indices_map(shape).items():
+        groups.setdefault(box_key(slices_to_box(idx, shape)), []).append(d)
+    for key, devices in groups.items():
+        host = shards[key]
+        if host.dtype != np.dtype(target.dtype):
+            host = host.astype(target.dtype)
+        per_device.update(zip(devices, to_devices(host, devices), strict=True))
+    return assemble(shape, sharding, per_device)
