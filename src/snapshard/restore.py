@@ -24,7 +24,7 @@ import numpy as np
 from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes, to_devices
 from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
-from .errors import ChecksumMismatchError, TargetMismatchError
+from .errors import CheckpointNotFoundError, ChecksumMismatchError, TargetMismatchError
 from .format import ArrayLeaf, Manifest, ValueLeaf, validate_structure
 from .planning import ChunkIndex, ReadRange, coalesce_runs, overlap_runs
 from .storage import Location, Storage, storage_for
@@ -335,6 +335,22 @@ def read_manifest(storage: Storage) -> Manifest:
     return manifest
 
 
+def _open(
+    storage: Storage, verify: bool, threads: int, max_gap: int, stats: ReadStats
+) -> tuple[Manifest, Callable[[list[_Request]], None]]:
+    """The manifest and a batch reader; a checkpoint of another library (Orbax) through interop."""
+    try:
+        manifest = read_manifest(storage)
+    except CheckpointNotFoundError as e:
+        from .interop import open_foreign
+
+        foreign = open_foreign(storage, e)
+        return foreign.manifest, lambda batch: foreign.read_batch(batch, stats)
+    return manifest, lambda batch: _read_batch(
+        storage, manifest, batch, verify, threads, max_gap, stats
+    )
+
+
 def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple[Path, Any]], Any]:
     """(path, target leaf) pairs of the target, and its treedef."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
@@ -382,7 +398,7 @@ def load(
     owns_storage = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        manifest = read_manifest(storage)
+        manifest, read_batch = _open(storage, verify, threads, max_gap, stats)
         url = storage.url
         if target is None:
             pairs = [(leaf.path, None) for leaf in manifest.leaves]
@@ -410,7 +426,7 @@ def load(
         by_req = {id(r): p for p, r in reqs}
         for batch in _batches([r for _, r in reqs], budget):
             t0 = time.perf_counter()
-            _read_batch(storage, manifest, batch, verify, threads, max_gap, stats)
+            read_batch(batch)
             t1 = time.perf_counter()
             for r in batch:
                 results[by_req[id(r)]] = _build(r)
