@@ -13,6 +13,7 @@ one-line error, no traceback); 3 an unexpected internal error.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -52,6 +53,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         out.error("interrupted")
         return 130
+    except BrokenPipeError:  # `snapshard ls DIR | head`: the reader left, nothing to report
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
     except (SnapshardError, OSError, ValueError, ImportError) as e:
         # TensorStore and the storage layer report bad paths as OSError / ValueError.
         if args.traceback:

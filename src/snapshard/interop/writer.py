@@ -86,7 +86,7 @@ class CheckpointWriter:
         """Box [start, stop) of array `leaf`, in its declared dtype, as one chunk."""
         a = self.leaves[leaf]
         assert isinstance(a, ArrayLeaf)
-        arr = little_endian(np.ascontiguousarray(data))
+        arr = little_endian(np.asarray(data, order="C"))
         want = tuple(int(e) - int(s) for s, e in zip(start, stop, strict=True))
         if arr.dtype != dtype_from_name(a.dtype) or arr.shape != want:
             raise SnapshardError(
