@@ -15,8 +15,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from conftest import mesh
-
 # name -> (use_ocdbt, use_zarr3)
 LAYOUTS = {
     "ocdbt-zarr": (True, False),
@@ -49,6 +47,8 @@ def host_arrays() -> dict[str, np.ndarray]:
 
 def state_tree() -> dict:
     """The tree saved with Orbax, and (the same tree) the reference for comparisons."""
+    from conftest import mesh
+
     h = host_arrays()
     m = mesh(2, 4)
 

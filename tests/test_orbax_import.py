@@ -174,3 +174,16 @@ def test_a_directory_that_is_neither_format_is_not_found(tmp_path):
         snapshard.load(tmp_path / "junk")
     with pytest.raises(snapshard.CheckpointNotFoundError):
         snapshard.metadata(tmp_path / "missing")
+
+
+@pytest.mark.multiprocess
+def test_each_process_reads_only_its_boxes(orbax_dirs):
+    import multiproc
+
+    tree, dirs = orbax_dirs
+    w, emb = tree["params"]["w"], tree["params"]["emb"]
+    for p in multiproc.run("orbax_restore.py", 2, 4, dirs["ocdbt-zarr"], timeout=120):
+        r = p.result()
+        assert r["ok"], f"process {p.process_id} restored wrong values"
+        # Rows of w are split between the two processes; emb is replicated over them.
+        assert r["stats"]["bytes_read"] == w.nbytes // 2 + emb.nbytes

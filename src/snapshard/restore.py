@@ -391,7 +391,8 @@ def load(
     ShapeDtypeStruct with a sharding or a jax.Array (a jax.Array on that sharding), an
     np.ndarray or ShapeDtypeStruct without sharding (NumPy). Leaves the target omits are not
     read; a differing dtype is cast on the host. `memory_budget` bounds the host bytes held
-    at once while building jax.Arrays.
+    at once while building jax.Arrays. A checkpoint written by Orbax is read the same way,
+    through TensorStore (see docs/migrating-from-orbax.md).
     """
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()

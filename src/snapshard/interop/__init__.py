@@ -30,6 +30,10 @@ class ForeignCheckpoint(Protocol):
     def read_batch(self, reqs: list[_Request], stats: ReadStats) -> None: ...
 
 
+# Where TensorStore can read an Orbax checkpoint from (see interop.orbax.kvstore_spec).
+ORBAX_SCHEMES = ("", "file", "s3", "gs")
+
+
 def _local_dir(location: str) -> str | None:
     parsed = urlparse(location)
     if parsed.scheme not in ("", "file"):
@@ -41,7 +45,9 @@ def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> Foreig
     """The Orbax checkpoint at the storage's location; `not_found` again when there is none."""
     location = storage.url
     local = _local_dir(location)
-    if local is not None and not os.path.isdir(local):
+    if urlparse(location).scheme not in ORBAX_SCHEMES or (
+        local is not None and not os.path.isdir(local)
+    ):
         raise not_found
     try:
         from .orbax import open_orbax  # TensorStore is an optional dependency

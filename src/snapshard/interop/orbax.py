@@ -77,7 +77,10 @@ class _Dir:
 
     def __init__(self, spec: dict[str, Any], context: ts.Context, where: str):
         self.spec, self.context, self.where = spec, context, where
-        self.kv = ts.KvStore.open(spec, context=context).result()
+        try:
+            self.kv = ts.KvStore.open(spec, context=context).result()
+        except ValueError as e:
+            raise SnapshardError(f"{where}: cannot open ({e})") from None
 
     def sub(self, name: str) -> _Dir:
         return _Dir(
@@ -296,9 +299,13 @@ def _manager_steps(location: str) -> list[str]:
 def open_orbax(location: str) -> OrbaxCheckpoint | None:
     """The Orbax checkpoint at `location`, or None when there is none."""
     context = ts.Context({"cache_pool": {"total_bytes_limit": _CACHE_BYTES}})
-    root = _Dir(kvstore_spec(location), context, location.rstrip("/"))
+    try:
+        root = _Dir(kvstore_spec(location), context, location.rstrip("/"))
+        has_tree = root.read(TREE_METADATA) is not None
+    except SnapshardError:  # nothing readable there, so no Orbax checkpoint either
+        return None
     meta = root.json(CHECKPOINT_METADATA)
-    if root.read(TREE_METADATA) is not None:
+    if has_tree:
         named: list[tuple[str | None, _Dir]] = [(None, root)]
     else:
         named = [(n, root.sub(n)) for n in _item_names(root, location, meta)]
@@ -340,8 +347,11 @@ def step_info(location: str) -> tuple[bool, float | None]:
     """Whether an Orbax checkpoint or step is at `location`, and when it was committed (None:
     not committed). Reads `_CHECKPOINT_METADATA` only, for listings."""
     context = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
-    root = _Dir(kvstore_spec(location), context, location.rstrip("/"))
-    meta = root.json(CHECKPOINT_METADATA)
-    if meta is None:
-        return root.read(TREE_METADATA) is not None, None
+    try:
+        root = _Dir(kvstore_spec(location), context, location.rstrip("/"))
+        meta = root.json(CHECKPOINT_METADATA)
+        if meta is None:
+            return root.read(TREE_METADATA) is not None, None
+    except SnapshardError:
+        return False, None
     return True, commit_time(meta)

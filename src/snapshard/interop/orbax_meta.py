@@ -95,6 +95,10 @@ def parse_tree_metadata(doc: Any, where: str) -> tuple[JsonNode, list[OrbaxEntry
                 )
             node.kind = kind
             if depth == len(path) - 1:
+                if key in node.children:
+                    raise CorruptCheckpointError(
+                        f"{where}: {path_str(path)!r} is both a leaf and a subtree"
+                    )
                 if value_type in EMPTY_TYPES:
                     node.children[key] = _Node(EMPTY_TYPES[value_type])
                 else:

@@ -60,8 +60,6 @@ class CheckpointWriter:
         self.files: list[FileEntry] = []
         self._file: FileWriter | None = None
         self._offset = 0
-        # One process writes everything, so leftovers of an earlier attempt can simply go.
-        self.storage.discard_staging()
         self.storage.prepare_staging()
 
     def add_value(self, path: Path, value: Any) -> None:
@@ -141,6 +139,10 @@ class CheckpointWriter:
                 leaf.chunks = t
             index_name = f"{INDEX_DIR}/p00000-{self.nonce}.json"
             self.storage.write_bytes(index_name, ProcessIndex(0, self.files, tables).to_json())
+            # Files an earlier, interrupted attempt left in the staging area must not commit.
+            ours = {f.name for f in self.files} | {index_name}
+            stale = [n for n in self.storage.list_staging() if n not in ours]
+            self.storage.delete_staging_files(stale)
             manifest = Manifest(
                 structure=structure,
                 leaves=self.leaves,
