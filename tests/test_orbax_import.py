@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -187,3 +188,18 @@ def test_each_process_reads_only_its_boxes(orbax_dirs):
         assert r["ok"], f"process {p.process_id} restored wrong values"
         # Rows of w are split between the two processes; emb is replicated over them.
         assert r["stats"]["bytes_read"] == w.nbytes // 2 + emb.nbytes
+
+
+def test_unreadable_orbax_checkpoints_say_why(orbax_dirs, tmp_path, monkeypatch):
+    _, dirs = orbax_dirs
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "checkpoint").write_bytes(b"\x81\xa1w\x01")  # the msgpack file of very old Orbax
+    with pytest.raises(snapshard.SnapshardError, match="from before Orbax wrote _METADATA"):
+        snapshard.load(old)
+    # Without TensorStore installed, an Orbax directory is named as such.
+    monkeypatch.setitem(sys.modules, "snapshard.interop.orbax", None)
+    with pytest.raises(
+        snapshard.SnapshardError, match=r"Orbax checkpoint; reading it needs TensorStore"
+    ):
+        snapshard.metadata(dirs["zarr"])

@@ -9,7 +9,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ..errors import CheckpointNotFoundError, SnapshardError
-from ..interop import ORBAX_MARKERS
+from ..interop import looks_like_orbax
 from ..restore import read_manifest
 from ..storage import CheckpointRoot, root_for, storage_for
 from .output import Output, human_bytes, iso_time, table
@@ -36,7 +36,7 @@ def _local_path(location: str) -> str | None:
 def _orbax_entry(location: str) -> dict[str, Any] | None:
     """State, time and size of an Orbax checkpoint at `location`; None when it is not one."""
     local = _local_path(location)
-    if local is not None and not any(os.path.exists(os.path.join(local, m)) for m in ORBAX_MARKERS):
+    if local is not None and not looks_like_orbax(local):
         return None
     try:
         from ..interop.orbax import step_info

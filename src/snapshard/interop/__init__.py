@@ -34,6 +34,11 @@ class ForeignCheckpoint(Protocol):
 ORBAX_SCHEMES = ("", "file", "s3", "gs")
 
 
+def looks_like_orbax(local_dir: str) -> bool:
+    """Whether a local directory holds Orbax's metadata files (no TensorStore needed)."""
+    return any(os.path.exists(os.path.join(local_dir, m)) for m in ORBAX_MARKERS)
+
+
 def _local_dir(location: str) -> str | None:
     parsed = urlparse(location)
     if parsed.scheme not in ("", "file"):
@@ -52,7 +57,7 @@ def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> Foreig
     try:
         from .orbax import open_orbax  # TensorStore is an optional dependency
     except ImportError:
-        if local is not None and any(os.path.exists(os.path.join(local, m)) for m in ORBAX_MARKERS):
+        if local is not None and looks_like_orbax(local):
             raise SnapshardError(
                 f"{location} is an Orbax checkpoint; reading it needs TensorStore "
                 "(pip install 'snapshard[orbax]')"

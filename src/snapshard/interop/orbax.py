@@ -49,6 +49,8 @@ FORMAT = "orbax"
 # Decoded chunks and OCDBT b-tree nodes cached by TensorStore: bounded, and enough to keep a
 # chunk read by several boxes of a restore from being fetched and decompressed again.
 _CACHE_BYTES = 64 << 20
+# The single file (a msgpack map) of checkpoints written by very old Orbax versions.
+_MSGPACK_CHECKPOINT = "checkpoint"
 # Above this many zarr chunks an array's chunk grid is described as one box.
 _MAX_GRID = 1 << 20
 
@@ -310,6 +312,12 @@ def open_orbax(location: str) -> OrbaxCheckpoint | None:
     else:
         named = [(n, root.sub(n)) for n in _item_names(root, location, meta)]
     if not named:
+        old = root.read(_MSGPACK_CHECKPOINT) if meta is None else None
+        if old is not None and old[:1] and (0x80 <= old[0] <= 0x8F or old[0] in (0xDE, 0xDF)):
+            raise SnapshardError(
+                f"{location} is an Orbax checkpoint from before Orbax wrote {TREE_METADATA} "
+                "(a msgpack 'checkpoint' file), which this library does not read"
+            )
         steps = _manager_steps(location)
         if steps:
             raise CheckpointNotFoundError(
