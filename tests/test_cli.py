@@ -102,6 +102,27 @@ def test_ls_of_a_checkpoint_is_an_error(saved, capsys):
     assert code == 2 and "is a checkpoint" in err
 
 
+def test_ls_and_info_of_an_orbax_manager_directory(tmp_path, capsys):
+    pytest.importorskip("orbax.checkpoint")
+    from orbax_writer import save_manager
+
+    root = save_manager(
+        tmp_path / "orbax", {s: {"w": np.full((4, 6), s, np.float32)} for s in (5, 40)}
+    )
+    code, doc = run_json(capsys, "ls", root)
+    assert code == 0
+    assert [(e["name"], e["format"], e["state"]) for e in doc["checkpoints"]] == [
+        ("5", "orbax", "complete"),
+        ("40", "orbax", "complete"),
+    ]
+    assert all(e["bytes"] > 0 and e["time_unix"] > 0 for e in doc["checkpoints"])
+    code, doc = run_json(capsys, "info", root / "40")
+    assert code == 0 and doc["format"] == "orbax"
+    assert doc["leaves"][0]["name"] == "w" and doc["leaves"][0]["dtype"] == "float32"
+    code, _, err = run(capsys, "info", root)
+    assert code == 2 and "pass one of its steps (5, 40)" in err
+
+
 # ---- info -------------------------------------------------------------------------------
 
 

@@ -14,6 +14,8 @@ from ..restore import read_manifest
 from ..storage import CheckpointRoot, root_for, storage_for
 from .output import Output, human_bytes, iso_time, table
 
+_ORBAX_TMP = ".orbax-checkpoint-tmp"
+
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("ls", parents=[common], help="list the checkpoints under a directory")
@@ -51,7 +53,9 @@ def _orbax_entry(location: str) -> dict[str, Any] | None:
         size = sum(
             os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(local) for f in files
         )
-    state = "complete" if when is not None else "incomplete"
+    # Orbax saves into '<step>.orbax-checkpoint-tmp-<n>' and renames it when committed.
+    done = when is not None and _ORBAX_TMP not in location.rstrip("/").rsplit("/", 1)[-1]
+    state = "complete" if done else "incomplete"
     return {"format": "orbax", "state": state, "time_unix": when, "bytes": size}
 
 

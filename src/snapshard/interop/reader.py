@@ -21,6 +21,9 @@ from ..adapters.leaves import is_save_leaf
 from ..dtypes import dtype_from_name, dtype_name
 from ..errors import SnapshardError
 from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
+
+# The restore path's own request and buffer types: reads here run exactly the code (and the
+# checksum verification) of a restore.
 from ..restore import (
     DEFAULT_MAX_GAP,
     DEFAULT_THREADS,
@@ -72,9 +75,15 @@ class CheckpointReader:
 
 
 def is_safetensors(location: Location) -> bool:
+    """A `.safetensors` name, or a local file that starts like one (a header length, then '{')."""
     text = os.fspath(location)
-    local = urlparse(text).scheme in ("", "file")
-    return text.endswith(SAFETENSORS_SUFFIX) or (local and os.path.isfile(text))
+    if text.endswith(SAFETENSORS_SUFFIX):
+        return True
+    if urlparse(text).scheme not in ("", "file") or not os.path.isfile(text):
+        return False
+    with open(text, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") > 1
 
 
 def open_reader(
