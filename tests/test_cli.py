@@ -356,7 +356,7 @@ def test_bad_paths_give_one_error_line_and_exit_code_2(saved, tmp_path, capsys, 
 
 def test_usage_errors_exit_2(saved, capsys):
     code, _, err = run(capsys, "verify", saved, "--buffer-mb", "lots")
-    assert code == 2 and "invalid float value" in err and "Traceback" not in err
+    assert code == 2 and "not a number of MiB" in err and "Traceback" not in err
     assert run(capsys, "frobnicate")[0] == 2
     assert run(capsys)[0] == 2
 

@@ -14,18 +14,18 @@ import argparse
 import importlib
 import os
 from typing import Any
-from urllib.parse import urlparse
 
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import ArrayLeaf
+from ..interop import local_path
 from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
 from ..interop.writer import CheckpointWriter
 from ..storage import storage_for
 from ..tree import Path
+from .options import add_memory_option
 from .output import Output, human_bytes
 
 FORMATS = ("snapshard", "safetensors")
-DEFAULT_CHUNK_MB = 64
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -36,26 +36,15 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("dst", help="where to write (must not exist unless --overwrite)")
     p.add_argument("--to", choices=FORMATS, default="snapshard", help="format to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
-    p.add_argument(
-        "--chunk-mb",
-        type=float,
-        default=DEFAULT_CHUNK_MB,
-        help=f"largest chunk written, and data held in memory, MiB (default {DEFAULT_CHUNK_MB})",
-    )
+    add_memory_option(p, "--chunk-mb", "largest chunk written, and data held in memory")
     p.set_defaults(run=run)
-
-
-def _local(location: str) -> str | None:
-    parsed = urlparse(location)
-    if parsed.scheme not in ("", "file"):
-        return None
-    return os.path.abspath(parsed.path if parsed.scheme == "file" else location)
 
 
 def check_destination(src_url: str, dst: str) -> None:
     """Refuse a destination that is the source or lies inside it: convert never writes there."""
-    a, b = _local(src_url), _local(dst)
+    a, b = local_path(src_url), local_path(dst)
     if a is not None and b is not None:
+        a, b = os.path.abspath(a), os.path.abspath(b)
         clash = b == a or os.path.commonpath([a, b]) == a
     else:
         clash = src_url.rstrip("/") == dst.rstrip("/") or dst.startswith(src_url.rstrip("/") + "/")
@@ -138,7 +127,7 @@ def to_safetensors(
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    chunk_bytes = max(1, int(args.chunk_mb * (1 << 20)))
+    chunk_bytes = args.chunk_bytes
     with open_reader(args.src) as reader:
         if args.to == "snapshard":
             with storage_for(args.dst) as dst:

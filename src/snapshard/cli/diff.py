@@ -16,9 +16,9 @@ import numpy as np
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf, Leaf, ValueLeaf
 from ..interop.reader import CheckpointReader, open_reader, slabs
+from .options import add_memory_option
 from .output import Output, Progress, json_value
 
-DEFAULT_BUFFER_MB = 64
 # Slabs are sized for the float64 / complex128 copies made to compare them.
 _WIDE_ITEMSIZE = 16
 
@@ -28,12 +28,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="first checkpoint")
     p.add_argument("b", help="second checkpoint")
     p.add_argument("--values", action="store_true", help="also compare array values (reads both)")
-    p.add_argument(
-        "--buffer-mb",
-        type=float,
-        default=DEFAULT_BUFFER_MB,
-        help=f"most data held in memory at once, MiB (default {DEFAULT_BUFFER_MB})",
-    )
+    add_memory_option(p)
     p.set_defaults(run=run)
 
 
@@ -163,7 +158,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    buffer_bytes = max(1, int(args.buffer_mb * (1 << 20)))
+    buffer_bytes = args.buffer_bytes
     with open_reader(args.a) as a, open_reader(args.b) as b:
         doc = diff(a, b, args.values, out, buffer_bytes)
     out.result(doc, lambda: render(doc))

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from typing import Any
-from urllib.parse import urlparse
 
 from ..errors import CheckpointNotFoundError, SnapshardError
-from ..interop import looks_like_orbax
+from ..interop import local_path, looks_like_orbax, step_order
 from ..restore import read_manifest
 from ..storage import CheckpointRoot, root_for, storage_for
 from .output import Output, human_bytes, iso_time, table
@@ -23,21 +21,9 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run)
 
 
-def step_order(name: str) -> list[Any]:
-    """Natural order: '9' before '10', 'step_9' before 'step_10'."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def _local_path(location: str) -> str | None:
-    parsed = urlparse(location)
-    if parsed.scheme not in ("", "file"):
-        return None
-    return parsed.path if parsed.scheme == "file" else location
-
-
 def _orbax_entry(location: str) -> dict[str, Any] | None:
     """State, time and size of an Orbax checkpoint at `location`; None when it is not one."""
-    local = _local_path(location)
+    local = local_path(location)
     if local is not None and not looks_like_orbax(local):
         return None
     try:
@@ -89,7 +75,7 @@ def list_checkpoints(location: str) -> dict[str, Any]:
                 f"{storage.url} is a checkpoint, not a directory of checkpoints "
                 f"(see: snapshard info {location})"
             )
-    local = _local_path(location)
+    local = local_path(location)
     if local is not None and not os.path.isdir(local):
         raise CheckpointNotFoundError(f"no directory at {location}")
     root = root_for(location)

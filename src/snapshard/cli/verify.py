@@ -22,20 +22,14 @@ from ..errors import (
 from ..format import MANIFEST_NAME, Manifest, validate_coverage
 from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
 from ..storage import LocalStorage, Storage
+from .options import add_memory_option
 from .output import Output, human_bytes
-
-DEFAULT_BUFFER_MB = 64
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("verify", parents=[common], help="read every chunk and check every checksum")
     p.add_argument("path", help="a snapshard or Orbax checkpoint")
-    p.add_argument(
-        "--buffer-mb",
-        type=float,
-        default=DEFAULT_BUFFER_MB,
-        help=f"most data held in memory at once, MiB (default {DEFAULT_BUFFER_MB})",
-    )
+    add_memory_option(p)
     p.set_defaults(run=run)
 
 
@@ -152,6 +146,6 @@ def run(args: argparse.Namespace, out: Output) -> int:
         doc = {"path": args.path, "ok": False, "problem": problem}
     else:
         with reader:
-            doc = verify(reader, out, max(1, int(args.buffer_mb * (1 << 20))))
+            doc = verify(reader, out, args.buffer_bytes)
     out.result(doc, lambda: render(doc))
     return 0 if doc["ok"] else 1

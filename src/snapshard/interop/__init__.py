@@ -8,7 +8,8 @@ reader that fills the restore path's buffers.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Protocol
+import re
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import urlparse
 
 from ..errors import CheckpointNotFoundError, SnapshardError
@@ -39,7 +40,13 @@ def looks_like_orbax(local_dir: str) -> bool:
     return any(os.path.exists(os.path.join(local_dir, m)) for m in ORBAX_MARKERS)
 
 
-def _local_dir(location: str) -> str | None:
+def step_order(name: str) -> list[Any]:
+    """Natural order of checkpoint names: '9' before '10', 'step_9' before 'step_10'."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def local_path(location: str) -> str | None:
+    """The filesystem path of a local location (a path or file:// URL); None for a URL."""
     parsed = urlparse(location)
     if parsed.scheme not in ("", "file"):
         return None
@@ -49,7 +56,7 @@ def _local_dir(location: str) -> str | None:
 def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> ForeignCheckpoint:
     """The Orbax checkpoint at the storage's location; `not_found` again when there is none."""
     location = storage.url
-    local = _local_dir(location)
+    local = local_path(location)
     if urlparse(location).scheme not in ORBAX_SCHEMES or (
         local is not None and not os.path.isdir(local)
     ):

@@ -23,6 +23,7 @@ from ..dtypes import dtype_name
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
 from ..tree import JsonNode, Path, path_str
+from . import local_path, step_order
 from .orbax_meta import (
     ARRAY_METADATAS,
     ARRAY_TYPES,
@@ -57,10 +58,10 @@ _MAX_GRID = 1 << 20
 
 def kvstore_spec(location: str) -> dict[str, Any]:
     """The TensorStore key-value store of a directory: a local path, file://, s3:// or gs://."""
+    local = local_path(location)
+    if local is not None:
+        return {"driver": "file", "path": os.path.abspath(local).rstrip("/") + "/"}
     parsed = urlparse(location)
-    if parsed.scheme in ("", "file"):
-        path = os.path.abspath(parsed.path if parsed.scheme == "file" else location)
-        return {"driver": "file", "path": path.rstrip("/") + "/"}
     prefix = parsed.path.strip("/")
     prefix = prefix + "/" if prefix else ""
     if parsed.scheme == "gs":
@@ -274,19 +275,17 @@ def _load_item(item: _Dir, prefix: Path) -> _Item:
 
 def _item_names(root: _Dir, location: str, meta: Any) -> list[str]:
     names = step_item_names(meta)
-    if names is None and urlparse(location).scheme in ("", "file"):
+    path = local_path(location)
+    if names is None and path is not None and os.path.isdir(path):
         # Steps written before `_CHECKPOINT_METADATA` existed: look for item directories.
-        path = kvstore_spec(location)["path"]
-        names = (
-            sorted(e.name for e in os.scandir(path) if e.is_dir()) if os.path.isdir(path) else []
-        )
+        names = sorted(e.name for e in os.scandir(path) if e.is_dir())
     return [n for n in names or [] if root.sub(n).read(TREE_METADATA) is not None]
 
 
 def _manager_steps(location: str) -> list[str]:
     """Step directories below a local CheckpointManager directory (for a helpful error)."""
-    path = kvstore_spec(location)["path"]
-    if urlparse(location).scheme not in ("", "file") or not os.path.isdir(path):
+    path = local_path(location)
+    if path is None or not os.path.isdir(path):
         return []
     return sorted(
         (
@@ -294,7 +293,7 @@ def _manager_steps(location: str) -> list[str]:
             for e in os.scandir(path)
             if os.path.isfile(os.path.join(e.path, CHECKPOINT_METADATA))
         ),
-        key=lambda n: (not n.isdigit(), int(n) if n.isdigit() else 0, n),
+        key=step_order,
     )
 
 

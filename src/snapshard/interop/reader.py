@@ -13,7 +13,6 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 
@@ -35,6 +34,7 @@ from ..restore import (
 )
 from ..storage import Location, Storage, storage_for
 from ..tree import flatten
+from . import local_path
 
 SAFETENSORS_SUFFIX = ".safetensors"
 
@@ -79,9 +79,10 @@ def is_safetensors(location: Location) -> bool:
     text = os.fspath(location)
     if text.endswith(SAFETENSORS_SUFFIX):
         return True
-    if urlparse(text).scheme not in ("", "file") or not os.path.isfile(text):
+    path = local_path(text)
+    if path is None or not os.path.isfile(path):
         return False
-    with open(text, "rb") as f:
+    with open(path, "rb") as f:
         head = f.read(9)
     return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") > 1
 
