@@ -106,7 +106,7 @@ class _Dir:
 
 @dataclass
 class _Item:
-    """One Orbax PyTree item: its tree, with leaf paths under `prefix`."""
+    """One Orbax PyTree item, opened: its tree, its leaves and the TensorStore of each array."""
 
     structure: JsonNode
     leaves: list[Leaf]
