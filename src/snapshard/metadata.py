@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import CheckpointNotFoundError
 from .format import ArrayLeaf
 from .restore import read_manifest
 from .storage import Location, Storage, storage_for
@@ -51,6 +52,10 @@ def metadata(directory: Location | Storage) -> Any:
     storage = storage_for(directory)
     try:
         manifest = read_manifest(storage)
+    except CheckpointNotFoundError as e:
+        from .interop import open_foreign
+
+        manifest = open_foreign(storage, e).manifest
     finally:
         storage.close()
     return unflatten(manifest.structure, lambda i: leaf_metadata(manifest.leaves[i]))

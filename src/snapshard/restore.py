@@ -25,7 +25,7 @@ from numpy.lib.stride_tricks import as_strided
 from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes, to_devices
 from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
-from .errors import ChecksumMismatchError, TargetMismatchError
+from .errors import CheckpointNotFoundError, ChecksumMismatchError, TargetMismatchError
 from .format import ArrayLeaf, Manifest, ValueLeaf, validate_structure
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid
 from .storage import Location, Storage, storage_for
@@ -397,6 +397,22 @@ def read_manifest(storage: Storage) -> Manifest:
     return manifest
 
 
+def _open(
+    storage: Storage, verify: bool, threads: int, max_gap: int, stats: ReadStats
+) -> tuple[Manifest, Callable[[list[_Request]], None]]:
+    """The manifest and a batch reader; a checkpoint of another library (Orbax) through interop."""
+    try:
+        manifest = read_manifest(storage)
+    except CheckpointNotFoundError as e:
+        from .interop import open_foreign
+
+        foreign = open_foreign(storage, e)
+        return foreign.manifest, lambda batch: foreign.read_batch(batch, stats)
+    return manifest, lambda batch: _read_batch(
+        storage, manifest, batch, verify, threads, max_gap, stats
+    )
+
+
 def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple[Path, Any]], Any]:
     """(path, target leaf) pairs of the target, and its treedef."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
@@ -437,14 +453,15 @@ def load(
     ShapeDtypeStruct with a sharding or a jax.Array (a jax.Array on that sharding), an
     np.ndarray or ShapeDtypeStruct without sharding (NumPy). Leaves the target omits are not
     read; a differing dtype is cast on the host. `memory_budget` bounds the host bytes held
-    at once while building jax.Arrays.
+    at once while building jax.Arrays. A checkpoint written by Orbax is read the same way,
+    through TensorStore (see docs/migrating-from-orbax.md).
     """
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
     owns_storage = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        manifest = read_manifest(storage)
+        manifest, read_batch = _open(storage, verify, threads, max_gap, stats)
         url = storage.url
         if target is None:
             pairs = [(leaf.path, None) for leaf in manifest.leaves]
@@ -472,7 +489,7 @@ def load(
         by_req = {id(r): p for p, r in reqs}
         for batch in _batches([r for _, r in reqs], budget):
             t0 = time.perf_counter()
-            _read_batch(storage, manifest, batch, verify, threads, max_gap, stats)
+            read_batch(batch)
             t1 = time.perf_counter()
             for r in batch:
                 results[by_req[id(r)]] = _build(r)

@@ -1,0 +1,162 @@
+"""`snapshard convert SRC DST --to snapshard|safetensors`: rewrite a checkpoint in another format.
+
+Sources: snapshard and Orbax checkpoints, safetensors files. To snapshard, arrays are
+streamed chunk by chunk (each source chunk cut into slabs of at most --chunk-mb), so memory
+holds one slab, and the new checkpoint appears atomically when complete. To safetensors,
+the arrays are handed to `snapshard.safetensors.save` as one tree of NumPy arrays (nested
+dicts keyed by the path), so memory holds the whole state; Python values have no place in
+a safetensors file and are listed as skipped. The source is never written to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+from typing import Any
+
+from ..errors import CheckpointExistsError, SnapshardError
+from ..format import ArrayLeaf
+from ..interop import local_path
+from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
+from ..interop.writer import CheckpointWriter
+from ..storage import storage_for
+from ..tree import Path
+from .options import add_memory_option
+from .output import Output, human_bytes
+
+FORMATS = ("snapshard", "safetensors")
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser(
+        "convert", parents=[common], help="convert a checkpoint to snapshard or safetensors"
+    )
+    p.add_argument("src", help="a snapshard or Orbax checkpoint, or a safetensors file")
+    p.add_argument("dst", help="where to write (must not exist unless --overwrite)")
+    p.add_argument("--to", choices=FORMATS, default="snapshard", help="format to write")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    add_memory_option(p, "--chunk-mb", "largest chunk written, and data held in memory")
+    p.set_defaults(run=run)
+
+
+def check_destination(src_url: str, dst: str) -> None:
+    """Refuse a destination that is the source or lies inside it: convert never writes there."""
+    a, b = local_path(src_url), local_path(dst)
+    if a is not None and b is not None:
+        a, b = os.path.abspath(a), os.path.abspath(b)
+        clash = b == a or os.path.commonpath([a, b]) == a
+    else:
+        clash = src_url.rstrip("/") == dst.rstrip("/") or dst.startswith(src_url.rstrip("/") + "/")
+    if clash:
+        raise SnapshardError(f"{dst}: the destination is the source or inside it")
+
+
+def to_snapshard(
+    reader: CheckpointReader, dst: str, out: Output, overwrite: bool, chunk_bytes: int
+) -> dict[str, Any]:
+    m = reader.manifest
+    writer = CheckpointWriter(dst, overwrite=overwrite, extra={"converted_from": reader.format})
+    try:
+        with out.progress(sum(a.nbytes for a in m.arrays), "convert") as bar:
+            for leaf in m.leaves:
+                if not isinstance(leaf, ArrayLeaf):
+                    writer.add_value(leaf.path, leaf.value)
+                    continue
+                i = writer.add_array(
+                    leaf.path,
+                    kind=leaf.kind,
+                    dtype=leaf.dtype,
+                    shape=leaf.shape,
+                    sharding=leaf.sharding,
+                    key_impl=leaf.key_impl,
+                )
+                for _, (start, stop) in chunk_slabs(leaf, chunk_bytes):
+                    box = reader.read_box(leaf, start, stop)
+                    writer.write_box(i, start, stop, box)
+                    bar.update(box.nbytes)
+        written = writer.commit(m.structure)
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        writer.close()
+    return {
+        "destination": writer.url,
+        "chunks": sum(len(a.chunks) for a in written.arrays),
+        "files": len(written.files),
+        "skipped": [],
+    }
+
+
+def _nest(pairs: list[tuple[Path, Any]]) -> dict[str, Any]:
+    """Nested dicts with string keys from (path, value) pairs."""
+    root: dict[str, Any] = {}
+    for path, value in pairs:
+        keys = [str(k) for k in path] or ["root"]
+        node = root
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return root
+
+
+def to_safetensors(
+    reader: CheckpointReader, dst: str, out: Output, overwrite: bool
+) -> dict[str, Any]:
+    try:
+        # Written alongside this module; looked up at run time so that either can ship first.
+        st = importlib.import_module("snapshard.safetensors")
+    except ImportError:
+        raise SnapshardError(
+            "writing safetensors needs snapshard.safetensors, which this installation does not have"
+        ) from None
+    if os.path.exists(dst) and not overwrite:
+        raise CheckpointExistsError(f"{dst} exists (pass --overwrite to replace it)")
+    m = reader.manifest
+    pairs = []
+    with out.progress(sum(a.nbytes for a in m.arrays), "read") as bar:
+        for leaf in m.arrays:
+            pairs.append((leaf.path, reader.read_box(leaf, (0,) * len(leaf.shape), leaf.shape)))
+            bar.update(leaf.nbytes)
+    st.save(dst, _nest(pairs))
+    return {
+        "destination": os.path.abspath(dst),
+        "skipped": [leaf.name for leaf in m.leaves if not isinstance(leaf, ArrayLeaf)],
+    }
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    chunk_bytes = args.chunk_bytes
+    with open_reader(args.src) as reader:
+        if args.to == "snapshard":
+            with storage_for(args.dst) as dst:
+                check_destination(reader.url, dst.url)
+        else:
+            check_destination(reader.url, args.dst)
+        if args.to == "snapshard":
+            result = to_snapshard(reader, args.dst, out, args.overwrite, chunk_bytes)
+        else:
+            result = to_safetensors(reader, args.dst, out, args.overwrite)
+        m = reader.manifest
+        doc = {
+            "source": reader.url,
+            "source_format": reader.format,
+            "format": args.to,
+            "leaves": len(m.leaves),
+            "arrays": len(m.arrays),
+            "bytes": sum(a.nbytes for a in m.arrays),
+            **result,
+        }
+
+    def text() -> str:
+        line = (
+            f"{doc['source']} ({doc['source_format']}) -> {doc['destination']} ({doc['format']}): "
+            f"{doc['arrays']} arrays, {human_bytes(doc['bytes'])}"
+        )
+        if doc["skipped"]:
+            line += f"; skipped {len(doc['skipped'])} Python values: {', '.join(doc['skipped'])}"
+        return line
+
+    out.result(doc, text)
+    return 0

@@ -1,0 +1,151 @@
+"""`snapshard verify PATH`: read every chunk and check every checksum; stop at the first problem.
+
+Before reading, the manifest's coverage is validated (every array tiled exactly once) and
+every data file must have the size the manifest lists. Orbax checkpoints have no checksums:
+every chunk is read and decoded, which finds missing and undecodable chunks only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import numpy as np
+
+from ..errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    SnapshardError,
+    ValidationError,
+)
+from ..format import MANIFEST_NAME, Manifest, validate_coverage
+from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
+from ..storage import LocalStorage, Storage
+from .options import add_memory_option
+from .output import Output, human_bytes
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    p = sub.add_parser("verify", parents=[common], help="read every chunk and check every checksum")
+    p.add_argument("path", help="a snapshard or Orbax checkpoint")
+    add_memory_option(p)
+    p.set_defaults(run=run)
+
+
+def _file_size(storage: Storage, name: str, expected: int) -> int | None:
+    """The size of a data file, or None when it cannot be read at all. On a local filesystem
+    the exact size; elsewhere `expected` if its last byte can be read, else None."""
+    if isinstance(storage, LocalStorage):
+        try:
+            return os.stat(storage.final / name).st_size
+        except FileNotFoundError:
+            return None
+    if expected == 0:
+        return 0
+    try:
+        storage.read_into(name, expected - 1, [memoryview(bytearray(1))])
+    except (SnapshardError, OSError):
+        return None
+    return expected
+
+
+def file_problem(storage: Storage, m: Manifest) -> dict[str, Any] | None:
+    """The first data file whose size differs from the manifest's, with the first chunk hit."""
+    for i, f in enumerate(m.files):
+        size = _file_size(storage, f.name, f.size)
+        if size == f.size:
+            continue
+        hit = [
+            (int(leaf.chunks.offset[c]), leaf.name, c)
+            for leaf in m.arrays
+            for c in range(len(leaf.chunks))
+            if int(leaf.chunks.file[c]) == i
+            and int(leaf.chunks.offset[c] + leaf.chunks.nbytes[c]) > (size or 0)
+        ]
+        what = "is missing or unreadable" if size is None else f"has {size} bytes"
+        message = f"{storage.url}: data file {f.name!r} {what}, the manifest says {f.size}"
+        problem: dict[str, Any] = {"file": f.name, "leaf": None, "chunk": None}
+        if hit:
+            _, leaf_name, chunk = min(hit)
+            message += f"; leaf {leaf_name!r}, chunk {chunk} is not all there"
+            problem.update(leaf=leaf_name, chunk=chunk)
+        return {"message": message, **problem}
+    return None
+
+
+def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str, Any]:
+    m = reader.manifest
+    arrays = m.arrays
+    doc: dict[str, Any] = {
+        "path": reader.url,
+        "format": reader.format,
+        "ok": False,
+        "checksums": "crc32c" if reader.format == "snapshard" else None,
+        "leaves": len(m.leaves),
+        "chunks": sum(len(a.chunks) for a in arrays),
+        "bytes": sum(a.nbytes for a in arrays),
+        "bytes_checked": 0,
+        "problem": None,
+    }
+    if reader.format == "snapshard":
+        try:
+            validate_coverage(m, reader.url)
+        except ValidationError as e:
+            doc["problem"] = {"message": str(e), "file": None, "leaf": None, "chunk": None}
+            return doc
+        assert reader.storage is not None
+        doc["problem"] = file_problem(reader.storage, m)
+        if doc["problem"] is not None:
+            return doc
+    with out.progress(doc["bytes"], "verify") as bar:
+        for leaf in arrays:
+            for c, (start, stop) in chunk_slabs(leaf, buffer_bytes):
+                try:
+                    box = reader.read_box(leaf, start, stop)
+                except ChecksumMismatchError as e:
+                    doc["problem"] = {
+                        "message": str(e),
+                        "file": e.file,
+                        "leaf": e.leaf,
+                        "chunk": e.chunk,
+                        "block": e.block,
+                    }
+                    return doc
+                except (SnapshardError, OSError, ValueError) as e:
+                    file = m.files[int(leaf.chunks.file[c])].name if m.files else None
+                    doc["problem"] = {
+                        "message": f"leaf {leaf.name!r}, chunk {c}: {e}",
+                        "file": file,
+                        "leaf": leaf.name,
+                        "chunk": c,
+                    }
+                    return doc
+                n = int(np.asarray(box).nbytes)
+                doc["bytes_checked"] += n
+                bar.update(n)
+    doc["ok"] = True
+    return doc
+
+
+def render(doc: dict[str, Any]) -> str:
+    if not doc["ok"]:
+        return f"DAMAGED {doc['path']}: {doc['problem']['message']}"
+    what = "every checksum matches" if doc["checksums"] else "every chunk decodes (no checksums)"
+    return (
+        f"OK {doc['path']}: {doc['leaves']} leaves, {doc['chunks']} chunks, "
+        f"{human_bytes(doc['bytes_checked'])} read, {what}"
+    )
+
+
+def run(args: argparse.Namespace, out: Output) -> int:
+    try:
+        reader = open_reader(args.path, verify=True)
+    except CorruptCheckpointError as e:  # a damaged manifest is a finding, not bad input
+        problem = {"message": str(e), "file": MANIFEST_NAME, "leaf": None, "chunk": None}
+        doc = {"path": args.path, "ok": False, "problem": problem}
+    else:
+        with reader:
+            doc = verify(reader, out, args.buffer_bytes)
+    out.result(doc, lambda: render(doc))
+    return 0 if doc["ok"] else 1

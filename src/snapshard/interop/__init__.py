@@ -1,0 +1,76 @@
+"""Checkpoints of other libraries, and tools that read any checkpoint box by box.
+
+`open_foreign` is the hook through which `snapshard.load` and `snapshard.metadata` read a
+checkpoint written by Orbax: it returns the checkpoint's tree as a snapshard manifest and a
+reader that fills the restore path's buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import urlparse
+
+from ..errors import CheckpointNotFoundError, SnapshardError
+
+if TYPE_CHECKING:
+    from ..format import Manifest
+    from ..restore import ReadStats, _Request
+    from ..storage import Storage
+
+ORBAX_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
+
+
+class ForeignCheckpoint(Protocol):
+    """A checkpoint of another library, seen through snapshard's restore path."""
+
+    format: str
+    manifest: Manifest
+
+    def read_batch(self, reqs: list[_Request], stats: ReadStats) -> None: ...
+
+
+# Where TensorStore can read an Orbax checkpoint from (see interop.orbax.kvstore_spec).
+ORBAX_SCHEMES = ("", "file", "s3", "gs")
+
+
+def looks_like_orbax(local_dir: str) -> bool:
+    """Whether a local directory holds Orbax's metadata files (no TensorStore needed)."""
+    return any(os.path.exists(os.path.join(local_dir, m)) for m in ORBAX_MARKERS)
+
+
+def step_order(name: str) -> list[Any]:
+    """Natural order of checkpoint names: '9' before '10', 'step_9' before 'step_10'."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def local_path(location: str) -> str | None:
+    """The filesystem path of a local location (a path or file:// URL); None for a URL."""
+    parsed = urlparse(location)
+    if parsed.scheme not in ("", "file"):
+        return None
+    return parsed.path if parsed.scheme == "file" else location
+
+
+def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> ForeignCheckpoint:
+    """The Orbax checkpoint at the storage's location; `not_found` again when there is none."""
+    location = storage.url
+    local = local_path(location)
+    if urlparse(location).scheme not in ORBAX_SCHEMES or (
+        local is not None and not os.path.isdir(local)
+    ):
+        raise not_found
+    try:
+        from .orbax import open_orbax  # TensorStore is an optional dependency
+    except ImportError:
+        if local is not None and looks_like_orbax(local):
+            raise SnapshardError(
+                f"{location} is an Orbax checkpoint; reading it needs TensorStore "
+                "(pip install 'snapshard[orbax]')"
+            ) from None
+        raise not_found from None
+    checkpoint = open_orbax(location)
+    if checkpoint is None:
+        raise not_found
+    return checkpoint

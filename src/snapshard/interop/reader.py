@@ -1,0 +1,195 @@
+"""Any checkpoint opened for tools: its leaves, and boxes of its arrays read one at a time.
+
+snapshard and Orbax checkpoints are read through the restore path (checksums verified for
+snapshard), safetensors files through `snapshard.safetensors.load`. Tools stream large
+arrays as slabs: boxes of at most a given number of bytes, each contiguous in C order.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..adapters.leaves import is_save_leaf
+from ..dtypes import dtype_from_name, dtype_name
+from ..errors import SnapshardError
+from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
+
+# The restore path's own request and buffer types: reads here run exactly the code (and the
+# checksum verification) of a restore.
+from ..restore import (
+    DEFAULT_MAX_GAP,
+    DEFAULT_THREADS,
+    ReadStats,
+    _Dest,
+    _open,
+    _Request,
+    aligned_empty,
+)
+from ..storage import Location, Storage, storage_for
+from ..tree import flatten
+from . import local_path
+
+SAFETENSORS_SUFFIX = ".safetensors"
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass
+class CheckpointReader:
+    """A checkpoint's manifest (its tree and leaves) and reads of boxes of its arrays."""
+
+    url: str
+    format: str  # "snapshard", "orbax" or "safetensors"
+    manifest: Manifest
+    _read_batch: Callable[[list[_Request]], None]
+    storage: Storage | None = None  # where a snapshard or Orbax checkpoint lives
+    stats: ReadStats = field(default_factory=ReadStats)
+
+    def read_box(self, leaf: ArrayLeaf, start: Any, stop: Any) -> np.ndarray:
+        """Box [start, stop) of a saved array, in its saved dtype (key data for PRNG keys)."""
+        dtype = dtype_from_name(leaf.dtype)
+        s, e = np.asarray(start, np.int64), np.asarray(stop, np.int64)
+        shape = tuple(int(x) for x in e - s)
+        if math.prod(shape) == 0:
+            return np.empty(shape, dtype)
+        dest = _Dest(leaf, s, e, aligned_empty(math.prod(shape) * dtype.itemsize))
+        self._read_batch([_Request(leaf, "numpy", dtype, dests=[dest])])
+        return dest.buf.view(dtype).reshape(shape)
+
+    def close(self) -> None:
+        if self.storage is not None:
+            self.storage.close()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def is_safetensors(location: Location) -> bool:
+    """A `.safetensors` name, or a local file that starts like one (a header length, then '{')."""
+    text = os.fspath(location)
+    if text.endswith(SAFETENSORS_SUFFIX):
+        return True
+    path = local_path(text)
+    if path is None or not os.path.isfile(path):
+        return False
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") > 1
+
+
+def open_reader(
+    location: Location, *, verify: bool = True, threads: int = DEFAULT_THREADS
+) -> CheckpointReader:
+    """Open the checkpoint at `location`: snapshard, Orbax or a safetensors file."""
+    if is_safetensors(location):
+        return _safetensors_reader(os.fspath(location))
+    storage = storage_for(location)
+    stats = ReadStats()
+    try:
+        manifest, read_batch = _open(storage, verify, threads, DEFAULT_MAX_GAP, stats)
+    except BaseException:
+        storage.close()
+        raise
+    fmt = str(manifest.extra.get("format", "snapshard"))
+    return CheckpointReader(storage.url, fmt, manifest, read_batch, storage, stats)
+
+
+def _safetensors_reader(location: str) -> CheckpointReader:
+    try:
+        # Written alongside this module; looked up at run time so that either can ship first.
+        st = importlib.import_module("snapshard.safetensors")
+    except ImportError:
+        raise SnapshardError(
+            f"{location}: reading safetensors files needs snapshard.safetensors, which this "
+            "installation does not have"
+        ) from None
+    tree = st.load(location)
+    flat = flatten(tree, is_save_leaf)
+    leaves: list[Leaf] = []
+    arrays: dict[int, np.ndarray] = {}
+    for path, value in zip(flat.paths, flat.leaves, strict=True):
+        if value is None or isinstance(value, bool | int | float | str):
+            leaves.append(ValueLeaf(path, value))
+            continue
+        a = np.asarray(value)
+        shape = tuple(a.shape)
+        leaf = ArrayLeaf(
+            path, "array", dtype_name(a.dtype, leaf=str(path)), shape, {"type": "host"}
+        )
+        leaf.chunks = whole_array_chunk(shape, a.dtype.itemsize)
+        arrays[id(leaf)] = a
+        leaves.append(leaf)
+    manifest = Manifest(flat.structure, leaves, [], extra={"format": "safetensors"})
+
+    def read_batch(reqs: list[_Request]) -> None:
+        for req in reqs:
+            for d in req.dests:
+                box = tuple(slice(int(a), int(b)) for a, b in zip(d.start, d.stop, strict=True))
+                d.buf = np.ascontiguousarray(arrays[id(req.saved)][box]).reshape(-1).view(np.uint8)
+
+    return CheckpointReader(location, "safetensors", manifest, read_batch)
+
+
+def whole_array_chunk(shape: tuple[int, ...], itemsize: int) -> ChunkTable:
+    """A chunk table with one box covering the array (none if it has no elements)."""
+    nd = len(shape)
+    if math.prod(shape) == 0:
+        return ChunkTable.empty(nd)
+    z = np.zeros(1, np.int64)
+    return ChunkTable(
+        np.zeros((1, nd), np.int64),
+        np.asarray([shape], np.int64).reshape(1, nd),
+        z,
+        z,
+        np.asarray([math.prod(shape) * itemsize], np.int64),
+        z,
+        [""],
+    )
+
+
+def slabs(start: Any, stop: Any, itemsize: int, max_bytes: int) -> Iterator[Box]:
+    """Box [start, stop) cut into boxes of at most `max_bytes` (at least one element each),
+    each contiguous in the box's C order: whole trailing axes, a run of one axis, and one
+    index of every leading axis."""
+    s0 = np.asarray(start, np.int64)
+    e0 = np.asarray(stop, np.int64)
+    ext = e0 - s0
+    nd = len(ext)
+    if np.any(ext <= 0) and nd:
+        return
+    if nd == 0 or math.prod(int(x) for x in ext) * itemsize <= max_bytes:
+        yield tuple(s0.tolist()), tuple(e0.tolist())
+        return
+    # Absorb trailing axes while they fit; split axis k into runs of `step` rows.
+    inner, k = itemsize, nd - 1
+    while k > 0 and inner * int(ext[k]) <= max_bytes:
+        inner *= int(ext[k])
+        k -= 1
+    step = max(1, max_bytes // inner)
+    for lead in np.ndindex(*(int(x) for x in ext[:k])):
+        for a in range(0, int(ext[k]), step):
+            s, e = s0.copy(), e0.copy()
+            s[:k] = s0[:k] + np.asarray(lead, np.int64)
+            e[:k] = s[:k] + 1
+            s[k] = s0[k] + a
+            e[k] = min(s0[k] + a + step, e0[k])
+            yield tuple(s.tolist()), tuple(e.tolist())
+
+
+def chunk_slabs(leaf: ArrayLeaf, max_bytes: int) -> Iterator[tuple[int, Box]]:
+    """Every chunk of a leaf as slabs of at most `max_bytes`: (chunk number, box)."""
+    itemsize = dtype_from_name(leaf.dtype).itemsize
+    t = leaf.chunks
+    for c in range(len(t)):
+        for box in slabs(t.starts[c], t.stops[c], itemsize, max_bytes):
+            yield c, box

@@ -1,0 +1,170 @@
+"""Write a snapshard checkpoint from one process, one box at a time (for converters).
+
+Memory holds one box at a time. Boxes are appended to data files (a new file every
+`file_bytes`), each box one chunk with its checksums. `commit` builds the manifest,
+validates it (every array tiled exactly once) and commits it through the storage's
+protocol, so the checkpoint appears whole or not at all, as with `snapshard.save`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import numpy as np
+
+from ..checksum import block_crcs, crcs_to_hex
+from ..dtypes import dtype_from_name, little_endian
+from ..errors import CheckpointExistsError, SnapshardError
+from ..format import (
+    DATA_DIR,
+    INDEX_DIR,
+    ArrayLeaf,
+    ChunkTable,
+    FileEntry,
+    Leaf,
+    Manifest,
+    ProcessIndex,
+    ValueLeaf,
+    checksum_block,
+    validate_coverage,
+    validate_structure,
+)
+from ..storage import FileWriter, Location, Storage, storage_for
+from ..tree import JsonNode, Path
+
+DEFAULT_FILE_BYTES = 1 << 30
+
+
+class CheckpointWriter:
+    """Leaves are added in the order of the tree structure given to `commit`."""
+
+    def __init__(
+        self,
+        location: Location | Storage,
+        *,
+        overwrite: bool = False,
+        file_bytes: int = DEFAULT_FILE_BYTES,
+        extra: dict[str, Any] | None = None,
+    ):
+        self.storage = storage_for(location)
+        self.url = self.storage.url
+        if not overwrite and self.storage.is_committed():
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {self.url} (pass overwrite to replace it)"
+            )
+        self.overwrite, self.file_bytes, self.extra = overwrite, file_bytes, extra or {}
+        self.nonce = uuid.uuid4().hex[:8]
+        self.leaves: list[Leaf] = []
+        self._rows: dict[int, list[dict[str, Any]]] = {}
+        self.files: list[FileEntry] = []
+        self._file: FileWriter | None = None
+        self._offset = 0
+        self.storage.prepare_staging()
+
+    def add_value(self, path: Path, value: Any) -> None:
+        self.leaves.append(ValueLeaf(path, value))
+
+    def add_array(
+        self,
+        path: Path,
+        *,
+        kind: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        sharding: dict[str, Any] | None,
+        key_impl: str | None = None,
+    ) -> int:
+        """Declare an array leaf; returns its number for `write_box`."""
+        self.leaves.append(ArrayLeaf(path, kind, dtype, tuple(shape), sharding, key_impl))
+        self._rows[len(self.leaves) - 1] = []
+        return len(self.leaves) - 1
+
+    def write_box(self, leaf: int, start: Any, stop: Any, data: np.ndarray) -> None:
+        """Box [start, stop) of array `leaf`, in its declared dtype, as one chunk."""
+        a = self.leaves[leaf]
+        assert isinstance(a, ArrayLeaf)
+        arr = little_endian(np.asarray(data, order="C"))
+        want = tuple(int(e) - int(s) for s, e in zip(start, stop, strict=True))
+        if arr.dtype != dtype_from_name(a.dtype) or arr.shape != want:
+            raise SnapshardError(
+                f"{self.url}: box of leaf {a.name!r} is {arr.dtype}{list(arr.shape)}, "
+                f"expected {a.dtype}{list(want)}"
+            )
+        mv = arr.reshape(-1).view(np.uint8).data
+        if self._file is None or self._offset >= self.file_bytes:
+            self._next_file()
+        assert self._file is not None
+        block = checksum_block(len(mv))
+        crcs = block_crcs(mv, block)
+        self._file.write(mv)
+        self._rows[leaf].append(
+            {
+                "start": [int(x) for x in start],
+                "stop": [int(x) for x in stop],
+                "file": len(self.files),
+                "offset": self._offset,
+                "nbytes": len(mv),
+                "block": block,
+                "crc32c": crcs_to_hex(crcs),
+            }
+        )
+        self._offset += len(mv)
+
+    def _file_name(self) -> str:
+        return f"{DATA_DIR}/p00000-{self.nonce}-{len(self.files)}.bin"
+
+    def _next_file(self) -> None:
+        self._close_file()
+        self._file = self.storage.open_writer(self._file_name())
+        self._offset = 0
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self.files.append(FileEntry(self._file_name(), self._file.close()))
+            self._file = None
+
+    def commit(self, structure: JsonNode) -> Manifest:
+        """Validate and commit; the checkpoint is visible from here on."""
+        try:
+            self._close_file()
+            tables = {
+                i: ChunkTable.from_rows(rows, len(a.shape), self.url)
+                for i, rows in self._rows.items()
+                if isinstance(a := self.leaves[i], ArrayLeaf)
+            }
+            for i, t in tables.items():
+                leaf = self.leaves[i]
+                assert isinstance(leaf, ArrayLeaf)
+                leaf.chunks = t
+            index_name = f"{INDEX_DIR}/p00000-{self.nonce}.json"
+            self.storage.write_bytes(index_name, ProcessIndex(0, self.files, tables).to_json())
+            # Files an earlier, interrupted attempt left in the staging area must not commit.
+            ours = {f.name for f in self.files} | {index_name}
+            stale = [n for n in self.storage.list_staging() if n not in ours]
+            self.storage.delete_staging_files(stale)
+            manifest = Manifest(
+                structure=structure,
+                leaves=self.leaves,
+                files=self.files,
+                process_count=1,
+                write_mode="single_replica",
+                extra={"indexes": [index_name], **self.extra},
+            )
+            validate_structure(manifest, self.url)
+            validate_coverage(manifest, self.url)
+            self.storage.commit(manifest.to_json(), overwrite=self.overwrite)
+        except BaseException:
+            self.abort()
+            raise
+        return manifest
+
+    def abort(self) -> None:
+        """Give up: nothing becomes visible, what was staged is removed."""
+        if self._file is not None:
+            self._file.abort()
+            self._file = None
+        self.storage.discard_staging()
+
+    def close(self) -> None:
+        self.storage.close()

@@ -1,0 +1,388 @@
+"""The `snapshard` command, run in-process through snapshard.cli.main (and once as a process)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import snapshard
+from snapshard.cli import main
+
+from conftest import mesh, sharded
+
+SRC = Path(__file__).parent.parent / "src"
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def run_json(capsys, *argv) -> tuple[int, dict]:
+    code, out, _ = run(capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+def tree(seed=0, **changes):
+    rng = np.random.default_rng(seed)
+    m = mesh(2, 4)
+    t = {
+        "w": sharded(rng.standard_normal((64, 48), dtype=np.float32), m, "data", "model"),
+        "emb": sharded(
+            rng.standard_normal((16, 8), dtype=np.float32).astype(jax.numpy.bfloat16),
+            m,
+            None,
+            "model",
+        ),
+        "odd": np.arange(7 * 5, dtype=np.int16).reshape(7, 5),
+        "key": jax.random.key(3),
+        "step": 10,
+    }
+    t.update(changes)
+    return t
+
+
+def digest(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture
+def saved(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    snapshard.save(ckpt, tree())
+    return ckpt
+
+
+def chunk_of(ckpt: Path, leaf: str, chunk: int) -> tuple[str, int, int]:
+    """(data file, offset, nbytes) of a chunk, from the manifest."""
+    doc = json.loads((ckpt / "manifest.json").read_bytes())
+    entry = next(e for e in doc["leaves"] if e["path"] == [leaf])
+    c = entry["chunks"][chunk]
+    return doc["files"][c["file"]]["name"], c["offset"], c["nbytes"]
+
+
+# ---- ls ---------------------------------------------------------------------------------
+
+
+def test_ls_lists_steps_in_numeric_order_with_state(tmp_path, capsys):
+    root = tmp_path / "run"
+    for step in (2, 10, 1):
+        snapshard.save(root / str(step), {"x": np.full(4, step, np.float32), "step": step})
+    (root / "11.snapshard-tmp").mkdir()  # a save that never committed
+    code, doc = run_json(capsys, "ls", root)
+    assert code == 0
+    names = [e["name"] for e in doc["checkpoints"]]
+    assert names == ["1", "2", "10", "11"]
+    states = {e["name"]: e["state"] for e in doc["checkpoints"]}
+    assert states == {"1": "complete", "2": "complete", "10": "complete", "11": "incomplete"}
+    first = doc["checkpoints"][0]
+    assert first["step"] == 1 and first["bytes"] == 16 and first["format"] == "snapshard"
+    assert first["time"].endswith("+00:00") and first["time_unix"] > 0
+    code, out, _ = run(capsys, "ls", root)
+    lines = out.splitlines()
+    assert lines[0].split()[:3] == ["NAME", "STATE", "FORMAT"] and len(lines) == 5
+    assert lines[4].split()[:2] == ["11", "incomplete"]
+
+
+def test_ls_of_a_checkpoint_is_an_error(saved, capsys):
+    code, _, err = run(capsys, "ls", saved)
+    assert code == 2 and "is a checkpoint" in err
+
+
+def test_ls_and_info_of_an_orbax_manager_directory(tmp_path, capsys):
+    pytest.importorskip("orbax.checkpoint")
+    from orbax_writer import save_manager
+
+    root = save_manager(
+        tmp_path / "orbax", {s: {"w": np.full((4, 6), s, np.float32)} for s in (5, 40)}
+    )
+    code, doc = run_json(capsys, "ls", root)
+    assert code == 0
+    assert [(e["name"], e["format"], e["state"]) for e in doc["checkpoints"]] == [
+        ("5", "orbax", "complete"),
+        ("40", "orbax", "complete"),
+    ]
+    assert all(e["bytes"] > 0 and e["time_unix"] > 0 for e in doc["checkpoints"])
+    code, doc = run_json(capsys, "info", root / "40")
+    assert code == 0 and doc["format"] == "orbax"
+    assert doc["leaves"][0]["name"] == "w" and doc["leaves"][0]["dtype"] == "float32"
+    code, _, err = run(capsys, "info", root)
+    assert code == 2 and "pass one of its steps (5, 40)" in err
+
+
+# ---- info -------------------------------------------------------------------------------
+
+
+def test_info(saved, capsys):
+    code, doc = run_json(capsys, "info", saved)
+    assert code == 0 and doc["format"] == "snapshard" and doc["version"] == 1
+    leaves = {leaf["name"]: leaf for leaf in doc["leaves"]}
+    w = leaves["w"]
+    assert w["shape"] == [64, 48] and w["dtype"] == "float32" and w["bytes"] == 64 * 48 * 4
+    assert w["chunks"] == 8 and w["sharding"]["mesh"] == {"data": 2, "model": 4}
+    assert leaves["emb"]["dtype"] == "bfloat16" and leaves["emb"]["chunks"] == 4
+    assert leaves["odd"]["sharding"] == {"type": "host"}
+    assert leaves["key"]["dtype"] == "key<threefry2x32>" and leaves["key"]["shape"] == []
+    assert leaves["step"] == {"name": "step", "path": ["step"], "kind": "value", "value": 10}
+    code, out, _ = run(capsys, "info", saved)
+    assert code == 0 and "NamedSharding(data=2,model=4; data, model)" in out
+    assert any(line.split()[:4] == ["w", "array", "(64,", "48)"] for line in out.splitlines())
+
+
+# ---- verify -----------------------------------------------------------------------------
+
+
+def test_verify_passes_on_an_intact_checkpoint(saved, capsys):
+    code, doc = run_json(capsys, "verify", saved, "--buffer-mb", "0.001")
+    assert code == 0 and doc["ok"] and doc["problem"] is None
+    assert doc["bytes_checked"] == doc["bytes"] == 64 * 48 * 4 + 16 * 8 * 2 + 35 * 2 + 8
+    code, out, _ = run(capsys, "verify", saved)
+    assert code == 0 and out.startswith("OK ") and "every checksum matches" in out
+
+
+def test_verify_finds_a_flipped_byte_and_names_file_leaf_and_chunk(saved, capsys):
+    before = digest(saved)
+    name, offset, _ = chunk_of(saved, "w", 5)
+    path = saved / name
+    data = bytearray(path.read_bytes())
+    data[offset + 100] ^= 0x01
+    path.write_bytes(data)
+    code, doc = run_json(capsys, "verify", saved)
+    assert code == 1 and not doc["ok"]
+    p = doc["problem"]
+    assert p["leaf"] == "w" and p["chunk"] == 5 and p["file"].endswith(name)
+    code, out, err = run(capsys, "verify", saved)
+    assert code == 1 and out.startswith("DAMAGED") and "checksum mismatch" in out
+    assert "'w', chunk 5" in out and name in out and err == ""
+    assert digest(saved).keys() == before.keys()  # verify never writes
+
+
+def test_verify_finds_a_truncated_file(saved, capsys):
+    name, offset, nbytes = chunk_of(saved, "w", 2)
+    path = saved / name
+    os.truncate(path, offset + nbytes // 2)
+    code, doc = run_json(capsys, "verify", saved)
+    assert code == 1
+    p = doc["problem"]
+    assert p["file"] == name and p["leaf"] == "w" and p["chunk"] == 2
+    assert f"has {offset + nbytes // 2} bytes" in p["message"]
+
+
+def test_verify_finds_a_damaged_manifest(saved, capsys):
+    (saved / "manifest.json").write_bytes(b'{"format": "snapshard", "version": 1, "files": [')
+    code, doc = run_json(capsys, "verify", saved)
+    assert code == 1 and "not valid JSON" in doc["problem"]["message"]
+
+
+# ---- diff -------------------------------------------------------------------------------
+
+
+def test_diff_reports_added_removed_and_changed_leaves(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    base = tree()
+    w = np.asarray(base["w"]).copy()
+    w[3, 7] += 0.5
+    snapshard.save(a, base)
+    changed = tree(
+        w=sharded(w, mesh(2, 4), "data", "model"), odd=np.zeros((7, 6), np.int16), step=11
+    )
+    del changed["key"]
+    changed["new"] = np.ones(2, np.float32)
+    snapshard.save(b, changed)
+    code, doc = run_json(capsys, "diff", a, b)
+    assert code == 1 and not doc["identical"] and doc["values"] is None
+    assert [d["name"] for d in doc["added"]] == ["new"]
+    assert [d["name"] for d in doc["removed"]] == ["key"]
+    by_name = {d["name"]: d for d in doc["changed"]}
+    assert set(by_name) == {"odd", "step"}
+    assert by_name["odd"]["a"]["shape"] == [7, 5] and by_name["odd"]["b"]["shape"] == [7, 6]
+    # Values, streamed in slabs far smaller than an array.
+    code, doc = run_json(capsys, "diff", a, b, "--values", "--buffer-mb", "0.001")
+    assert code == 1
+    assert doc["values"] == [
+        {"name": "w", "differing": 1, "elements": 64 * 48, "max_abs_diff": pytest.approx(0.5)}
+    ]
+    code, out, _ = run(capsys, "diff", a, b, "--values")
+    assert "≠ w: 1 of 3072 elements differ" in out and "~ odd: (7, 5) int16 -> (7, 6) int16" in out
+    code, doc = run_json(capsys, "diff", a, a, "--values")
+    assert code == 0 and doc["identical"]
+
+
+# ---- convert ----------------------------------------------------------------------------
+
+
+def test_convert_snapshard_rechunks_and_round_trips(saved, tmp_path, capsys):
+    before = digest(saved)
+    dst = tmp_path / "copy"
+    code, doc = run_json(capsys, "convert", saved, dst, "--chunk-mb", "0.0005")
+    assert code == 0 and doc["format"] == "snapshard" and doc["source_format"] == "snapshard"
+    assert doc["chunks"] > 8 + 4 + 1 + 1  # large chunks were cut
+    assert digest(saved) == before  # the source is untouched
+    src, out = snapshard.load(saved), snapshard.load(dst)
+    for k in ("w", "emb", "odd"):
+        assert out[k].tobytes() == src[k].tobytes() and out[k].dtype == src[k].dtype
+    assert np.array_equal(jax.random.key_data(out["key"]), jax.random.key_data(src["key"]))
+    assert out["step"] == 10
+    md = snapshard.metadata(dst)
+    assert md["w"].sharding == snapshard.metadata(saved)["w"].sharding  # saved sharding kept
+    # A converted checkpoint restores onto a mesh, and passes verify and diff.
+    target = {
+        "w": jax.ShapeDtypeStruct(
+            (64, 48),
+            np.float32,
+            sharding=jax.sharding.NamedSharding(
+                mesh(8, names=("x",)), jax.sharding.PartitionSpec("x")
+            ),
+        )
+    }
+    assert np.asarray(snapshard.load(dst, target)["w"]).tobytes() == src["w"].tobytes()
+    assert run(capsys, "verify", dst)[0] == 0
+    assert run(capsys, "diff", saved, dst, "--values")[0] == 0
+
+
+def test_convert_refuses_to_overwrite_or_write_into_the_source(saved, tmp_path, capsys):
+    other = tmp_path / "other"
+    snapshard.save(other, {"x": np.ones(3)})
+    code, _, err = run(capsys, "convert", saved, other)
+    assert code == 2 and "already exists" in err
+    code, _, err = run(capsys, "convert", saved, saved, "--overwrite")
+    assert code == 2 and "is the source" in err
+    code, _, err = run(capsys, "convert", saved, saved / "inside")
+    assert code == 2 and "inside it" in err
+    assert run(capsys, "convert", saved, other, "--overwrite")[0] == 0
+    assert snapshard.load(other)["step"] == 10
+
+
+def test_convert_orbax_to_snapshard(tmp_path, capsys):
+    pytest.importorskip("orbax.checkpoint")
+    from orbax_writer import save_pytree, state_tree
+
+    src_tree = state_tree()
+    src = save_pytree(tmp_path / "orbax", src_tree, "ocdbt-zarr3")
+    dst = tmp_path / "converted"
+    code, doc = run_json(capsys, "convert", src, dst)
+    assert code == 0 and doc["source_format"] == "orbax"
+    a, b = snapshard.load(src), snapshard.load(dst)
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for (path, x), y in zip(
+        jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b), strict=True
+    ):
+        if isinstance(x, np.ndarray):
+            assert x.dtype == y.dtype and x.tobytes() == y.tobytes(), path
+    assert b["step"] == 1000 and b["name"] == "run-7"
+    assert snapshard.metadata(dst)["params"]["w"].sharding["spec"] == ["data", "model"]
+    code, doc = run_json(capsys, "diff", src, dst, "--values")
+    assert code == 0 and doc["identical"]
+    code, doc = run_json(capsys, "verify", src)
+    assert code == 0 and doc["checksums"] is None
+
+
+def test_convert_to_safetensors_loads_bit_exact(saved, tmp_path, capsys):
+    pytest.importorskip("snapshard.safetensors")
+    from safetensors.numpy import load_file
+
+    dst = tmp_path / "model.safetensors"
+    code, doc = run_json(capsys, "convert", saved, dst, "--to", "safetensors")
+    assert code == 0 and doc["skipped"] == ["step"]
+    src = snapshard.load(saved)
+    loaded = load_file(str(dst))
+    want = sorted((a.dtype.str, a.shape, a.tobytes()) for a in (src["w"], src["odd"]))
+    got = sorted(
+        (a.dtype.str, a.shape, a.tobytes())
+        for a in loaded.values()
+        if a.dtype.str in ("<f4", "<i2")
+    )
+    assert got == want
+    back = tmp_path / "back"
+    assert run(capsys, "convert", dst, back)[0] == 0
+    code, doc = run_json(capsys, "diff", saved, back, "--values")
+    # Python values have no place in safetensors; a PRNG key travels as its key data.
+    assert [d["name"] for d in doc["removed"]] == ["step"]
+    assert [(d["name"], d["b"]["dtype"]) for d in doc["changed"]] == [("key", "uint32")]
+    assert not doc["added"] and not doc["values"]
+
+
+# ---- for every command ------------------------------------------------------------------
+
+
+def test_every_command_prints_parseable_json(saved, tmp_path, capsys):
+    for argv in (
+        ["ls", saved.parent],
+        ["info", saved],
+        ["verify", saved],
+        ["diff", saved, saved],
+        ["convert", saved, tmp_path / "c"],
+    ):
+        code, out, _ = run(capsys, *argv, "--json")
+        assert code == 0, argv
+        assert isinstance(json.loads(out), dict), argv
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["ls", "{missing}"],
+        ["info", "{missing}"],
+        ["verify", "{missing}"],
+        ["diff", "{saved}", "{missing}"],
+        ["convert", "{missing}", "{empty}/out"],
+        ["info", "{empty}"],  # a directory that is no checkpoint
+        ["info", "ftp://host/ckpt"],  # a scheme no backend serves
+    ],
+)
+def test_bad_paths_give_one_error_line_and_exit_code_2(saved, tmp_path, capsys, argv):
+    (tmp_path / "empty").mkdir()
+    values = {"missing": tmp_path / "missing", "empty": tmp_path / "empty", "saved": saved}
+    argv = [a.format(**values) for a in argv]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("snapshard: error: "), err
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 2 and json.loads(out)["error"] in err
+
+
+def test_usage_errors_exit_2(saved, capsys):
+    code, _, err = run(capsys, "verify", saved, "--buffer-mb", "lots")
+    assert code == 2 and "not a number of MiB" in err and "Traceback" not in err
+    assert run(capsys, "frobnicate")[0] == 2
+    assert run(capsys)[0] == 2
+
+
+def test_progress_bar_only_on_a_terminal(saved, capsys, monkeypatch):
+    pytest.importorskip("tqdm")
+    assert run(capsys, "verify", saved)[2] == ""  # not a terminal: no bar
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    code, _, err = run(capsys, "verify", saved)
+    assert code == 0 and "verify:" in err
+    assert run(capsys, "verify", saved, "--quiet")[2] == ""
+
+
+def test_console_entry_point(saved):
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [sys.executable, "-m", "snapshard"]
+    ok = subprocess.run(
+        [*cmd, "info", str(saved), "--json"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["format"] == "snapshard"
+    bad = subprocess.run(
+        [*cmd, "verify", str(saved / "nope")], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("snapshard: error: no checkpoint")
