@@ -26,7 +26,7 @@ from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes
 from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
 from .errors import ChecksumMismatchError, TargetMismatchError
-from .format import ArrayLeaf, Manifest, ValueLeaf, validate_structure
+from .format import ArrayLeaf, ChunkTable, Manifest, ValueLeaf, validate_structure
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid
 from .storage import Location, Storage, storage_for
 from .tree import Path, keypath_to_path, path_str, unflatten
@@ -190,6 +190,11 @@ class _Task:
 _MAX_SCATTER_PIECES = 64
 
 
+def _verified(verify: bool, t: ChunkTable, c: int) -> bool:
+    """Chunks with checksum block size 0 have no checksums (tables of other formats)."""
+    return verify and int(t.block[c]) > 0
+
+
 def _plan_tasks(
     manifest: Manifest, dests: list[_Dest], verify: bool, max_gap: int, stats: ReadStats
 ) -> list[_Task]:
@@ -207,7 +212,8 @@ def _plan_tasks(
         stats.bytes_needed += d.buf.nbytes
         for c in indexes[key].overlapping(d.start, d.stop):
             os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
-            grid = run_grid(t.starts[c], t.stops[c], d.start, d.stop, os_, oe, itemsize)
+            stored_start, stored_stop = t.storage_box(c)
+            grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
             per_chunk.setdefault((key, int(c)), []).append((di, grid))
     tasks = []
     for (key, c), grids in per_chunk.items():
@@ -233,7 +239,7 @@ def _plan_tasks(
             overlap[order],
             grids,
         )
-        block = int(t.block[c]) if verify else None
+        block = int(t.block[c]) if _verified(verify, t, c) else None
         stats.chunks_touched += 1
         for r in coalesce_runs(
             runs.src, runs.length, int(t.nbytes[c]), block=block, max_gap=max_gap
@@ -304,7 +310,7 @@ def _run_task(storage: Storage, task: _Task, dests: list[_Dest], verify: bool) -
     else:
         bufs = _scatter_views(task, dests)
     storage.read_into(runs.file, runs.file_offset + r.start, bufs)
-    if verify:
+    if _verified(verify, runs.leaf.chunks, runs.chunk):
         t = runs.leaf.chunks
         block = int(t.block[runs.chunk])
         v = BlockVerifier(
@@ -350,16 +356,15 @@ def _build(req: _Request) -> Any:
     return assemble(req.saved.shape, req.sharding, per_device)
 
 
-def _read_batch(
+def _read_dests(
     storage: Storage,
     manifest: Manifest,
-    reqs: list[_Request],
+    dests: list[_Dest],
     verify: bool,
     threads: int,
     max_gap: int,
     stats: ReadStats,
 ) -> None:
-    dests = [d for r in reqs for d in r.dests]
     tasks = _plan_tasks(manifest, dests, verify, max_gap, stats)
     # Largest reads first keeps the threads busy to the end.
     tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
@@ -389,6 +394,49 @@ def _batches(reqs: list[_Request], budget: int | None) -> list[list[_Request]]:
     if cur:
         out.append(cur)
     return out
+
+
+# Turns the destination buffers of a batch into the buffers actually read from storage, and
+# the steps that fill the former from the latter once read (in order). Readers of other
+# formats use it for arrays computed from stored ones (snapshard.safetensors transforms).
+Expand = Callable[[list[_Dest]], tuple[list[_Dest], list[Callable[[], None]]]]
+
+
+def execute(
+    storage: Storage,
+    manifest: Manifest,
+    reqs: list[_Request],
+    *,
+    verify: bool,
+    threads: int,
+    memory_budget: int | None,
+    max_gap: int,
+    stats: ReadStats,
+    expand: Expand | None = None,
+) -> list[Any]:
+    """Read and build every request, in batches that fit the memory budget (jax.Arrays only).
+
+    Returns the built values in the order of `reqs`. `manifest` supplies the file names that
+    the requests' chunk tables refer to.
+    """
+    budget = None if all(r.kind in ("numpy", "scalar") for r in reqs) else memory_budget
+    results: dict[int, Any] = {}
+    for batch in _batches(reqs, budget):
+        t0 = time.perf_counter()
+        dests = [d for r in batch for d in r.dests]
+        steps: list[Callable[[], None]] = []
+        if expand is not None:
+            dests, steps = expand(dests)
+        _read_dests(storage, manifest, dests, verify, threads, max_gap, stats)
+        for step in steps:
+            step()
+        t1 = time.perf_counter()
+        for r in batch:
+            results[id(r)] = _build(r)
+            r.dests.clear()
+        stats.read_s += t1 - t0
+        stats.assemble_s += time.perf_counter() - t1
+    return [results[id(r)] for r in reqs]
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -468,17 +516,17 @@ def load(
                         f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
                     )
                 reqs.append((path, _request(leaf, t, url)))
-        budget = None if all(r.kind in ("numpy", "scalar") for _, r in reqs) else memory_budget
-        by_req = {id(r): p for p, r in reqs}
-        for batch in _batches([r for _, r in reqs], budget):
-            t0 = time.perf_counter()
-            _read_batch(storage, manifest, batch, verify, threads, max_gap, stats)
-            t1 = time.perf_counter()
-            for r in batch:
-                results[by_req[id(r)]] = _build(r)
-                r.dests.clear()
-            stats.read_s += t1 - t0
-            stats.assemble_s += time.perf_counter() - t1
+        built = execute(
+            storage,
+            manifest,
+            [r for _, r in reqs],
+            verify=verify,
+            threads=threads,
+            memory_budget=memory_budget,
+            max_gap=max_gap,
+            stats=stats,
+        )
+        results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:
         if owns_storage:
             storage.close()
