@@ -9,6 +9,7 @@ Transforms (snapshard.safetensors.surgery) are lazy: composed with `load`, each 
 computed from just the source bytes it needs.
 """
 
+from .export import ExportResult, save
 from .loader import Transform, arrays, load
 
-__all__ = ["Transform", "arrays", "load"]
+__all__ = ["ExportResult", "Transform", "arrays", "load", "save"]
