@@ -105,9 +105,9 @@ def parse_header(raw: bytes, file: str, file_size: int | None = None) -> Header:
     tensors: dict[str, TensorInfo] = {}
     for name, entry in doc.items():
         tensors[name] = _tensor_info(name, entry, where, data_start)
-    spans = sorted(tensors.values(), key=lambda t: (t.begin, t.end))
+    spans = sorted((t for t in tensors.values() if t.nbytes), key=lambda t: (t.begin, t.end))
     for a, b in zip(spans, spans[1:], strict=False):
-        if b.begin < a.end and b.nbytes and a.nbytes:
+        if b.begin < a.end:
             raise CorruptCheckpointError(
                 f"{where}: tensors {a.name!r} and {b.name!r} overlap "
                 f"(data offsets {a.begin - data_start}..{a.end - data_start} and "
