@@ -69,6 +69,34 @@ def write_sharded(directory: Path, tensors: dict[str, np.ndarray], n: int = 3) -
         part = {k: tensors[k] for k in names[i::n]}
         write_single(directory / file, part)
         weight_map.update(dict.fromkeys(part, file))
-    index = {"metadata": {"total_size": sum(v.nbytes for v in tensors.values())}, "weight_map": weight_map}
+    index = {
+        "metadata": {"total_size": sum(v.nbytes for v in tensors.values())},
+        "weight_map": weight_map,
+    }
     (directory / "model.safetensors.index.json").write_text(json.dumps(index))
     return directory
+
+
+def experts(
+    layers: int = 2, n: int = 8, shape: tuple[int, int] = (32, 16)
+) -> dict[str, np.ndarray]:
+    """A Mixtral-style set of expert tensors, one per expert and layer."""
+    rng = np.random.default_rng(3)
+    return {
+        f"model.layers.{i}.block_sparse_moe.experts.{e}.w1.weight": rng.standard_normal(
+            shape
+        ).astype(np.float32)
+        for i in range(layers)
+        for e in range(n)
+    }
+
+
+def export_reference() -> dict[str, np.ndarray]:
+    """What the multi-process export writes (the same on every process)."""
+    rng = np.random.default_rng(11)
+    return {
+        "w": rng.standard_normal((64, 48)).astype(np.float32),
+        "cols": rng.standard_normal((8, 32)).astype(np.float32),
+        "half": rng.standard_normal((16, 8)).astype(np.float16),
+        "rep": np.arange(10, dtype=np.int32),
+    }

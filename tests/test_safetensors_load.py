@@ -14,9 +14,9 @@ import snapshard
 import snapshard.safetensors as sst
 from snapshard.errors import CorruptCheckpointError
 from snapshard.storage import LocalStorage, Storage
+from st_files import reference, write_sharded, write_single
 
 from conftest import mesh
-from st_files import reference, write_sharded, write_single
 
 
 def same_bits(a, b) -> bool:
@@ -81,7 +81,9 @@ def test_loads_onto_meshes_bit_exact(ref, sharded_dir, mesh_shape, row):
     m = mesh(*mesh_shape, names=("data", "model") if len(mesh_shape) == 2 else ("x",))
     axes = m.axis_names[::-1]
     target = {
-        k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=NamedSharding(m, _spec(v.shape, axes, row)))
+        k: jax.ShapeDtypeStruct(
+            v.shape, v.dtype, sharding=NamedSharding(m, _spec(v.shape, axes, row))
+        )
         for k, v in ref.items()
     }
     stats = snapshard.ReadStats()
@@ -111,7 +113,9 @@ def test_nested_targets_name_tensors_by_dotted_paths_and_cast(ref, single_file):
     out = sst.load(single_file, target)
     assert same_bits(out["embed"]["weight"], ref["embed.weight"])
     assert out["layers"]["0"]["mlp"]["weight"].dtype == np.float32
-    assert np.array_equal(out["layers"]["0"]["mlp"]["weight"], ref["layers.0.mlp.weight"].astype(np.float32))
+    assert np.array_equal(
+        out["layers"]["0"]["mlp"]["weight"], ref["layers.0.mlp.weight"].astype(np.float32)
+    )
 
 
 def test_a_missing_or_misshapen_target_tensor_is_named(single_file):
@@ -166,7 +170,11 @@ def test_any_storage_backend_serves_an_index_and_its_files(ref, sharded_dir):
     for k, v in ref.items():
         assert same_bits(out[k], v), k
     m = mesh(2, 4)
-    target = {"embed.weight": jax.ShapeDtypeStruct((64, 32), np.float32, sharding=NamedSharding(m, P("model")))}
+    target = {
+        "embed.weight": jax.ShapeDtypeStruct(
+            (64, 32), np.float32, sharding=NamedSharding(m, P("model"))
+        )
+    }
     check_shards(sst.load(storage, target)["embed.weight"], ref["embed.weight"])
 
 

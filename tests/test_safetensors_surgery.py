@@ -14,9 +14,9 @@ import snapshard
 import snapshard.safetensors as sst
 from snapshard.safetensors import surgery as S
 from snapshard.safetensors.materialize import reshape_source_box
+from st_files import write_single
 
 from conftest import mesh
-from st_files import write_single
 
 LAYERS, EXPERTS = 2, 8
 
@@ -25,10 +25,18 @@ def source(seed=0):
     rng = np.random.default_rng(seed)
     out = {}
     for i in range(LAYERS):
-        for p, shape in (("q", (16, 8)), ("k", (4, 8)), ("v", (4, 8)), ("gate", (12, 8)), ("up", (12, 8))):
+        for p, shape in (
+            ("q", (16, 8)),
+            ("k", (4, 8)),
+            ("v", (4, 8)),
+            ("gate", (12, 8)),
+            ("up", (12, 8)),
+        ):
             out[f"model.layers.{i}.{p}.weight"] = rng.standard_normal(shape).astype(np.float32)
         for e in range(EXPERTS):
-            out[f"model.layers.{i}.experts.{e}.w1.weight"] = rng.standard_normal((6, 8)).astype(np.float32)
+            out[f"model.layers.{i}.experts.{e}.w1.weight"] = rng.standard_normal((6, 8)).astype(
+                np.float32
+            )
     return out
 
 
@@ -79,14 +87,23 @@ CASES = {
         f"{L0}.experts.w1",
         lambda s: np.stack([s[f"{L0}.experts.{e}.w1.weight"] for e in range(EXPERTS)]),
     ),
-    "transpose": (S.transpose(r".*\.up\.weight"), f"{L0}.up.weight", lambda s: s[f"{L0}.up.weight"].T),
+    "transpose": (
+        S.transpose(r".*\.up\.weight"),
+        f"{L0}.up.weight",
+        lambda s: s[f"{L0}.up.weight"].T,
+    ),
     "reshape": (
         S.reshape(r".*\.gate\.weight", (3, 4, 8)),
         f"{L0}.gate.weight",
         lambda s: s[f"{L0}.gate.weight"].reshape(3, 4, 8),
     ),
-    "cast": (S.cast(r".*\.v\.weight", np.float16), f"{L0}.v.weight", lambda s: s[f"{L0}.v.weight"].astype(np.float16)),
+    "cast": (
+        S.cast(r".*\.v\.weight", np.float16),
+        f"{L0}.v.weight",
+        lambda s: s[f"{L0}.v.weight"].astype(np.float16),
+    ),
 }
+
 
 def composed():
     """A Llama/Mixtral-style pipeline: every kind of transform, stacked on each other."""
@@ -106,10 +123,20 @@ def composed():
     def ref(s):
         qkv = []
         for i in range(LAYERS):
-            rep = {p: np.repeat(s[f"model.layers.{i}.{p}.weight"].reshape(2, 2, 8), 4, 0).reshape(16, 8) for p in "kv"}
+            rep = {
+                p: np.repeat(s[f"model.layers.{i}.{p}.weight"].reshape(2, 2, 8), 4, 0).reshape(
+                    16, 8
+                )
+                for p in "kv"
+            }
             fused = np.concatenate([s[f"model.layers.{i}.q.weight"], rep["k"], rep["v"]], 0)
             qkv.append(fused.T.reshape(8, 3, 16))
-        w1 = np.stack([np.stack([s[f"model.layers.{i}.experts.{e}.w1.weight"] for e in range(EXPERTS)]) for i in range(LAYERS)])
+        w1 = np.stack(
+            [
+                np.stack([s[f"model.layers.{i}.experts.{e}.w1.weight"] for e in range(EXPERTS)])
+                for i in range(LAYERS)
+            ]
+        )
         return {"qkv": np.stack(qkv), "w1": w1.astype(np.float16)}
 
     return t, ref
@@ -142,7 +169,11 @@ def test_each_transform_matches_numpy_on_every_sharding(src, path, case):
     want = ref(src)
     m = mesh(2, 4)
     for sharding in _shardings(want.shape, m):
-        out = sst.load(path, {name: jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sharding)}, transform=t)
+        out = sst.load(
+            path,
+            {name: jax.ShapeDtypeStruct(want.shape, want.dtype, sharding=sharding)},
+            transform=t,
+        )
         for s in out[name].addressable_shards:
             assert np.array_equal(np.asarray(s.data), want[s.index]), (sharding.spec, s.index)
 
@@ -157,7 +188,11 @@ def test_composed_transforms_match_numpy(src, path):
     m = mesh(2, 4)
     for k in want:
         for sharding in _shardings(want[k].shape, m):
-            out = sst.load(path, {k: jax.ShapeDtypeStruct(want[k].shape, want[k].dtype, sharding=sharding)}, transform=t)
+            out = sst.load(
+                path,
+                {k: jax.ShapeDtypeStruct(want[k].shape, want[k].dtype, sharding=sharding)},
+                transform=t,
+            )
             for s in out[k].addressable_shards:
                 assert np.array_equal(np.asarray(s.data), want[k][s.index]), (k, sharding.spec)
 
@@ -169,7 +204,12 @@ def test_stacked_experts_sharded_over_experts_read_only_their_tensors(src, path)
     sharding = NamedSharding(m, P(("data", "model")))
     stats = snapshard.ReadStats()
     name = f"{L0}.experts.w1"
-    out = sst.load(path, {name: jax.ShapeDtypeStruct((EXPERTS, 6, 8), np.float32, sharding=sharding)}, transform=t, stats=stats)
+    out = sst.load(
+        path,
+        {name: jax.ShapeDtypeStruct((EXPERTS, 6, 8), np.float32, sharding=sharding)},
+        transform=t,
+        stats=stats,
+    )
     assert stats.bytes_read == stats.bytes_needed == EXPERTS * 6 * 8 * 4
     assert stats.chunks_touched == EXPERTS
     for s in out[name].addressable_shards:
@@ -183,7 +223,9 @@ def test_transform_errors_are_clear(path):
     with pytest.raises(ValueError, match=r"parts \['gate'\] found, \['gate', 'up'\] expected"):
         sst.load(path, transform=S.fuse(r"(.*)\.(?P<part>gate)\.weight", r"\1.gu", ["gate", "up"]))
     with pytest.raises(snapshard.TargetMismatchError, match="differ off axis"):
-        sst.load(path, transform=S.fuse(r"(.*)\.(?P<part>q|k)\.weight", r"\1.qk", ["q", "k"], axis=1))
+        sst.load(
+            path, transform=S.fuse(r"(.*)\.(?P<part>q|k)\.weight", r"\1.qk", ["q", "k"], axis=1)
+        )
     with pytest.raises(ValueError, match="already taken"):
         sst.load(path, transform=S.rename(r"model\.layers\.\d+\.(.*)", r"\1"))
 
@@ -202,10 +244,14 @@ def test_reshape_boxes_are_read_exactly_or_whole_per_group(dims, data):
     b = data.draw(st.sampled_from([f for f in factors if (n // a) % f == 0]))
     out_shape = (a, b, n // a // b)
     start = np.array([data.draw(st.integers(0, s - 1)) for s in out_shape])
-    stop = np.array([data.draw(st.integers(int(lo) + 1, s)) for lo, s in zip(start, out_shape)])
+    stop = np.array(
+        [data.draw(st.integers(int(lo) + 1, s)) for lo, s in zip(start, out_shape, strict=False)]
+    )
     x = np.arange(n).reshape(src_shape)
     s_start, s_stop, mid, where = reshape_source_box(src_shape, out_shape, start, stop)
-    read = x[tuple(slice(int(p), int(q)) for p, q in zip(s_start, s_stop))]
+    read = x[tuple(slice(int(p), int(q)) for p, q in zip(s_start, s_stop, strict=False))]
     got = read.reshape(mid)[where]
-    want = x.reshape(out_shape)[tuple(slice(int(p), int(q)) for p, q in zip(start, stop))]
+    want = x.reshape(out_shape)[
+        tuple(slice(int(p), int(q)) for p, q in zip(start, stop, strict=False))
+    ]
     assert np.array_equal(got, want)

@@ -53,5 +53,7 @@ def safetensors_name(dtype: np.dtype, where: str) -> str:
     """The safetensors name of a NumPy dtype; raises for dtypes the format cannot hold."""
     name = _NAME_OF.get(np.dtype(dtype))
     if name is None:
-        raise UnsupportedLeafError(f"{where}: dtype {np.dtype(dtype).name} has no safetensors equivalent")
+        raise UnsupportedLeafError(
+            f"{where}: dtype {np.dtype(dtype).name} has no safetensors equivalent"
+        )
     return name

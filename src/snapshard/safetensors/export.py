@@ -104,9 +104,7 @@ def _layout_files(
         names = [f"model-{i + 1:05d}-of-{len(groups):05d}{SUFFIX}" for i in range(len(groups))]
     files = []
     for name, group in zip(names, groups, strict=True):
-        header, spans = build_header(
-            [(t.name, t.dtype, t.array.shape) for t in group], metadata
-        )
+        header, spans = build_header([(t.name, t.dtype, t.array.shape) for t in group], metadata)
         files.append(_File(name, group, header, spans))
     return files
 
@@ -144,7 +142,9 @@ def _write_own(target: Path, files: list[_File], pid: int, plan: Any) -> int:
                 fds[f.name] = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
             origin = np.zeros(len(arr.shape), dtype=np.int64)
             shape = np.asarray(arr.shape, dtype=np.int64)
-            src, dst, run = overlap_runs(origin, shape, start, stop, start, stop, arr.dtype.itemsize)
+            src, dst, run = overlap_runs(
+                origin, shape, start, stop, start, stop, arr.dtype.itemsize
+            )
             base = f.spans[t.name][0]
             for s, d in zip(src.tolist(), dst.tolist(), strict=True):
                 _pwrite_all(fds[f.name], data.data[d : d + run], base + s)

@@ -18,7 +18,7 @@ from urllib.parse import urlparse
 import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..storage import Location, Storage, storage_for
+from ..storage import LocalStorage, Location, Storage, storage_for
 from .header import LENGTH_BYTES, Header, header_length, parse_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -143,12 +143,15 @@ def open_files(location: Location | Storage) -> tuple[FileSet, dict[str, str] | 
     Returns the file set and, for an index, its weight map (tensor -> file) to check against.
     """
     if isinstance(location, Storage):
-        storage, local, name, owns = location, None, None, False
+        local = str(location.final) if isinstance(location, LocalStorage) else None
+        storage, name, owns = location, None, False
     else:
         directory, name = _split(os.fspath(location))
         local = _local_dir(directory)
         if local is not None and not os.path.isdir(local):
-            raise CheckpointNotFoundError(f"no safetensors file or directory at {os.fspath(location)}")
+            raise CheckpointNotFoundError(
+                f"no safetensors file or directory at {os.fspath(location)}"
+            )
         storage, owns = storage_for(directory), True
     reader = Reader(storage, local)
     try:

@@ -9,6 +9,7 @@ the file and the tensor.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -106,7 +107,7 @@ def parse_header(raw: bytes, file: str, file_size: int | None = None) -> Header:
     for name, entry in doc.items():
         tensors[name] = _tensor_info(name, entry, where, data_start)
     spans = sorted((t for t in tensors.values() if t.nbytes), key=lambda t: (t.begin, t.end))
-    for a, b in zip(spans, spans[1:], strict=False):
+    for a, b in itertools.pairwise(spans):
         if b.begin < a.end:
             raise CorruptCheckpointError(
                 f"{where}: tensors {a.name!r} and {b.name!r} overlap "

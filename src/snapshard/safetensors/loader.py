@@ -122,7 +122,9 @@ def load(
         manifest = Manifest(
             structure={},
             leaves=[],
-            files=[FileEntry(n, h.data_end) for n, h in zip(files.names, files.headers, strict=True)],
+            files=[
+                FileEntry(n, h.data_end) for n, h in zip(files.names, files.headers, strict=True)
+            ],
         )
         built = execute(
             files.storage,

@@ -88,7 +88,9 @@ class Planner:
             at = np.asarray(p.at, np.int64)
             sub = self._scratch(d.leaf.name, p.child, lo - at, hi - at)
             self._expand(sub, reads, steps)
-            where = tuple(slice(int(a), int(b)) for a, b in zip(lo - d.start, hi - d.start, strict=True))
+            where = tuple(
+                slice(int(a), int(b)) for a, b in zip(lo - d.start, hi - d.start, strict=True)
+            )
 
             def copy(d: _Dest = d, sub: _Dest = sub, where: tuple[slice, ...] = where) -> None:
                 _view(d)[where] = _view(sub)
@@ -176,9 +178,10 @@ def reshape_source_box(
             a = np.unravel_index(f0, i_shape)
             b = np.unravel_index(f1 - 1, i_shape)
             box = [int(y) - int(x) + 1 for x, y in zip(a, b, strict=True)]
-            exact = all(y >= x for x, y in zip(a, b, strict=True)) and int(
-                np.prod(box, dtype=np.int64)
-            ) == f1 - f0
+            exact = (
+                all(y >= x for x, y in zip(a, b, strict=True))
+                and int(np.prod(box, dtype=np.int64)) == f1 - f0
+            )
         if exact:
             if gi:
                 s_start[gi] = np.unravel_index(f0, i_shape)

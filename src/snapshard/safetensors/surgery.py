@@ -153,7 +153,9 @@ def split(pattern: str, outs: Sequence[str], sizes: Sequence[int], axis: int = 0
             hits += 1
             ax = axis % max(x.ndim, 1)
             if sum(sizes) != x.shape[ax]:
-                raise ValueError(f"split {name!r}: sizes {list(sizes)} do not add up to {x.shape[ax]}")
+                raise ValueError(
+                    f"split {name!r}: sizes {list(sizes)} do not add up to {x.shape[ax]}"
+                )
             start = 0
             for o, n in zip(outs, sizes, strict=True):
                 _put(result, m.expand(o), v.take(x, ax, start, start + n), "split")

@@ -96,7 +96,7 @@ def _shifted(p: Piece, axis: int, by: int, lo: int, hi: int) -> Piece | None:
         return None
 
     def put(t: tuple[int, ...], v: int) -> tuple[int, ...]:
-        return t[:axis] + (v,) + t[axis + 1 :]
+        return (*t[:axis], v, *t[axis + 1 :])
 
     return Piece(put(p.at, p.at[axis] + by), put(p.lo, a), put(p.hi, b), p.child)
 
@@ -135,7 +135,7 @@ def concatenate(xs: Sequence[VArray], axis: int, what: str = "concatenate") -> V
         n = x.shape[axis]
         pieces += [q for p in _pieces(x) if (q := _shifted(p, axis, offset, offset, offset + n))]
         offset += n
-    shape = first.shape[:axis] + (offset,) + first.shape[axis + 1 :]
+    shape = (*first.shape[:axis], offset, *first.shape[axis + 1 :])
     return _composite(shape, first.dtype, pieces)
 
 
@@ -145,7 +145,7 @@ def take(x: VArray, axis: int, start: int, stop: int) -> VArray:
     if not 0 <= start <= stop <= x.shape[axis]:
         raise ValueError(f"slice {start}:{stop} is out of range for axis {axis} of {x.shape}")
     pieces = [q for p in _pieces(x) if (q := _shifted(p, axis, -start, 0, stop - start))]
-    shape = x.shape[:axis] + (stop - start,) + x.shape[axis + 1 :]
+    shape = (*x.shape[:axis], stop - start, *x.shape[axis + 1 :])
     return _composite(shape, x.dtype, pieces)
 
 
@@ -165,16 +165,16 @@ def repeat(x: VArray, repeats: int, axis: int, block: int = 1) -> VArray:
         pieces += [
             q for p in _pieces(x) if (q := _shifted(p, axis, by, j * block, (j + 1) * block))
         ]
-    shape = x.shape[:axis] + (n * repeats,) + x.shape[axis + 1 :]
+    shape = (*x.shape[:axis], n * repeats, *x.shape[axis + 1 :])
     return _composite(shape, x.dtype, pieces)
 
 
 def expand_dims(x: VArray, axis: int) -> VArray:
     axis = _axis(axis, x.ndim + 1, "expand_dims")
-    shape = x.shape[:axis] + (1,) + x.shape[axis:]
+    shape = (*x.shape[:axis], 1, *x.shape[axis:])
 
     def ins(t: tuple[int, ...], v: int) -> tuple[int, ...]:
-        return t[:axis] + (v,) + t[axis:]
+        return (*t[:axis], v, *t[axis:])
 
     if isinstance(x, Stored):
         return Stored(shape, x.dtype, x.name, x.file, x.offset)
@@ -293,9 +293,7 @@ class WindowedChunkTable(ChunkTable):
 def chunk_table(x: VArray) -> WindowedChunkTable:
     """The stored pieces of x as chunks without checksums (block 0)."""
     nd = x.ndim
-    rows = [
-        p for p in _pieces(x) if isinstance(p.child, Stored) and math.prod(p.child.shape) > 0
-    ]
+    rows = [p for p in _pieces(x) if isinstance(p.child, Stored) and math.prod(p.child.shape) > 0]
     if isinstance(x, Derived | Unreadable):
         rows = []
 
