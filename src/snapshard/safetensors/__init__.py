@@ -9,7 +9,8 @@ Transforms (snapshard.safetensors.surgery) are lazy: composed with `load`, each 
 computed from just the source bytes it needs.
 """
 
+from . import surgery
 from .export import ExportResult, save
 from .loader import Transform, arrays, load
 
-__all__ = ["ExportResult", "Transform", "arrays", "load", "save"]
+__all__ = ["ExportResult", "Transform", "arrays", "load", "save", "surgery"]

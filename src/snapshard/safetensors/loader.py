@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..format import FileEntry, Manifest
@@ -24,9 +26,8 @@ from ..tree import keypath_to_path
 from .dtypes import DTYPES, numpy_dtype
 from .files import FileSet, open_files
 from .materialize import Planner
+from .surgery import Transform
 from .virtual import Stored, Unreadable, VArray
-
-Transform = Callable[[Mapping[str, VArray]], Mapping[str, VArray]]
 
 
 def source_arrays(files: FileSet, weight_map: Mapping[str, str] | None) -> dict[str, VArray]:
@@ -42,7 +43,7 @@ def source_arrays(files: FileSet, weight_map: Mapping[str, str] | None) -> dict[
             where_of[t.name] = h.file
             if DTYPES[t.dtype][1] is None:
                 msg = f"{h.file}, tensor {t.name!r}: dtype {t.dtype} is bit-packed; snapshard reads only byte-addressable dtypes"
-                out[t.name] = Unreadable(t.shape, numpy_dtype("U8", h.file), msg)
+                out[t.name] = Unreadable(t.shape, np.dtype(np.uint8), msg)
             else:
                 dt = numpy_dtype(t.dtype, h.file)
                 out[t.name] = Stored(t.shape, dt, t.name, i, t.begin)
@@ -96,6 +97,7 @@ def load(
     it, read by each process for its own shards only; an np.ndarray or a ShapeDtypeStruct
     without sharding gives NumPy. A differing dtype is cast on the host.
     """
+    t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
     files, weight_map = open_files(location)
     url = files.storage.url
@@ -139,6 +141,7 @@ def load(
         )
     finally:
         files.close()
+    stats.total_s = time.perf_counter() - t_start
     if treedef is None:
         return dict(zip(names, built, strict=True))
     return jax.tree_util.tree_unflatten(treedef, built)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 
+from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf
 from ..restore import _Dest, aligned_empty
 from .virtual import Composite, Derived, Stored, VArray, leaf_of
@@ -23,13 +23,7 @@ Step = Callable[[], None]
 
 
 def _view(d: _Dest) -> np.ndarray:
-    return d.buf.view(np.dtype(_dtype_of(d.leaf))).reshape(d.shape)
-
-
-def _dtype_of(leaf: ArrayLeaf) -> Any:
-    from ..dtypes import dtype_from_name
-
-    return dtype_from_name(leaf.dtype)
+    return d.buf.view(dtype_from_name(d.leaf.dtype)).reshape(d.shape)
 
 
 class Planner:
