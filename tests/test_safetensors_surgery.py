@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -255,3 +260,17 @@ def test_reshape_boxes_are_read_exactly_or_whole_per_group(dims, data):
         tuple(slice(int(p), int(q)) for p, q in zip(start, stop, strict=False))
     ]
     assert np.array_equal(got, want)
+
+
+def test_the_llama_example_loads_and_matches_its_numpy_reference(tmp_path):
+    root = Path(__file__).parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    run = subprocess.run(
+        [sys.executable, str(root / "examples" / "hf_llama_load.py"), "--dir", str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "matches the eager NumPy reference: True" in run.stdout
