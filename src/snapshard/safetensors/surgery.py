@@ -92,26 +92,41 @@ def _groups(
     return groups
 
 
+def _merge(
+    pattern: str,
+    out: str,
+    key: str,
+    members: Callable[[str, dict[str, VArray]], list[VArray]],
+    combine: Callable[[list[VArray], str], VArray],
+    what: str,
+) -> Transform:
+    """Replace each group of matching tensors (see _groups) by one combined array."""
+
+    def apply(arrays: Mapping[str, VArray]) -> dict[str, VArray]:
+        groups = _groups(arrays, pattern, out, key)
+        result = {n: x for n, x in arrays.items() if not re.fullmatch(pattern, n)}
+        for name, group in groups.items():
+            xs = members(name, {k: x for k, (_, x) in group.items()})
+            _put(result, name, combine(xs, f"{what} into {name!r}"), what)
+        return result
+
+    return apply
+
+
 def fuse(pattern: str, out: str, order: Sequence[str], axis: int = 0) -> Transform:
     """Concatenate tensors that differ only in the named group `part`, in the given order.
 
     fuse(r"(.*)\\.(?P<part>gate|up)_proj\\.weight", r"\\1.gate_up.weight", ["gate", "up"])
     """
 
-    def apply(arrays: Mapping[str, VArray]) -> dict[str, VArray]:
-        groups = _groups(arrays, pattern, out, "part")
-        result = {n: x for n, x in arrays.items() if not re.fullmatch(pattern, n)}
-        for name, parts in groups.items():
-            missing = [p for p in order if p not in parts]
-            if missing or len(parts) != len(order):
-                raise ValueError(
-                    f"fuse into {name!r}: parts {sorted(parts)} found, {list(order)} expected"
-                )
-            xs = [parts[p][1] for p in order]
-            _put(result, name, v.concatenate(xs, axis, f"fuse into {name!r}"), "fuse")
-        return result
+    def members(name: str, parts: dict[str, VArray]) -> list[VArray]:
+        if sorted(parts) != sorted(order):
+            raise ValueError(
+                f"fuse into {name!r}: parts {sorted(parts)} found, {list(order)} expected"
+            )
+        return [parts[p] for p in order]
 
-    return apply
+    return _merge(pattern, out, "part", members, lambda xs, w: v.concatenate(xs, axis, w), "fuse")
 
 
 def stack(pattern: str, out: str, axis: int = 0) -> Transform:
@@ -120,20 +135,15 @@ def stack(pattern: str, out: str, axis: int = 0) -> Transform:
     stack(r"(.*)\\.experts\\.(?P<i>\\d+)\\.w1\\.weight", r"\\1.experts.w1")
     """
 
-    def apply(arrays: Mapping[str, VArray]) -> dict[str, VArray]:
-        groups = _groups(arrays, pattern, out, "i")
-        result = {n: x for n, x in arrays.items() if not re.fullmatch(pattern, n)}
-        for name, members in groups.items():
-            idx = sorted(members, key=int)
-            if [int(i) for i in idx] != list(range(len(idx))):
-                raise ValueError(
-                    f"stack into {name!r}: indices {[int(i) for i in idx]} are not 0..{len(idx) - 1}"
-                )
-            xs = [members[i][1] for i in idx]
-            _put(result, name, v.stack(xs, axis, f"stack into {name!r}"), "stack")
-        return result
+    def members(name: str, numbered: dict[str, VArray]) -> list[VArray]:
+        idx = sorted(numbered, key=int)
+        if [int(i) for i in idx] != list(range(len(idx))):
+            raise ValueError(
+                f"stack into {name!r}: indices {[int(i) for i in idx]} are not 0..{len(idx) - 1}"
+            )
+        return [numbered[i] for i in idx]
 
-    return apply
+    return _merge(pattern, out, "i", members, lambda xs, w: v.stack(xs, axis, w), "stack")
 
 
 def split(pattern: str, outs: Sequence[str], sizes: Sequence[int], axis: int = 0) -> Transform:
