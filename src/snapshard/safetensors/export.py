@@ -23,10 +23,11 @@ from typing import Any
 
 import numpy as np
 
-from ..adapters.leaves import SaveArray, classify, is_save_leaf, start_host_copies
+from ..adapters.leaves import SaveArray, classify, is_save_leaf
 from ..coordination import Coordinator, default_coordinator
 from ..errors import CheckpointExistsError, CoordinationError, StorageError, UnsupportedLeafError
 from ..planning import overlap_runs, plan_writes
+from ..staging import stage
 from ..storage import Location, is_object_store_url
 from ..storage.local import fsync_dir
 from ..tree import flatten, path_str
@@ -35,6 +36,7 @@ from .files import INDEX_NAME, SINGLE_NAME, SUFFIX
 from .header import build_header
 
 DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_HOST_BUDGET = 1 << 30
 STAGING_SUFFIX = ".snapshard-tmp"
 _attempts: dict[str, int] = {}
 _attempts_lock = threading.Lock()
@@ -117,38 +119,38 @@ def _key_prefix(path: str) -> str:
     return f"snapshard/st-export/{hashlib.sha256(path.encode()).hexdigest()[:16]}/{n}"
 
 
-def _write_own(target: Path, files: list[_File], pid: int, plan: Any) -> int:
+def _write_own(target: Path, files: list[_File], pid: int, plan: Any, budget: int | None) -> int:
     """pwrite every box this process owns at its tensor's offset; returns the bytes written.
 
-    `target` is the staging file (one file) or the staging directory (several)."""
+    `target` is the staging file (one file) or the staging directory (several). Boxes are
+    staged as a save stages them: zero-copy on CPU, and at most `budget` bytes copied from
+    accelerators up front, the rest one box at a time as it is written."""
     tensors = [(f, t) for f in files for t in f.tensors]  # the order of plan.arrays
-    mine = plan.items_of(pid)
-    rows = [(a, int(plan.arrays[a].source_row[k])) for a, k in mine]
-    shards = start_host_copies([t.array for _, t in tensors], rows)
+    items, _ = stage([(a, t.array) for a, (_, t) in enumerate(tensors)], plan, pid, budget=budget)
     fds: dict[str, int] = {}
     written = 0
     try:
-        for a, k in mine:
-            f, t = tensors[a]
-            p = plan.arrays[a]
-            if int(p.nbytes[k]) == 0:
-                continue
-            start, stop = p.starts[k], p.stops[k]
-            arr = t.array
-            host = arr.host_view(int(p.source_row[k]), start, stop, shards.get(a))
-            data = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+        for item in items:
+            f, t = tensors[item.leaf]
+            data = np.ascontiguousarray(item.materialize()).reshape(-1).view(np.uint8)
             if f.name not in fds:
                 path = target / f.name if target.is_dir() else target
                 fds[f.name] = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            origin = np.zeros(len(arr.shape), dtype=np.int64)
-            shape = np.asarray(arr.shape, dtype=np.int64)
+            shape = np.asarray(t.array.shape, dtype=np.int64)
             src, dst, run = overlap_runs(
-                origin, shape, start, stop, start, stop, arr.dtype.itemsize
+                np.zeros_like(shape),
+                shape,
+                item.start,
+                item.stop,
+                item.start,
+                item.stop,
+                t.array.dtype.itemsize,
             )
             base = f.spans[t.name][0]
             for s, d in zip(src.tolist(), dst.tolist(), strict=True):
                 _pwrite_all(fds[f.name], data.data[d : d + run], base + s)
             written += data.nbytes
+            item.release()
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -223,6 +225,7 @@ def save(
     mode: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
+    host_budget: int | None = DEFAULT_HOST_BUDGET,
 ) -> ExportResult:
     """Write `tree` (jax.Arrays with any sharding, or NumPy arrays) as safetensors.
 
@@ -231,6 +234,7 @@ def save(
     tensors exceed `max_file_bytes`, numbered files and `model.safetensors.index.json`.
     Every process of a multi-process job calls this with the same tree. `metadata` is the
     header's `__metadata__` (Hugging Face transformers wants {"format": "pt"}).
+    `host_budget` bounds the bytes copied from accelerators before writing starts.
     """
     text = os.fspath(path)
     if is_object_store_url(text):
@@ -280,7 +284,7 @@ def save(
             raise CoordinationError(f"export to {final} failed on process 0: {ready['error']}")
     # 2. Everyone writes its own byte runs and reports.
     try:
-        written = _write_own(staging, files, pid, plan)
+        written = _write_own(staging, files, pid, plan, host_budget)
     except BaseException as e:
         report(f"{prefix}/written/{pid}", e)
         if coord.is_leader:
