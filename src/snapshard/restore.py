@@ -26,7 +26,7 @@ from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes
 from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
 from .errors import CheckpointNotFoundError, ChecksumMismatchError, TargetMismatchError
-from .format import ArrayLeaf, Manifest, ValueLeaf, validate_structure
+from .format import ArrayLeaf, ChunkTable, Manifest, ValueLeaf, validate_structure
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid
 from .storage import Location, Storage, storage_for
 from .tree import Path, keypath_to_path, path_str, unflatten
@@ -190,6 +190,11 @@ class _Task:
 _MAX_SCATTER_PIECES = 64
 
 
+def _verified(verify: bool, t: ChunkTable, c: int) -> bool:
+    """Chunks with checksum block size 0 have no checksums (tables of other formats)."""
+    return verify and int(t.block[c]) > 0
+
+
 def _plan_tasks(
     manifest: Manifest, dests: list[_Dest], verify: bool, max_gap: int, stats: ReadStats
 ) -> list[_Task]:
@@ -207,7 +212,8 @@ def _plan_tasks(
         stats.bytes_needed += d.buf.nbytes
         for c in indexes[key].overlapping(d.start, d.stop):
             os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
-            grid = run_grid(t.starts[c], t.stops[c], d.start, d.stop, os_, oe, itemsize)
+            stored_start, stored_stop = t.storage_box(c)
+            grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
             per_chunk.setdefault((key, int(c)), []).append((di, grid))
     tasks = []
     for (key, c), grids in per_chunk.items():
@@ -233,7 +239,7 @@ def _plan_tasks(
             overlap[order],
             grids,
         )
-        block = int(t.block[c]) if verify else None
+        block = int(t.block[c]) if _verified(verify, t, c) else None
         stats.chunks_touched += 1
         for r in coalesce_runs(
             runs.src, runs.length, int(t.nbytes[c]), block=block, max_gap=max_gap
@@ -304,7 +310,7 @@ def _run_task(storage: Storage, task: _Task, dests: list[_Dest], verify: bool) -
     else:
         bufs = _scatter_views(task, dests)
     storage.read_into(runs.file, runs.file_offset + r.start, bufs)
-    if verify:
+    if _verified(verify, runs.leaf.chunks, runs.chunk):
         t = runs.leaf.chunks
         block = int(t.block[runs.chunk])
         v = BlockVerifier(
@@ -350,16 +356,15 @@ def _build(req: _Request) -> Any:
     return assemble(req.saved.shape, req.sharding, per_device)
 
 
-def _read_batch(
+def _read_dests(
     storage: Storage,
     manifest: Manifest,
-    reqs: list[_Request],
+    dests: list[_Dest],
     verify: bool,
     threads: int,
     max_gap: int,
     stats: ReadStats,
 ) -> None:
-    dests = [d for r in reqs for d in r.dests]
     tasks = _plan_tasks(manifest, dests, verify, max_gap, stats)
     # Largest reads first keeps the threads busy to the end.
     tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
@@ -391,6 +396,61 @@ def _batches(reqs: list[_Request], budget: int | None) -> list[list[_Request]]:
     return out
 
 
+# Turns the destination buffers of a batch into the buffers actually read from storage, and
+# the steps that fill the former from the latter once read (in order). Readers of other
+# formats use it for arrays computed from stored ones (snapshard.safetensors transforms).
+Expand = Callable[[list[_Dest]], tuple[list[_Dest], list[Callable[[], None]]]]
+
+
+# Fills destination buffers from storage (the restore's reads, or another format's reader).
+ReadDests = Callable[[list[_Dest]], None]
+
+
+def execute(
+    reqs: list[_Request],
+    read: ReadDests,
+    *,
+    memory_budget: int | None,
+    stats: ReadStats,
+    expand: Expand | None = None,
+) -> list[Any]:
+    """Read and build every request, in batches that fit the memory budget (jax.Arrays only).
+
+    Returns the built values in the order of `reqs`.
+    """
+    budget = None if all(r.kind in ("numpy", "scalar") for r in reqs) else memory_budget
+    results: dict[int, Any] = {}
+    for batch in _batches(reqs, budget):
+        t0 = time.perf_counter()
+        dests = [d for r in batch for d in r.dests]
+        steps: list[Callable[[], None]] = []
+        if expand is not None:
+            dests, steps = expand(dests)
+        read(dests)
+        for step in steps:
+            step()
+        t1 = time.perf_counter()
+        for r in batch:
+            results[id(r)] = _build(r)
+            r.dests.clear()
+        stats.read_s += t1 - t0
+        stats.assemble_s += time.perf_counter() - t1
+    return [results[id(r)] for r in reqs]
+
+
+def reader_of(
+    storage: Storage,
+    manifest: Manifest,
+    *,
+    verify: bool,
+    threads: int,
+    max_gap: int,
+    stats: ReadStats,
+) -> ReadDests:
+    """The restore's reads of a snapshard checkpoint (or safetensors files) as a ReadDests."""
+    return lambda dests: _read_dests(storage, manifest, dests, verify, threads, max_gap, stats)
+
+
 def read_manifest(storage: Storage) -> Manifest:
     manifest = Manifest.from_json(storage.read_manifest(), storage.url)
     validate_structure(manifest, storage.url)
@@ -399,17 +459,17 @@ def read_manifest(storage: Storage) -> Manifest:
 
 def _open(
     storage: Storage, verify: bool, threads: int, max_gap: int, stats: ReadStats
-) -> tuple[Manifest, Callable[[list[_Request]], None]]:
-    """The manifest and a batch reader; a checkpoint of another library (Orbax) through interop."""
+) -> tuple[Manifest, ReadDests]:
+    """The manifest and its reader; a checkpoint of another library (Orbax) through interop."""
     try:
         manifest = read_manifest(storage)
     except CheckpointNotFoundError as e:
         from .interop import open_foreign
 
         foreign = open_foreign(storage, e)
-        return foreign.manifest, lambda batch: foreign.read_batch(batch, stats)
-    return manifest, lambda batch: _read_batch(
-        storage, manifest, batch, verify, threads, max_gap, stats
+        return foreign.manifest, lambda dests: foreign.read_dests(dests, stats)
+    return manifest, reader_of(
+        storage, manifest, verify=verify, threads=threads, max_gap=max_gap, stats=stats
     )
 
 
@@ -461,7 +521,7 @@ def load(
     owns_storage = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        manifest, read_batch = _open(storage, verify, threads, max_gap, stats)
+        manifest, read_dests = _open(storage, verify, threads, max_gap, stats)
         url = storage.url
         if target is None:
             pairs = [(leaf.path, None) for leaf in manifest.leaves]
@@ -485,17 +545,8 @@ def load(
                         f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
                     )
                 reqs.append((path, _request(leaf, t, url)))
-        budget = None if all(r.kind in ("numpy", "scalar") for _, r in reqs) else memory_budget
-        by_req = {id(r): p for p, r in reqs}
-        for batch in _batches([r for _, r in reqs], budget):
-            t0 = time.perf_counter()
-            read_batch(batch)
-            t1 = time.perf_counter()
-            for r in batch:
-                results[by_req[id(r)]] = _build(r)
-                r.dests.clear()
-            stats.read_s += t1 - t0
-            stats.assemble_s += time.perf_counter() - t1
+        built = execute([r for _, r in reqs], read_dests, memory_budget=memory_budget, stats=stats)
+        results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:
         if owns_storage:
             storage.close()

@@ -76,6 +76,12 @@ class ChunkTable:
     def block_crcs(self, i: int) -> np.ndarray:
         return np.frombuffer(bytes.fromhex(self.crc32c[i]), dtype=">u4").astype(np.uint32)
 
+    def storage_box(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """The box whose C-order bytes chunk i stores. For manifest chunks it is the chunk's
+        box; tables built by readers of other formats may store a larger box of which only
+        [starts[i], stops[i]) belongs to the array (see snapshard.safetensors)."""
+        return self.starts[i], self.stops[i]
+
     @staticmethod
     def from_rows(rows: list[dict[str, Any]], ndim: int, where: str) -> ChunkTable:
         if not rows:

@@ -44,7 +44,7 @@ from .orbax_meta import (
 )
 
 if TYPE_CHECKING:
-    from ..restore import ReadStats, _Request
+    from ..restore import ReadStats, _Dest
 
 FORMAT = "orbax"
 # Decoded chunks and OCDBT b-tree nodes cached by TensorStore: bounded, and enough to keep a
@@ -128,20 +128,19 @@ class OrbaxCheckpoint:
     def __init__(self, url: str, manifest: Manifest, arrays: dict[Path, ts.TensorStore]):
         self.url, self.manifest, self._arrays = url, manifest, arrays
 
-    def read_batch(self, reqs: list[_Request], stats: ReadStats) -> None:
-        """Fill every destination box of the requests with one TensorStore read each."""
+    def read_dests(self, dests: list[_Dest], stats: ReadStats) -> None:
+        """Fill every destination box with one TensorStore read each."""
         pending = []
-        for req in reqs:
-            store = self._arrays[req.saved.path]
-            for d in req.dests:
-                box = tuple(slice(int(a), int(b)) for a, b in zip(d.start, d.stop, strict=True))
-                pending.append((req, d, store[box].read() if box else store.read()))
-        for req, d, future in pending:
+        for d in dests:
+            store = self._arrays[d.leaf.path]
+            box = tuple(slice(int(a), int(b)) for a, b in zip(d.start, d.stop, strict=True))
+            pending.append((d, store[box].read() if box else store.read()))
+        for d, future in pending:
             try:
                 data = np.ascontiguousarray(future.result())
             except ValueError as e:
                 raise CorruptCheckpointError(
-                    f"{self.url}: cannot read leaf {req.saved.name!r} box "
+                    f"{self.url}: cannot read leaf {d.leaf.name!r} box "
                     f"{d.start.tolist()}..{d.stop.tolist()} ({e})"
                 ) from None
             # The TensorStore result becomes the destination buffer: no copy.

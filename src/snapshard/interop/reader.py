@@ -29,7 +29,6 @@ from ..restore import (
     ReadStats,
     _Dest,
     _open,
-    _Request,
     aligned_empty,
 )
 from ..storage import Location, Storage, storage_for
@@ -48,7 +47,7 @@ class CheckpointReader:
     url: str
     format: str  # "snapshard", "orbax" or "safetensors"
     manifest: Manifest
-    _read_batch: Callable[[list[_Request]], None]
+    _read: Callable[[list[_Dest]], None]
     storage: Storage | None = None  # where a snapshard or Orbax checkpoint lives
     stats: ReadStats = field(default_factory=ReadStats)
 
@@ -60,7 +59,7 @@ class CheckpointReader:
         if math.prod(shape) == 0:
             return np.empty(shape, dtype)
         dest = _Dest(leaf, s, e, aligned_empty(math.prod(shape) * dtype.itemsize))
-        self._read_batch([_Request(leaf, "numpy", dtype, dests=[dest])])
+        self._read([dest])
         return dest.buf.view(dtype).reshape(shape)
 
     def close(self) -> None:
@@ -96,12 +95,12 @@ def open_reader(
     storage = storage_for(location)
     stats = ReadStats()
     try:
-        manifest, read_batch = _open(storage, verify, threads, DEFAULT_MAX_GAP, stats)
+        manifest, read_dests = _open(storage, verify, threads, DEFAULT_MAX_GAP, stats)
     except BaseException:
         storage.close()
         raise
     fmt = str(manifest.extra.get("format", "snapshard"))
-    return CheckpointReader(storage.url, fmt, manifest, read_batch, storage, stats)
+    return CheckpointReader(storage.url, fmt, manifest, read_dests, storage, stats)
 
 
 def _safetensors_reader(location: str) -> CheckpointReader:
@@ -131,13 +130,12 @@ def _safetensors_reader(location: str) -> CheckpointReader:
         leaves.append(leaf)
     manifest = Manifest(flat.structure, leaves, [], extra={"format": "safetensors"})
 
-    def read_batch(reqs: list[_Request]) -> None:
-        for req in reqs:
-            for d in req.dests:
-                box = tuple(slice(int(a), int(b)) for a, b in zip(d.start, d.stop, strict=True))
-                d.buf = np.ascontiguousarray(arrays[id(req.saved)][box]).reshape(-1).view(np.uint8)
+    def read_dests(dests: list[_Dest]) -> None:
+        for d in dests:
+            box = tuple(slice(int(a), int(b)) for a, b in zip(d.start, d.stop, strict=True))
+            d.buf = np.ascontiguousarray(arrays[id(d.leaf)][box]).reshape(-1).view(np.uint8)
 
-    return CheckpointReader(location, "safetensors", manifest, read_batch)
+    return CheckpointReader(location, "safetensors", manifest, read_dests)
 
 
 def whole_array_chunk(shape: tuple[int, ...], itemsize: int) -> ChunkTable:

@@ -1,0 +1,319 @@
+"""Export sharded arrays as safetensors files, every process writing only its own bytes.
+
+Every process computes the same header and tensor offsets from metadata it already has, and
+the write planner (planning.plan_writes) chooses who writes each shard, so a replicated shard
+is written once and no array is gathered to one host. Each process writes the byte runs of
+its boxes at their offsets in a shared staging file (or directory, for several files); after
+all have reported, process 0 renames it into place, so the result appears whole or not at
+all and an existing file is never damaged. Needs a filesystem all processes see.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..adapters.leaves import SaveArray, classify, is_save_leaf
+from ..coordination import Coordinator, default_coordinator
+from ..errors import CheckpointExistsError, CoordinationError, StorageError, UnsupportedLeafError
+from ..planning import overlap_runs, plan_writes
+from ..staging import stage
+from ..storage import Location, is_object_store_url
+from ..storage.local import fsync_dir
+from ..tree import flatten, path_str
+from .dtypes import safetensors_name
+from .files import INDEX_NAME, SINGLE_NAME, SUFFIX
+from .header import build_header
+
+DEFAULT_TIMEOUT_S = 600.0
+DEFAULT_HOST_BUDGET = 1 << 30
+STAGING_SUFFIX = ".snapshard-tmp"
+_attempts: dict[str, int] = {}
+_attempts_lock = threading.Lock()
+
+
+@dataclass
+class ExportResult:
+    files: list[str]  # names of the data files written, relative to their directory
+    bytes_written: int  # tensor bytes this process wrote
+
+
+@dataclass
+class _Tensor:
+    name: str
+    array: SaveArray
+    dtype: str  # safetensors name
+
+
+@dataclass
+class _File:
+    name: str
+    tensors: list[_Tensor]
+    header: bytes
+    spans: dict[str, tuple[int, int]]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(e - b for b, e in self.spans.values())
+
+
+def _tensors(tree: Any, process_count: int) -> list[_Tensor]:
+    flat = flatten(tree, is_save_leaf)
+    out = []
+    seen: set[str] = set()
+    for path, value in zip(flat.paths, flat.leaves, strict=True):
+        name = ".".join(str(k) for k in path)
+        leaf = classify(path, value, process_count)
+        if not isinstance(leaf, SaveArray) or leaf.kind == "prng_key":
+            raise UnsupportedLeafError(
+                f"leaf {path_str(path)!r}: safetensors files hold arrays only, not {type(value).__name__}"
+            )
+        if name in seen:
+            raise ValueError(f"two leaves are both named {name!r} in safetensors")
+        seen.add(name)
+        out.append(_Tensor(name, leaf, safetensors_name(leaf.dtype, f"leaf {name!r}")))
+    # The safetensors library's order: larger elements first, then by name (keeps alignment).
+    return sorted(out, key=lambda t: (-t.array.dtype.itemsize, t.name))
+
+
+def _layout_files(
+    tensors: list[_Tensor], single: str | None, max_file_bytes: int | None, metadata: Any
+) -> list[_File]:
+    groups: list[list[_Tensor]] = [[]]
+    size = 0
+    for t in tensors:
+        n = t.array.layout.nbytes
+        if single is None and max_file_bytes and groups[-1] and size + n > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    if single is not None:
+        names = [single]
+    elif len(groups) == 1:
+        names = [SINGLE_NAME]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(groups):05d}{SUFFIX}" for i in range(len(groups))]
+    files = []
+    for name, group in zip(names, groups, strict=True):
+        header, spans = build_header([(t.name, t.dtype, t.array.shape) for t in group], metadata)
+        files.append(_File(name, group, header, spans))
+    return files
+
+
+def _key_prefix(path: str) -> str:
+    """A coordination namespace, the same on every process: they export to a path equally often."""
+    with _attempts_lock:
+        n = _attempts.get(path, 0)
+        _attempts[path] = n + 1
+    return f"snapshard/st-export/{hashlib.sha256(path.encode()).hexdigest()[:16]}/{n}"
+
+
+def _write_own(target: Path, files: list[_File], pid: int, plan: Any, budget: int | None) -> int:
+    """pwrite every box this process owns at its tensor's offset; returns the bytes written.
+
+    `target` is the staging file (one file) or the staging directory (several). Boxes are
+    staged as a save stages them: zero-copy on CPU, and at most `budget` bytes copied from
+    accelerators up front, the rest one box at a time as it is written."""
+    tensors = [(f, t) for f in files for t in f.tensors]  # the order of plan.arrays
+    items, _ = stage([(a, t.array) for a, (_, t) in enumerate(tensors)], plan, pid, budget=budget)
+    fds: dict[str, int] = {}
+    written = 0
+    try:
+        for item in items:
+            f, t = tensors[item.leaf]
+            data = np.ascontiguousarray(item.materialize()).reshape(-1).view(np.uint8)
+            if f.name not in fds:
+                path = target / f.name if target.is_dir() else target
+                fds[f.name] = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+            shape = np.asarray(t.array.shape, dtype=np.int64)
+            src, dst, run = overlap_runs(
+                np.zeros_like(shape),
+                shape,
+                item.start,
+                item.stop,
+                item.start,
+                item.stop,
+                t.array.dtype.itemsize,
+            )
+            base = f.spans[t.name][0]
+            for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+                _pwrite_all(fds[f.name], data.data[d : d + run], base + s)
+            written += data.nbytes
+            item.release()
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return written
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while len(data):
+        n = os.pwrite(fd, data, offset)
+        data = data[n:]
+        offset += n
+
+
+def _create(staging: Path, files: list[_File], directory: bool) -> None:
+    """Process 0: the staging file(s) at full size with their headers, and the index."""
+    if directory:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    else:
+        staging.unlink(missing_ok=True)
+    for f in files:
+        path = staging / f.name if directory else staging
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, f.size)
+            _pwrite_all(fd, memoryview(f.header), 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    if directory and len(files) > 1:
+        weight_map = {t.name: f.name for f in files for t in f.tensors}
+        doc = {
+            "metadata": {"total_size": sum(f.size - len(f.header) for f in files)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        (staging / INDEX_NAME).write_text(json.dumps(doc, indent=2))
+
+
+def _commit(staging: Path, final: Path, overwrite: bool) -> None:
+    """Process 0: move the staged result into place; an existing one is replaced whole."""
+    if staging.is_dir():
+        for p in staging.iterdir():
+            if p.is_file() and p.suffix == ".json":
+                with open(p, "rb") as fh:
+                    os.fsync(fh.fileno())
+        fsync_dir(staging)
+        if final.exists():
+            if not overwrite:
+                raise CheckpointExistsError(f"{final} appeared during the export")
+            old = final.with_name(final.name + ".snapshard-old" + uuid.uuid4().hex[:8])
+            os.rename(final, old)
+            os.rename(staging, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(staging, final)
+    else:
+        if final.exists() and not overwrite:
+            raise CheckpointExistsError(f"{final} appeared during the export")
+        os.replace(staging, final)
+    fsync_dir(final.parent)
+
+
+def save(
+    path: Location,
+    tree: Any,
+    *,
+    max_file_bytes: int | None = None,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+    mode: str = "auto",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    coordinator: Coordinator | None = None,
+    host_budget: int | None = DEFAULT_HOST_BUDGET,
+) -> ExportResult:
+    """Write `tree` (jax.Arrays with any sharding, or NumPy arrays) as safetensors.
+
+    Tensor names are the leaves' paths joined with '.'. A path ending in `.safetensors` is
+    one file; any other path is a directory holding `model.safetensors`, or, when the
+    tensors exceed `max_file_bytes`, numbered files and `model.safetensors.index.json`.
+    Every process of a multi-process job calls this with the same tree. `metadata` is the
+    header's `__metadata__` (Hugging Face transformers wants {"format": "pt"}).
+    `host_budget` bounds the bytes copied from accelerators before writing starts.
+    """
+    text = os.fspath(path)
+    if is_object_store_url(text):
+        raise StorageError(
+            f"cannot export to {text}: every process writes byte ranges into shared files, "
+            "which needs a filesystem (export locally, then upload)"
+        )
+    final = Path(os.path.abspath(text.removeprefix("file://")))
+    directory = not final.name.endswith(SUFFIX)
+    if final.exists() and not overwrite:
+        raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
+    coord = coordinator or default_coordinator()
+    tensors = _tensors(tree, coord.process_count)
+    files = _layout_files(tensors, None if directory else final.name, max_file_bytes, metadata)
+    plan = plan_writes(
+        [t.array.layout for f in files for t in f.tensors], mode, num_processes=coord.process_count
+    )
+    staging = final.with_name(final.name + STAGING_SUFFIX)
+    prefix = _key_prefix(str(final))
+    deadline = time.monotonic() + timeout_s
+    pid = coord.process_index
+
+    def wait(key: str, what: str) -> dict[str, Any]:
+        try:
+            return dict(json.loads(coord.get(key, max(deadline - time.monotonic(), 0.001))))
+        except TimeoutError:
+            raise CoordinationError(
+                f"export to {final}: {what} did not report within {timeout_s:g} s"
+            ) from None
+
+    def report(key: str, error: BaseException | None) -> None:
+        msg = None if error is None else f"{type(error).__name__}: {error}"
+        coord.set(key, json.dumps({"ok": error is None, "error": msg}))
+
+    # 1. Process 0 creates the staging file(s) at full size; the others wait for them.
+    if coord.is_leader:
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            _create(staging, files, directory)
+        except BaseException as e:
+            report(f"{prefix}/ready", e)
+            raise
+        report(f"{prefix}/ready", None)
+    else:
+        ready = wait(f"{prefix}/ready", "process 0")
+        if not ready["ok"]:
+            raise CoordinationError(f"export to {final} failed on process 0: {ready['error']}")
+    # 2. Everyone writes its own byte runs and reports.
+    try:
+        written = _write_own(staging, files, pid, plan, host_budget)
+    except BaseException as e:
+        report(f"{prefix}/written/{pid}", e)
+        if coord.is_leader:
+            report(f"{prefix}/outcome", e)
+            _discard(staging)
+        raise
+    report(f"{prefix}/written/{pid}", None)
+    # 3. Process 0 commits once every process has written; the others learn the outcome.
+    if coord.is_leader:
+        try:
+            for p in range(1, coord.process_count):
+                r = wait(f"{prefix}/written/{p}", f"process {p}")
+                if not r["ok"]:
+                    raise CoordinationError(f"process {p} failed: {r['error']}")
+            _commit(staging, final, overwrite)
+        except BaseException as e:
+            report(f"{prefix}/outcome", e)
+            _discard(staging)
+            raise
+        report(f"{prefix}/outcome", None)
+    else:
+        outcome = wait(f"{prefix}/outcome", "process 0")
+        if not outcome["ok"]:
+            raise CoordinationError(f"export to {final} failed: {outcome['error']}")
+    return ExportResult([f.name for f in files], written)
+
+
+def _discard(staging: Path) -> None:
+    if staging.is_dir():
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        staging.unlink(missing_ok=True)

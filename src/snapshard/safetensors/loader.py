@@ -1,0 +1,141 @@
+"""Load safetensors files onto a mesh (or into NumPy), through optional lazy transforms."""
+
+from __future__ import annotations
+
+import difflib
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
+from ..format import FileEntry, Manifest
+from ..restore import (
+    DEFAULT_MAX_GAP,
+    DEFAULT_MEMORY_BUDGET,
+    DEFAULT_THREADS,
+    ReadStats,
+    _request,
+    execute,
+    is_target_leaf,
+    reader_of,
+)
+from ..storage import Location, Storage
+from ..tree import keypath_to_path
+from .dtypes import DTYPES, numpy_dtype
+from .files import FileSet, open_files
+from .materialize import Planner
+from .surgery import Transform
+from .virtual import Stored, Unreadable, VArray
+
+
+def source_arrays(files: FileSet, weight_map: Mapping[str, str] | None) -> dict[str, VArray]:
+    """Every tensor of the files as a lazy array, checked against the index's weight map."""
+    out: dict[str, VArray] = {}
+    where_of: dict[str, str] = {}
+    for i, (name, h) in enumerate(zip(files.names, files.headers, strict=True)):
+        for t in h.tensors.values():
+            if t.name in out:
+                raise CorruptCheckpointError(
+                    f"tensor {t.name!r} is in both {where_of[t.name]!r} and {h.file!r}"
+                )
+            where_of[t.name] = h.file
+            if DTYPES[t.dtype][1] is None:
+                msg = f"{h.file}, tensor {t.name!r}: dtype {t.dtype} is bit-packed; snapshard reads only byte-addressable dtypes"
+                out[t.name] = Unreadable(t.shape, np.dtype(np.uint8), msg)
+            else:
+                dt = numpy_dtype(t.dtype, h.file)
+                out[t.name] = Stored(t.shape, dt, t.name, i, t.begin)
+        if weight_map is not None:
+            for tensor, file in weight_map.items():
+                if file == name and tensor not in h.tensors:
+                    raise CorruptCheckpointError(
+                        f"the index says tensor {tensor!r} is in {h.file!r}, which does not hold it"
+                    )
+    return out
+
+
+def tensor_name(keypath: tuple[Any, ...]) -> str:
+    """The tensor name of a target leaf: its path keys joined with '.' (HF's convention)."""
+    return ".".join(str(k) for k in keypath_to_path(keypath))
+
+
+def _missing(name: str, arrays: Mapping[str, VArray], where: str) -> TargetMismatchError:
+    near = difflib.get_close_matches(name, list(arrays), n=3)
+    return TargetMismatchError(
+        f"{where}: the target asks for tensor {name!r}, which is not there"
+        + (f" (similar: {', '.join(near)})" if near else f" ({len(arrays)} tensors)")
+    )
+
+
+def arrays(location: Location | Storage, transform: Transform | None = None) -> dict[str, VArray]:
+    """The lazy arrays of a location after `transform`: names, shapes and dtypes; no data read."""
+    files, weight_map = open_files(location)
+    try:
+        src = source_arrays(files, weight_map)
+    finally:
+        files.close()
+    return dict(transform(src)) if transform else src
+
+
+def load(
+    location: Location | Storage,
+    target: Any = None,
+    *,
+    transform: Transform | None = None,
+    stats: ReadStats | None = None,
+    threads: int = DEFAULT_THREADS,
+    memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
+    max_gap: int = DEFAULT_MAX_GAP,
+) -> Any:
+    """Load safetensors tensors: a file, a directory, or a `model.safetensors.index.json`.
+
+    target=None: every tensor (after `transform`) as a NumPy array, in a dict by name.
+    Otherwise a pytree whose leaves name tensors by their path joined with '.', and say what
+    to build (as in snapshard.load): a ShapeDtypeStruct with a sharding gives a jax.Array on
+    it, read by each process for its own shards only; an np.ndarray or a ShapeDtypeStruct
+    without sharding gives NumPy. A differing dtype is cast on the host.
+    """
+    t_start = time.perf_counter()
+    stats = stats if stats is not None else ReadStats()
+    files, weight_map = open_files(location)
+    url = files.storage.url
+    try:
+        src = source_arrays(files, weight_map)
+        lazy = dict(transform(src)) if transform else src
+        if target is None:
+            names = list(lazy)
+            targets: list[Any] = [None] * len(names)
+            treedef = None
+        else:
+            flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+            names = [tensor_name(kp) for kp, _ in flat]
+            targets = [t for _, t in flat]
+        planner = Planner()
+        reqs = []
+        for name, t in zip(names, targets, strict=True):
+            if name not in lazy:
+                raise _missing(name, lazy, url)
+            x = lazy[name]
+            if isinstance(x, Unreadable):
+                raise UnsupportedLeafError(x.error)
+            reqs.append(_request(planner.leaf(name, x), t, url))
+        manifest = Manifest(
+            structure={},
+            leaves=[],
+            files=[
+                FileEntry(n, h.data_end) for n, h in zip(files.names, files.headers, strict=True)
+            ],
+        )
+        read = reader_of(
+            files.storage, manifest, verify=False, threads=threads, max_gap=max_gap, stats=stats
+        )
+        built = execute(reqs, read, memory_budget=memory_budget, stats=stats, expand=planner.expand)
+    finally:
+        files.close()
+    stats.total_s = time.perf_counter() - t_start
+    if treedef is None:
+        return dict(zip(names, built, strict=True))
+    return jax.tree_util.tree_unflatten(treedef, built)
