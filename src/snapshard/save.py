@@ -12,10 +12,7 @@ process's report) and one outcome broadcast. See docs/design.md.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +25,7 @@ from .adapters.leaves import SaveArray, classify, is_save_leaf
 from .background import BackgroundTask
 from .checksum import block_crcs, crcs_to_hex
 from .coordination import Coordinator, default_coordinator
+from .coordination.rendezvous import Rendezvous, namespace
 from .errors import CheckpointExistsError, CoordinationError
 from .format import (
     DATA_DIR,
@@ -52,8 +50,6 @@ log = logging.getLogger("snapshard")
 
 DEFAULT_TIMEOUT_S = 600.0
 _WRITE_PIECE = 16 << 20
-_attempts: dict[str, int] = {}
-_attempts_lock = threading.Lock()
 
 
 @dataclass
@@ -76,14 +72,12 @@ class SaveTimings:
 @dataclass
 class _Prepared:
     storage: Storage
-    coordinator: Coordinator
+    rendezvous: Rendezvous
     leaves: list[Leaf | SaveArray]
     structure: dict[str, Any]
     plan: WritePlan
     items: list[StagedItem]
-    key_prefix: str
     overwrite: bool
-    timeout_s: float
     threads: int
     extra: dict[str, Any]
     timings: SaveTimings = field(default_factory=SaveTimings)
@@ -91,15 +85,6 @@ class _Prepared:
 
 def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray]:
     return [classify(p, v, process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)]
-
-
-def _key_prefix(url: str) -> str:
-    """A coordination namespace for this save, the same on every process without talking:
-    processes save to the same location the same number of times."""
-    with _attempts_lock:
-        n = _attempts.get(url, 0)
-        _attempts[url] = n + 1
-    return f"snapshard/save/{hashlib.sha256(url.encode()).hexdigest()[:16]}/{n}"
 
 
 def prepare(
@@ -137,19 +122,10 @@ def prepare(
     )
     t2 = time.perf_counter()
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
+    # The namespace is taken here, in program order, the same on every process.
+    rv = Rendezvous(coord, namespace("save", storage.url), f"save to {storage.url}", timeout_s)
     return _Prepared(
-        storage,
-        coord,
-        leaves,
-        flat.structure,
-        plan,
-        items,
-        _key_prefix(storage.url),
-        overwrite,
-        timeout_s,
-        threads,
-        extra or {},
-        timings,
+        storage, rv, leaves, flat.structure, plan, items, overwrite, threads, extra or {}, timings
     )
 
 
@@ -208,7 +184,7 @@ def _write_file(
 
 def _write_own(prep: _Prepared) -> str:
     """Write this process's data files and its index; returns the index file name."""
-    pid = prep.coordinator.process_index
+    pid = prep.rendezvous.coord.process_index
     nonce = uuid.uuid4().hex[:8]
     prep.storage.prepare_staging()
     groups = _split_files(prep.items, prep.threads)
@@ -238,33 +214,6 @@ def _write_own(prep: _Prepared) -> str:
     prep.storage.write_bytes(name, index.to_json())
     prep.timings.bytes_written = sum(f.size for f in files)
     return name
-
-
-def _wait_reports(prep: _Prepared, deadline: float, own_index: str) -> list[str]:
-    """Process 0: every process's index name, or a CoordinationError naming who failed."""
-    coord = prep.coordinator
-    reports: dict[int, dict[str, Any]] = {coord.process_index: {"ok": True, "index": own_index}}
-    for p in range(coord.process_count):
-        if p in reports:
-            continue
-        left = deadline - time.monotonic()
-        try:
-            reports[p] = json.loads(coord.get(f"{prep.key_prefix}/written/{p}", max(left, 0.001)))
-        except TimeoutError:
-            missing = [
-                q
-                for q in range(coord.process_count)
-                if coord.try_get(f"{prep.key_prefix}/written/{q}") is None
-            ]
-            raise CoordinationError(
-                f"save to {prep.storage.url}: process(es) {missing} did not report within "
-                f"{prep.timeout_s:g} s (stopped or died); nothing was committed"
-            ) from None
-        if not reports[p]["ok"]:
-            raise CoordinationError(
-                f"save to {prep.storage.url}: process {p} failed: {reports[p]['error']}; nothing was committed"
-            )
-    return [reports[p]["index"] for p in range(coord.process_count)]
 
 
 def _merge(prep: _Prepared, index_names: list[str]) -> Manifest:
@@ -302,7 +251,7 @@ def _merge(prep: _Prepared, index_names: list[str]) -> Manifest:
         structure=prep.structure,
         leaves=out,
         files=files,
-        process_count=prep.coordinator.process_count,
+        process_count=prep.rendezvous.coord.process_count,
         write_mode=prep.plan.mode,
         extra={**prep.extra, "indexes": index_names},
     )
@@ -333,31 +282,33 @@ def _check_staged_files(prep: _Prepared, manifest: Manifest, index_names: list[s
 def finish(prep: _Prepared) -> SaveTimings:
     """The background phase. Raises on this process if the save failed anywhere."""
     t0 = time.perf_counter()
-    coord = prep.coordinator
-    pid = coord.process_index
-    written_key = f"{prep.key_prefix}/written/{pid}"
-    outcome_key = f"{prep.key_prefix}/outcome"
+    rv = prep.rendezvous
+    pid = rv.coord.process_index
 
     def fail(e: BaseException) -> None:
         """Process 0: tell everyone, and remove what was staged (nothing was visible)."""
-        coord.set(outcome_key, json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
-        log.error("save to %s failed: %s", prep.storage.url, e)
+        rv.publish_outcome(e)
+        log.error("%s failed: %s", rv.what, e)
         prep.storage.discard_staging()
 
     try:
         index_name = _write_own(prep)
     except BaseException as e:
-        coord.set(written_key, json.dumps({"ok": False, "error": f"{type(e).__name__}: {e}"}))
-        if coord.is_leader:
+        rv.report(f"written/{pid}", e)
+        if rv.coord.is_leader:
             fail(e)
         raise
-    coord.set(written_key, json.dumps({"ok": True, "index": index_name}))
+    rv.report(f"written/{pid}", index=index_name)
     t1 = time.perf_counter()
     prep.timings.write_s = t1 - t0
-    deadline = time.monotonic() + prep.timeout_s
-    if coord.is_leader:
+    rv.start_clock()
+    if rv.coord.is_leader:
         try:
-            index_names = _wait_reports(prep, deadline, index_name)
+            others = rv.gather("written")
+            index_names = [
+                index_name if p == pid else others[p]["index"]
+                for p in range(rv.coord.process_count)
+            ]
             manifest = _merge(prep, index_names)
             where = prep.storage.url
             validate_structure(manifest, where)
@@ -367,16 +318,9 @@ def finish(prep: _Prepared) -> SaveTimings:
         except BaseException as e:
             fail(e)
             raise
-        coord.set(outcome_key, json.dumps({"ok": True}))
+        rv.publish_outcome()
     else:
-        try:
-            outcome = json.loads(coord.get(outcome_key, max(deadline - time.monotonic(), 0.001)))
-        except TimeoutError:
-            raise CoordinationError(
-                f"save to {prep.storage.url}: process 0 did not report the outcome within {prep.timeout_s:g} s"
-            ) from None
-        if not outcome["ok"]:
-            raise CoordinationError(f"save to {prep.storage.url} failed: {outcome['error']}")
+        rv.await_outcome()
     t2 = time.perf_counter()
     prep.timings.commit_s = t2 - t1
     prep.timings.total_s = prep.timings.blocking_s + (t2 - t0)

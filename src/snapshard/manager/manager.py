@@ -11,7 +11,6 @@ step, by the next `save`, `wait_until_finished` or `close` (once).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import signal
@@ -28,6 +27,7 @@ from ..adapters.leaves import SaveArray, is_save_leaf
 from ..background import BackgroundTask
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.jax_distributed import preemption_sync_point
+from ..coordination.rendezvous import namespace
 from ..coordination.transfer import exchange
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..restore import ReadStats, is_target_leaf, load, read_manifest
@@ -61,8 +61,6 @@ from .policies import (
 )
 
 log = logging.getLogger("snapshard")
-_starts: dict[str, int] = {}
-_starts_lock = threading.Lock()
 
 
 class BackgroundSaveError(SnapshardError):
@@ -155,12 +153,7 @@ class CheckpointManager:
                     log.info("removing incomplete checkpoint %s/%s", self._root.url, name)
                     self._root.remove_incomplete(name)
         if self._coord.process_count > 1:
-            # The same name on every process without talking: they start managers in the same order.
-            with _starts_lock:
-                n = _starts.get(self._root.url, 0)
-                _starts[self._root.url] = n + 1
-            tag = hashlib.sha256(self._root.url.encode()).hexdigest()[:16]
-            self._coord.barrier(f"snapshard/manager/{tag}/start/{n}", self._timeout_s)
+            self._coord.barrier(namespace("manager-start", self._root.url), self._timeout_s)
 
     def _scan(self) -> dict[int, StepInfo]:
         steps = {}
@@ -447,10 +440,7 @@ class CheckpointManager:
         fps = {path_str(keypath_to_path(kp)): target_fingerprint(t) for kp, t in flat}
         mine = self._local.holdings(fps)
         n = self._coord.process_count
-        with _starts_lock:
-            k = _starts.get("restore:" + self._root.url, 0)
-            _starts["restore:" + self._root.url] = k + 1
-        prefix = f"snapshard/tiers/{hashlib.sha256(self._root.url.encode()).hexdigest()[:16]}/{k}"
+        prefix = namespace("tier-restore", self._root.url)
         self._coord.set(f"{prefix}/{self._coord.process_index}", json.dumps(mine))
         held: list[dict[str, list[int]]] = [
             json.loads(self._coord.get(f"{prefix}/{q}", self._timeout_s)) for q in range(n)

@@ -10,12 +10,9 @@ all and an existing file is never damaged. Needs a filesystem all processes see.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +22,8 @@ import numpy as np
 
 from ..adapters.leaves import SaveArray, classify, is_save_leaf
 from ..coordination import Coordinator, default_coordinator
-from ..errors import CheckpointExistsError, CoordinationError, StorageError, UnsupportedLeafError
+from ..coordination.rendezvous import Rendezvous, namespace
+from ..errors import CheckpointExistsError, StorageError, UnsupportedLeafError
 from ..planning import overlap_runs, plan_writes
 from ..staging import stage
 from ..storage import Location, is_object_store_url
@@ -38,8 +36,6 @@ from .header import build_header
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_HOST_BUDGET = 1 << 30
 STAGING_SUFFIX = ".snapshard-tmp"
-_attempts: dict[str, int] = {}
-_attempts_lock = threading.Lock()
 
 
 @dataclass
@@ -109,14 +105,6 @@ def _layout_files(
         header, spans = build_header([(t.name, t.dtype, t.array.shape) for t in group], metadata)
         files.append(_File(name, group, header, spans))
     return files
-
-
-def _key_prefix(path: str) -> str:
-    """A coordination namespace, the same on every process: they export to a path equally often."""
-    with _attempts_lock:
-        n = _attempts.get(path, 0)
-        _attempts[path] = n + 1
-    return f"snapshard/st-export/{hashlib.sha256(path.encode()).hexdigest()[:16]}/{n}"
 
 
 def _write_own(target: Path, files: list[_File], pid: int, plan: Any, budget: int | None) -> int:
@@ -253,62 +241,44 @@ def save(
         [t.array.layout for f in files for t in f.tensors], mode, num_processes=coord.process_count
     )
     staging = final.with_name(final.name + STAGING_SUFFIX)
-    prefix = _key_prefix(str(final))
-    deadline = time.monotonic() + timeout_s
+    rv = Rendezvous(
+        coord, namespace("safetensors-export", str(final)), f"export to {final}", timeout_s
+    )
+    rv.start_clock()
     pid = coord.process_index
-
-    def wait(key: str, what: str) -> dict[str, Any]:
-        try:
-            return dict(json.loads(coord.get(key, max(deadline - time.monotonic(), 0.001))))
-        except TimeoutError:
-            raise CoordinationError(
-                f"export to {final}: {what} did not report within {timeout_s:g} s"
-            ) from None
-
-    def report(key: str, error: BaseException | None) -> None:
-        msg = None if error is None else f"{type(error).__name__}: {error}"
-        coord.set(key, json.dumps({"ok": error is None, "error": msg}))
-
     # 1. Process 0 creates the staging file(s) at full size; the others wait for them.
     if coord.is_leader:
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             _create(staging, files, directory)
         except BaseException as e:
-            report(f"{prefix}/ready", e)
+            rv.report("ready", e)
             raise
-        report(f"{prefix}/ready", None)
+        rv.report("ready")
     else:
-        ready = wait(f"{prefix}/ready", "process 0")
-        if not ready["ok"]:
-            raise CoordinationError(f"export to {final} failed on process 0: {ready['error']}")
+        rv.wait("ready", "process 0")
     # 2. Everyone writes its own byte runs and reports.
     try:
         written = _write_own(staging, files, pid, plan, host_budget)
     except BaseException as e:
-        report(f"{prefix}/written/{pid}", e)
+        rv.report(f"written/{pid}", e)
         if coord.is_leader:
-            report(f"{prefix}/outcome", e)
+            rv.publish_outcome(e)
             _discard(staging)
         raise
-    report(f"{prefix}/written/{pid}", None)
+    rv.report(f"written/{pid}")
     # 3. Process 0 commits once every process has written; the others learn the outcome.
     if coord.is_leader:
         try:
-            for p in range(1, coord.process_count):
-                r = wait(f"{prefix}/written/{p}", f"process {p}")
-                if not r["ok"]:
-                    raise CoordinationError(f"process {p} failed: {r['error']}")
+            rv.gather("written")
             _commit(staging, final, overwrite)
         except BaseException as e:
-            report(f"{prefix}/outcome", e)
+            rv.publish_outcome(e)
             _discard(staging)
             raise
-        report(f"{prefix}/outcome", None)
+        rv.publish_outcome()
     else:
-        outcome = wait(f"{prefix}/outcome", "process 0")
-        if not outcome["ok"]:
-            raise CoordinationError(f"export to {final} failed: {outcome['error']}")
+        rv.await_outcome()
     return ExportResult([f.name for f in files], written)
 
 

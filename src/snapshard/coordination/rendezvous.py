@@ -1,0 +1,107 @@
+"""Reports of one multi-process operation (a save, an export) through the key-value store.
+
+Each process reports under the operation's namespace; process 0 gathers the reports and
+publishes the outcome; the others wait for it. The namespace is the same on every process
+without talking, because every process performs the operations on a location in the same
+order: the n-th save to a location is named by n.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CoordinationError
+from .base import Coordinator
+
+_counts: dict[str, int] = {}
+_counts_lock = threading.Lock()
+
+
+def namespace(kind: str, location: str) -> str:
+    """`snapshard/<kind>/<location hash>/<n>` for the n-th operation of this kind there."""
+    with _counts_lock:
+        n = _counts.get(kind + location, 0)
+        _counts[kind + location] = n + 1
+    return f"snapshard/{kind}/{hashlib.sha256(location.encode()).hexdigest()[:16]}/{n}"
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+@dataclass
+class Rendezvous:
+    coord: Coordinator
+    prefix: str
+    what: str  # how errors name the operation, e.g. "save to /ckpt/100"
+    timeout_s: float
+    deadline: float = math.inf
+
+    def start_clock(self) -> None:
+        """Waits from now on give up `timeout_s` seconds from now."""
+        self.deadline = time.monotonic() + self.timeout_s
+
+    def _left(self) -> float:
+        return max(self.deadline - time.monotonic(), 0.001)
+
+    def report(self, key: str, error: BaseException | None = None, **payload: Any) -> None:
+        doc = {
+            "ok": error is None,
+            "error": None if error is None else _error_text(error),
+            **payload,
+        }
+        self.coord.set(f"{self.prefix}/{key}", json.dumps(doc))
+
+    def _get(self, key: str, who: str) -> dict[str, Any]:
+        try:
+            return dict(json.loads(self.coord.get(f"{self.prefix}/{key}", self._left())))
+        except TimeoutError:
+            raise CoordinationError(
+                f"{self.what}: {who} did not report within {self.timeout_s:g} s"
+            ) from None
+
+    def wait(self, key: str, who: str) -> dict[str, Any]:
+        """The report at `key`; raises naming `who` when it failed or did not come in time."""
+        doc = self._get(key, who)
+        if not doc["ok"]:
+            raise CoordinationError(f"{self.what}: {who} failed: {doc['error']}")
+        return doc
+
+    def gather(self, key: str) -> dict[int, dict[str, Any]]:
+        """Process 0: every other process's report `key/<pid>`; a failure or a process that
+        does not report in time raises, naming it (and every process still missing)."""
+        out = {}
+        for p in range(self.coord.process_count):
+            if p == self.coord.process_index:
+                continue
+            try:
+                out[p] = json.loads(self.coord.get(f"{self.prefix}/{key}/{p}", self._left()))
+            except TimeoutError:
+                missing = [
+                    q
+                    for q in range(self.coord.process_count)
+                    if q != self.coord.process_index
+                    and self.coord.try_get(f"{self.prefix}/{key}/{q}") is None
+                ]
+                raise CoordinationError(
+                    f"{self.what}: process(es) {missing} did not report within "
+                    f"{self.timeout_s:g} s (stopped or died)"
+                ) from None
+            if not out[p]["ok"]:
+                raise CoordinationError(f"{self.what}: process {p} failed: {out[p]['error']}")
+        return out
+
+    def publish_outcome(self, error: BaseException | None = None) -> None:
+        self.report("outcome", error)
+
+    def await_outcome(self) -> None:
+        """The others: wait for process 0's outcome, raising it if the operation failed."""
+        doc = self._get("outcome", "process 0")
+        if not doc["ok"]:
+            raise CoordinationError(f"{self.what} failed: {doc['error']}")
