@@ -1,0 +1,183 @@
+"""Object-store storage (S3-compatible, GCS, Azure, memory): commit by a marker written last.
+
+Object stores have no rename, so a save writes its files in place under the checkpoint's
+prefix, then `manifest.json`, then the empty object `COMMITTED`, created only if absent
+(a conditional PUT where the store offers one). A checkpoint exists if and only if its
+marker exists; `delete` removes the marker first. A prefix without its marker is an
+unfinished save or delete: invisible to readers, listed as incomplete by ObjectRoot and
+removed by `remove_incomplete`. See docs/format.md and docs/objstore.md.
+
+Overwriting a committed checkpoint replaces `manifest.json` in one PUT (readers see the old
+or the new one whole) and only then deletes the files that only the old manifest names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ..format.manifest import MANIFEST_NAME, Manifest
+from .base import CheckpointRoot, FileWriter, Storage
+from .object_client import ObjectClient, RequestStats, TransferConfig
+
+COMMIT_MARKER = "COMMITTED"
+_PROTOCOL_FILES = (MANIFEST_NAME, COMMIT_MARKER)
+
+
+class ObjectStorage(Storage):
+    """One checkpoint under an object-store prefix, e.g. ``s3://bucket/run/step_100``.
+
+    `options` are obstore's store options (``endpoint``, ``region``, ``access_key_id`` …,
+    plus ``client_options``, ``retry_config`` and ``credential_provider``); anything not
+    given comes from the usual environment variables. `transfer` sets part sizes,
+    concurrency and memory bounds. `stats` counts the requests made so far.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        options: Mapping[str, Any] | None = None,
+        *,
+        transfer: TransferConfig | None = None,
+        client: ObjectClient | None = None,
+    ):
+        self.client = client or ObjectClient(url, options, transfer)
+        self.url = self.client.url
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.client.stats
+
+    def _committed_files(self) -> set[str] | None:
+        """Names the committed manifest refers to; None when nothing is committed."""
+        if not self.client.exists(COMMIT_MARKER):
+            return None
+        data = self.client.get(MANIFEST_NAME)
+        if data is None:
+            return set()
+        return _files_of(data, self.url)
+
+    def _staged(self, listing: dict[str, int]) -> dict[str, int]:
+        keep = self._committed_files() or set()
+        return {n: s for n, s in listing.items() if n not in _PROTOCOL_FILES and n not in keep}
+
+    # ---- save side: files are staged in place ------------------------------------------
+    def prepare_staging(self) -> None:
+        return None  # nothing to create: objects need no directories
+
+    def open_writer(self, name: str) -> FileWriter:
+        return self.client.writer(name)
+
+    def list_staging(self) -> dict[str, int]:
+        """The files of saves in progress here; never those of the committed checkpoint."""
+        return self._staged(self.client.list())
+
+    def read_staging(self, name: str) -> bytes:
+        data = self.client.get(name)
+        if data is None:
+            raise CorruptCheckpointError(f"{self.url}: staged file {name!r} is missing")
+        return data
+
+    def delete_staging_files(self, names: Sequence[str]) -> None:
+        protected = set(_PROTOCOL_FILES) | (self._committed_files() or set())
+        self.client.delete([n for n in names if n not in protected])
+
+    def commit(self, manifest: bytes, *, overwrite: bool) -> None:
+        old = self._committed_files()
+        if old is not None and not overwrite:
+            raise CheckpointExistsError(
+                f"a checkpoint already exists at {self.url} (pass overwrite=True to replace it)"
+            )
+        # The manifest may replace one left by a crashed attempt, or (overwrite) the
+        # committed one: a PUT is atomic, so readers see either manifest whole.
+        self.client.put(MANIFEST_NAME, manifest)
+        if old is not None:
+            self.client.delete(sorted(old - _files_of(manifest, self.url)))
+            return
+        if not self._write_marker():
+            raise CheckpointExistsError(f"a checkpoint appeared at {self.url} during the save")
+
+    def _write_marker(self) -> bool:
+        """The commit point: create the empty marker object if absent."""
+        return self.client.put(COMMIT_MARKER, b"", create=True)
+
+    def discard_staging(self) -> None:
+        """Remove what a failed save wrote (never the committed checkpoint's objects)."""
+        self.client.delete(sorted(self._staged(self.client.list())) + self._stray_manifest())
+
+    def _stray_manifest(self) -> list[str]:
+        return [] if self.client.exists(COMMIT_MARKER) else [MANIFEST_NAME]
+
+    # ---- read side ---------------------------------------------------------------------
+    def is_committed(self) -> bool:
+        return self.client.exists(COMMIT_MARKER)
+
+    def read_manifest(self) -> bytes:
+        if not self.client.exists(COMMIT_MARKER):
+            if self.client.list():
+                why = "only an incomplete save is there (no commit marker)"
+            else:
+                why = "nothing is stored under this prefix"
+            raise CheckpointNotFoundError(f"no checkpoint at {self.url}: {why}")
+        data = self.client.get(MANIFEST_NAME)
+        if data is None:
+            raise CorruptCheckpointError(f"{self.url}: committed, but {MANIFEST_NAME} is missing")
+        return data
+
+    def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        self.client.read_into(name, offset, buffers)
+
+    def delete(self) -> None:
+        """Remove the marker first: from then on the checkpoint does not exist, and a
+        delete that stops halfway leaves an incomplete prefix, never a damaged checkpoint."""
+        self.client.delete([COMMIT_MARKER])
+        self.client.delete(sorted(self.client.list()))
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _files_of(manifest: bytes, url: str) -> set[str]:
+    """The data and index files a manifest names."""
+    m = Manifest.from_json(manifest, f"{url}/{MANIFEST_NAME}")
+    return {f.name for f in m.files} | set(m.extra.get("indexes", []))
+
+
+class ObjectRoot(CheckpointRoot):
+    """Several checkpoints under one prefix: ``s3://bucket/run`` holds ``run/<name>/…``."""
+
+    def __init__(
+        self,
+        url: str,
+        options: Mapping[str, Any] | None = None,
+        *,
+        transfer: TransferConfig | None = None,
+    ):
+        self.client = ObjectClient(url, options, transfer)
+        self.url = self.client.url
+
+    @property
+    def stats(self) -> RequestStats:
+        return self.client.stats
+
+    def list(self) -> dict[str, bool]:
+        out: dict[str, bool] = {}
+        for rel in self.client.list():
+            name, _, rest = rel.partition("/")
+            if not rest:
+                continue  # an object directly under the root is no checkpoint
+            committed = out.get(name, False) or rest == COMMIT_MARKER
+            out[name] = committed
+        return out
+
+    def child(self, name: str) -> ObjectStorage:
+        if not name or "/" in name:
+            raise ValueError(f"{self.url}: invalid checkpoint name {name!r}")
+        return ObjectStorage(self.client.url, client=self.client.child(name))
+
+    def remove_incomplete(self, name: str) -> None:
+        child = self.child(name).client
+        if child.exists(COMMIT_MARKER):
+            return
+        child.delete(sorted(child.list()))
