@@ -1,7 +1,9 @@
 """Multi-process worker: save a sharded tree, or restore it onto this job's topology.
 
-usage: save_restore.py save CKPT [--kill-in-write PID] [--fail-in-write PID] [--timeout S]
+usage: save_restore.py save CKPT [--kill-in-write PID] [--fail-in-write PID]
+                          [--kill-before-commit PID] [--timeout S]
        save_restore.py restore CKPT MESH_ROWS SPEC
+   CKPT: a directory or an object-store URL (s3://…); object stores report request counts.
    MESH_ROWS: rows of the restore mesh (data axis); SPEC: 'rows' (P('model', None)),
    'cols' (P(None, 'model')) or 'flat' (1-D mesh, P('x')).
 """
@@ -13,6 +15,18 @@ import os
 import signal
 
 from _dist import init, report
+
+
+def storage_for(location):
+    from snapshard.storage import storage_for as make
+
+    return make(location)
+
+
+def requests(storage):
+    """Request counts of an object store (None for a local directory)."""
+    stats = getattr(storage, "stats", None)
+    return stats.as_dict() if stats is not None else None
 
 
 def global_arrays():
@@ -69,13 +83,21 @@ def save(args) -> None:
 
         local.LocalFileWriter.write = write
         del real
+    if args.kill_before_commit == pid:
+        from snapshard.storage import objstore
+
+        def die(self):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        objstore.ObjectStorage._write_marker = die  # after the manifest, before the marker
+    storage = storage_for(args.ckpt)
     try:
-        t = snapshard.save(args.ckpt, tree, timeout_s=args.timeout, mode=args.mode)
+        t = snapshard.save(storage, tree, timeout_s=args.timeout, mode=args.mode)
     except Exception as e:
         report(ok=False, error=f"{type(e).__name__}: {e}")
         # Skip jax.distributed's shutdown barrier: with a dead peer it would abort.
         os._exit(3)
-    report(ok=True, bytes_written=t.bytes_written, timings=t.as_dict())
+    report(ok=True, bytes_written=t.bytes_written, timings=t.as_dict(), requests=requests(storage))
 
 
 def restore(args) -> None:
@@ -108,7 +130,8 @@ def restore(args) -> None:
         "step": 0,
     }
     stats = snapshard.ReadStats()
-    out = snapshard.load(args.ckpt, target, stats=stats)
+    storage = storage_for(args.ckpt)
+    out = snapshard.load(storage, target, stats=stats)
     ok = True
     for name, x in (
         ("w", out["params"]["w"]),
@@ -121,7 +144,7 @@ def restore(args) -> None:
             ok &= np.asarray(s.data).tobytes() == ref[s.index].tobytes()
     ok &= out["host"].tolist() == list(range(10)) and out["step"] == 17
     ok &= bool(np.array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(keys)))
-    report(ok=bool(ok), stats=stats.as_dict(), devices=len(devs))
+    report(ok=bool(ok), stats=stats.as_dict(), devices=len(devs), requests=requests(storage))
 
 
 def main() -> None:
@@ -132,6 +155,7 @@ def main() -> None:
     ap.add_argument("spec", nargs="?", default="rows")
     ap.add_argument("--kill-in-write", type=int, default=-1)
     ap.add_argument("--fail-in-write", type=int, default=-1)
+    ap.add_argument("--kill-before-commit", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--mode", default="auto")
     args = ap.parse_args()

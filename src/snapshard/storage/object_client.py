@@ -54,6 +54,8 @@ DEFAULT_RETRY: dict[str, Any] = {
     "retry_timeout": timedelta(seconds=120),
 }
 _S3_LIST_PAGE = 1000
+_DENIED = ("status code: 403", "status code: 401", "AccessDenied", "SignatureDoesNotMatch")
+_NO_BUCKET = ("NoSuchBucket", "ContainerNotFound", "bucket does not exist")
 _S3_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
 _memory_stores: dict[str, MemoryStore] = {}
 _memory_lock = threading.Lock()
@@ -233,23 +235,29 @@ class ObjectClient:
 
     # ---- errors ------------------------------------------------------------------------
     def _call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
-        """Run one obstore call; permanent and exhausted failures become StorageError."""
+        """Run one obstore call; permanent and exhausted failures become StorageError.
+        A missing object stays FileNotFoundError (its meaning depends on the caller)."""
+        name = rel or "(prefix)"
         try:
             return fn()
-        except (FileNotFoundError, AlreadyExistsError, PreconditionError, NotSupportedError):
+        except (AlreadyExistsError, PreconditionError, NotSupportedError):
             raise
-        except (PermissionDeniedError, UnauthenticatedError) as e:
-            raise StorageError(
-                f"{self.url}: access denied to {what} {rel or '(prefix)'!r}; check the credentials "
-                f"and the bucket's permissions ({_brief(e)})"
-            ) from e
         except (OSError, obstore.exceptions.BaseError) as e:
-            raise StorageError(f"{self.url}: {what} {rel or '(prefix)'!r} failed: {_brief(e)}") from e
-
-    def _missing_bucket(self, e: FileNotFoundError, what: str, rel: str) -> StorageError:
-        if "NoSuchBucket" in str(e):
-            return StorageError(f"{self.url}: bucket {self.bucket!r} does not exist ({what} {rel!r})")
-        return StorageError(f"{self.url}: {what} {rel!r} failed: {_brief(e)}")
+            # Listings report every failure as a generic error: classify by the status too.
+            if isinstance(e, PermissionDeniedError | UnauthenticatedError) or any(
+                m in str(e) for m in _DENIED
+            ):
+                raise StorageError(
+                    f"{self.url}: access denied to {what} {name!r}; check the credentials "
+                    f"and the bucket's permissions ({_brief(e)})"
+                ) from e
+            if any(m in str(e) for m in _NO_BUCKET):
+                raise StorageError(
+                    f"{self.url}: bucket {self.bucket!r} does not exist ({what} {name!r})"
+                ) from e
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise StorageError(f"{self.url}: {what} {name!r} failed: {_brief(e)}") from e
 
     # ---- small objects -----------------------------------------------------------------
     def put(self, rel: str, data: bytes, *, create: bool = False) -> bool:
@@ -267,8 +275,6 @@ class ObjectClient:
             return False
         except NotSupportedError:
             self._call("write of", rel, lambda: put("overwrite"))
-        except FileNotFoundError as e:
-            raise self._missing_bucket(e, "write of", rel) from None
         return True
 
     def get(self, rel: str) -> bytes | None:
@@ -277,9 +283,7 @@ class ObjectClient:
         self._counter.add(get=1)
         try:
             data = self._call("read of", rel, lambda: bytes(obstore.get(self.store, key).bytes()))
-        except FileNotFoundError as e:
-            if "NoSuchBucket" in str(e):
-                raise self._missing_bucket(e, "read of", rel) from None
+        except FileNotFoundError:
             return None
         self._counter.add(bytes_received=len(data))
         return data
@@ -306,10 +310,7 @@ class ObjectClient:
                         out[path[len(base) :]] = int(meta["size"])
             return out
 
-        try:
-            out = self._call("listing of", "", run)
-        except FileNotFoundError as e:
-            raise self._missing_bucket(e, "listing of", "") from None
+        out = self._call("listing of", "", run)
         self._counter.add(list=max(1, -(-len(out) // _S3_LIST_PAGE)))
         return out
 
@@ -358,9 +359,7 @@ class ObjectClient:
                     rel,
                     lambda: obstore.get_range(self.store, key, start=start, end=start + n),
                 )
-            except FileNotFoundError as e:
-                if "NoSuchBucket" in str(e):
-                    raise self._missing_bucket(e, "read of", rel) from None
+            except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.url}: data file {rel!r} is missing") from None
             got = memoryview(data).cast("B")
             self._counter.add(bytes_received=len(got))
@@ -463,7 +462,7 @@ class PartWriter(FileWriter):
         try:
             self.client._call("upload of", self.rel, fn)
         except FileNotFoundError as e:
-            raise self.client._missing_bucket(e, "upload of", self.rel) from None
+            raise StorageError(f"{self.client.url}: upload of {self.rel!r} failed: {_brief(e)}") from e
 
     def write(self, data: memoryview) -> None:
         mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data

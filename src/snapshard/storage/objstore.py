@@ -13,13 +13,21 @@ or the new one whole) and only then deletes the files that only the old manifest
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, CorruptCheckpointError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    StorageError,
+)
 from ..format.manifest import MANIFEST_NAME, Manifest
 from .base import CheckpointRoot, FileWriter, Storage
 from .object_client import ObjectClient, RequestStats, TransferConfig
+
+log = logging.getLogger("snapshard")
 
 COMMIT_MARKER = "COMMITTED"
 _PROTOCOL_FILES = (MANIFEST_NAME, COMMIT_MARKER)
@@ -103,8 +111,12 @@ class ObjectStorage(Storage):
         return self.client.put(COMMIT_MARKER, b"", create=True)
 
     def discard_staging(self) -> None:
-        """Remove what a failed save wrote (never the committed checkpoint's objects)."""
-        self.client.delete(sorted(self._staged(self.client.list())) + self._stray_manifest())
+        """Remove what a failed save wrote (never the committed checkpoint's objects).
+        Best effort: the save's own error matters more, and leftovers stay invisible."""
+        try:
+            self.client.delete(sorted(self._staged(self.client.list())) + self._stray_manifest())
+        except (StorageError, CorruptCheckpointError) as e:
+            log.warning("%s: could not remove the files of a failed save: %s", self.url, e)
 
     def _stray_manifest(self) -> list[str]:
         return [] if self.client.exists(COMMIT_MARKER) else [MANIFEST_NAME]

@@ -1,0 +1,279 @@
+"""Object-store storage: the commit-marker protocol, resharding restores, request counts.
+
+Every test runs on memory:// and, marked `s3`, on the local S3 server (skipped when
+AWS_ENDPOINT_URL is not set). Faults that only a real server path can show are in
+test_objstore_faults.py; several processes in test_objstore_multiprocess.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import snapshard
+from conftest import mesh, sharded
+from s3env import SKIP_REASON, create_bucket, endpoint
+from snapshard.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
+from snapshard.storage import root_for, storage_for
+from snapshard.storage.object_client import TransferConfig
+from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
+
+# Small parts so that test-sized files go up as multipart uploads and reads are split.
+SMALL = TransferConfig(part_size=5 << 20, read_part_size=1 << 20, max_inflight_bytes=4 << 20)
+
+
+@pytest.fixture(scope="session")
+def s3_bucket():
+    if endpoint() is None:
+        pytest.skip(SKIP_REASON)
+    return create_bucket()
+
+
+@pytest.fixture(params=["memory", pytest.param("s3", marks=pytest.mark.s3)])
+def base(request):
+    """A fresh, empty object-store prefix: a memory bucket, or a prefix in the S3 test bucket."""
+    tag = uuid.uuid4().hex[:12]
+    if request.param == "memory":
+        return f"memory://test-{tag}/run"
+    return f"s3://{request.getfixturevalue('s3_bucket')}/{tag}/run"
+
+
+def storage(url: str) -> ObjectStorage:
+    return ObjectStorage(url, transfer=SMALL)
+
+
+def arrays():
+    rng = np.random.default_rng(7)
+    return {
+        "w": rng.standard_normal((1536, 2048), dtype=np.float32),  # 12 MiB: multipart
+        "e": rng.standard_normal((256, 512), dtype=np.float32).astype(ml_dtypes.bfloat16),
+        "b": rng.standard_normal((512,), dtype=np.float32),
+    }
+
+
+def tree_on_2x4(g):
+    m = mesh(2, 4)
+    return {
+        "params": {
+            "w": sharded(g["w"], m, "data", "model"),
+            "e": sharded(g["e"], m, None, "model"),
+            "b": sharded(g["b"], m),
+        },
+        "host": np.arange(10, dtype=np.int64),
+        "step": 17,
+    }
+
+
+def target_on_1x8(g):
+    m = mesh(8, names=("x",))
+
+    def sds(a, *spec):
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(m, P(*spec)))
+
+    return {
+        "params": {"w": sds(g["w"], None, "x"), "e": sds(g["e"], "x"), "b": sds(g["b"])},
+        "host": np.zeros(10, np.int64),
+        "step": 0,
+    }
+
+
+def bit_exact(x: jax.Array, ref: np.ndarray) -> bool:
+    return all(np.asarray(s.data).tobytes() == ref[s.index].tobytes() for s in x.addressable_shards)
+
+
+def test_save_and_restore_with_resharding_is_bit_exact(base):
+    g = arrays()
+    st = storage(f"{base}/step_1")
+    snapshard.save(st, tree_on_2x4(g))
+    saved = st.stats
+    assert saved.post >= 2, "12 MiB in 5 MiB parts goes up as multipart uploads"
+    assert saved.bytes_sent >= sum(a.nbytes for a in g.values())
+    out = snapshard.load(st, target_on_1x8(g))
+    for k in ("w", "e", "b"):
+        assert bit_exact(out["params"][k], g[k]), k
+    assert out["host"].tolist() == list(range(10)) and out["step"] == 17
+    # Through the URL alone, into NumPy.
+    plain = snapshard.load(f"{base}/step_1")
+    assert plain["params"]["e"].tobytes() == g["e"].tobytes()
+
+
+def test_partial_restore_reads_only_the_needed_ranges(base):
+    g = arrays()
+    st = storage(f"{base}/step_1")
+    snapshard.save(st, tree_on_2x4(g))
+    manifest_bytes = len(st.read_manifest())
+    before = st.stats
+    stats = snapshard.ReadStats()
+    m = mesh(2, 4)
+    target = {"params": {"b": jax.ShapeDtypeStruct((512,), np.float32, sharding=NamedSharding(m, P()))}}
+    out = snapshard.load(st, target, stats=stats)
+    assert bit_exact(out["params"]["b"], g["b"])
+    used = st.stats - before
+    # Only b's 2 KiB (and the manifest) came over the wire, not the 12 MiB of w.
+    assert used.bytes_received - manifest_bytes <= g["b"].nbytes
+    assert used.bytes_received - manifest_bytes == stats.bytes_read
+    assert used.put == used.post == used.delete == 0
+
+
+def test_only_the_marker_makes_a_checkpoint_exist(base):
+    st = storage(f"{base}/step_1")
+    assert not st.is_committed()
+    with pytest.raises(CheckpointNotFoundError, match="nothing is stored"):
+        st.read_manifest()
+    snapshard.save(st, {"a": np.arange(100)})
+    names = st.client.list()
+    assert COMMIT_MARKER in names and "manifest.json" in names
+    assert names[COMMIT_MARKER] == 0
+    st.client.delete([COMMIT_MARKER])
+    assert not st.is_committed()
+    with pytest.raises(CheckpointNotFoundError, match="incomplete save"):
+        snapshard.load(st)
+    assert ObjectRoot(base).list() == {"step_1": False}
+
+
+def crash_before_marker(monkeypatch):
+    """Make the next save stop like a killed process: manifest written, no marker, no cleanup."""
+
+    def crash(self):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(ObjectStorage, "_write_marker", crash)
+    monkeypatch.setattr(ObjectStorage, "discard_staging", lambda self: None)
+
+
+def test_an_unfinished_save_is_never_listed_as_committed_and_is_cleaned(base, monkeypatch):
+    g = {"a": np.arange(1000, dtype=np.int32)}
+    snapshard.save(storage(f"{base}/step_0"), g)
+    with monkeypatch.context() as mp:
+        crash_before_marker(mp)
+        with pytest.raises(KeyboardInterrupt):
+            snapshard.save(storage(f"{base}/step_1"), g)
+    root = root_for(base)
+    assert isinstance(root, ObjectRoot)
+    assert root.list() == {"step_0": True, "step_1": False}
+    assert "manifest.json" in root.child("step_1").client.list()
+    with pytest.raises(CheckpointNotFoundError, match="incomplete"):
+        snapshard.load(f"{base}/step_1")
+    root.remove_incomplete("step_0")  # committed: left alone
+    root.remove_incomplete("step_1")
+    assert root.list() == {"step_0": True}
+    assert root.child("step_1").client.list() == {}
+    assert snapshard.load(f"{base}/step_0")["a"].tolist() == g["a"].tolist()
+    # The name is free again.
+    snapshard.save(storage(f"{base}/step_1"), g)
+    assert root.list() == {"step_0": True, "step_1": True}
+
+
+def test_delete_removes_the_marker_first(base, monkeypatch):
+    st = storage(f"{base}/step_1")
+    snapshard.save(st, {"a": np.arange(10)})
+    calls = []
+    real = type(st.client).delete
+
+    def delete(self, rels):
+        calls.append(list(rels))
+        if len(calls) == 2:
+            raise StorageError("injected: stopped halfway")
+        real(self, rels)
+
+    monkeypatch.setattr(type(st.client), "delete", delete)
+    with pytest.raises(StorageError):
+        st.delete()
+    assert calls[0] == [COMMIT_MARKER]
+    assert ObjectRoot(base).list() == {"step_1": False}
+    monkeypatch.undo()
+    st.delete()
+    assert st.client.list() == {}
+
+
+def test_overwrite_replaces_whole_and_refusal_changes_nothing(base):
+    st = storage(f"{base}/step_1")
+    snapshard.save(st, {"a": np.arange(1000)})
+    before = st.client.list()
+    with pytest.raises(CheckpointExistsError, match=r"overwrite=True"):
+        snapshard.save(st, {"a": np.zeros(3)})
+    assert st.client.list() == before
+    snapshard.save(st, {"a": np.ones(50)}, overwrite=True)
+    assert snapshard.load(st)["a"].tolist() == [1.0] * 50
+    after = st.client.list()
+    old_data = {n for n in before if n.startswith(("data/", "index/"))}
+    assert not old_data & set(after), "files only the old manifest named are deleted"
+
+
+def test_a_failed_overwrite_leaves_the_old_checkpoint_intact(base, monkeypatch):
+    st = storage(f"{base}/step_1")
+    snapshard.save(st, {"a": np.arange(1000)})
+    before = st.client.list()
+    real = type(st.client).put
+
+    def put(self, rel, data, *, create=False):
+        if rel == "manifest.json":
+            raise StorageError("injected: manifest write failed")
+        return real(self, rel, data, create=create)
+
+    monkeypatch.setattr(type(st.client), "put", put)
+    with pytest.raises(StorageError, match="injected"):
+        snapshard.save(st, {"a": np.zeros(1000)}, overwrite=True)
+    monkeypatch.undo()
+    assert st.client.list() == before, "the failed save's files are removed, the old ones kept"
+    assert snapshard.load(st)["a"].tolist() == list(range(1000))
+
+
+def test_a_failed_save_leaves_nothing_visible(base, monkeypatch):
+    st = storage(f"{base}/step_1")
+
+    def refuse(self):
+        raise StorageError(f"{self.url}: access denied to write of 'COMMITTED'")
+
+    monkeypatch.setattr(ObjectStorage, "_write_marker", refuse)
+    with pytest.raises(StorageError, match="access denied"):
+        snapshard.save(st, {"a": np.arange(100_000)})
+    assert ObjectRoot(base).list() == {}
+    assert st.client.list() == {}
+
+
+def test_memory_stores_are_shared_per_bucket_name():
+    a = ObjectStorage("memory://shared-bucket/x")
+    snapshard.save(a, {"v": np.arange(3)})
+    assert ObjectStorage("memory://shared-bucket/x").is_committed()
+    assert not ObjectStorage("memory://other-bucket/x").is_committed()
+
+
+@pytest.mark.parametrize(
+    "url, problem",
+    [
+        ("s3:///prefix", "names no bucket"),
+        ("memory://b/a/../c", r"invalid object key"),
+        ("memory://b/a//c", r"invalid object key"),
+    ],
+)
+def test_bad_urls_are_refused_with_the_url(url, problem):
+    with pytest.raises(ValueError, match=problem):
+        storage_for(url)
+
+
+def test_gcs_and_azure_urls_select_their_stores():
+    from obstore.store import AzureStore, GCSStore
+
+    gs = ObjectStorage("gs://some-bucket/ckpt", {"skip_signature": True})
+    assert isinstance(gs.client.store, GCSStore) and gs.url == "gs://some-bucket/ckpt"
+    az = ObjectStorage("az://container/ckpt", {"account_name": "acct", "skip_signature": True})
+    assert isinstance(az.client.store, AzureStore) and az.client.key("x") == "ckpt/x"
+
+
+@pytest.mark.s3
+def test_missing_bucket_and_bad_credentials_fail_fast_naming_the_url(s3_bucket):
+    with pytest.raises(StorageError, match=r"s3://no-such-bucket-[0-9a-f]+/x: bucket .* does not exist"):
+        snapshard.save(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", {"a": np.arange(3)})
+    bad = ObjectStorage(f"s3://{s3_bucket}/x", {"secret_access_key": "wrong"})
+    with pytest.raises(StorageError, match=rf"s3://{s3_bucket}/x: access denied"):
+        snapshard.save(bad, {"a": np.arange(3)})
+    with pytest.raises(StorageError, match="access denied"):
+        ObjectRoot(f"s3://{s3_bucket}", {"secret_access_key": "wrong"}).list()
+    assert ObjectRoot(f"s3://{s3_bucket}/x").list() == {}
