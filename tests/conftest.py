@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+pytest_plugins = ["s3env"]  # the s3_bucket fixture of the object-store tests
+
 
 def mesh(*shape: int, names: tuple[str, ...] | None = None) -> Mesh:
     names = names or ("data", "model", "extra")[: len(shape)]

@@ -2,8 +2,8 @@
 
 The client's endpoint points at the proxy (127.0.0.1, a free port); every request is
 forwarded verbatim (Host header included, so request signatures stay valid) unless a fault
-rule matches it. Rules match on the method and a substring of the path, and fire a bounded
-number of times:
+rule matches it. Rules match on the method and a substring of the path with its query, and fire a
+bounded number of times:
 
 - ``status``: answer with an HTTP error (e.g. 503 SlowDown, 403 AccessDenied) without forwarding;
 - ``reset``: close the connection without an answer (a dropped connection);
@@ -40,9 +40,7 @@ class Rule:
 
     def matches(self, method: str, path: str) -> bool:
         return (
-            self.fired < self.times
-            and self.method in ("*", method)
-            and self.path_contains in path.split("?")[0]
+            self.fired < self.times and self.method in ("*", method) and self.path_contains in path
         )
 
 
@@ -84,7 +82,9 @@ class FaultProxy:
         self.server.shutdown()
         self.server.server_close()
 
-    def add(self, method: str, path_contains: str, action: str, times: int = 1, **kw: float) -> Rule:
+    def add(
+        self, method: str, path_contains: str, action: str, times: int = 1, **kw: float
+    ) -> Rule:
         rule = Rule(method, path_contains, action, times, **kw)  # type: ignore[arg-type]
         with self._lock:
             self.rules.append(rule)
@@ -140,7 +140,9 @@ class FaultProxy:
                 if k.lower() not in _HOP_BY_HOP:
                     h.send_header(k, v)
             declared = resp.getheader("Content-Length")
-            h.send_header("Content-Length", declared if method == "HEAD" and declared else str(len(data)))
+            h.send_header(
+                "Content-Length", declared if method == "HEAD" and declared else str(len(data))
+            )
             h.end_headers()
             if method == "HEAD":
                 return

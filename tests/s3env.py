@@ -13,6 +13,8 @@ import urllib.request
 import uuid
 from datetime import timedelta
 
+import pytest
+
 ENDPOINT_VAR = "AWS_ENDPOINT_URL"
 SKIP_REASON = (
     f"{ENDPOINT_VAR} is not set: these tests need the local S3 server "
@@ -37,3 +39,11 @@ def create_bucket(prefix: str = "snapshard-test") -> str:
     except urllib.error.HTTPError as e:
         raise RuntimeError(f"cannot create bucket {name}: {e.code} {e.read()[:300]!r}") from e
     return name
+
+
+@pytest.fixture(scope="session")
+def s3_bucket() -> str:
+    """A bucket for this test session on the local server; skips when there is none."""
+    if endpoint() is None:
+        pytest.skip(SKIP_REASON)
+    return create_bucket()

@@ -17,22 +17,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import snapshard
-from conftest import mesh, sharded
-from s3env import SKIP_REASON, create_bucket, endpoint
 from snapshard.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from snapshard.storage import root_for, storage_for
 from snapshard.storage.object_client import TransferConfig
 from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
 
+from conftest import mesh, sharded
+
 # Small parts so that test-sized files go up as multipart uploads and reads are split.
 SMALL = TransferConfig(part_size=5 << 20, read_part_size=1 << 20, max_inflight_bytes=4 << 20)
-
-
-@pytest.fixture(scope="session")
-def s3_bucket():
-    if endpoint() is None:
-        pytest.skip(SKIP_REASON)
-    return create_bucket()
 
 
 @pytest.fixture(params=["memory", pytest.param("s3", marks=pytest.mark.s3)])
@@ -111,7 +104,9 @@ def test_partial_restore_reads_only_the_needed_ranges(base):
     before = st.stats
     stats = snapshard.ReadStats()
     m = mesh(2, 4)
-    target = {"params": {"b": jax.ShapeDtypeStruct((512,), np.float32, sharding=NamedSharding(m, P()))}}
+    target = {
+        "params": {"b": jax.ShapeDtypeStruct((512,), np.float32, sharding=NamedSharding(m, P()))}
+    }
     out = snapshard.load(st, target, stats=stats)
     assert bit_exact(out["params"]["b"], g["b"])
     used = st.stats - before
@@ -127,7 +122,7 @@ def test_only_the_marker_makes_a_checkpoint_exist(base):
     with pytest.raises(CheckpointNotFoundError, match="nothing is stored"):
         st.read_manifest()
     snapshard.save(st, {"a": np.arange(100)})
-    names = st.client.list()
+    names = st.client.listing()
     assert COMMIT_MARKER in names and "manifest.json" in names
     assert names[COMMIT_MARKER] == 0
     st.client.delete([COMMIT_MARKER])
@@ -157,13 +152,13 @@ def test_an_unfinished_save_is_never_listed_as_committed_and_is_cleaned(base, mo
     root = root_for(base)
     assert isinstance(root, ObjectRoot)
     assert root.list() == {"step_0": True, "step_1": False}
-    assert "manifest.json" in root.child("step_1").client.list()
+    assert "manifest.json" in root.child("step_1").client.listing()
     with pytest.raises(CheckpointNotFoundError, match="incomplete"):
         snapshard.load(f"{base}/step_1")
     root.remove_incomplete("step_0")  # committed: left alone
     root.remove_incomplete("step_1")
     assert root.list() == {"step_0": True}
-    assert root.child("step_1").client.list() == {}
+    assert root.child("step_1").client.listing() == {}
     assert snapshard.load(f"{base}/step_0")["a"].tolist() == g["a"].tolist()
     # The name is free again.
     snapshard.save(storage(f"{base}/step_1"), g)
@@ -189,19 +184,19 @@ def test_delete_removes_the_marker_first(base, monkeypatch):
     assert ObjectRoot(base).list() == {"step_1": False}
     monkeypatch.undo()
     st.delete()
-    assert st.client.list() == {}
+    assert st.client.listing() == {}
 
 
 def test_overwrite_replaces_whole_and_refusal_changes_nothing(base):
     st = storage(f"{base}/step_1")
     snapshard.save(st, {"a": np.arange(1000)})
-    before = st.client.list()
+    before = st.client.listing()
     with pytest.raises(CheckpointExistsError, match=r"overwrite=True"):
         snapshard.save(st, {"a": np.zeros(3)})
-    assert st.client.list() == before
+    assert st.client.listing() == before
     snapshard.save(st, {"a": np.ones(50)}, overwrite=True)
     assert snapshard.load(st)["a"].tolist() == [1.0] * 50
-    after = st.client.list()
+    after = st.client.listing()
     old_data = {n for n in before if n.startswith(("data/", "index/"))}
     assert not old_data & set(after), "files only the old manifest named are deleted"
 
@@ -209,7 +204,7 @@ def test_overwrite_replaces_whole_and_refusal_changes_nothing(base):
 def test_a_failed_overwrite_leaves_the_old_checkpoint_intact(base, monkeypatch):
     st = storage(f"{base}/step_1")
     snapshard.save(st, {"a": np.arange(1000)})
-    before = st.client.list()
+    before = st.client.listing()
     real = type(st.client).put
 
     def put(self, rel, data, *, create=False):
@@ -221,7 +216,7 @@ def test_a_failed_overwrite_leaves_the_old_checkpoint_intact(base, monkeypatch):
     with pytest.raises(StorageError, match="injected"):
         snapshard.save(st, {"a": np.zeros(1000)}, overwrite=True)
     monkeypatch.undo()
-    assert st.client.list() == before, "the failed save's files are removed, the old ones kept"
+    assert st.client.listing() == before, "the failed save's files are removed, the old ones kept"
     assert snapshard.load(st)["a"].tolist() == list(range(1000))
 
 
@@ -235,7 +230,7 @@ def test_a_failed_save_leaves_nothing_visible(base, monkeypatch):
     with pytest.raises(StorageError, match="access denied"):
         snapshard.save(st, {"a": np.arange(100_000)})
     assert ObjectRoot(base).list() == {}
-    assert st.client.list() == {}
+    assert st.client.listing() == {}
 
 
 def test_memory_stores_are_shared_per_bucket_name():
@@ -269,7 +264,9 @@ def test_gcs_and_azure_urls_select_their_stores():
 
 @pytest.mark.s3
 def test_missing_bucket_and_bad_credentials_fail_fast_naming_the_url(s3_bucket):
-    with pytest.raises(StorageError, match=r"s3://no-such-bucket-[0-9a-f]+/x: bucket .* does not exist"):
+    with pytest.raises(
+        StorageError, match=r"s3://no-such-bucket-[0-9a-f]+/x: bucket .* does not exist"
+    ):
         snapshard.save(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", {"a": np.arange(3)})
     bad = ObjectStorage(f"s3://{s3_bucket}/x", {"secret_access_key": "wrong"})
     with pytest.raises(StorageError, match=rf"s3://{s3_bucket}/x: access denied"):

@@ -9,12 +9,14 @@ bucket), becomes a StorageError that names the URL and the object.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlparse
 
@@ -127,7 +129,9 @@ class _Counter:
 
     def snapshot(self) -> RequestStats:
         with self._lock:
-            return RequestStats(**{f.name: getattr(self._stats, f.name) for f in fields(RequestStats)})
+            return RequestStats(
+                **{f.name: getattr(self._stats, f.name) for f in fields(RequestStats)}
+            )
 
 
 class _ByteBudget:
@@ -206,6 +210,13 @@ class ObjectClient:
         _parent: ObjectClient | None = None,
         _prefix: str = "",
     ):
+        self.scheme: str
+        self.bucket: str
+        self.prefix: str
+        self.store: ObjectStore
+        self.transfer: TransferConfig
+        self._counter: _Counter
+        self._shared: _ReadPool
         if _parent is not None:
             self.scheme, self.bucket = _parent.scheme, _parent.bucket
             self.prefix = _prefix
@@ -297,13 +308,15 @@ class ObjectClient:
             return False
         return True
 
-    def list(self) -> dict[str, int]:
+    def listing(self) -> dict[str, int]:
         """Every object under the prefix (recursively): name relative to the prefix -> size."""
         base = f"{self.prefix}/" if self.prefix else ""
 
         def run() -> dict[str, int]:
             out: dict[str, int] = {}
-            for page in obstore.list(self.store, prefix=self.prefix or None, chunk_size=_S3_LIST_PAGE):
+            for page in obstore.list(
+                self.store, prefix=self.prefix or None, chunk_size=_S3_LIST_PAGE
+            ):
                 for meta in page:
                     path = meta["path"]
                     if path.startswith(base):
@@ -319,10 +332,8 @@ class ObjectClient:
             return
         keys = [self.key(r) for r in rels]
         self._counter.add(delete=len(keys))
-        try:
+        with contextlib.suppress(FileNotFoundError):  # already gone
             self._call("deletion of", rels[0], lambda: obstore.delete(self.store, keys))
-        except FileNotFoundError:
-            pass  # already gone
 
     # ---- data --------------------------------------------------------------------------
     def writer(self, rel: str) -> FileWriter:
@@ -344,7 +355,7 @@ class ObjectClient:
             for start, vs in pieces:
                 self._get_range(rel, start, vs)
             return
-        self._shared.run([lambda s=s, vs=vs: self._get_range(rel, s, vs) for s, vs in pieces])
+        self._shared.run([partial(self._get_range, rel, s, vs) for s, vs in pieces])
 
     def _get_range(self, rel: str, start: int, views: list[memoryview]) -> None:
         n = sum(len(v) for v in views)
@@ -456,13 +467,15 @@ class PartWriter(FileWriter):
         self._part = np.empty(0, dtype=np.uint8)
         self._fill = 0
         self._parts += 1
-        self._upload_call(lambda: self._writer.write(part))
+        self._upload_call(lambda: self._writer.write(part.data))
 
     def _upload_call(self, fn: Callable[[], object]) -> None:
         try:
             self.client._call("upload of", self.rel, fn)
         except FileNotFoundError as e:
-            raise StorageError(f"{self.client.url}: upload of {self.rel!r} failed: {_brief(e)}") from e
+            raise StorageError(
+                f"{self.client.url}: upload of {self.rel!r} failed: {_brief(e)}"
+            ) from e
 
     def write(self, data: memoryview) -> None:
         mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
@@ -490,8 +503,7 @@ class PartWriter(FileWriter):
 
     def abort(self) -> None:
         self._part = np.empty(0, dtype=np.uint8)
-        try:
-            # obstore aborts the multipart upload when its context exits with an error.
+        # obstore aborts the multipart upload when its context exits with an error; an
+        # upload that already failed or closed has nothing left to cancel.
+        with contextlib.suppress(Exception):
             self._writer.__exit__(RuntimeError, RuntimeError("aborted"), None)
-        except Exception:
-            pass  # already closed or failed: nothing left to cancel

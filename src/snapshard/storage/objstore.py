@@ -79,7 +79,7 @@ class ObjectStorage(Storage):
 
     def list_staging(self) -> dict[str, int]:
         """The files of saves in progress here; never those of the committed checkpoint."""
-        return self._staged(self.client.list())
+        return self._staged(self.client.listing())
 
     def read_staging(self, name: str) -> bytes:
         data = self.client.get(name)
@@ -114,7 +114,7 @@ class ObjectStorage(Storage):
         """Remove what a failed save wrote (never the committed checkpoint's objects).
         Best effort: the save's own error matters more, and leftovers stay invisible."""
         try:
-            self.client.delete(sorted(self._staged(self.client.list())) + self._stray_manifest())
+            self.client.delete(sorted(self._staged(self.client.listing())) + self._stray_manifest())
         except (StorageError, CorruptCheckpointError) as e:
             log.warning("%s: could not remove the files of a failed save: %s", self.url, e)
 
@@ -127,7 +127,7 @@ class ObjectStorage(Storage):
 
     def read_manifest(self) -> bytes:
         if not self.client.exists(COMMIT_MARKER):
-            if self.client.list():
+            if self.client.listing():
                 why = "only an incomplete save is there (no commit marker)"
             else:
                 why = "nothing is stored under this prefix"
@@ -144,7 +144,7 @@ class ObjectStorage(Storage):
         """Remove the marker first: from then on the checkpoint does not exist, and a
         delete that stops halfway leaves an incomplete prefix, never a damaged checkpoint."""
         self.client.delete([COMMIT_MARKER])
-        self.client.delete(sorted(self.client.list()))
+        self.client.delete(sorted(self.client.listing()))
 
     def close(self) -> None:
         self.client.close()
@@ -175,7 +175,7 @@ class ObjectRoot(CheckpointRoot):
 
     def list(self) -> dict[str, bool]:
         out: dict[str, bool] = {}
-        for rel in self.client.list():
+        for rel in self.client.listing():
             name, _, rest = rel.partition("/")
             if not rest:
                 continue  # an object directly under the root is no checkpoint
@@ -192,4 +192,4 @@ class ObjectRoot(CheckpointRoot):
         child = self.child(name).client
         if child.exists(COMMIT_MARKER):
             return
-        child.delete(sorted(child.list()))
+        child.delete(sorted(child.listing()))
