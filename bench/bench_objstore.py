@@ -4,7 +4,9 @@
 
 Needs the server (../shared/objstore/s3-server.sh start) and AWS_ENDPOINT_URL, the
 credentials and AWS_ALLOW_HTTP=true in the environment (as .ci/run exports them); orbax
-needs s3fs for its directory operations. The tree is sharded over 8 CPU devices on a (2, 4)
+needs s3fs for its directory operations (the `bench` extra). With the local Ceph server,
+also export CEPH_CONF=<its RGW_DIR>/ceph.conf: the bench then flushes the server's deferred
+deletions after each round, without which its memory grows by every byte ever written. The tree is sharded over 8 CPU devices on a (2, 4)
 mesh; both libraries save to and restore from the same server, in interleaved rounds
 (the order alternates), and the table gives medians, ratios and the requests each made,
 counted on the wire by a proxy in a separate run (so that the proxy costs no timed time).
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -148,10 +151,15 @@ class Orbax:
 
 
 def remove(url: str) -> None:
+    """Delete everything under url; on the local Ceph server (CEPH_CONF set), also run its
+    deferred garbage collection, which otherwise keeps deleted multipart data in memory."""
     from snapshard.storage.object_client import ObjectClient
 
     client = ObjectClient(url)
     client.delete(sorted(client.listing()))
+    if os.environ.get("CEPH_CONF") and shutil.which("radosgw-admin"):
+        gc = ["radosgw-admin", "-n", "client.admin", "gc", "process", "--include-all"]
+        subprocess.run(gc, check=True, capture_output=True, timeout=300)
 
 
 def same(a: Any, b: Any) -> bool:
