@@ -274,3 +274,23 @@ def test_missing_bucket_and_bad_credentials_fail_fast_naming_the_url(s3_bucket):
     with pytest.raises(StorageError, match="access denied"):
         ObjectRoot(f"s3://{s3_bucket}", {"secret_access_key": "wrong"}).list()
     assert ObjectRoot(f"s3://{s3_bucket}/x").list() == {}
+
+
+def test_checkpoint_manager_on_an_object_store(base, monkeypatch):
+    """The manager's start-up cleanup and retention go through ObjectRoot unchanged."""
+    from snapshard.manager import CheckpointManager
+
+    with CheckpointManager(base, max_to_keep=2) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"x": np.full(1000, step, np.int32)}, force=True)
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [2, 3]
+    with monkeypatch.context() as mp:
+        crash_before_marker(mp)
+        with pytest.raises(KeyboardInterrupt):
+            snapshard.save(storage(f"{base}/4"), {"x": np.zeros(1000, np.int32)})
+    assert ObjectRoot(base).list() == {"2": True, "3": True, "4": False}
+    with CheckpointManager(base, max_to_keep=2) as mgr:
+        assert ObjectRoot(base).list() == {"2": True, "3": True}
+        assert mgr.latest_step() == 3
+        assert mgr.restore()["x"].tolist() == [3] * 1000
