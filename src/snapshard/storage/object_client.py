@@ -285,6 +285,7 @@ class ObjectClient:
         except (AlreadyExistsError, PreconditionError):
             return False
         except NotSupportedError:
+            self._counter.add(put=1, bytes_sent=len(data))
             self._call("write of", rel, lambda: put("overwrite"))
         return True
 
