@@ -258,6 +258,23 @@ def analyze(path: str) -> None:
             met = "yes" if (med(v) >= float(x) if op == ">=" else med(v) <= float(x)) else "NO"
         print(f"| {name} | {spread(v, 2)} | {target} | {met} |")
 
+    if by.get("snapshard"):
+        print("\n## snapshard phases (seconds, median [min-max])\n")
+        print("| step | phases |")
+        print("|---|---|")
+        parts = ", ".join(
+            f"{k} {spread(vals('snapshard', 'timings.' + k), 3)}"
+            for k in ("plan_s", "stage_s", "write_s", "commit_s")
+        )
+        print(f"| save | {parts} |")
+        for step in ("restore_warm", "restore_evicted", "reshard_warm"):
+            parts = ", ".join(
+                f"{k} {spread(vals('snapshard', f'{step}_stats.{k}'), 3)}"
+                for k in ("read_s", "assemble_s", "total_s")
+            )
+            reads = vals("snapshard", f"{step}_stats.reads")
+            print(f"| {step} | {parts}; reads {spread(reads, 0)} |")
+
     jobs = by.get("job", [])
     if jobs:
         print("\n## Machine load while the jobs ran\n")

@@ -3,15 +3,18 @@ data files, index and manifest fsync'd, renamed into place) -> restore into the 
 (warm) -> restore onto mesh (4, 2) P('model', None) (warm) -> evict -> restore (evicted).
 Every restore verifies checksums (the default) and reports snapshard.ReadStats.
 
-usage: python job_snapshard.py [--scale S] [--round R] [--no-evicted]
+usage: python job_snapshard.py [--scale S] [--round R] [--no-evicted] [--profile]
+--profile samples every thread during each step and prints where the time goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import common as bc
+from sampler import Sampler
 
 bc.force_cpu_devices(8)
 
@@ -20,14 +23,21 @@ import jax  # noqa: E402
 import snapshard  # noqa: E402
 
 
-def run(tree, path, scale, record, evicted):
+def run(tree, path, scale, record, evicted, profile=False):
+    def sampled(step):
+        return Sampler() if profile else contextlib.nullcontext()
+
+    reports = []
+
     save_mesh, reshard_mesh = bc.mesh(2, 4), bc.mesh(4, 2)
     bc.fresh_dir(path)
     bc.settle()
     res = {}
     try:
-        with bc.Meter() as m:
+        with bc.Meter() as m, sampled("save") as smp:
             timings = snapshard.save(path, tree)
+        if smp is not None:
+            reports.append(smp.report(f"save {timings.as_dict()}"))
         res.update(m.as_dict("save"))
         res["blocking_s"] = round(timings.blocking_s, 4)
         res["timings"] = timings.as_dict()
@@ -45,8 +55,10 @@ def run(tree, path, scale, record, evicted):
             if step == "restore_evicted":
                 bc.evict(path)
             stats = snapshard.ReadStats()
-            with bc.Meter() as m:
+            with bc.Meter() as m, sampled(step) as smp:
                 out = jax.block_until_ready(snapshard.load(path, target, stats=stats))
+            if smp is not None:
+                reports.append(smp.report(f"{step} {stats.as_dict()}"))
             res.update(m.as_dict(step))
             res[f"{step}_stats"] = stats.as_dict()
             if record:
@@ -56,6 +68,8 @@ def run(tree, path, scale, record, evicted):
         res["bit_exact"] = ok
     finally:
         bc.remove(path)
+    for r in reports:
+        print(r, flush=True)
     return res
 
 
@@ -64,13 +78,14 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0)
     ap.add_argument("--round", type=int, default=0)
     ap.add_argument("--no-evicted", action="store_true")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     names = list(bc.tree_spec(args.scale))
     path = bc.ckpt_dir("snapshard")
     warm = bc.build_tree(bc.WARMUP_LEAVES, args.scale, bc.mesh(2, 4))
     run(warm, path + "-warmup", args.scale, False, False)
     tree = bc.build_tree(names, args.scale, bc.mesh(2, 4))
-    res = run(tree, path, args.scale, True, not args.no_evicted)
+    res = run(tree, path, args.scale, True, not args.no_evicted, args.profile)
     bc.emit(method="snapshard", bytes=bc.payload_bytes(args.scale), **res)
     os.sync()
 
