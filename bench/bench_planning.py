@@ -209,6 +209,28 @@ def scanned(chunks, targets) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------- measuring
+def manifest_estimate(plan, n: int) -> int:
+    """Bytes of the format-v1 manifest's chunk rows for this plan (JSON, one row per chunk),
+    from one representative row per array: what process 0 writes and every reader parses."""
+    total = 0
+    for a in plan.arrays:
+        if not len(a.nbytes):
+            continue
+        nbytes = int(a.nbytes[0])
+        block = checksum_block(nbytes)
+        row = {
+            "start": a.starts[0].tolist(),
+            "stop": a.stops[0].tolist(),
+            "file": 2 * n,
+            "offset": 10**9,
+            "nbytes": nbytes,
+            "block": block,
+            "crc32c": "0" * 8 * -(-nbytes // block),
+        }
+        total += (len(json.dumps(row, separators=(",", ":"))) + 1) * len(a.nbytes)
+    return total
+
+
 def plan_nbytes(plan) -> int:
     """Bytes of the arrays a write plan holds (shared arrays once): what every process keeps."""
     seen: dict[int, int] = {}
@@ -273,6 +295,7 @@ def bench_one(n, n_arrays, modes, dp, repeat, profile, emit) -> None:
             chunks_total=int(sum(len(a.writer) for a in plan.arrays)),
             plan_mb=round(plan_nbytes(plan) / 1e6, 1),
             imbalance=round(float(bpp.max() / bpp.mean()), 4),
+            manifest_gb=round(manifest_estimate(plan, n) / 1e9, 2),
         )
         if mode == "auto":
             chunks = [(a.starts, a.stops, a.nbytes) for a in plan.arrays]
@@ -319,15 +342,16 @@ def table(rows: list[dict]) -> None:
     print("\n## Write plan of one process (seconds)\n")
     print(
         "| processes | devices | arrays (layouts) | mode | cold | cached | items_of | total chunks "
-        "| plan MB | max/mean |"
+        "| plan MB | max/mean | manifest GB (est.) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in write:
         mode = r["mode"] if r["mode"] != "auto" else f"auto ({r['chosen']})"
         print(
             f"| {r['processes']:,} | {r['devices']:,} | {r['arrays']} ({r['distinct_layouts']}) "
             f"| {mode} | {r['cold_s']:.3f} | {r['cached_s']:.6f} | {r['items_of_s']:.3f} "
-            f"| {r['chunks_total']:,} | {r['plan_mb']:.0f} | {r['imbalance']:.3f} |"
+            f"| {r['chunks_total']:,} | {r['plan_mb']:.0f} | {r['imbalance']:.3f} "
+            f"| {r['manifest_gb']:.2f} |"
         )
     print("\n## Read plan of one process (seconds)\n")
     print(
