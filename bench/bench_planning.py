@@ -15,10 +15,11 @@ Timed for process p = N // 2 + 1 (any process does the same work):
   write plan  plan_writes(layouts, mode) with fresh layouts (cold: nothing cached), again
               with the same layouts (cached: what a later save of an unchanged tree pays),
               and plan.items_of(p) (the process's own boxes; save.py calls it every save).
-  read plan   what restore.py does for the process's target boxes against the saved chunks
-              (the auto write plan's boxes): one ChunkIndex per array, overlapping() per
-              target box, overlap_runs per overlap, coalesce_runs per chunk. Targets: the
-              save mesh ("same") and mesh (dp, 2 fsdp, tp / 2) ("reshard").
+  read plan   restore.py's own planning (restore._plan_tasks) of the process's target boxes
+              against the saved chunks (the auto write plan's boxes): chunk indexes shared
+              by arrays with the same chunk boxes, the overlaps, their byte runs and the
+              coalesced reads. Building the inputs (chunk tables, buffers) is not timed.
+              Targets: the save mesh ("same") and mesh (dp, 2 fsdp, tp / 2) ("reshard").
 
 usage: python bench_planning.py [--processes 1000,4000,10000] [--arrays 2000] [--modes ...]
                                 [--profile] [--out FILE.jsonl]
@@ -41,12 +42,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from snapshard.format import checksum_block
+from snapshard import restore
+from snapshard.format import ArrayLeaf, ChunkTable, FileEntry, Manifest, checksum_block
 from snapshard.planning import (
     ArrayLayout,
     ChunkIndex,
-    coalesce_runs,
-    overlap_runs,
     plan_writes,
     write_plan,
 )
@@ -160,34 +160,34 @@ def target_boxes(la: ArrayLayout, process: int) -> tuple[np.ndarray, np.ndarray]
     return boxes[:, : la.ndim], boxes[:, la.ndim :]
 
 
-def read_plan(chunks, targets, itemsizes, times: dict[str, float]) -> int:
-    """restore._plan_tasks over pure data: returns the number of reads."""
-    reads = 0
-    for (cs, ce, cbytes), (ts, te), itemsize in zip(chunks, targets, itemsizes, strict=True):
-        t0 = time.perf_counter()
-        index = ChunkIndex(cs, ce)
-        t1 = time.perf_counter()
-        per_chunk: dict[int, list] = {}
+def read_plan(plan, layouts, process: int, target_layouts, times: dict[str, float]) -> int:
+    """restore.py's own read planning (restore._plan_tasks) for the process's target boxes
+    against the saved chunks, as it runs inside snapshard.load: returns the number of reads.
+
+    Arrays sharing a layout share one chunk table, as reading a manifest interns them."""
+    t0 = time.perf_counter()
+    tables: dict[int, ChunkTable] = {}
+    leaves = []
+    for i, (a, la) in enumerate(zip(plan.arrays, layouts, strict=True)):
+        if id(a.starts) not in tables:
+            c = len(a.nbytes)
+            blocks = np.array([checksum_block(int(b)) for b in a.nbytes[:1]] * c, dtype=np.int64)
+            zeros = np.zeros(c, np.int64)
+            tables[id(a.starts)] = ChunkTable(a.starts, a.stops, zeros, zeros, a.nbytes, blocks, [])
+        dtype = {1: "int8", 2: "bfloat16", 4: "float32"}[la.itemsize]
+        leaves.append(ArrayLeaf((str(i),), "array", dtype, la.shape, None, None, tables[id(a.starts)]))
+    manifest = Manifest({}, leaves, [FileEntry("data/p", 1 << 62)])
+    dests = []
+    for leaf, tl in zip(leaves, target_layouts, strict=True):
+        ts, te = target_boxes(tl, process)
         for s, e in zip(ts, te, strict=True):
-            for c in index.overlapping(s, e):
-                os_, oe = np.maximum(cs[c], s), np.minimum(ce[c], e)
-                src, _dst, run = overlap_runs(cs[c], ce[c], s, e, os_, oe, itemsize)
-                per_chunk.setdefault(int(c), []).append((src, run))
-        t2 = time.perf_counter()
-        for c, parts in per_chunk.items():
-            src = np.concatenate([p[0] for p in parts])
-            length = np.concatenate([np.full(len(p[0]), p[1], dtype=np.int64) for p in parts])
-            order = np.argsort(src, kind="stable")
-            nbytes = int(cbytes[c])
-            ranges = coalesce_runs(
-                src[order], length[order], nbytes, block=checksum_block(nbytes), max_gap=4096
-            )
-            reads += len(ranges)
-        t3 = time.perf_counter()
-        times["index_s"] += t1 - t0
-        times["overlap_s"] += t2 - t1
-        times["coalesce_s"] += t3 - t2
-    return reads
+            # Unwritten buffers: the plan only needs their size (the OS allocates lazily).
+            dests.append(restore._Dest(leaf, s, e, np.empty(int(np.prod(e - s)) * tl.itemsize, np.uint8)))
+    t1 = time.perf_counter()
+    tasks = restore._plan_tasks(manifest, dests, True, restore.DEFAULT_MAX_GAP, restore.ReadStats())
+    times["setup_s"] += t1 - t0
+    times["plan_s"] += time.perf_counter() - t1
+    return len(tasks)
 
 
 def scanned(chunks, targets) -> tuple[int, int]:
@@ -299,17 +299,16 @@ def bench_one(n, n_arrays, modes, dp, repeat, profile, emit) -> None:
         )
         if mode == "auto":
             chunks = [(a.starts, a.stops, a.nbytes) for a in plan.arrays]
-            itemsizes = [la.itemsize for la in layouts]
             reshard = Mesh(dp, 2 * (n // dp), DEVICES_PER_PROCESS // 2)
             for name, tl in (("same", layouts), ("reshard", build_layouts(arrays, reshard))):
                 tb = [target_boxes(la, p) for la in tl]
                 results = []
                 for _ in range(repeat):
-                    times = dict.fromkeys(("index_s", "overlap_s", "coalesce_s"), 0.0)
-                    reads, total = timed(
-                        lambda tb=tb, t=times, c=chunks, i=itemsizes: read_plan(c, tb, i, t), prof
+                    times = dict.fromkeys(("setup_s", "plan_s"), 0.0)
+                    reads, _ = timed(
+                        lambda t=times, tl=tl: read_plan(plan, layouts, p, tl, t), prof
                     )
-                    results.append((total, times))
+                    results.append((times["plan_s"], times))
                 total, times = sorted(results, key=lambda x: x[0])[len(results) // 2]
                 looked, pairs = scanned(chunks, tb)
                 emit(
@@ -355,14 +354,14 @@ def table(rows: list[dict]) -> None:
         )
     print("\n## Read plan of one process (seconds)\n")
     print(
-        "| processes | target | total | ChunkIndex builds | overlaps | coalesce | target boxes "
+        "| processes | target | read plan | target boxes "
         "| reads | chunks scanned / all box x chunk pairs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in read:
         print(
-            f"| {r['processes']:,} | {r['target']} | {r['total_s']:.3f} | {r['index_s']:.3f} "
-            f"| {r['overlap_s']:.3f} | {r['coalesce_s']:.3f} | {r['target_boxes']:,} | {r['reads']:,} "
+            f"| {r['processes']:,} | {r['target']} | {r['total_s']:.3f} "
+            f"| {r['target_boxes']:,} | {r['reads']:,} "
             f"| {r['chunks_scanned']:,} / {r['all_pairs']:,} ({r['chunks_scanned'] / max(r['all_pairs'], 1):.2e}) |"
         )
     # growth: time per process relative to the smallest run, against the process count

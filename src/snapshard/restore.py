@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import jax
@@ -27,7 +28,8 @@ from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
 from .errors import CheckpointNotFoundError, ChecksumMismatchError, TargetMismatchError
 from .format import ArrayLeaf, ChunkTable, Manifest, ValueLeaf, validate_structure
-from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid
+from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
+from .planning.read_plan import covering_range
 from .storage import Location, Storage, storage_for
 from .tree import Path, keypath_to_path, path_str, unflatten
 
@@ -163,18 +165,48 @@ def _request_boxes(req: _Request, sharding: Any) -> _Request:
 
 @dataclass
 class _ChunkRuns:
-    """Every run this process needs from one chunk, sorted by chunk offset."""
+    """Every run this process needs from one chunk. The per-run arrays, sorted by chunk
+    offset, are built on first use: usually by the reading thread, off the planning path."""
 
     leaf: ArrayLeaf
     chunk: int
     file: str
     file_offset: int  # where the chunk starts in its file
-    src: np.ndarray  # run offsets in the chunk
-    length: np.ndarray
-    dest: np.ndarray  # index into the batch's dest list
-    dst: np.ndarray  # run offsets in the destination buffer
-    overlap: np.ndarray  # index into `grids`
     grids: list[tuple[int, RunGrid]]  # (dest index, runs) of each overlap
+
+    @cached_property
+    def _sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        expanded = [g.runs() for _, g in self.grids]
+        sizes = [g.count for _, g in self.grids]
+        src = np.concatenate([e[0] for e in expanded])
+        order = np.argsort(src, kind="stable")
+        return (
+            src[order],
+            np.repeat(np.array([g.run_bytes for _, g in self.grids], np.int64), sizes)[order],
+            np.repeat(np.array([di for di, _ in self.grids], np.int64), sizes)[order],
+            np.concatenate([e[1] for e in expanded])[order],
+            np.repeat(np.arange(len(self.grids)), sizes)[order],
+        )
+
+    @property
+    def src(self) -> np.ndarray:  # run offsets in the chunk
+        return self._sorted[0]
+
+    @property
+    def length(self) -> np.ndarray:
+        return self._sorted[1]
+
+    @property
+    def dest(self) -> np.ndarray:  # index into the batch's dest list
+        return self._sorted[2]
+
+    @property
+    def dst(self) -> np.ndarray:  # run offsets in the destination buffer
+        return self._sorted[3]
+
+    @property
+    def overlap(self) -> np.ndarray:  # index into `grids`
+        return self._sorted[4]
 
 
 @dataclass
@@ -185,6 +217,8 @@ class _Task:
     rng: ReadRange
 
 
+# Overlaps that need this much of the span they cover are read as that one span.
+_DENSE = 0.98
 # A read with more pieces than this goes through one contiguous scratch buffer and strided
 # copies, rather than an iovec per piece (Python cost per piece beats the extra memcpy).
 _MAX_SCATTER_PIECES = 64
@@ -198,6 +232,8 @@ def _verified(verify: bool, t: ChunkTable, c: int) -> bool:
 def _plan_tasks(
     manifest: Manifest, dests: list[_Dest], verify: bool, max_gap: int, stats: ReadStats
 ) -> list[_Task]:
+    # Arrays with the same chunk boxes share their box columns (interned when the manifest is
+    # read), hence one index.
     indexes: dict[int, ChunkIndex] = {}
     per_chunk: dict[tuple[int, int], list[tuple[int, RunGrid]]] = {}
     leaves: dict[int, ArrayLeaf] = {}
@@ -206,11 +242,16 @@ def _plan_tasks(
         t = leaf.chunks
         key = id(leaf)
         leaves[key] = leaf
-        if key not in indexes:
-            indexes[key] = ChunkIndex(t.starts, t.stops)
-        itemsize = dtype_from_name(leaf.dtype).itemsize
+        index = indexes.get(id(t.starts))
+        if index is None:
+            index = indexes[id(t.starts)] = ChunkIndex(t.starts, t.stops)
         stats.bytes_needed += d.buf.nbytes
-        for c in indexes[key].overlapping(d.start, d.stop):
+        exact = index.exact(d.start, d.stop) if t.stores_own_boxes else -1
+        if exact >= 0:  # the box is a chunk: one run, the whole of both
+            per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
+            continue
+        itemsize = dtype_from_name(leaf.dtype).itemsize
+        for c in index.overlapping(d.start, d.stop):
             os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
             stored_start, stored_stop = t.storage_box(c)
             grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
@@ -219,35 +260,50 @@ def _plan_tasks(
     for (key, c), grids in per_chunk.items():
         leaf = leaves[key]
         t = leaf.chunks
-        expanded = [g.runs() for _, g in grids]
-        src = np.concatenate([e[0] for e in expanded])
-        dst = np.concatenate([e[1] for e in expanded])
-        sizes = [g.count for _, g in grids]
-        overlap = np.repeat(np.arange(len(grids)), sizes)
-        length = np.repeat(np.array([g.run_bytes for _, g in grids], np.int64), sizes)
-        dest = np.repeat(np.array([di for di, _ in grids], np.int64), sizes)
-        order = np.argsort(src, kind="stable")
-        runs = _ChunkRuns(
-            leaf,
-            c,
-            manifest.files[int(t.file[c])].name,
-            int(t.offset[c]),
-            src[order],
-            length[order],
-            dest[order],
-            dst[order],
-            overlap[order],
-            grids,
-        )
         block = int(t.block[c]) if _verified(verify, t, c) else None
+        nbytes = int(t.nbytes[c])
+        if all(g.source_contiguous for _, g in grids):
+            # Each overlap is one byte range of the chunk: coalesce those, not every run.
+            grids.sort(key=lambda dg: dg[1].src_base)
+            ranges = _coalesce_grids([g for _, g in grids], nbytes, block, max_gap)
+            runs = _ChunkRuns(leaf, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
+        else:
+            runs = _ChunkRuns(leaf, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
+            lo = min(g.src_base for _, g in grids)
+            hi = max(g.src_end for _, g in grids)
+            needed = sum(g.count * g.run_bytes for _, g in grids)
+            whole = covering_range(lo, hi, nbytes, block, sum(g.count for _, g in grids))
+            if needed >= _DENSE * (whole.stop - whole.start):
+                # Interleaved overlaps that fill their span (other targets' columns of the same
+                # rows): one read, no per-run work at all.
+                ranges = [whole]
+            else:
+                ranges = coalesce_runs(runs.src, runs.length, nbytes, block=block, max_gap=max_gap)
         stats.chunks_touched += 1
-        for r in coalesce_runs(
-            runs.src, runs.length, int(t.nbytes[c]), block=block, max_gap=max_gap
-        ):
+        for r in ranges:
             stats.bytes_read += r.stop - r.start
             stats.reads += 1
             tasks.append(_Task(runs, r))
     return tasks
+
+
+def _coalesce_grids(
+    grids: list[RunGrid], nbytes: int, block: int | None, max_gap: int
+) -> list[ReadRange]:
+    """Reads of source-contiguous overlaps sorted by offset (their runs, in that order, are
+    the chunk's sorted runs): ranges that touch (with `block`) or nearly do merge."""
+    out: list[ReadRange] = []
+    p = 0
+    for g in grids:
+        r = g.source_range(nbytes, block)
+        r = ReadRange(r.start, r.stop, p, p + g.count)
+        p += g.count
+        if out and r.start <= out[-1].stop + (0 if block else max_gap):
+            last = out[-1]
+            out[-1] = ReadRange(last.start, max(last.stop, r.stop), last.p0, r.p1)
+        else:
+            out.append(r)
+    return out
 
 
 def _scatter_views(task: _Task, dests: list[_Dest]) -> list[memoryview]:
@@ -281,9 +337,14 @@ def _copy_from_scratch(task: _Task, scratch: np.ndarray, dests: list[_Dest]) -> 
     """Copy the runs of a range read into `scratch` to their destinations: whole overlaps
     as one strided NumPy copy each, runs of overlaps split across ranges one by one."""
     runs, r = task.runs, task.rng
-    inside = runs.overlap[r.p0 : r.p1]
-    ids, counts = np.unique(inside, return_counts=True)
-    for ov, n in zip(ids.tolist(), counts.tolist(), strict=True):
+    total = sum(g.count for _, g in runs.grids)
+    if r.p1 - r.p0 == total:  # every overlap of the chunk, whole: no per-run arrays needed
+        ids, counts = list(range(len(runs.grids))), [g.count for _, g in runs.grids]
+    else:
+        inside = runs.overlap[r.p0 : r.p1]
+        unique, n_inside = np.unique(inside, return_counts=True)
+        ids, counts = unique.tolist(), n_inside.tolist()
+    for ov, n in zip(ids, counts, strict=True):
         di, g = runs.grids[ov]
         dest = dests[di].buf
         if n == g.count:
@@ -296,7 +357,7 @@ def _copy_from_scratch(task: _Task, scratch: np.ndarray, dests: list[_Dest]) -> 
             dst = as_strided(dest[g.dst_base :], (*g.outer_shape, g.run_bytes), (*g.dst_strides, 1))
             np.copyto(dst, src)
             continue
-        for p in np.flatnonzero(inside == ov) + r.p0:
+        for p in np.flatnonzero(runs.overlap[r.p0 : r.p1] == ov) + r.p0:
             a, b, ln = int(runs.src[p]) - r.start, int(runs.dst[p]), int(runs.length[p])
             dest[b : b + ln] = scratch[a : a + ln]
 

@@ -241,7 +241,7 @@ def _merge(prep: _Prepared, index_names: list[str]) -> Manifest:
                     leaf.shape,
                     leaf.sharding,
                     leaf.key_impl,
-                    ChunkTable.concat(tables.get(i, []), len(leaf.shape)),
+                    ChunkTable.concat(tables.get(i, []), len(leaf.shape)).sorted_by_box(),
                 )
             )
         else:

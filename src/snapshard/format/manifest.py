@@ -76,6 +76,9 @@ class ChunkTable:
     def block_crcs(self, i: int) -> np.ndarray:
         return np.frombuffer(bytes.fromhex(self.crc32c[i]), dtype=">u4").astype(np.uint32)
 
+    # Whether chunk i is stored as exactly its box (a subclass may store a larger box).
+    stores_own_boxes = True
+
     def storage_box(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """The box whose C-order bytes chunk i stores. For manifest chunks it is the chunk's
         box; tables built by readers of other formats may store a larger box of which only
@@ -113,6 +116,22 @@ class ChunkTable:
             }
             for i in range(len(self))
         ]
+
+    def sorted_by_box(self) -> ChunkTable:
+        """The chunks in box order (start, lexicographically): arrays with the same chunk
+        boxes then have equal box columns, which readers share (see intern_boxes)."""
+        if len(self) < 2:
+            return self
+        o = np.lexsort(self.starts.T[::-1])
+        return ChunkTable(
+            self.starts[o], self.stops[o], self.file[o], self.offset[o], self.nbytes[o], self.block[o],
+            [self.crc32c[i] for i in o.tolist()],
+        )  # fmt: skip
+
+    def intern_boxes(self, seen: dict[bytes, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Share the box columns with an earlier table of equal boxes (one index serves both)."""
+        key = self.starts.tobytes() + b"|" + self.stops.tobytes()
+        self.starts, self.stops = seen.setdefault(key, (self.starts, self.stops))
 
     @staticmethod
     def concat(tables: list[ChunkTable], ndim: int) -> ChunkTable:
@@ -334,7 +353,7 @@ class Manifest:
             raise CorruptCheckpointError(f"{where}: manifest lacks the tree structure")
         return Manifest(
             structure=structure,
-            leaves=[leaf_from_json(d, where) for d in leaves_raw],
+            leaves=_interned([leaf_from_json(d, where) for d in leaves_raw]),
             files=files,
             process_count=int(doc.get("process_count", 1)),
             write_mode=str(doc.get("write_mode", "auto")),
@@ -342,6 +361,14 @@ class Manifest:
             version=version,
             extra=doc.get("extra") or {},
         )
+
+
+def _interned(leaves: list[Leaf]) -> list[Leaf]:
+    seen: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+    for leaf in leaves:
+        if isinstance(leaf, ArrayLeaf) and len(leaf.chunks):
+            leaf.chunks.intern_boxes(seen)
+    return leaves
 
 
 @dataclass

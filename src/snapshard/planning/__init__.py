@@ -1,7 +1,15 @@
 """Pure planning: layouts in, write and read plans out. No I/O, no JAX."""
 
 from .layout import ArrayLayout, ShardGroups
-from .read_plan import ChunkIndex, ReadRange, RunGrid, coalesce_runs, overlap_runs, run_grid
+from .read_plan import (
+    ChunkIndex,
+    ReadRange,
+    RunGrid,
+    coalesce_runs,
+    overlap_runs,
+    run_grid,
+    whole_grid,
+)
 from .write_plan import MODES, ArrayWritePlan, WritePlan, band_bounds, plan_writes
 
 __all__ = [
@@ -18,4 +26,5 @@ __all__ = [
     "overlap_runs",
     "plan_writes",
     "run_grid",
+    "whole_grid",
 ]

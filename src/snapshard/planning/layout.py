@@ -13,6 +13,21 @@ from functools import cached_property
 import numpy as np
 
 
+def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The unique rows of a 2-D integer array, sorted, and each row's index among them.
+
+    The same as np.unique(a, axis=0, return_inverse=True), several times faster."""
+    if len(a) == 0:
+        return a.copy(), np.zeros(0, dtype=np.int64)
+    order = np.lexsort(a.T[::-1])
+    sorted_rows = a[order]
+    new = np.ones(len(a), dtype=bool)
+    new[1:] = np.any(sorted_rows[1:] != sorted_rows[:-1], axis=1)
+    inverse = np.empty(len(a), dtype=np.int64)
+    inverse[order] = np.cumsum(new) - 1
+    return sorted_rows[new], inverse
+
+
 @dataclass(eq=False)
 class ArrayLayout:
     """One row per device: its box [starts, stops), its replica id and its process id.
@@ -71,6 +86,22 @@ class ShardGroups:
     def count(self) -> int:
         return len(self.nbytes)
 
+    @cached_property
+    def cand_box(self) -> np.ndarray:
+        """The box of each candidate entry."""
+        return np.repeat(np.arange(self.count), self.num_candidates)
+
+    @cached_property
+    def _by_process(self) -> tuple[np.ndarray, np.ndarray]:
+        order = np.argsort(self.cand_process, kind="stable")
+        return order, self.cand_process[order]
+
+    def candidates_of(self, process: int) -> np.ndarray:
+        """Positions of the candidate entries of `process` (the boxes it holds)."""
+        order, procs = self._by_process
+        lo, hi = np.searchsorted(procs, [process, process + 1])
+        return order[lo:hi]
+
     @property
     def num_candidates(self) -> np.ndarray:
         return np.diff(self.cand_ptr)
@@ -84,8 +115,7 @@ class ShardGroups:
             ustarts = np.zeros((1, 0), dtype=np.int64)
             ustops = np.zeros((1, 0), dtype=np.int64)
         else:
-            ubox, box_of_row = np.unique(boxes, axis=0, return_inverse=True)
-            box_of_row = box_of_row.reshape(-1)
+            ubox, box_of_row = unique_rows(boxes)
             ustarts, ustops = ubox[:, :nd], ubox[:, nd:]
         nproc = int(layout.process_ids.max()) + 1
         # One candidate per (box, process): the row with the lowest replica id there.

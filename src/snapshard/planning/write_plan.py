@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Literal
 
 import numpy as np
 
-from .layout import ArrayLayout, ShardGroups
+from .layout import ArrayLayout, ShardGroups, unique_rows
 
 Mode = Literal["auto", "single_replica", "replica_parallel", "balanced"]
 MODES: tuple[str, ...] = ("auto", "single_replica", "replica_parallel", "balanced")
@@ -31,15 +31,41 @@ DEFAULT_MIN_BAND_BYTES = 1 << 20
 AUTO_BALANCE_TOLERANCE = 1.05
 
 
-@dataclass(frozen=True, eq=False)
 class ArrayWritePlan:
-    """The boxes written for one array, with their writer and the device row they come from."""
+    """The boxes written for one array, with their writer and the device row they come from.
 
-    starts: np.ndarray  # (K, ndim)
-    stops: np.ndarray  # (K, ndim)
-    writer: np.ndarray  # (K,) process id
-    source_row: np.ndarray  # (K,) layout row (a device of the writer) holding the box
-    nbytes: np.ndarray  # (K,)
+    Item k is written by candidate `cand[k]` of the layout's ShardGroups: process
+    `writer[k]` copies it from layout row `source_row[k]`. Both are derived on first use, so
+    a plan of thousands of arrays does not materialise them unless asked.
+    """
+
+    def __init__(
+        self,
+        starts: np.ndarray,
+        stops: np.ndarray,
+        nbytes: np.ndarray,
+        groups: ShardGroups,
+        cand: np.ndarray,
+    ):
+        self.starts, self.stops, self.nbytes = starts, stops, nbytes  # (K, ndim), (K, ndim), (K,)
+        self.groups = groups
+        self.cand = cand  # (K,) index into groups.cand_process / cand_row
+        self.whole_boxes = starts is groups.starts  # item k is box k of the groups
+
+    @cached_property
+    def writer(self) -> np.ndarray:
+        return self.groups.cand_process[self.cand]
+
+    @cached_property
+    def source_row(self) -> np.ndarray:
+        return self.groups.cand_row[self.cand]
+
+    def items_of(self, process: int) -> np.ndarray:
+        """Indices of the items `process` writes, ascending."""
+        if not self.whole_boxes:
+            return np.flatnonzero(self.writer == process)
+        pos = self.groups.candidates_of(process)  # the boxes `process` holds: few
+        return np.sort(self.groups.cand_box[pos][self.cand[self.groups.cand_box[pos]] == pos])
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,11 +73,16 @@ class WritePlan:
     mode: str
     arrays: tuple[ArrayWritePlan, ...]
     num_processes: int
+    load: np.ndarray | None = None  # bytes per process, when the planner counted them
 
     def bytes_per_process(self) -> np.ndarray:
+        if self.load is not None:
+            return self.load
         total = np.zeros(self.num_processes, dtype=np.int64)
         for a in self.arrays:
-            np.add.at(total, a.writer, a.nbytes)
+            total += np.bincount(a.writer, weights=a.nbytes, minlength=self.num_processes).astype(
+                np.int64
+            )
         return total
 
     def imbalance(self) -> float:
@@ -64,20 +95,13 @@ class WritePlan:
         """(array index, item index) of every box `process` writes, in plan order."""
         out: list[tuple[int, int]] = []
         for i, a in enumerate(self.arrays):
-            out.extend((i, int(k)) for k in np.flatnonzero(a.writer == process))
+            out.extend((i, int(k)) for k in a.items_of(process))
         return out
 
 
 def _whole(sg: ShardGroups, choice: np.ndarray) -> ArrayWritePlan:
     """Every unique box written whole by candidate index `choice[u]` of box u."""
-    idx = sg.cand_ptr[:-1] + choice
-    return ArrayWritePlan(
-        starts=sg.starts,
-        stops=sg.stops,
-        writer=sg.cand_process[idx],
-        source_row=sg.cand_row[idx],
-        nbytes=sg.nbytes,
-    )
+    return ArrayWritePlan(sg.starts, sg.stops, sg.nbytes, sg, sg.cand_ptr[:-1] + choice)
 
 
 def plan_single_replica(layout: ArrayLayout) -> ArrayWritePlan:
@@ -105,129 +129,136 @@ def plan_replica_parallel(layout: ArrayLayout, min_band_bytes: int) -> ArrayWrit
     if not split.any():
         plan = plan_single_replica(layout)
     else:
-        starts, stops, writer, rows, nbytes = [], [], [], [], []
-        for u in range(sg.count):
-            lo = int(sg.cand_ptr[u])
-            s, e = sg.starts[u], sg.stops[u]
-            if not split[u]:
-                starts.append(s)
-                stops.append(e)
-                writer.append(sg.cand_process[lo])
-                rows.append(sg.cand_row[lo])
-                nbytes.append(sg.nbytes[u])
-                continue
-            r = int(ncand[u])
-            ext = e - s
-            fits = np.flatnonzero(ext >= r)
-            axis = int(fits[0]) if len(fits) else int(np.argmax(ext))
-            n = min(r, int(ext[axis]))
-            row_bytes = int(sg.nbytes[u]) // max(int(ext[axis]), 1)
-            for j, (b0, b1) in enumerate(band_bounds(int(s[axis]), int(e[axis]), n)):
-                bs, be = s.copy(), e.copy()
-                bs[axis], be[axis] = b0, b1
-                starts.append(bs)
-                stops.append(be)
-                writer.append(sg.cand_process[lo + j])
-                rows.append(sg.cand_row[lo + j])
-                nbytes.append((b1 - b0) * row_bytes)
-        plan = ArrayWritePlan(
-            starts=np.asarray(starts, dtype=np.int64).reshape(-1, layout.ndim),
-            stops=np.asarray(stops, dtype=np.int64).reshape(-1, layout.ndim),
-            writer=np.asarray(writer, dtype=np.int64),
-            source_row=np.asarray(rows, dtype=np.int64),
-            nbytes=np.asarray(nbytes, dtype=np.int64),
-        )
+        ext = sg.stops - sg.starts
+        fits = ext >= ncand[:, None]
+        # The first axis with at least R rows (outermost: bands stay contiguous), else the longest.
+        axis = np.where(fits.any(axis=1), np.argmax(fits, axis=1), np.argmax(ext, axis=1))
+        u_ext = ext[np.arange(sg.count), axis]
+        bands = np.where(split, np.minimum(ncand, u_ext), 1)
+        u = np.repeat(np.arange(sg.count), bands)  # the box of each item
+        j = np.arange(len(u)) - np.repeat(np.cumsum(bands) - bands, bands)  # band number
+        n, a, e_u = bands[u], axis[u], u_ext[u]
+        base = sg.starts[u, a]
+        b0, b1 = base + (j * e_u) // n, base + ((j + 1) * e_u) // n
+        starts, stops = sg.starts[u].copy(), sg.stops[u].copy()
+        rows = np.arange(len(u))
+        starts[rows, a], stops[rows, a] = b0, b1
+        row_bytes = sg.nbytes[u] // np.maximum(e_u, 1)
+        nbytes = np.where(split[u], (b1 - b0) * row_bytes, sg.nbytes[u])
+        plan = ArrayWritePlan(starts, stops, nbytes, sg, sg.cand_ptr[u] + j)
     layout._cache[key] = plan
     return plan
 
 
 @dataclass(frozen=True, eq=False)
-class _CandidateGroups:
-    """Boxes with several holders, grouped by identical holder sets (when those sets are disjoint).
+class _Bucket:
+    """Groups of boxes that share one holder set, all groups with R holders and g boxes.
 
-    ``cands`` is (G, R) processes, ``boxes`` is (G, g) box indices sorted by size, largest first.
-    None when the holder sets of the layout overlap without being equal (rare meshes): the
-    planner then falls back to box-by-box greedy.
-    """
+    procs (G, R): each group's holders (sorted); boxes (G, g): its boxes, largest first;
+    rank (G, g, R): where holder procs[:, r] stands in each box's own candidate list."""
 
-    cands_idx: list[np.ndarray]  # per (R, g) bucket: (G, R) candidate positions in cand arrays
-    boxes: list[np.ndarray]  # per bucket: (G, g)
+    procs: np.ndarray
+    boxes: np.ndarray
+    rank: np.ndarray
 
 
-def _candidate_groups(sg: ShardGroups, layout: ArrayLayout) -> _CandidateGroups | None:
-    key = ("candidate_groups",)
+def _holder_groups(layout: ArrayLayout) -> list[_Bucket] | None:
+    """The boxes with several holders, grouped by identical holder sets, or None when two
+    different holder sets share a process (rare meshes: the planner then goes box by box)."""
+    key = ("holder_groups",)
     if key in layout._cache:
         return layout._cache[key]  # type: ignore[return-value]
+    sg = layout.shards
     ncand = sg.num_candidates
     multi = np.flatnonzero(ncand > 1)
-    by_set: dict[tuple[int, ...], list[int]] = {}
-    for u in multi:
-        lo, hi = sg.cand_ptr[u], sg.cand_ptr[u + 1]
-        by_set.setdefault(tuple(sg.cand_process[lo:hi].tolist()), []).append(int(u))
-    members = [p for s in by_set for p in s]
-    result: _CandidateGroups | None
-    if len(members) != len(set(members)):
-        result = None
-    else:
-        buckets: dict[tuple[int, int], tuple[list[np.ndarray], list[np.ndarray]]] = {}
-        for boxes in by_set.values():
-            u0 = boxes[0]
-            r = int(ncand[u0])
-            order = sorted(boxes, key=lambda u: (-int(sg.nbytes[u]), u))
-            pos = np.arange(sg.cand_ptr[u0], sg.cand_ptr[u0] + r)
-            # Candidate *positions* are per box; boxes of one group share the same processes,
-            # in the same order, so the first box's positions stand for the group's processes.
-            c, b = buckets.setdefault((r, len(order)), ([], []))
-            c.append(pos)
-            b.append(np.asarray(order, dtype=np.int64))
-        result = _CandidateGroups(
-            cands_idx=[np.stack(c) for c, _ in buckets.values()],
-            boxes=[np.stack(b) for _, b in buckets.values()],
-        )
+    buckets: list[_Bucket] = []
+    members = []
+    for r in np.unique(ncand[multi]).tolist():
+        us = multi[ncand[multi] == r]
+        box_procs = sg.cand_process[sg.cand_ptr[us][:, None] + np.arange(r)]
+        by_process = np.argsort(box_procs, axis=1)  # box's list position of its i-th smallest
+        sets, set_of_box = unique_rows(np.take_along_axis(box_procs, by_process, axis=1))
+        members.append(sets.reshape(-1))
+        order = np.lexsort((us, -sg.nbytes[us], set_of_box))
+        counts = np.bincount(set_of_box, minlength=len(sets))
+        start = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        for g in np.unique(counts).tolist():
+            which = np.flatnonzero(counts == g)
+            pos = order[start[which][:, None] + np.arange(g)]  # (G, g) into us
+            buckets.append(_Bucket(sets[which], us[pos], by_process[pos]))
+    flat = np.concatenate(members) if members else np.zeros(0, np.int64)
+    result = buckets if len(np.unique(flat)) == len(flat) else None
     layout._cache[key] = result
     return result
 
 
-def _assign_balanced(layout: ArrayLayout, load: np.ndarray) -> ArrayWritePlan:
+def _assign_layout(
+    layout: ArrayLayout, count: int, load: np.ndarray, forced: np.ndarray
+) -> np.ndarray:
+    """Choices (count, boxes) for `count` arrays sharing `layout`: candidate index per box.
+
+    Boxes with one holder go to it. The k·g boxes of a holder group (k arrays, g boxes each)
+    go one by one to the least loaded of its holders, for all groups at once: holder groups
+    are disjoint, so every group's greedy runs in the same vector operation."""
     sg = layout.shards
-    choice = np.zeros(sg.count, dtype=np.int64)
-    ncand = sg.num_candidates
-    single = np.flatnonzero(ncand == 1)
-    np.add.at(load, sg.cand_process[sg.cand_ptr[single]], sg.nbytes[single])
-    groups = _candidate_groups(sg, layout)
-    if groups is None:
-        for u in np.flatnonzero(ncand > 1)[np.argsort(-sg.nbytes[ncand > 1], kind="stable")]:
-            lo, hi = sg.cand_ptr[u], sg.cand_ptr[u + 1]
-            j = int(np.argmin(load[sg.cand_process[lo:hi]]))
-            choice[u] = j
-            load[sg.cand_process[lo + j]] += sg.nbytes[u]
-    else:
-        for pos, boxes in zip(groups.cands_idx, groups.boxes, strict=True):
-            procs = sg.cand_process[pos]  # (G, R)
-            cur = load[procs]
-            rows = np.arange(len(procs))
-            for j in range(boxes.shape[1]):
+    choice = np.zeros((count, sg.count), dtype=np.int32)
+    single = np.flatnonzero(sg.num_candidates == 1)
+    np.add.at(load, sg.cand_process[sg.cand_ptr[single]], sg.nbytes[single] * count)
+    np.add.at(forced, sg.cand_process[sg.cand_ptr[single]], sg.nbytes[single] * count)
+    buckets = _holder_groups(layout)
+    if buckets is None:
+        multi = np.flatnonzero(sg.num_candidates > 1)
+        multi = multi[np.argsort(-sg.nbytes[multi], kind="stable")]
+        for k in range(count):
+            for u in multi:
+                lo, hi = sg.cand_ptr[u], sg.cand_ptr[u + 1]
+                j = int(np.argmin(load[sg.cand_process[lo:hi]]))
+                choice[k, u] = j
+                load[sg.cand_process[lo + j]] += sg.nbytes[u]
+        return choice
+    for b in buckets:
+        n_groups = b.procs.shape[0]
+        g = b.boxes.shape[1]
+        cur = load[b.procs]  # (G, R)
+        sizes = sg.nbytes[b.boxes]  # (G, g)
+        holder = np.empty((count, n_groups, g), dtype=np.int64)  # position in b.procs
+        rows = np.arange(n_groups)
+        for k in range(count):
+            for j in range(g):
                 pick = np.argmin(cur, axis=1)
-                u = boxes[:, j]
-                # Boxes of one group may list the same processes in another replica order.
-                picked = procs[rows, pick]
-                lo = sg.cand_ptr[u]
-                r = procs.shape[1]
-                box_procs = sg.cand_process[lo[:, None] + np.arange(r)]
-                choice[u] = np.argmax(box_procs == picked[:, None], axis=1)
-                cur[rows, pick] += sg.nbytes[u]
-            load[procs] = cur
-    return _whole(sg, choice)
+                holder[k, :, j] = pick
+                cur[rows, pick] += sizes[:, j]
+        load[b.procs] = cur
+        # The holder's position in each box's own candidate list.
+        which = b.rank[rows[None, :, None], np.arange(g)[None, None, :], holder]  # (k, G, g)
+        choice[:, b.boxes.reshape(-1)] = which.reshape(count, -1)
+    return choice
 
 
-def plan_balanced(layouts: Sequence[ArrayLayout], num_processes: int) -> list[ArrayWritePlan]:
+def plan_balanced(
+    layouts: Sequence[ArrayLayout], num_processes: int
+) -> tuple[list[ArrayWritePlan], np.ndarray, np.ndarray]:
+    """Balanced plans of every array, the bytes each process writes, and the bytes that could
+    go nowhere else (boxes with a single holder) per process."""
     load = np.zeros(num_processes, dtype=np.int64)
+    forced = np.zeros(num_processes, dtype=np.int64)
     out: list[ArrayWritePlan | None] = [None] * len(layouts)
-    # Largest shards first: the greedy is then within 4/3 of optimal (LPT).
-    biggest = [int(la.shards.nbytes.max()) if la.shards.count else 0 for la in layouts]
-    for i in sorted(range(len(layouts)), key=lambda i: (-biggest[i], i)):
-        out[i] = _assign_balanced(layouts[i], load)
-    return out  # type: ignore[return-value]
+    by_layout: dict[int, list[int]] = {}
+    for i, la in enumerate(layouts):
+        by_layout.setdefault(id(la), []).append(i)
+    # Largest boxes first: the greedy is then within 4/3 of optimal (LPT).
+    groups = sorted(
+        by_layout.values(),
+        key=lambda ix: (-int(layouts[ix[0]].shards.nbytes.max(initial=0)), ix[0]),
+    )
+    for ix in groups:
+        la = layouts[ix[0]]
+        sg = la.shards
+        cand = _assign_layout(la, len(ix), load, forced)  # int32: plans of big jobs are large
+        cand += sg.cand_ptr[:-1].astype(np.int32)
+        for k, i in enumerate(ix):
+            out[i] = ArrayWritePlan(sg.starts, sg.stops, sg.nbytes, sg, cand[k])
+    return out, load, forced  # type: ignore[return-value]
 
 
 def plan_writes(
@@ -245,19 +276,23 @@ def plan_writes(
     return _plan_cached(tuple(layouts), mode, num_processes, min_band_bytes)
 
 
-@lru_cache(maxsize=8)
+# Plans of big jobs are large (one entry per chunk of every array): keep the last few only.
+@lru_cache(maxsize=4)
 def _plan_cached(
     layouts: tuple[ArrayLayout, ...], mode: str, num_processes: int, min_band_bytes: int
 ) -> WritePlan:
     if mode == "single_replica":
         return WritePlan(mode, tuple(plan_single_replica(la) for la in layouts), num_processes)
     if mode == "replica_parallel":
-        plans = tuple(plan_replica_parallel(la, min_band_bytes) for la in layouts)
-        return WritePlan(mode, plans, num_processes)
-    balanced = WritePlan("balanced", tuple(plan_balanced(layouts, num_processes)), num_processes)
-    if mode == "balanced" or balanced.imbalance() <= AUTO_BALANCE_TOLERANCE:
+        banded = tuple(plan_replica_parallel(la, min_band_bytes) for la in layouts)
+        return WritePlan(mode, banded, num_processes)
+    whole, load, forced = plan_balanced(layouts, num_processes)
+    balanced = WritePlan("balanced", tuple(whole), num_processes, load)
+    if mode == "balanced":
         return balanced
-    banded = _plan_cached(layouts, "replica_parallel", num_processes, min_band_bytes)
-    if banded.bytes_per_process().max() < balanced.bytes_per_process().max():
-        return banded
-    return balanced
+    per_process = balanced.bytes_per_process()
+    bound = max(int(forced.max(initial=0)), -(-int(per_process.sum()) // num_processes))
+    if balanced.imbalance() <= AUTO_BALANCE_TOLERANCE or per_process.max() <= bound:
+        return balanced  # even enough, or no plan could do better
+    rp = _plan_cached(layouts, "replica_parallel", num_processes, min_band_bytes)
+    return rp if rp.bytes_per_process().max() < per_process.max() else balanced

@@ -286,6 +286,8 @@ class WindowedChunkTable(ChunkTable):
     stored_starts: np.ndarray
     stored_stops: np.ndarray
 
+    stores_own_boxes = False
+
     def storage_box(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         return self.stored_starts[i], self.stored_stops[i]
 
