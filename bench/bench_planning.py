@@ -175,14 +175,18 @@ def read_plan(plan, layouts, process: int, target_layouts, times: dict[str, floa
             zeros = np.zeros(c, np.int64)
             tables[id(a.starts)] = ChunkTable(a.starts, a.stops, zeros, zeros, a.nbytes, blocks, [])
         dtype = {1: "int8", 2: "bfloat16", 4: "float32"}[la.itemsize]
-        leaves.append(ArrayLeaf((str(i),), "array", dtype, la.shape, None, None, tables[id(a.starts)]))
+        leaves.append(
+            ArrayLeaf((str(i),), "array", dtype, la.shape, None, None, tables[id(a.starts)])
+        )
     manifest = Manifest({}, leaves, [FileEntry("data/p", 1 << 62)])
     dests = []
     for leaf, tl in zip(leaves, target_layouts, strict=True):
         ts, te = target_boxes(tl, process)
         for s, e in zip(ts, te, strict=True):
             # Unwritten buffers: the plan only needs their size (the OS allocates lazily).
-            dests.append(restore._Dest(leaf, s, e, np.empty(int(np.prod(e - s)) * tl.itemsize, np.uint8)))
+            dests.append(
+                restore._Dest(leaf, s, e, np.empty(int(np.prod(e - s)) * tl.itemsize, np.uint8))
+            )
     t1 = time.perf_counter()
     tasks = restore._plan_tasks(manifest, dests, True, restore.DEFAULT_MAX_GAP, restore.ReadStats())
     times["setup_s"] += t1 - t0
@@ -306,7 +310,8 @@ def bench_one(n, n_arrays, modes, dp, repeat, profile, emit) -> None:
                 for _ in range(repeat):
                     times = dict.fromkeys(("setup_s", "plan_s"), 0.0)
                     reads, _ = timed(
-                        lambda t=times, tl=tl: read_plan(plan, layouts, p, tl, t), prof
+                        lambda t=times, tl=tl, pl=plan, la=layouts: read_plan(pl, la, p, tl, t),
+                        prof,
                     )
                     results.append((times["plan_s"], times))
                 total, times = sorted(results, key=lambda x: x[0])[len(results) // 2]

@@ -207,3 +207,11 @@ def test_tiny_shards_stay_whole():
     la = ArrayLayout((10, 4), 4, [[0, 0]] * 3, [[10, 4]] * 3, [0, 1, 2], [0, 1, 2])
     p = plan_replica_parallel(la, 1 << 20)
     assert len(p.nbytes) == 1 and p.writer[0] == 0
+
+
+def test_the_planner_and_the_format_import_without_jax():
+    import subprocess
+    import sys
+
+    code = "import sys, snapshard.planning, snapshard.format; sys.exit('jax' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -1,9 +1,17 @@
 """snapshard: distributed checkpointing of sharded JAX training state.
 
-snapshard.save(path, tree)                 # every process, same tree; atomic
-tree = snapshard.load(path, target)        # onto any mesh / process count, or NumPy
-snapshard.metadata(path)                   # shapes, dtypes, shardings; no data read
+    snapshard.save(path, tree)                 # every process, same tree; atomic
+    tree = snapshard.load(path, target)        # onto any mesh / process count, or NumPy
+    snapshard.metadata(path)                   # shapes, dtypes, shardings; no data read
+
+Names are imported on first use, so that the pure parts (snapshard.planning,
+snapshard.format) can be imported without JAX.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointExistsError,
@@ -17,12 +25,38 @@ from .errors import (
     UnsupportedLeafError,
     ValidationError,
 )
-from .manager import BackgroundSaveError, CheckpointManager, LocalTier
-from .metadata import ArrayMetadata, ValueMetadata, metadata
-from .restore import ReadStats, load
-from .save import AsyncSave, SaveTimings, save, save_async
+
+if TYPE_CHECKING:
+    from .inspection import ArrayMetadata, ValueMetadata, metadata
+    from .manager import BackgroundSaveError, CheckpointManager, LocalTier
+    from .restore import ReadStats, load
+    from .saving import AsyncSave, SaveTimings, save, save_async
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "ArrayMetadata": "inspection",
+    "ValueMetadata": "inspection",
+    "metadata": "inspection",
+    "BackgroundSaveError": "manager",
+    "CheckpointManager": "manager",
+    "LocalTier": "manager",
+    "ReadStats": "restore",
+    "load": "restore",
+    "AsyncSave": "saving",
+    "SaveTimings": "saving",
+    "save": "saving",
+    "save_async": "saving",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'snapshard' has no attribute {name!r}")
+
 
 __all__ = [
     "ArrayMetadata",

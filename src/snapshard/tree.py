@@ -15,8 +15,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-
 from .errors import CorruptCheckpointError, UnsupportedLeafError
 
 PathKey = str | int
@@ -34,6 +32,8 @@ def _is_namedtuple(x: Any) -> bool:
 
 
 def _key_component(key: Any, where: Path) -> PathKey:
+    import jax  # here, not at the top: the format and planning modules import this one
+
     if isinstance(key, jax.tree_util.DictKey):
         k = key.key
         if isinstance(k, bool) or not isinstance(k, str | int):
@@ -69,6 +69,8 @@ class FlatTree:
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
     """Walk `tree`; `is_leaf` says which values are leaves (None is always a value leaf)."""
+    import jax
+
     paths: list[Path] = []
     leaves: list[Any] = []
 

@@ -25,7 +25,7 @@ def die() -> None:
 def install_kill(point: str, at: int) -> None:
     from snapshard.storage import local
 
-    save_mod = importlib.import_module("snapshard.save")  # the module, not snapshard.save()
+    save_mod = importlib.import_module("snapshard.saving")
 
     calls = {"n": 0}
     real_stage = save_mod.stage

@@ -39,7 +39,7 @@ from ..adapters.leaves import SaveArray
 from ..coordination import SingleProcessCoordinator
 from ..format.manifest import ValueLeaf
 from ..restore import load
-from ..save import finish, prepare
+from ..saving import finish, prepare
 from ..staging import Box, Snapshot
 from ..storage import LocalRoot, LocalStorage
 from ..tree import FlatTree, path_str

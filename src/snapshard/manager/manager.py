@@ -31,7 +31,7 @@ from ..coordination.rendezvous import namespace
 from ..coordination.transfer import exchange
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..restore import ReadStats, is_target_leaf, load, read_manifest
-from ..save import DEFAULT_TIMEOUT_S, SaveTimings, classify_leaves, finish, prepare
+from ..saving import DEFAULT_TIMEOUT_S, SaveTimings, classify_leaves, finish, prepare
 from ..staging import Snapshot, host_snapshot
 from ..storage import CheckpointRoot, Location, root_for
 from ..tree import FlatTree, flatten, keypath_to_path, path_str
