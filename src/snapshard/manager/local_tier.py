@@ -121,6 +121,18 @@ def process_boxes(arr: SaveArray, process: int) -> list[Box]:
     return sorted({(tuple(lay.starts[r].tolist()), tuple(lay.stops[r].tolist())) for r in rows})
 
 
+def shard_bytes(leaves: Sequence[Any], process: int) -> int:
+    """The size of pack_shards(..., process): every process can compute every other's."""
+    total = 0
+    for leaf in leaves:
+        if isinstance(leaf, SaveArray) and leaf.devices is not None:
+            for start, stop in process_boxes(leaf, process):
+                total += (
+                    math.prod(b - a for a, b in zip(start, stop, strict=True)) * leaf.dtype.itemsize
+                )
+    return total
+
+
 def pack_shards(leaves: Sequence[Any], snapshot: Snapshot, process: int) -> np.ndarray:
     """The bytes of every local shard of `process`, concatenated in canonical order."""
     parts = []

@@ -21,14 +21,13 @@ from types import FrameType
 from typing import Any
 
 import jax
-import numpy as np
 
 from ..adapters.leaves import SaveArray, is_save_leaf
 from ..background import BackgroundTask
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.jax_distributed import preemption_sync_point
 from ..coordination.rendezvous import namespace
-from ..coordination.transfer import exchange
+from ..coordination.transfer import PendingExchange, exchange, start_exchange
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..restore import ReadStats, is_target_leaf, load, read_manifest
 from ..saving import DEFAULT_TIMEOUT_S, SaveTimings, classify_leaves, finish, prepare
@@ -43,6 +42,7 @@ from .local_tier import (
     pack_shards,
     peers,
     saved_fingerprints,
+    shard_bytes,
     target_fingerprint,
     unpack_shards,
 )
@@ -348,18 +348,20 @@ class CheckpointManager:
         snapshot = host_snapshot(arrays, me)
         own_tree = local_tree(leaves, flat, snapshot)
         t1 = time.perf_counter()
-        received: dict[int, np.ndarray] = {}
+        # The copies to peers: dispatched now, in program order on every process (they are
+        # collectives), and received by the background part.
+        pending: dict[int, PendingExchange] = {}
         if n > 1:
             blob = pack_shards(leaves, snapshot, me)
-            for r in range(
-                1, len(peers(0, n, store.tier.replicas, store.tier.processes_per_host)) + 1
-            ):
-                k = r * store.tier.processes_per_host
-                got = exchange(blob, [(p, (p + k) % n) for p in range(n)])
-                if got is not None:
-                    received[(me - k) % n] = got
+            sizes = [shard_bytes(leaves, p) for p in range(n)]
+            per_host = store.tier.processes_per_host
+            for r in range(1, len(peers(0, n, store.tier.replicas, per_host)) + 1):
+                k = r * per_host
+                pending[(me - k) % n] = start_exchange(
+                    blob, [(p, (p + k) % n) for p in range(n)], sizes
+                )
         report["local_snapshot_s"] = t1 - t0
-        report["peer_exchange_s"] = time.perf_counter() - t1
+        report["peer_dispatch_s"] = time.perf_counter() - t1
         extra = {
             "tier": "local",
             "step": step,
@@ -371,8 +373,12 @@ class CheckpointManager:
         def write() -> None:
             t = time.perf_counter()
             written = store.write(step, me, own_tree, extra)
-            for src, blob in received.items():
-                peer_tree = local_tree(leaves, flat, unpack_shards(leaves, blob, src))
+            for src, exchange_in_flight in pending.items():
+                t_wait = time.perf_counter()
+                got = exchange_in_flight.result()
+                report["peer_transfer_wait_s"] = time.perf_counter() - t_wait
+                assert got is not None
+                peer_tree = local_tree(leaves, flat, unpack_shards(leaves, got, src))
                 written += store.write(step, src, peer_tree, extra)
             store.retain(store.tier.max_to_keep)
             report["local_save_s"] = time.perf_counter() - t
