@@ -295,7 +295,10 @@ def test_convert_to_safetensors_loads_bit_exact(saved, tmp_path, capsys):
     from safetensors.numpy import load_file
 
     dst = tmp_path / "model.safetensors"
-    code, doc = run_json(capsys, "convert", saved, dst, "--to", "safetensors")
+    # Tiny slabs: every tensor is written (and read back below) in many pieces.
+    code, doc = run_json(
+        capsys, "convert", saved, dst, "--to", "safetensors", "--chunk-mb", "0.0005"
+    )
     assert code == 0 and doc["skipped"] == ["step"]
     src = snapshard.load(saved)
     loaded = load_file(str(dst))
@@ -307,7 +310,7 @@ def test_convert_to_safetensors_loads_bit_exact(saved, tmp_path, capsys):
     )
     assert got == want
     back = tmp_path / "back"
-    assert run(capsys, "convert", dst, back)[0] == 0
+    assert run(capsys, "convert", dst, back, "--chunk-mb", "0.0005")[0] == 0
     code, doc = run_json(capsys, "diff", saved, back, "--values")
     # Python values have no place in safetensors; a PRNG key travels as its key data.
     assert [d["name"] for d in doc["removed"]] == ["step"]

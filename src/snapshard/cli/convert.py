@@ -3,25 +3,26 @@
 Sources: snapshard and Orbax checkpoints, safetensors files. To snapshard, arrays are
 streamed chunk by chunk (each source chunk cut into slabs of at most --chunk-mb), so memory
 holds one slab, and the new checkpoint appears atomically when complete. To safetensors,
-the arrays are handed to `snapshard.safetensors.save` as one tree of NumPy arrays (nested
-dicts keyed by the path), so memory holds the whole state; Python values have no place in
-a safetensors file and are listed as skipped. The source is never written to.
+each array is read and written in slabs of whole rows of at most --chunk-mb (at least one
+row), tensors named by their path joined with '.'; Python values have no place in a
+safetensors file and are listed as skipped. The source is never written to.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 from typing import Any
 
-from ..errors import CheckpointExistsError, SnapshardError
+from ..dtypes import dtype_from_name
+from ..errors import SnapshardError
 from ..format import ArrayLeaf
 from ..interop import local_path
 from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
 from ..interop.writer import CheckpointWriter
 from ..storage import storage_for
-from ..tree import Path
 from .options import add_memory_option
 from .output import Output, human_bytes
 
@@ -89,20 +90,24 @@ def to_snapshard(
     }
 
 
-def _nest(pairs: list[tuple[Path, Any]]) -> dict[str, Any]:
-    """Nested dicts with string keys from (path, value) pairs."""
-    root: dict[str, Any] = {}
-    for path, value in pairs:
-        keys = [str(k) for k in path] or ["root"]
-        node = root
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    return root
+def row_slabs(
+    leaf: ArrayLeaf, slab_bytes: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Boxes of whole leading-axis rows (contiguous in C order) of at most `slab_bytes`
+    (at least one row), with their byte offset in the array."""
+    shape = leaf.shape
+    if not shape or math.prod(shape) == 0:
+        return [((0,) * len(shape), shape, 0)] if not shape else []
+    row = math.prod(shape[1:]) * dtype_from_name(leaf.dtype).itemsize
+    rows = max(1, slab_bytes // max(row, 1))
+    return [
+        ((r, *(0,) * (len(shape) - 1)), (min(r + rows, shape[0]), *shape[1:]), r * row)
+        for r in range(0, shape[0], rows)
+    ]
 
 
 def to_safetensors(
-    reader: CheckpointReader, dst: str, out: Output, overwrite: bool
+    reader: CheckpointReader, dst: str, out: Output, overwrite: bool, slab_bytes: int
 ) -> dict[str, Any]:
     try:
         # Written alongside this module; looked up at run time so that either can ship first.
@@ -111,15 +116,24 @@ def to_safetensors(
         raise SnapshardError(
             "writing safetensors needs snapshard.safetensors, which this installation does not have"
         ) from None
-    if os.path.exists(dst) and not overwrite:
-        raise CheckpointExistsError(f"{dst} exists (pass --overwrite to replace it)")
     m = reader.manifest
-    pairs = []
-    with out.progress(sum(a.nbytes for a in m.arrays), "read") as bar:
-        for leaf in m.arrays:
-            pairs.append((leaf.path, reader.read_box(leaf, (0,) * len(leaf.shape), leaf.shape)))
-            bar.update(leaf.nbytes)
-    st.save(dst, _nest(pairs))
+
+    def slabs_of(leaf: ArrayLeaf) -> Any:
+        return lambda: (
+            (off, reader.read_box(leaf, a, b)) for a, b, off in row_slabs(leaf, slab_bytes)
+        )
+
+    tensors = [
+        st.StreamedTensor(
+            ".".join(str(k) for k in leaf.path) or "root",
+            dtype_from_name(leaf.dtype),
+            leaf.shape,
+            slabs_of(leaf),
+        )
+        for leaf in m.arrays
+    ]
+    with out.progress(sum(a.nbytes for a in m.arrays), "convert") as bar:
+        st.save_streamed(dst, tensors, overwrite=overwrite, progress=bar.update)
     return {
         "destination": os.path.abspath(dst),
         "skipped": [leaf.name for leaf in m.leaves if not isinstance(leaf, ArrayLeaf)],
@@ -137,7 +151,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         if args.to == "snapshard":
             result = to_snapshard(reader, args.dst, out, args.overwrite, chunk_bytes)
         else:
-            result = to_safetensors(reader, args.dst, out, args.overwrite)
+            result = to_safetensors(reader, args.dst, out, args.overwrite, chunk_bytes)
         m = reader.manifest
         doc = {
             "source": reader.url,

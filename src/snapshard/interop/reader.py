@@ -16,10 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from ..adapters.leaves import is_save_leaf
-from ..dtypes import dtype_from_name, dtype_name
+from ..dtypes import dtype_from_name
 from ..errors import SnapshardError
-from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
+from ..format import ArrayLeaf, ChunkTable, FileEntry, Leaf, Manifest
 
 # The restore path's own request and buffer types: reads here run exactly the code (and the
 # checksum verification) of a restore.
@@ -30,9 +29,9 @@ from ..restore import (
     _Dest,
     _open,
     aligned_empty,
+    reader_of,
 )
 from ..storage import Location, Storage, storage_for
-from ..tree import flatten
 from . import local_path
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -48,7 +47,7 @@ class CheckpointReader:
     format: str  # "snapshard", "orbax" or "safetensors"
     manifest: Manifest
     _read: Callable[[list[_Dest]], None]
-    storage: Storage | None = None  # where a snapshard or Orbax checkpoint lives
+    storage: Storage | None = None  # what to close when done
     stats: ReadStats = field(default_factory=ReadStats)
 
     def read_box(self, leaf: ArrayLeaf, start: Any, stop: Any) -> np.ndarray:
@@ -104,38 +103,43 @@ def open_reader(
 
 
 def _safetensors_reader(location: str) -> CheckpointReader:
+    """Safetensors files seen as a checkpoint of one chunk per tensor, read by byte ranges."""
     try:
         # Written alongside this module; looked up at run time so that either can ship first.
-        st = importlib.import_module("snapshard.safetensors")
+        files_mod = importlib.import_module("snapshard.safetensors.files")
+        loader = importlib.import_module("snapshard.safetensors.loader")
+        virtual = importlib.import_module("snapshard.safetensors.virtual")
     except ImportError:
         raise SnapshardError(
             f"{location}: reading safetensors files needs snapshard.safetensors, which this "
             "installation does not have"
         ) from None
-    tree = st.load(location)
-    flat = flatten(tree, is_save_leaf)
-    leaves: list[Leaf] = []
-    arrays: dict[int, np.ndarray] = {}
-    for path, value in zip(flat.paths, flat.leaves, strict=True):
-        if value is None or isinstance(value, bool | int | float | str):
-            leaves.append(ValueLeaf(path, value))
-            continue
-        a = np.asarray(value)
-        shape = tuple(a.shape)
-        leaf = ArrayLeaf(
-            path, "array", dtype_name(a.dtype, leaf=str(path)), shape, {"type": "host"}
-        )
-        leaf.chunks = whole_array_chunk(shape, a.dtype.itemsize)
-        arrays[id(leaf)] = a
-        leaves.append(leaf)
-    manifest = Manifest(flat.structure, leaves, [], extra={"format": "safetensors"})
-
-    def read_dests(dests: list[_Dest]) -> None:
-        for d in dests:
-            box = tuple(slice(int(a), int(b)) for a, b in zip(d.start, d.stop, strict=True))
-            d.buf = np.ascontiguousarray(arrays[id(d.leaf)][box]).reshape(-1).view(np.uint8)
-
-    return CheckpointReader(location, "safetensors", manifest, read_dests)
+    files, weight_map = files_mod.open_files(location)
+    try:
+        tensors = loader.source_arrays(files, weight_map)
+        leaves: list[Leaf] = [virtual.leaf_of(name, x) for name, x in tensors.items()]
+    except BaseException:
+        files.close()
+        raise
+    names = list(tensors)
+    structure = {"t": "dict", "k": names, "c": [{"t": "leaf", "i": i} for i in range(len(names))]}
+    manifest = Manifest(
+        structure,
+        leaves,
+        [FileEntry(n, h.data_end) for n, h in zip(files.names, files.headers, strict=True)],
+        extra={"format": "safetensors"},
+    )
+    stats = ReadStats()
+    read = reader_of(
+        files.storage,
+        manifest,
+        verify=False,
+        threads=DEFAULT_THREADS,
+        max_gap=DEFAULT_MAX_GAP,
+        stats=stats,
+    )
+    owned = files.storage if files.owns_storage else None
+    return CheckpointReader(location, "safetensors", manifest, read, owned, stats)
 
 
 def whole_array_chunk(shape: tuple[int, ...], itemsize: int) -> ChunkTable:

@@ -10,7 +10,16 @@ computed from just the source bytes it needs.
 """
 
 from . import surgery
-from .export import ExportResult, save
+from .export import ExportResult, StreamedTensor, save, save_streamed
 from .loader import Transform, arrays, load
 
-__all__ = ["ExportResult", "Transform", "arrays", "load", "save", "surgery"]
+__all__ = [
+    "ExportResult",
+    "StreamedTensor",
+    "Transform",
+    "arrays",
+    "load",
+    "save",
+    "save_streamed",
+    "surgery",
+]

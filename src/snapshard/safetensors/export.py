@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -287,3 +288,59 @@ def _discard(staging: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
     else:
         staging.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class StreamedTensor:
+    """A tensor written slab by slab: `slabs()` yields (byte offset in the tensor, C-order
+    bytes), so that no more than one slab is in memory."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    slabs: Callable[[], Iterable[tuple[int, np.ndarray]]]
+
+
+def save_streamed(
+    path: Location,
+    tensors: list[StreamedTensor],
+    *,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ExportResult:
+    """One process writes one safetensors file from tensors produced slab by slab (what
+    `snapshard convert` uses): the header first, each slab at its offset, then the file
+    appears atomically."""
+    text = os.fspath(path)
+    if is_object_store_url(text):
+        raise StorageError(f"cannot write {text}: safetensors export needs a filesystem")
+    final = Path(os.path.abspath(text.removeprefix("file://")))
+    if final.exists() and not overwrite:
+        raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
+    ordered = sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.name))  # as the library orders
+    entries = [(t.name, safetensors_name(t.dtype, f"tensor {t.name!r}"), t.shape) for t in ordered]
+    header, spans = build_header(entries, metadata)
+    staging = final.with_name(final.name + STAGING_SUFFIX)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging.unlink(missing_ok=True)
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    written = 0
+    try:
+        _pwrite_all(fd, memoryview(header), 0)
+        for t in ordered:
+            begin = spans[t.name][0]
+            for offset, data in t.slabs():
+                raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+                _pwrite_all(fd, raw.data, begin + offset)
+                written += raw.nbytes
+                if progress is not None:
+                    progress(raw.nbytes)
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        staging.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    _commit(staging, final, overwrite)
+    return ExportResult([final.name], written)
