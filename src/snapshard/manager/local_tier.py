@@ -38,7 +38,7 @@ from ..adapters.jax_arrays import layout_of, slices_to_box
 from ..adapters.leaves import SaveArray
 from ..coordination import SingleProcessCoordinator
 from ..format.manifest import ValueLeaf
-from ..restore import load
+from ..restore import aligned_empty, load
 from ..saving import finish, prepare
 from ..staging import Box, Snapshot
 from ..storage import LocalRoot, LocalStorage
@@ -140,7 +140,11 @@ def pack_shards(leaves: Sequence[Any], snapshot: Snapshot, process: int) -> np.n
         if isinstance(leaf, SaveArray) and leaf.devices is not None:
             for box in process_boxes(leaf, process):
                 parts.append(np.ascontiguousarray(snapshot[i][box]).reshape(-1).view(np.uint8))
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    # Aligned, so that handing its pieces to the device for the transfer copies nothing (CPU).
+    out = aligned_empty(sum(p.nbytes for p in parts))
+    if parts:
+        np.concatenate(parts, out=out)
+    return out
 
 
 def unpack_shards(leaves: Sequence[Any], blob: np.ndarray, process: int) -> Snapshot:
