@@ -61,15 +61,6 @@ class ChunkIndex:
         return np.sort(cand[ok])
 
 
-def strides(extent: np.ndarray) -> np.ndarray:
-    """C-order element strides of a box with the given extents."""
-    nd = len(extent)
-    out = np.ones(nd, dtype=np.int64)
-    for a in range(nd - 2, -1, -1):
-        out[a] = out[a + 1] * extent[a + 1]
-    return out
-
-
 @dataclass(frozen=True)
 class ReadRange:
     """One contiguous read from a chunk: bytes [start, stop) relative to the chunk.
