@@ -25,9 +25,7 @@ import contextlib
 import datetime
 import json
 import os
-import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -295,24 +293,13 @@ def worker() -> None:
 
 
 # ================================================================ driver side
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def run_round(r: int, scale: float, out, logs: str, timeout: float) -> None:
     os.sync()
     time.sleep(2)
-    port = free_port()
+    port = bc.free_port()
     procs = []
     load0 = os.getloadavg()[0]
-    busy0, cpu0, t0 = bc.sys_cpu()[0], children_cpu(), time.perf_counter()
+    busy0, cpu0, t0 = bc.sys_cpu()[0], bc.children_cpu(), time.perf_counter()
     errs = []
     for pid in range(PROCS):
         env = dict(os.environ)
@@ -362,7 +349,7 @@ def run_round(r: int, scale: float, out, logs: str, timeout: float) -> None:
         for e in errs:
             e.close()
     wall = time.perf_counter() - t0
-    cpu = children_cpu() - cpu0
+    cpu = bc.children_cpu() - cpu0
     rcs = [p.returncode for p in procs]
     out.write(
         json.dumps(
@@ -385,14 +372,6 @@ def run_round(r: int, scale: float, out, logs: str, timeout: float) -> None:
 
 # ---------------------------------------------------------------- analysis
 med = statistics.median
-
-
-def spread(v: list[float], nd: int = 2) -> str:
-    if not v:
-        return "n/a"
-    if len(v) == 1:
-        return f"{v[0]:.{nd}f}"
-    return f"{med(v):.{nd}f} [{min(v):.{nd}f}-{max(v):.{nd}f}]"
 
 
 def analyze(path: str) -> None:
@@ -460,7 +439,7 @@ def analyze(path: str) -> None:
         label = mode if mode != "auto" else f"auto (picks {p['chosen']})"
         print(
             f"| {label} | {' / '.join(f'{x / 1e6:.0f}' for x in b)} | {max(b) / mean:.3f} "
-            f"| {spread(measured, 3)} |"
+            f"| {bc.spread(measured, 3)} |"
         )
     orbax_w = [max(v) / (sum(v) / len(v)) for v in per_process("orbax", "save_proc_write_B")]
     orbax_b = per_process("orbax", "save_proc_write_B")
@@ -468,7 +447,7 @@ def analyze(path: str) -> None:
         per = [med([v[i] for v in orbax_b]) / 1e6 for i in range(PROCS)]
         print(
             f"| Orbax (bytes the process wrote, /proc/self/io) | {' / '.join(f'{x:.0f}' for x in per)} "
-            f"| | {spread(orbax_w, 3)} |"
+            f"| | {bc.spread(orbax_w, 3)} |"
         )
 
     print("\n## Save (slowest process)\n")
@@ -494,7 +473,7 @@ def analyze(path: str) -> None:
         in_blocking = barriers(calls(m, "blocking_calls")) if m == "orbax" else 0
         coll = c["broadcast_one_to_all"] + c["process_allgather"]
         print(
-            f"| {m} | {len(s)} | {spread(list(b.values()))} | {spread(list(s.values()))} "
+            f"| {m} | {len(s)} | {bc.spread(list(b.values()))} | {bc.spread(list(s.values()))} "
             f"| {barriers(c):.0f} ({in_blocking:.0f}) | {kv(c0)}; {kv(c1)} | {coll:.0f} |"
         )
     oc, o = calls("orbax", "setup_calls"), calls("orbax")
@@ -536,8 +515,8 @@ def analyze(path: str) -> None:
             for x in rs
         )
         print(
-            f"| {m} | {spread(list(res.values()))} | {spread(list(re.values()))} "
-            f"| {spread(amp, 3)} | {exact} |"
+            f"| {m} | {bc.spread(list(res.values()))} | {bc.spread(list(re.values()))} "
+            f"| {bc.spread(amp, 3)} | {exact} |"
         )
 
     def paired(a: dict[int, float], b: dict[int, float]) -> list[float]:
@@ -583,17 +562,17 @@ def analyze(path: str) -> None:
         if v and target:
             op, x = target.split()
             met = "yes" if (med(v) >= float(x) if op == ">=" else med(v) <= float(x)) else "NO"
-        print(f"| {name} | {spread(v, 3)} | {target} | {met} |")
+        print(f"| {name} | {bc.spread(v, 3)} | {target} | {met} |")
 
     jobs = [row for row in rows if row["method"] == "job"]
     if jobs:
         busy = [j["sys_busy_s"] / j["wall_s"] for j in jobs]
         others = [max(0.0, j["sys_busy_s"] - j["workers_cpu_s"]) / j["wall_s"] for j in jobs]
         print(
-            f"\nMachine: {os.cpu_count()} cores; busy during the rounds {spread(busy)} cores, of "
-            f"which others (not the bench's workers; kernel writeback included) {spread(others)}; "
-            f"1-min load average at round start {spread([j['loadavg_1m_start'] for j in jobs])}; "
-            f"round wall {spread([j['wall_s'] for j in jobs], 0)} s; exit codes "
+            f"\nMachine: {os.cpu_count()} cores; busy during the rounds {bc.spread(busy)} cores, of "
+            f"which others (not the bench's workers; kernel writeback included) {bc.spread(others)}; "
+            f"1-min load average at round start {bc.spread([j['loadavg_1m_start'] for j in jobs])}; "
+            f"round wall {bc.spread([j['wall_s'] for j in jobs], 0)} s; exit codes "
             f"{[j['rcs'] for j in jobs]}"
         )
 

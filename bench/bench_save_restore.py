@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -40,21 +39,16 @@ def job_command(name: str, r: int, scale: float) -> list[str]:
     return [sys.executable, f"job_{name}.py", *common]
 
 
-def children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def run_job(name: str, r: int, scale: float, out, logs: str) -> None:
     os.sync()
     time.sleep(2)
     cmd = job_command(name, r, scale)
     load0 = os.getloadavg()[0]
-    busy0, cpu0, t0 = bc.sys_cpu()[0], children_cpu(), time.perf_counter()
+    busy0, cpu0, t0 = bc.sys_cpu()[0], bc.children_cpu(), time.perf_counter()
     with open(os.path.join(logs, f"r{r}_{name}.err"), "w") as err:
         p = subprocess.run(cmd, cwd=HERE, stdout=subprocess.PIPE, stderr=err, text=True)
     wall = time.perf_counter() - t0
-    others = bc.sys_cpu()[0] - busy0 - (children_cpu() - cpu0)
+    others = bc.sys_cpu()[0] - busy0 - (bc.children_cpu() - cpu0)
     n = 0
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -85,14 +79,6 @@ def run_job(name: str, r: int, scale: float, out, logs: str) -> None:
 
 # ---------------------------------------------------------------- analysis
 med = statistics.median
-
-
-def spread(v: list[float], nd: int = 2) -> str:
-    if not v:
-        return "n/a"
-    if len(v) == 1:
-        return f"{v[0]:.{nd}f}"
-    return f"{med(v):.{nd}f} [{min(v):.{nd}f}-{max(v):.{nd}f}]"
 
 
 def analyze(path: str) -> None:
@@ -135,7 +121,7 @@ def analyze(path: str) -> None:
     ):
         s = vals(m, "op_s")
         gbps = [nbytes / x / 1e9 for x in s]
-        print(f"| {m} | {spread(s)} | {spread(gbps)} | {len(s)} |")
+        print(f"| {m} | {bc.spread(s)} | {bc.spread(gbps)} | {len(s)} |")
 
     print("\n## Save and restore\n")
     print(
@@ -157,10 +143,10 @@ def analyze(path: str) -> None:
         others = [max(0.0, r["save_sys_busy_s"] - r["save_cpu_s"]) for r in by[m]]
         exact = all(r.get("bit_exact", False) for r in by[m])
         print(
-            f"| {m} | {len(save)} | {spread(blocking)} | {spread(save)} "
-            f"| {spread([nbytes / x / 1e9 for x in save])} | {spread(vals(m, 'restore_warm_s'))} "
-            f"| {spread(vals(m, 'restore_evicted_s'))} | {spread(vals(m, 'reshard_warm_s'))} "
-            f"| {spread(growth)} | {spread(vals(m, 'save_cpu_s'), 1)} | {spread(others, 1)} "
+            f"| {m} | {len(save)} | {bc.spread(blocking)} | {bc.spread(save)} "
+            f"| {bc.spread([nbytes / x / 1e9 for x in save])} | {bc.spread(vals(m, 'restore_warm_s'))} "
+            f"| {bc.spread(vals(m, 'restore_evicted_s'))} | {bc.spread(vals(m, 'reshard_warm_s'))} "
+            f"| {bc.spread(growth)} | {bc.spread(vals(m, 'save_cpu_s'), 1)} | {bc.spread(others, 1)} "
             f"| {exact} |"
         )
 
@@ -256,24 +242,24 @@ def analyze(path: str) -> None:
         if v and target:
             op, x = target.split()
             met = "yes" if (med(v) >= float(x) if op == ">=" else med(v) <= float(x)) else "NO"
-        print(f"| {name} | {spread(v, 2)} | {target} | {met} |")
+        print(f"| {name} | {bc.spread(v, 2)} | {target} | {met} |")
 
     if by.get("snapshard"):
         print("\n## snapshard phases (seconds, median [min-max])\n")
         print("| step | phases |")
         print("|---|---|")
         parts = ", ".join(
-            f"{k} {spread(vals('snapshard', 'timings.' + k), 3)}"
+            f"{k} {bc.spread(vals('snapshard', 'timings.' + k), 3)}"
             for k in ("plan_s", "stage_s", "write_s", "commit_s")
         )
         print(f"| save | {parts} |")
         for step in ("restore_warm", "restore_evicted", "reshard_warm"):
             parts = ", ".join(
-                f"{k} {spread(vals('snapshard', f'{step}_stats.{k}'), 3)}"
+                f"{k} {bc.spread(vals('snapshard', f'{step}_stats.{k}'), 3)}"
                 for k in ("read_s", "assemble_s", "total_s")
             )
             reads = vals("snapshard", f"{step}_stats.reads")
-            print(f"| {step} | {parts}; reads {spread(reads, 0)} |")
+            print(f"| {step} | {parts}; reads {bc.spread(reads, 0)} |")
 
     jobs = by.get("job", [])
     if jobs:
@@ -286,9 +272,9 @@ def analyze(path: str) -> None:
                 continue
             busy = [r["others_cpu_s"] / r["wall_s"] for r in js if r["wall_s"]]
             print(
-                f"| {j} | {len(js)} | {spread([r['wall_s'] for r in js], 0)} "
-                f"| {spread([r['others_cpu_s'] for r in js], 1)} | {spread(busy)} "
-                f"| {spread([r['loadavg_1m_start'] for r in js])} |"
+                f"| {j} | {len(js)} | {bc.spread([r['wall_s'] for r in js], 0)} "
+                f"| {bc.spread([r['others_cpu_s'] for r in js], 1)} | {bc.spread(busy)} "
+                f"| {bc.spread([r['loadavg_1m_start'] for r in js])} |"
             )
         total_wall = sum(r["wall_s"] for r in jobs)
         total_others = sum(r["others_cpu_s"] for r in jobs)

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -92,14 +91,8 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ================================================================ driver side
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_phase(phase: str, persistent: str, local: str, scale: float, timeout: float) -> list[dict]:
-    port = free_port()
+    port = bc.free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, "--worker", phase, "--pid", str(pid), "--port", str(port),

@@ -330,3 +330,31 @@ def evict(path: str) -> int:
 def settle() -> None:
     """Flush dirty pages of a previous step so they are not billed to the next one."""
     os.sync()
+
+
+# ---------------------------------------------------------------- drivers
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for a jax.distributed coordinator."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def children_cpu() -> float:
+    """CPU seconds of the finished child processes (the jobs)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def spread(v: list[float], nd: int = 2) -> str:
+    """median [min-max] of a list, for the tables."""
+    import statistics
+
+    if not v:
+        return "n/a"
+    if len(v) == 1:
+        return f"{v[0]:.{nd}f}"
+    med = statistics.median(v)
+    return f"{med:.{nd}f} [{min(v):.{nd}f}-{max(v):.{nd}f}]"
