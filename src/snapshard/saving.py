@@ -141,39 +141,42 @@ def _split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
     return [f for f in files if f]
 
 
-def _write_item(writer: FileWriter, it: StagedItem) -> tuple[int, list[int]]:
-    """Append one item to the file; returns its checksum block size and block crcs."""
-    data = np.ascontiguousarray(it.materialize()).reshape(-1).view(np.uint8).data
-    block = checksum_block(it.nbytes)
+def write_chunk(
+    writer: FileWriter, data: np.ndarray, start: Any, stop: Any, file: int, offset: int
+) -> dict[str, Any]:
+    """Append the C-order bytes of box [start, stop) to `writer`, checksumming each block as
+    it goes out; returns the chunk's manifest row (its offset in the file given)."""
+    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    block = checksum_block(len(raw))
     piece = max(block, (_WRITE_PIECE // block) * block)
     crcs: list[int] = []
-    for a in range(0, len(data), piece):
-        crcs.extend(block_crcs(data[a : a + piece], block))
-        writer.write(data[a : a + piece])
-    return block, crcs
+    for a in range(0, len(raw), piece):
+        crcs.extend(block_crcs(raw[a : a + piece], block))
+        writer.write(raw[a : a + piece])
+    return {
+        "start": [int(x) for x in start],
+        "stop": [int(x) for x in stop],
+        "file": file,
+        "offset": offset,
+        "nbytes": len(raw),
+        "block": block,
+        "crc32c": crcs_to_hex(crcs),
+    }
 
 
 def _write_file(
     storage: Storage, name: str, items: list[StagedItem]
 ) -> tuple[int, list[tuple[int, dict[str, Any]]]]:
-    """Write items back to back into one file, checksumming as they go; returns size and chunk rows."""
+    """Write items back to back into one file; returns its size and the chunk rows."""
     writer = storage.open_writer(name)
     rows = []
     offset = 0
     try:
         for it in items:
-            block, crcs = _write_item(writer, it)
+            rows.append(
+                (it.leaf, write_chunk(writer, it.materialize(), it.start, it.stop, 0, offset))
+            )
             it.release()  # the bytes are in the file now: let the host copy go
-            row = {
-                "start": it.start.tolist(),
-                "stop": it.stop.tolist(),
-                "file": 0,
-                "offset": offset,
-                "nbytes": it.nbytes,
-                "block": block,
-                "crc32c": crcs_to_hex(crcs),
-            }
-            rows.append((it.leaf, row))
             offset += it.nbytes
         size = writer.close()
     except BaseException:

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 
-from ..checksum import block_crcs, crcs_to_hex
 from ..dtypes import dtype_from_name, little_endian
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import (
@@ -26,10 +25,10 @@ from ..format import (
     Manifest,
     ProcessIndex,
     ValueLeaf,
-    checksum_block,
     validate_coverage,
     validate_structure,
 )
+from ..saving import write_chunk
 from ..storage import FileWriter, Location, Storage, storage_for
 from ..tree import JsonNode, Path
 
@@ -91,25 +90,12 @@ class CheckpointWriter:
                 f"{self.url}: box of leaf {a.name!r} is {arr.dtype}{list(arr.shape)}, "
                 f"expected {a.dtype}{list(want)}"
             )
-        mv = arr.reshape(-1).view(np.uint8).data
         if self._file is None or self._offset >= self.file_bytes:
             self._next_file()
         assert self._file is not None
-        block = checksum_block(len(mv))
-        crcs = block_crcs(mv, block)
-        self._file.write(mv)
-        self._rows[leaf].append(
-            {
-                "start": [int(x) for x in start],
-                "stop": [int(x) for x in stop],
-                "file": len(self.files),
-                "offset": self._offset,
-                "nbytes": len(mv),
-                "block": block,
-                "crc32c": crcs_to_hex(crcs),
-            }
-        )
-        self._offset += len(mv)
+        row = write_chunk(self._file, arr, start, stop, len(self.files), self._offset)
+        self._rows[leaf].append(row)
+        self._offset += row["nbytes"]
 
     def _file_name(self) -> str:
         return f"{DATA_DIR}/p00000-{self.nonce}-{len(self.files)}.bin"
