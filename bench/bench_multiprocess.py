@@ -554,15 +554,7 @@ def analyze(path: str) -> None:
             "",
         ),
     ]
-    print("\n## Ratios (paired by round)\n")
-    print("| ratio | value | target | met |")
-    print("|---|---|---|---|")
-    for name, v, target in checks:
-        met = ""
-        if v and target:
-            op, x = target.split()
-            met = "yes" if (med(v) >= float(x) if op == ">=" else med(v) <= float(x)) else "NO"
-        print(f"| {name} | {bc.spread(v, 3)} | {target} | {met} |")
+    bc.ratio_table("Ratios (paired by round)", checks, 3)
 
     jobs = [row for row in rows if row["method"] == "job"]
     if jobs:

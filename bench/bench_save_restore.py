@@ -234,15 +234,7 @@ def analyze(path: str) -> None:
         ("save: RSS growth (peak - before) / bytes written", list(growth.values()), "<= 1.1"),
         ("save: peak RSS / bytes written (incl. the CPU 'device' state)", list(peak.values()), ""),
     ]
-    print("\n## snapshard: ratios (paired by round, median [min-max])\n")
-    print("| ratio | value | target | met |")
-    print("|---|---|---|---|")
-    for name, v, target in checks:
-        met = ""
-        if v and target:
-            op, x = target.split()
-            met = "yes" if (med(v) >= float(x) if op == ">=" else med(v) <= float(x)) else "NO"
-        print(f"| {name} | {bc.spread(v, 2)} | {target} | {met} |")
+    bc.ratio_table("snapshard: ratios (paired by round, median [min-max])", checks, 2)
 
     if by.get("snapshard"):
         print("\n## snapshard phases (seconds, median [min-max])\n")

@@ -358,3 +358,20 @@ def spread(v: list[float], nd: int = 2) -> str:
         return f"{v[0]:.{nd}f}"
     med = statistics.median(v)
     return f"{med:.{nd}f} [{min(v):.{nd}f}-{max(v):.{nd}f}]"
+
+
+def ratio_table(title: str, checks: list[tuple[str, list[float], str]], nd: int = 2) -> None:
+    """Print (name, values, target such as '>= 3') rows with their median [min-max] and
+    whether the median meets the target."""
+    import statistics
+
+    print(f"\n## {title}\n")
+    print("| ratio | value | target | met |")
+    print("|---|---|---|---|")
+    for name, v, target in checks:
+        met = ""
+        if v and target:
+            op, x = target.split()
+            m = statistics.median(v)
+            met = "yes" if (m >= float(x) if op == ">=" else m <= float(x)) else "NO"
+        print(f"| {name} | {spread(v, nd)} | {target} | {met} |")
