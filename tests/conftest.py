@@ -27,3 +27,15 @@ def sharded(x: np.ndarray, m: Mesh, *spec: object) -> jax.Array:
 def ckpt(tmp_path):
     """A fresh checkpoint path (not yet created)."""
     return tmp_path / "ckpt"
+
+
+def chunk_of(ckpt, path: tuple, chunk: int = 0) -> tuple[str, int, int]:
+    """(data file, offset, nbytes) of chunk `chunk` (in box order) of the leaf at `path`."""
+    from snapshard.format.reading import read_manifest
+    from snapshard.storage import LocalStorage
+
+    with LocalStorage(ckpt) as st:
+        m = read_manifest(st)
+        leaf = next(a for a in m.arrays if a.path == tuple(path))
+        t = leaf.chunks
+        return m.files[int(t.file[chunk])].name, int(t.offset[chunk]), int(t.nbytes[chunk])

@@ -16,6 +16,7 @@ import pytest
 import snapshard
 from snapshard.cli import main
 
+from conftest import chunk_of as chunk_in
 from conftest import mesh, sharded
 
 SRC = Path(__file__).parent.parent / "src"
@@ -67,11 +68,8 @@ def saved(tmp_path):
 
 
 def chunk_of(ckpt: Path, leaf: str, chunk: int) -> tuple[str, int, int]:
-    """(data file, offset, nbytes) of a chunk, from the manifest."""
-    doc = json.loads((ckpt / "manifest.json").read_bytes())
-    entry = next(e for e in doc["leaves"] if e["path"] == [leaf])
-    c = entry["chunks"][chunk]
-    return doc["files"][c["file"]]["name"], c["offset"], c["nbytes"]
+    """(data file, offset, nbytes) of a chunk, from the chunk records."""
+    return chunk_in(ckpt, (leaf,), chunk)
 
 
 # ---- ls ---------------------------------------------------------------------------------
@@ -128,7 +126,7 @@ def test_ls_and_info_of_an_orbax_manager_directory(tmp_path, capsys):
 
 def test_info(saved, capsys):
     code, doc = run_json(capsys, "info", saved)
-    assert code == 0 and doc["format"] == "snapshard" and doc["version"] == 1
+    assert code == 0 and doc["format"] == "snapshard" and doc["version"] == 2
     leaves = {leaf["name"]: leaf for leaf in doc["leaves"]}
     w = leaves["w"]
     assert w["shape"] == [64, 48] and w["dtype"] == "float32" and w["bytes"] == 64 * 48 * 4

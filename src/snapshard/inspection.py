@@ -7,7 +7,7 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError
 from .format import ArrayLeaf
-from .restore import read_manifest
+from .format.reading import read_manifest
 from .storage import Location, Storage, storage_for
 from .tree import unflatten
 
@@ -41,7 +41,7 @@ def leaf_metadata(leaf: Any) -> ArrayMetadata | ValueMetadata:
             nbytes=leaf.nbytes,
             sharding=leaf.sharding,
             kind=leaf.kind,
-            chunks=len(leaf.chunks),
+            chunks=leaf.num_chunks,
             key_impl=leaf.key_impl,
         )
     return ValueMetadata(leaf.value)

@@ -26,8 +26,16 @@ from numpy.lib.stride_tricks import as_strided
 from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes, to_devices
 from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
-from .errors import CheckpointNotFoundError, ChecksumMismatchError, TargetMismatchError
-from .format import ArrayLeaf, ChunkTable, Manifest, ValueLeaf, validate_structure
+from .errors import (
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    TargetMismatchError,
+)
+from .format import ArrayLeaf, ChunkTable, Manifest, ValueLeaf
+from .format.finder import ChunkFinder, loaded_table
+from .format.reading import read_manifest
+from .format.validate import coverage_problems
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
 from .planning.read_plan import covering_range
 from .storage import Location, Storage, storage_for
@@ -45,6 +53,7 @@ class ReadStats:
 
     bytes_needed: int = 0
     bytes_read: int = 0
+    metadata_bytes: int = 0  # chunk records read (v2), beside the manifest
     reads: int = 0
     chunks_touched: int = 0
     read_s: float = 0.0
@@ -79,7 +88,7 @@ def _is_python_value(x: Any) -> bool:
 
 
 @dataclass
-class _Dest:
+class Dest:
     """One host buffer to fill: box [start, stop) of a saved array."""
 
     leaf: ArrayLeaf
@@ -94,29 +103,29 @@ class _Dest:
 
 
 @dataclass
-class _Request:
+class Request:
     """One leaf to produce. kind: 'numpy', 'scalar', 'jax', 'key' (typed PRNG key)."""
 
     saved: ArrayLeaf
     kind: str
     dtype: np.dtype
     sharding: Any = None
-    dests: list[_Dest] = field(default_factory=list)
+    dests: list[Dest] = field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
         return sum(d.buf.nbytes for d in self.dests)
 
 
-def _request(saved: ArrayLeaf, target: Any, url: str) -> _Request:
+def make_request(saved: ArrayLeaf, target: Any, url: str) -> Request:
     """What to build for a saved array leaf given its target leaf (None: NumPy as saved)."""
     name = saved.name
     saved_dtype = dtype_from_name(saved.dtype)
     if target is None:
         if saved.kind == "prng_key":
-            return _request_boxes(_Request(saved, "key", saved_dtype), None)
+            return request_boxes(Request(saved, "key", saved_dtype), None)
         kind = "scalar" if saved.kind == "scalar" else "numpy"
-        return _request_boxes(_Request(saved, kind, saved_dtype), None)
+        return request_boxes(Request(saved, kind, saved_dtype), None)
     if isinstance(target, jax.Array | jax.ShapeDtypeStruct):
         shape, dtype = tuple(target.shape), target.dtype
         sharding = (
@@ -140,15 +149,15 @@ def _request(saved: ArrayLeaf, target: Any, url: str) -> _Request:
             f"{url}: leaf {name!r} has shape {expected} in the checkpoint, the target asks for {shape}"
         )
     if wants_key:
-        return _request_boxes(_Request(saved, "key", saved_dtype, sharding), None)
+        return request_boxes(Request(saved, "key", saved_dtype, sharding), None)
     out_dtype = np.dtype(dtype)
     if sharding is None:
         kind = "scalar" if isinstance(target, np.generic) else "numpy"
-        return _request_boxes(_Request(saved, kind, out_dtype), None)
-    return _request_boxes(_Request(saved, "jax", out_dtype, sharding), sharding)
+        return request_boxes(Request(saved, kind, out_dtype), None)
+    return request_boxes(Request(saved, "jax", out_dtype, sharding), sharding)
 
 
-def _request_boxes(req: _Request, sharding: Any) -> _Request:
+def request_boxes(req: Request, sharding: Any) -> Request:
     shape = req.saved.shape
     itemsize = dtype_from_name(req.saved.dtype).itemsize
     boxes: list[tuple[tuple[int, ...], tuple[int, ...], list[Any]]]
@@ -159,7 +168,7 @@ def _request_boxes(req: _Request, sharding: Any) -> _Request:
     for start, stop, devices in boxes:
         s, e = np.asarray(start, dtype=np.int64), np.asarray(stop, dtype=np.int64)
         nbytes = math.prod(int(x) for x in e - s) * itemsize
-        req.dests.append(_Dest(req.saved, s, e, aligned_empty(nbytes), list(devices)))
+        req.dests.append(Dest(req.saved, s, e, aligned_empty(nbytes), list(devices)))
     return req
 
 
@@ -169,6 +178,7 @@ class _ChunkRuns:
     offset, are built on first use: usually by the reading thread, off the planning path."""
 
     leaf: ArrayLeaf
+    table: ChunkTable
     chunk: int
     file: str
     file_offset: int  # where the chunk starts in its file
@@ -229,8 +239,33 @@ def _verified(verify: bool, t: ChunkTable, c: int) -> bool:
     return verify and int(t.block[c]) > 0
 
 
-def _plan_tasks(
-    manifest: Manifest, dests: list[_Dest], verify: bool, max_gap: int, stats: ReadStats
+def _covered(index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str) -> np.ndarray:
+    """The chunks overlapping dest `d`, after checking that they tile its box exactly once
+    (the planner guarantees it for what snapshard writes; a damaged checkpoint may not)."""
+    over = index.overlapping(d.start, d.stop)
+    if exact >= 0 and len(over) == 1:
+        return over
+    lo = np.maximum(t.starts[over], d.start) - d.start
+    hi = np.minimum(t.stops[over], d.stop) - d.start
+    missing, twice = coverage_problems(d.shape, lo, hi)
+    if missing or twice:
+        box = ", ".join(f"{a}:{b}" for a, b in zip(d.start.tolist(), d.stop.tolist(), strict=True))
+        what = (f"no chunk holds {', '.join(missing)}" if missing
+                else f"more than one chunk holds {', '.join(twice)}")  # fmt: skip
+        raise CorruptCheckpointError(
+            f"{url}: leaf {d.leaf.name!r}, box [{box}]: {what} (relative to the box)"
+        )
+    return over
+
+
+def plan_tasks(
+    manifest: Manifest,
+    dests: list[Dest],
+    tables: dict[int, ChunkTable],
+    verify: bool,
+    max_gap: int,
+    stats: ReadStats,
+    url: str = "",
 ) -> list[_Task]:
     # Arrays with the same chunk boxes share their box columns (interned when the manifest is
     # read), hence one index.
@@ -239,7 +274,7 @@ def _plan_tasks(
     leaves: dict[int, ArrayLeaf] = {}
     for di, d in enumerate(dests):
         leaf = d.leaf
-        t = leaf.chunks
+        t = tables[id(leaf)]
         key = id(leaf)
         leaves[key] = leaf
         index = indexes.get(id(t.starts))
@@ -247,11 +282,12 @@ def _plan_tasks(
             index = indexes[id(t.starts)] = ChunkIndex(t.starts, t.stops)
         stats.bytes_needed += d.buf.nbytes
         exact = index.exact(d.start, d.stop) if t.stores_own_boxes else -1
+        over = _covered(index, t, d, exact, url)
         if exact >= 0:  # the box is a chunk: one run, the whole of both
             per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
             continue
         itemsize = dtype_from_name(leaf.dtype).itemsize
-        for c in index.overlapping(d.start, d.stop):
+        for c in over:
             os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
             stored_start, stored_stop = t.storage_box(c)
             grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
@@ -259,16 +295,16 @@ def _plan_tasks(
     tasks = []
     for (key, c), grids in per_chunk.items():
         leaf = leaves[key]
-        t = leaf.chunks
+        t = tables[key]
         block = int(t.block[c]) if _verified(verify, t, c) else None
         nbytes = int(t.nbytes[c])
         if all(g.source_contiguous for _, g in grids):
             # Each overlap is one byte range of the chunk: coalesce those, not every run.
             grids.sort(key=lambda dg: dg[1].src_base)
             ranges = _coalesce_grids([g for _, g in grids], nbytes, block, max_gap)
-            runs = _ChunkRuns(leaf, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
+            runs = _ChunkRuns(leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
         else:
-            runs = _ChunkRuns(leaf, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
+            runs = _ChunkRuns(leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
             lo = min(g.src_base for _, g in grids)
             hi = max(g.src_end for _, g in grids)
             needed = sum(g.count * g.run_bytes for _, g in grids)
@@ -306,7 +342,7 @@ def _coalesce_grids(
     return out
 
 
-def _scatter_views(task: _Task, dests: list[_Dest]) -> list[memoryview]:
+def _scatter_views(task: _Task, dests: list[Dest]) -> list[memoryview]:
     """The range as iovecs: destination pieces, with scratch for the bytes between them."""
     runs, r = task.runs, task.rng
     bufs: list[memoryview] = []
@@ -333,7 +369,7 @@ def _scatter_views(task: _Task, dests: list[_Dest]) -> list[memoryview]:
     return bufs
 
 
-def _copy_from_scratch(task: _Task, scratch: np.ndarray, dests: list[_Dest]) -> None:
+def _copy_from_scratch(task: _Task, scratch: np.ndarray, dests: list[Dest]) -> None:
     """Copy the runs of a range read into `scratch` to their destinations: whole overlaps
     as one strided NumPy copy each, runs of overlaps split across ranges one by one."""
     runs, r = task.runs, task.rng
@@ -362,21 +398,37 @@ def _copy_from_scratch(task: _Task, scratch: np.ndarray, dests: list[_Dest]) -> 
             dest[b : b + ln] = scratch[a : a + ln]
 
 
-def _run_task(storage: Storage, task: _Task, dests: list[_Dest], verify: bool) -> None:
+def _run_task(storage: Storage, task: _Task, dests: list[Dest], verify: bool) -> None:
     runs, r = task.runs, task.rng
+    t, c = runs.table, runs.chunk
     scratch = None
     if r.p1 - r.p0 > _MAX_SCATTER_PIECES:
         scratch = np.empty(r.stop - r.start, dtype=np.uint8)
         bufs = [scratch.data]
     else:
         bufs = _scatter_views(task, dests)
-    storage.read_into(runs.file, runs.file_offset + r.start, bufs)
-    if _verified(verify, runs.leaf.chunks, runs.chunk):
-        t = runs.leaf.chunks
-        block = int(t.block[runs.chunk])
-        v = BlockVerifier(
-            t.block_crcs(runs.chunk).tolist(), r.start // block, block, r.stop - r.start
-        )
+    checked = _verified(verify, t, c)
+    crcs: list[int] | None = None
+    block = int(t.block[c]) if checked else 0
+    if checked and t.crc_offset is not None:
+        # v2: the checksums of the blocks read lie in the file; right after the chunk's end
+        # they come in the same read.
+        b0, b1 = r.start // block, -(-r.stop // block)
+        crc_at = int(t.crc_offset[c])
+        raw = np.empty(4 * (b1 - b0), np.uint8)
+        if r.stop == int(t.nbytes[c]) and crc_at == int(t.offset[c]) + r.stop:
+            skip = np.empty(4 * b0, np.uint8)
+            storage.read_into(runs.file, runs.file_offset + r.start, [*bufs, skip.data, raw.data])
+        else:
+            storage.read_into(runs.file, runs.file_offset + r.start, bufs)
+            storage.read_into(runs.file, crc_at + 4 * b0, [raw.data])
+        crcs = [0] * b0 + raw.view("<u4").tolist()
+    else:
+        storage.read_into(runs.file, runs.file_offset + r.start, bufs)
+        if checked:
+            crcs = t.block_crcs(c).tolist()
+    if crcs is not None:
+        v = BlockVerifier(crcs, r.start // block, block, r.stop - r.start)
         for piece in bufs:
             v.update(piece)
         if v.mismatch is not None:
@@ -393,10 +445,10 @@ def _run_task(storage: Storage, task: _Task, dests: list[_Dest], verify: bool) -
         _copy_from_scratch(task, scratch, dests)
 
 
-def _build(req: _Request) -> Any:
+def _build(req: Request) -> Any:
     saved_dtype = dtype_from_name(req.saved.dtype)
 
-    def host(d: _Dest, dtype: np.dtype) -> np.ndarray:
+    def host(d: Dest, dtype: np.dtype) -> np.ndarray:
         a = d.buf.view(saved_dtype).reshape(d.shape)
         return a if dtype == saved_dtype else a.astype(dtype)
 
@@ -417,16 +469,41 @@ def _build(req: _Request) -> Any:
     return assemble(req.saved.shape, req.sharding, per_device)
 
 
+def chunk_tables(
+    finder: ChunkFinder | None, dests: list[Dest], stats: ReadStats
+) -> dict[int, ChunkTable]:
+    """The chunk table of every leaf the dests belong to: from the manifest (v1, other
+    formats, or a v2 table already fetched), else only the records the dests need (v2)."""
+    tables: dict[int, ChunkTable] = {}
+    wants: dict[int, tuple[ArrayLeaf, list[tuple[np.ndarray, np.ndarray]]]] = {}
+    for d in dests:
+        if id(d.leaf) in tables:
+            continue
+        t = loaded_table(d.leaf) if finder is not None else d.leaf.chunks
+        if t is not None:
+            tables[id(d.leaf)] = t
+        else:
+            wants.setdefault(id(d.leaf), (d.leaf, []))[1].append((d.start, d.stop))
+    if wants:
+        assert finder is not None
+        before = finder.metadata_bytes
+        tables.update(finder.tables(list(wants.values())))
+        stats.metadata_bytes += finder.metadata_bytes - before
+    return tables
+
+
 def _read_dests(
     storage: Storage,
     manifest: Manifest,
-    dests: list[_Dest],
+    finder: ChunkFinder | None,
+    dests: list[Dest],
     verify: bool,
     threads: int,
     max_gap: int,
     stats: ReadStats,
 ) -> None:
-    tasks = _plan_tasks(manifest, dests, verify, max_gap, stats)
+    tables = chunk_tables(finder, dests, stats)
+    tasks = plan_tasks(manifest, dests, tables, verify, max_gap, stats, storage.url)
     # Largest reads first keeps the threads busy to the end.
     tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
     if threads > 1 and len(tasks) > 1:
@@ -440,11 +517,11 @@ def _read_dests(
             _run_task(storage, t, dests, verify)
 
 
-def _batches(reqs: list[_Request], budget: int | None) -> list[list[_Request]]:
+def _batches(reqs: list[Request], budget: int | None) -> list[list[Request]]:
     if budget is None:
         return [reqs] if reqs else []
-    out: list[list[_Request]] = []
-    cur: list[_Request] = []
+    out: list[list[Request]] = []
+    cur: list[Request] = []
     size = 0
     for r in reqs:
         if cur and size + r.nbytes > budget:
@@ -460,15 +537,15 @@ def _batches(reqs: list[_Request], budget: int | None) -> list[list[_Request]]:
 # Turns the destination buffers of a batch into the buffers actually read from storage, and
 # the steps that fill the former from the latter once read (in order). Readers of other
 # formats use it for arrays computed from stored ones (snapshard.safetensors transforms).
-Expand = Callable[[list[_Dest]], tuple[list[_Dest], list[Callable[[], None]]]]
+Expand = Callable[[list[Dest]], tuple[list[Dest], list[Callable[[], None]]]]
 
 
 # Fills destination buffers from storage (the restore's reads, or another format's reader).
-ReadDests = Callable[[list[_Dest]], None]
+ReadDests = Callable[[list[Dest]], None]
 
 
 def execute(
-    reqs: list[_Request],
+    reqs: list[Request],
     read: ReadDests,
     *,
     memory_budget: int | None,
@@ -509,16 +586,15 @@ def reader_of(
     stats: ReadStats,
 ) -> ReadDests:
     """The restore's reads of a snapshard checkpoint (or safetensors files) as a ReadDests."""
-    return lambda dests: _read_dests(storage, manifest, dests, verify, threads, max_gap, stats)
+    finder = manifest.finder if manifest.version >= 2 else None
+    if manifest.version >= 2 and finder is None:
+        finder = manifest.finder = ChunkFinder(storage, manifest)
+    return lambda dests: _read_dests(
+        storage, manifest, finder, dests, verify, threads, max_gap, stats
+    )
 
 
-def read_manifest(storage: Storage) -> Manifest:
-    manifest = Manifest.from_json(storage.read_manifest(), storage.url)
-    validate_structure(manifest, storage.url)
-    return manifest
-
-
-def _open(
+def open_checkpoint(
     storage: Storage, verify: bool, threads: int, max_gap: int, stats: ReadStats
 ) -> tuple[Manifest, ReadDests]:
     """The manifest and its reader; a checkpoint of another library (Orbax) through interop."""
@@ -582,7 +658,7 @@ def load(
     owns_storage = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        manifest, read_dests = _open(storage, verify, threads, max_gap, stats)
+        manifest, read_dests = open_checkpoint(storage, verify, threads, max_gap, stats)
         url = storage.url
         if target is None:
             pairs = [(leaf.path, None) for leaf in manifest.leaves]
@@ -591,7 +667,7 @@ def load(
             pairs, treedef = _match_target(manifest, target, url)
         saved = manifest.leaf_by_path()
         results: dict[Path, Any] = {}
-        reqs: list[tuple[Path, _Request]] = []
+        reqs: list[tuple[Path, Request]] = []
         for path, t in pairs:
             leaf = saved[path]
             if isinstance(leaf, ValueLeaf):
@@ -605,7 +681,7 @@ def load(
                     raise TargetMismatchError(
                         f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
                     )
-                reqs.append((path, _request(leaf, t, url)))
+                reqs.append((path, make_request(leaf, t, url)))
         built = execute([r for _, r in reqs], read_dests, memory_budget=memory_budget, stats=stats)
         results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:

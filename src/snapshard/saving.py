@@ -12,7 +12,9 @@ process's report) and one outcome broadcast. See docs/design.md.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -21,26 +23,27 @@ from typing import Any
 
 import numpy as np
 
+from .adapters.jax_arrays import mesh_and_spec
 from .adapters.leaves import SaveArray, classify, is_save_leaf
 from .background import BackgroundTask
-from .checksum import block_crcs, crcs_to_hex
+from .checksum import block_crcs, crc32c
 from .coordination import Coordinator, default_coordinator
 from .coordination.rendezvous import Rendezvous, namespace
-from .errors import CheckpointExistsError, CoordinationError
+from .errors import CheckpointExistsError, CoordinationError, CorruptCheckpointError
 from .format import (
-    DATA_DIR,
-    INDEX_DIR,
     ArrayLeaf,
-    ChunkTable,
-    FileEntry,
     Leaf,
     Manifest,
-    ProcessIndex,
+    ProcessTable,
     ValueLeaf,
     checksum_block,
-    validate_coverage,
+    data_file_name,
+    record_file_name,
+    records,
     validate_structure,
 )
+from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
+from .format.manifest import encode_value
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem, stage
 from .storage import FileWriter, Location, Storage, storage_for
@@ -62,7 +65,8 @@ class SaveTimings:
     commit_s: float = 0.0  # waiting for the others, merge, validate, commit (process 0)
     blocking_s: float = 0.0
     total_s: float = 0.0
-    bytes_written: int = 0
+    bytes_written: int = 0  # array bytes written by this process
+    bytes_metadata: int = 0  # what it wrote beside them: checksums and its chunk records
     bytes_staged: int = 0  # host bytes copied in the blocking phase (0: zero-copy views)
 
     def as_dict(self) -> dict[str, float]:
@@ -80,6 +84,7 @@ class _Prepared:
     overwrite: bool
     threads: int
     extra: dict[str, Any]
+    digests: np.ndarray  # format.records.DIGEST per leaf
     timings: SaveTimings = field(default_factory=SaveTimings)
 
 
@@ -105,6 +110,10 @@ def prepare(
     """The blocking phase: plan, then bring every owned slice to host memory (from
     `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
     t0 = time.perf_counter()
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be a whole number of at least 1, not {threads!r}")
+    if not isinstance(location, Storage) and not os.fspath(location):
+        raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
     flat = flat or flatten(tree, is_save_leaf)
@@ -120,13 +129,16 @@ def prepare(
         copy_host_values=copy_host_values,
         snapshot=snapshot,
     )
+    # Host values are assumed equal on every process: their digests are compared at commit.
+    digests = leaf_digests(leaves, values=coord.process_count > 1)
     t2 = time.perf_counter()
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
     # The namespace is taken here, in program order, the same on every process.
     rv = Rendezvous(coord, namespace("save", storage.url), f"save to {storage.url}", timeout_s)
     return _Prepared(
-        storage, rv, leaves, flat.structure, plan, items, overwrite, threads, extra or {}, timings
-    )
+        storage, rv, leaves, flat.structure, plan, items, overwrite, threads, extra or {},
+        digests, timings,
+    )  # fmt: skip
 
 
 def _split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
@@ -143,9 +155,12 @@ def _split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
 
 def write_chunk(
     writer: FileWriter, data: np.ndarray, start: Any, stop: Any, file: int, offset: int
-) -> dict[str, Any]:
+) -> tuple[Any, ...]:
     """Append the C-order bytes of box [start, stop) to `writer`, checksumming each block as
-    it goes out; returns the chunk's manifest row (its offset in the file given)."""
+    it goes out, then the block checksums (uint32, little-endian) right after them.
+
+    Returns the chunk's record fields (file, flags, offset, nbytes, block, nblocks,
+    crc_offset, start, stop) for format.records, given the chunk's offset in the file."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
     block = checksum_block(len(raw))
     piece = max(block, (_WRITE_PIECE // block) * block)
@@ -153,31 +168,62 @@ def write_chunk(
     for a in range(0, len(raw), piece):
         crcs.extend(block_crcs(raw[a : a + piece], block))
         writer.write(raw[a : a + piece])
-    return {
-        "start": [int(x) for x in start],
-        "stop": [int(x) for x in stop],
-        "file": file,
-        "offset": offset,
-        "nbytes": len(raw),
-        "block": block,
-        "crc32c": crcs_to_hex(crcs),
-    }
+    writer.write(memoryview(np.asarray(crcs, dtype="<u4").tobytes()))
+    return (
+        file, 0, offset, len(raw), block, len(crcs), offset + len(raw),
+        [int(x) for x in start], [int(x) for x in stop],
+    )  # fmt: skip
+
+
+def chunk_span(nbytes: int) -> int:
+    """Bytes a chunk of `nbytes` takes in its file: the data, then its checksums."""
+    return nbytes + 4 * -(-nbytes // checksum_block(nbytes))
+
+
+def records_of(rows: list[tuple[Any, ...]], ndim: int) -> np.ndarray:
+    """Record rows of one leaf as format.records structured records, sorted by box."""
+    out = np.zeros(len(rows), records.record_dtype(ndim))
+    for i, r in enumerate(rows):
+        out[i] = r
+    if len(out) > 1 and ndim:
+        out = out[np.lexsort(out["start"].T[::-1])]
+    return out
+
+
+def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
+    """Per leaf, crc32c of its description and (with `values`) of its value for host values,
+    as this process sees them: processes that disagree are found at commit."""
+    out = np.zeros(len(leaves), records.DIGEST)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, SaveArray):
+            assert isinstance(leaf, ValueLeaf)
+            desc = json.dumps(["value", list(leaf.path)]).encode()
+            value = (
+                crc32c(json.dumps(encode_value(leaf.value, leaf.name)).encode()) if values else 0
+            )
+        else:
+            desc = json.dumps([leaf.kind, list(leaf.path), leaf.dtype.name, list(leaf.shape),
+                               leaf.key_impl, leaf.devices is None]).encode()  # fmt: skip
+            value = 0
+            if values and leaf.devices is None:  # NumPy: the same value is assumed on every process
+                value = crc32c(np.ascontiguousarray(leaf.source).reshape(-1).view(np.uint8).data)
+        out[i] = (crc32c(desc), value)
+    return out
 
 
 def _write_file(
     storage: Storage, name: str, items: list[StagedItem]
-) -> tuple[int, list[tuple[int, dict[str, Any]]]]:
-    """Write items back to back into one file; returns its size and the chunk rows."""
+) -> tuple[int, list[tuple[int, tuple[Any, ...]]]]:
+    """Write items back to back into one file; returns its size and the chunk records."""
     writer = storage.open_writer(name)
     rows = []
     offset = 0
     try:
         for it in items:
-            rows.append(
-                (it.leaf, write_chunk(writer, it.materialize(), it.start, it.stop, 0, offset))
-            )
+            row = write_chunk(writer, it.materialize(), it.start, it.stop, 0, offset)
+            rows.append((it.leaf, row))
             it.release()  # the bytes are in the file now: let the host copy go
-            offset += it.nbytes
+            offset += chunk_span(it.nbytes)
         size = writer.close()
     except BaseException:
         writer.abort()
@@ -185,13 +231,14 @@ def _write_file(
     return size, rows
 
 
-def _write_own(prep: _Prepared) -> str:
-    """Write this process's data files and its index; returns the index file name."""
+def _write_own(prep: _Prepared) -> dict[str, Any]:
+    """Write this process's data files and its record file; returns the report that tells
+    process 0 what was written (names follow from process and nonce)."""
     pid = prep.rendezvous.coord.process_index
     nonce = uuid.uuid4().hex[:8]
     prep.storage.prepare_staging()
     groups = _split_files(prep.items, prep.threads)
-    names = [f"{DATA_DIR}/p{pid:05d}-{nonce}-{j}.bin" for j in range(len(groups))]
+    names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
     if len(groups) > 1:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
             results = list(
@@ -199,75 +246,179 @@ def _write_own(prep: _Prepared) -> str:
             )
     else:
         results = [_write_file(prep.storage, n, g) for n, g in zip(names, groups, strict=True)]
-    files = [FileEntry(n, size) for n, (size, _) in zip(names, results, strict=True)]
-    by_leaf: dict[int, list[dict[str, Any]]] = {}
+    by_leaf: dict[int, list[tuple[Any, ...]]] = {}
     for j, (_, rows) in enumerate(results):
         for leaf, row in rows:
-            row["file"] = j
-            by_leaf.setdefault(leaf, []).append(row)
-    ndims = {
-        i: len(leaf.shape) for i, leaf in enumerate(prep.leaves) if isinstance(leaf, SaveArray)
+            by_leaf.setdefault(leaf, []).append((j, *row[1:]))
+    ndims = [len(leaf.shape) if isinstance(leaf, SaveArray) else 0 for leaf in prep.leaves]
+    written = sum(len(r) for r in by_leaf.values())
+    if written != len(prep.items):  # each process checks its records against its own plan
+        raise CoordinationError(
+            f"{prep.rendezvous.what}: process {pid} wrote {written} chunks, its plan has {len(prep.items)}"
+        )
+    segments = {i: records_of(rows, ndims[i]) for i, rows in by_leaf.items()}
+    data = records.encode(pid, ndims, segments, prep.digests)
+    prep.storage.write_bytes(record_file_name(pid, nonce), data)
+    sizes = [size for size, _ in results]
+    prep.timings.bytes_written = sum(it.nbytes for it in prep.items)
+    prep.timings.bytes_metadata = sum(sizes) + len(data) - prep.timings.bytes_written
+    return {
+        "nonce": nonce,
+        "sizes": sizes,
+        "record_size": len(data),
+        "record_crc": crc32c(data),
+        "digest": crc32c(prep.digests.tobytes(), crc32c(json.dumps(prep.structure).encode())),
     }
-    index = ProcessIndex(
-        pid,
-        files,
-        {i: ChunkTable.from_rows(r, ndims[i], f"process {pid}") for i, r in by_leaf.items()},
-    )
-    name = f"{INDEX_DIR}/p{pid:05d}-{nonce}.json"
-    prep.storage.write_bytes(name, index.to_json())
-    prep.timings.bytes_written = sum(f.size for f in files)
-    return name
 
 
-def _merge(prep: _Prepared, index_names: list[str]) -> Manifest:
-    url = prep.storage.url
-    ndims = {
-        i: len(leaf.shape) for i, leaf in enumerate(prep.leaves) if isinstance(leaf, SaveArray)
-    }
-    files: list[FileEntry] = []
-    tables: dict[int, list[ChunkTable]] = {}
-    for name in index_names:
-        idx = ProcessIndex.from_json(prep.storage.read_staging(name), f"{url}/{name}", ndims)
-        base = len(files)
-        files.extend(idx.files)
-        for leaf_index, t in idx.chunks.items():
-            t.file = t.file + base
-            tables.setdefault(leaf_index, []).append(t)
-    out: list[Leaf] = []
-    for i, leaf in enumerate(prep.leaves):
-        if isinstance(leaf, SaveArray):
-            out.append(
-                ArrayLeaf(
-                    leaf.path,
-                    leaf.kind,
-                    leaf.dtype.name,
-                    leaf.shape,
-                    leaf.sharding,
-                    leaf.key_impl,
-                    ChunkTable.concat(tables.get(i, []), len(leaf.shape)).sorted_by_box(),
-                )
+def _check_agreement(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
+    """Every process saved the same tree, with the same host values: where a digest
+    differs, the differing process's record file says which leaf."""
+    ours = reports[0]["digest"]
+    for q, r in enumerate(reports):
+        if r["digest"] == ours:
+            continue
+        name = record_file_name(q, r["nonce"])
+        raw = prep.storage.read_staging(name)
+        a, b = records.digest_range(len(prep.leaves))
+        theirs = np.frombuffer(raw[a:b], records.DIGEST) if len(raw) >= b else None
+        if theirs is None or len(theirs) != len(prep.digests):
+            raise CoordinationError(
+                f"{prep.rendezvous.what}: process {q} saved a tree with other leaves than process 0"
             )
-        else:
-            assert isinstance(leaf, ValueLeaf)
+        for i, (mine, other) in enumerate(zip(prep.digests, theirs, strict=True)):
+            if mine["description"] != other["description"]:
+                raise CoordinationError(
+                    f"{prep.rendezvous.what}: leaf {_name(prep.leaves[i])!r} differs between "
+                    f"process 0 and process {q} (kind, dtype or shape)"
+                )
+            if mine["value"] != other["value"]:
+                raise CoordinationError(
+                    f"{prep.rendezvous.what}: leaf {_name(prep.leaves[i])!r} has another value on "
+                    f"process {q} than on process 0; values that are not jax.Arrays must be the same "
+                    "on every process (wrap per-process values in snapshard.PerProcess)"
+                )
+        raise CoordinationError(
+            f"{prep.rendezvous.what}: the tree structure differs between process 0 and process {q}"
+        )
+
+
+def _name(leaf: Leaf | SaveArray) -> str:
+    return leaf.name
+
+
+def _layouts(prep: _Prepared) -> tuple[list[Leaf], list[dict[str, Any]], list[dict[str, Any]]]:
+    """The manifest's leaves, with one compact description per distinct layout and mesh."""
+    meshes: dict[tuple[Any, ...], int] = {}
+    mesh_docs: list[dict[str, Any]] = []
+    layouts: dict[str, int] = {}
+    layout_docs: list[dict[str, Any]] = []
+    plans = iter(prep.plan.arrays)
+    out: list[Leaf] = []
+    for leaf in prep.leaves:
+        if not isinstance(leaf, SaveArray):
             out.append(leaf)
-    return Manifest(
-        structure=prep.structure,
-        leaves=out,
-        files=files,
-        process_count=prep.rendezvous.coord.process_count,
-        write_mode=prep.plan.mode,
-        extra={**prep.extra, "indexes": index_names},
+            continue
+        plan = next(plans)
+        desc = _describe(leaf, meshes, mesh_docs)
+        key = json.dumps(desc, sort_keys=True)
+        lid = layouts.setdefault(key, len(layouts))
+        if lid == len(layout_docs):
+            layout_docs.append(desc)
+        writers = None
+        groups = leaf.layout.shards
+        if groups.count and int(groups.num_candidates.max()) > 8:
+            w = np.unique(plan.writer)
+            if len(w) <= 64:
+                writers = tuple(int(x) for x in w)
+        out.append(
+            ArrayLeaf(
+                leaf.path, leaf.kind, leaf.dtype.name, leaf.shape, leaf.sharding, leaf.key_impl,
+                layout=lid, writers=writers, chunk_count=int(np.count_nonzero(plan.nbytes)),
+            )
+        )  # fmt: skip
+    return out, mesh_docs, layout_docs
+
+
+def _describe(
+    arr: SaveArray, meshes: dict[tuple[Any, ...], int], mesh_docs: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The compact description of an array's layout (format.layouts), checked against the
+    layout itself: a description that would mislead a reader falls back to explicit rows."""
+    cached = arr.layout._cache.get("description")
+    if cached is not None:
+        desc, mesh = cached  # type: ignore[misc]
+    else:
+        desc, mesh = _description(arr)
+        arr.layout._cache["description"] = (desc, mesh)
+    if mesh is not None:
+        mid = meshes.setdefault(mesh.key(), len(meshes))
+        if mid == len(mesh_docs):
+            mesh_docs.append(mesh.to_json())
+        desc = {**desc, "mesh": mid}
+    return desc
+
+
+def _description(arr: SaveArray) -> tuple[dict[str, Any], Mesh | None]:
+    if arr.devices is None:
+        return {"kind": "host"}, None
+    found = mesh_and_spec(getattr(arr.source, "sharding", None), len(arr.shape))
+    if found is not None:
+        axes, shape, processes, spec = found
+        mesh = Mesh(axes, shape, processes)
+        try:
+            derived = mesh_layout(mesh, spec, arr.shape, arr.layout.itemsize, arr.name)
+        except CorruptCheckpointError:
+            derived = None
+        if derived is not None and same_holders(derived.shards, arr.layout.shards):
+            return {"kind": "mesh", "spec": spec}, mesh
+    return describe_rows(arr.layout), None
+
+
+def _commit(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
+    """Process 0: check the reports against the plan and the staged files, write the
+    manifest, commit. O(processes): no process's records are read."""
+    url = prep.storage.url
+    _check_agreement(prep, reports)
+    table = ProcessTable(
+        nonces=[str(r["nonce"]) for r in reports],
+        data_sizes=[[int(x) for x in r["sizes"]] for r in reports],
+        record_sizes=[int(r["record_size"]) for r in reports],
+        record_crcs=[int(r["record_crc"]) for r in reports],
     )
+    leaves, meshes, layouts = _layouts(prep)
+    manifest = Manifest(
+        structure=prep.structure,
+        leaves=leaves,
+        files=table.files(),
+        process_count=len(reports),
+        write_mode=prep.plan.mode,
+        extra=prep.extra,
+        meshes=meshes,
+        layouts=layouts,
+        processes=table,
+    )
+    expected = {f.name: f.size for f in manifest.files}
+    expected.update({table.record_name(q): size for q, size in enumerate(table.record_sizes)})
+    # Bytes stored = each array's bytes plus its checksums: the tiling, from the sizes alone.
+    planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays else 0
+    stored = sum(f.size for f in manifest.files)
+    if stored < planned:
+        raise CoordinationError(
+            f"save to {url}: the data files hold {stored} bytes, the plan {planned}"
+        )
+    validate_structure(manifest, url)
+    _check_staged_files(prep, expected)
+    prep.storage.commit(manifest.to_json(), overwrite=prep.overwrite)
 
 
-def _check_staged_files(prep: _Prepared, manifest: Manifest, index_names: list[str]) -> None:
-    """Files on storage are exactly those of this save, with the sizes the indexes claim.
+def _check_staged_files(prep: _Prepared, expected: dict[str, int]) -> None:
+    """Files on storage are exactly those of this save, with the sizes reported.
 
     Files of an earlier attempt that died (other nonces) are removed first.
     """
-    expected = {f.name: f.size for f in manifest.files}
     listing = prep.storage.list_staging()
-    stale = [n for n in listing if n not in expected and n not in index_names]
+    stale = [n for n in listing if n not in expected]
     if stale:
         log.warning(
             "save to %s: removing %d stale file(s) of an earlier attempt",
@@ -278,7 +429,7 @@ def _check_staged_files(prep: _Prepared, manifest: Manifest, index_names: list[s
     for name, size in expected.items():
         if listing.get(name) != size:
             raise CoordinationError(
-                f"save to {prep.storage.url}: file {name!r} has {listing.get(name)} bytes on storage, its index says {size}"
+                f"save to {prep.storage.url}: file {name!r} has {listing.get(name)} bytes on storage, its process reported {size}"
             )
 
 
@@ -295,29 +446,22 @@ def finish(prep: _Prepared) -> SaveTimings:
         prep.storage.discard_staging()
 
     try:
-        index_name = _write_own(prep)
+        report = _write_own(prep)
     except BaseException as e:
         rv.report(f"written/{pid}", e)
         if rv.coord.is_leader:
             fail(e)
         raise
-    rv.report(f"written/{pid}", index=index_name)
+    rv.report(f"written/{pid}", **report)
     t1 = time.perf_counter()
     prep.timings.write_s = t1 - t0
     rv.start_clock()
     if rv.coord.is_leader:
         try:
             others = rv.gather("written")
-            index_names = [
-                index_name if p == pid else others[p]["index"]
-                for p in range(rv.coord.process_count)
-            ]
-            manifest = _merge(prep, index_names)
-            where = prep.storage.url
-            validate_structure(manifest, where)
-            validate_coverage(manifest, where)
-            _check_staged_files(prep, manifest, index_names)
-            prep.storage.commit(manifest.to_json(), overwrite=prep.overwrite)
+            _commit(
+                prep, [report if p == pid else others[p] for p in range(rv.coord.process_count)]
+            )
         except BaseException as e:
             fail(e)
             raise

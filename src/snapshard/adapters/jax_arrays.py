@@ -123,3 +123,28 @@ def assemble(
 ) -> jax.Array:
     devs = list(sharding.addressable_devices_indices_map(shape))
     return jax.make_array_from_single_device_arrays(shape, sharding, [per_device[d] for d in devs])
+
+
+def mesh_and_spec(
+    sharding: Any, ndim: int
+) -> tuple[tuple[str, ...], tuple[int, ...], np.ndarray, list[list[str]]] | None:
+    """A NamedSharding as (mesh axis names, axis sizes, process of each mesh position, and
+    per array axis the mesh axes it is cut over), for the manifest's compact layouts; None
+    for other shardings."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    mesh = sharding.mesh
+    devices = getattr(mesh, "devices", None)
+    if devices is None:  # an abstract mesh has no devices
+        return None
+    processes = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices).reshape(-1)
+    spec: list[list[str]] = []
+    for i in range(ndim):
+        p = sharding.spec[i] if i < len(sharding.spec) else None
+        if p is None:
+            spec.append([])
+        elif isinstance(p, tuple | list):
+            spec.append([str(a) for a in p])
+        else:
+            spec.append([str(p)])
+    return tuple(str(a) for a in mesh.axis_names), tuple(int(s) for s in devices.shape), processes, spec

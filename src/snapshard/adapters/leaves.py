@@ -15,7 +15,7 @@ from ..planning.layout import ArrayLayout
 from ..tree import Path, path_str
 from .jax_arrays import describe_sharding, host_layout, is_prng_key, layout_of
 
-VALUE_TYPES = (bool, int, float, str, type(None))
+VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 
 
 def is_save_leaf(x: Any) -> bool:

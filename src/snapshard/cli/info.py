@@ -29,7 +29,7 @@ def leaf_doc(leaf: Leaf) -> dict[str, Any]:
         "dtype": f"key<{leaf.key_impl}>" if leaf.kind == "prng_key" else leaf.dtype,
         "bytes": leaf.nbytes,
         "sharding": leaf.sharding,
-        "chunks": len(leaf.chunks),
+        "chunks": leaf.num_chunks,
     }
 
 

@@ -7,8 +7,8 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, SnapshardError
+from ..format.reading import read_manifest
 from ..interop import local_path, looks_like_orbax, step_order
-from ..restore import read_manifest
 from ..storage import CheckpointRoot, root_for, storage_for
 from .output import Output, human_bytes, iso_time, table
 

@@ -17,9 +17,9 @@ from ..errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     SnapshardError,
-    ValidationError,
 )
 from ..format import MANIFEST_NAME, Manifest, validate_coverage
+from ..format.finder import check_record_files
 from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
 from ..storage import LocalStorage, Storage
 from .options import add_memory_option
@@ -90,8 +90,11 @@ def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str
     }
     if reader.format == "snapshard":
         try:
+            if m.version >= 2:
+                assert reader.storage is not None
+                check_record_files(reader.storage, m)
             validate_coverage(m, reader.url)
-        except ValidationError as e:
+        except CorruptCheckpointError as e:
             doc["problem"] = {"message": str(e), "file": None, "leaf": None, "chunk": None}
             return doc
         assert reader.storage is not None

@@ -1,5 +1,6 @@
-"""The on-disk format, version 1 (documented in docs/format.md)."""
+"""The on-disk format (documented in docs/format.md): v2 written, v1 and v2 read."""
 
+from . import records
 from .manifest import (
     DATA_DIR,
     FORMAT_VERSION,
@@ -10,9 +11,11 @@ from .manifest import (
     FileEntry,
     Leaf,
     Manifest,
-    ProcessIndex,
+    ProcessTable,
     ValueLeaf,
     checksum_block,
+    data_file_name,
+    record_file_name,
 )
 from .validate import validate_coverage, validate_structure
 
@@ -26,9 +29,12 @@ __all__ = [
     "FileEntry",
     "Leaf",
     "Manifest",
-    "ProcessIndex",
+    "ProcessTable",
     "ValueLeaf",
     "checksum_block",
+    "data_file_name",
+    "record_file_name",
+    "records",
     "validate_coverage",
     "validate_structure",
 ]

@@ -1,33 +1,60 @@
-"""Format v1: the manifest and the per-process index, as JSON. See docs/format.md.
+"""The manifest: the one file every reader parses. See docs/format.md.
 
-The manifest is the only thing a reader trusts: it lists every leaf of the tree, and for each
-array every chunk with its box, file, byte offset, length and crc32c checksums (one per
-checksum block of the chunk).
+Format v2 (written): the tree, per leaf its path, dtype, shape and layout, per distinct
+layout a compact description (format.layouts), and per process its data files, its record
+file and that file's checksum; nothing per chunk. Chunk records live in the per-process
+record files (format.records) and checksums beside the data they cover.
+
+Format v1 (read): the same tree, with every chunk of every array inline as JSON, and
+per-process JSON indexes that the committer merged.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..checksum import crc32c
 from ..errors import CorruptCheckpointError
 from ..tree import JsonNode, Path, path_str
 
 FORMAT_NAME = "snapshard"
 INDEX_FORMAT_NAME = "snapshard-index"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"
 INDEX_DIR = "index"
 MIN_CHECKSUM_BLOCK = 4 << 10
 MAX_BLOCKS_PER_CHUNK = 256
 _SAFE_NAME = re.compile(r"^(data|index)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+_NONCE = re.compile(r"^[0-9a-f]{8}$")
+# Bounds checked before a reader allocates or reads anything a manifest implies.
+MAX_DIM = 1 << 48
+MAX_BYTES = 1 << 56
+MAX_NDIM = 64
+MAX_DEPTH = 256
+MAX_PROCESSES = 1 << 20
+MAX_FILES_PER_PROCESS = 4096
+# The checksum of a v2 manifest is the crc32c of the file with its 8 digits as zeros.
+CHECKSUM_KEY = b'"checksum":"'
+
+
+def data_file_name(process: int, nonce: str, number: int) -> str:
+    return f"{DATA_DIR}/p{process:05d}-{nonce}-{number}.bin"
+
+
+def record_file_name(process: int, nonce: str) -> str:
+    return f"{INDEX_DIR}/p{process:05d}-{nonce}.idx"
+
 
 ARRAY_KINDS = ("array", "scalar", "prng_key")
 
@@ -61,19 +88,29 @@ class ChunkTable:
     offset: np.ndarray  # (C,) byte offset in the file
     nbytes: np.ndarray  # (C,)
     block: np.ndarray  # (C,) checksum block size
-    crc32c: list[str]  # (C,) hex, 8 digits per block
+    crc32c: list[str]  # v1: (C,) hex, 8 digits per block; v2: empty
+    # v2: where the chunk's crc32c values (uint32, one per block) lie in its file
+    crc_offset: np.ndarray | None = None
 
     @staticmethod
     def empty(ndim: int) -> ChunkTable:
         z = np.zeros(0, dtype=np.int64)
         return ChunkTable(
-            np.zeros((0, ndim), np.int64), np.zeros((0, ndim), np.int64), z, z, z, z, []
+            np.zeros((0, ndim), np.int64), np.zeros((0, ndim), np.int64), z, z, z, z, [], z
         )
+
+    def _take(self, o: np.ndarray) -> ChunkTable:
+        return ChunkTable(
+            self.starts[o], self.stops[o], self.file[o], self.offset[o], self.nbytes[o], self.block[o],
+            [self.crc32c[i] for i in o.tolist()] if self.crc32c else [],
+            None if self.crc_offset is None else self.crc_offset[o],
+        )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self.nbytes)
 
     def block_crcs(self, i: int) -> np.ndarray:
+        """v1 only: the checksums of chunk i, from the manifest (v2 keeps them in the file)."""
         return np.frombuffer(bytes.fromhex(self.crc32c[i]), dtype=">u4").astype(np.uint32)
 
     # Whether chunk i is stored as exactly its box (a subclass may store a larger box).
@@ -97,7 +134,7 @@ class ChunkTable:
                 for k in ("file", "offset", "nbytes", "block")
             }
             crcs = [str(r["crc32c"]) for r in rows]
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: malformed chunk entry ({e})") from None
         return ChunkTable(
             starts, stops, cols["file"], cols["offset"], cols["nbytes"], cols["block"], crcs
@@ -122,11 +159,7 @@ class ChunkTable:
         boxes then have equal box columns, which readers share (see intern_boxes)."""
         if len(self) < 2:
             return self
-        o = np.lexsort(self.starts.T[::-1])
-        return ChunkTable(
-            self.starts[o], self.stops[o], self.file[o], self.offset[o], self.nbytes[o], self.block[o],
-            [self.crc32c[i] for i in o.tolist()],
-        )  # fmt: skip
+        return self._take(np.lexsort(self.starts.T[::-1]))
 
     def intern_boxes(self, seen: dict[bytes, tuple[np.ndarray, np.ndarray]]) -> None:
         """Share the box columns with an earlier table of equal boxes (one index serves both)."""
@@ -146,12 +179,33 @@ class ChunkTable:
             np.concatenate([t.nbytes for t in tables]),
             np.concatenate([t.block for t in tables]),
             [c for t in tables for c in t.crc32c],
+            None
+            if any(t.crc_offset is None for t in tables)
+            else np.concatenate([t.crc_offset for t in tables]),
         )
+
+
+class LazyChunkTable(ChunkTable):
+    """The chunks of a v2 array, fetched from the record files on first use (tools such as
+    verify and diff that walk every chunk; a restore fetches only what its boxes touch)."""
+
+    def __init__(self, load: Callable[[], ChunkTable]):  # no fields yet: see __getattr__
+        self.__dict__["_load"] = load
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_load" not in self.__dict__:
+            raise AttributeError(name)
+        table = self.__dict__.pop("_load")()
+        self.__dict__.update(table.__dict__)
+        return getattr(self, name)
 
 
 @dataclass
 class ArrayLeaf:
-    """An array leaf: a jax.Array, np.ndarray, NumPy scalar ('scalar') or typed PRNG key."""
+    """An array leaf: a jax.Array, np.ndarray, NumPy scalar ('scalar') or typed PRNG key.
+
+    v2: `layout` numbers the manifest's layout descriptions; `writers`, when present, are
+    the only processes that wrote chunks of it (listed where the holders are many)."""
 
     path: Path
     kind: str
@@ -160,6 +214,13 @@ class ArrayLeaf:
     sharding: dict[str, Any] | None = None
     key_impl: str | None = None
     chunks: ChunkTable = field(default_factory=lambda: ChunkTable.empty(0))
+    layout: int | None = None
+    writers: tuple[int, ...] | None = None
+    chunk_count: int | None = None  # v2: the number of chunks, known without the records
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunk_count if self.chunk_count is not None else len(self.chunks)
 
     @property
     def name(self) -> str:
@@ -179,7 +240,7 @@ class ArrayLeaf:
 
 @dataclass
 class ValueLeaf:
-    """A Python value stored in the manifest itself: int, float, bool, str or None."""
+    """A Python value stored in the manifest itself: int, float, bool, str, bytes or None."""
 
     path: Path
     value: Any
@@ -203,7 +264,12 @@ def encode_value(v: Any, where: str) -> dict[str, Any]:
         return {"type": "float", "value": v.hex()}
     if isinstance(v, str):
         return {"type": "str", "value": v}
+    if isinstance(v, bytes):
+        return {"type": "bytes", "value": base64.b64encode(v).decode()}
     raise CorruptCheckpointError(f"{where}: cannot encode value {v!r}")
+
+
+_MAX_INT_DIGITS = 4300  # Python's own limit for int('...')
 
 
 def decode_value(d: Any, where: str) -> Any:
@@ -211,25 +277,33 @@ def decode_value(d: Any, where: str) -> Any:
         t = d["type"]
         if t == "none":
             return None
-        if t == "bool":
-            return bool(d["value"])
-        if t == "int":
+        if t == "bool" and isinstance(d["value"], bool):
+            return d["value"]
+        if t == "int" and isinstance(d["value"], str) and len(d["value"]) <= _MAX_INT_DIGITS:
             return int(d["value"])
-        if t == "float":
+        if t == "float" and isinstance(d["value"], str):
             return float.fromhex(d["value"])
-        if t == "str":
-            return str(d["value"])
+        if t == "str" and isinstance(d["value"], str):
+            return d["value"]
+        if t == "bytes" and isinstance(d["value"], str):
+            return base64.b64decode(d["value"], validate=True)
     except (KeyError, TypeError, ValueError):
         pass
-    raise CorruptCheckpointError(f"{where}: malformed value entry {d!r}")
+    raise CorruptCheckpointError(f"{where}: malformed value entry {str(d)[:200]}")
 
 
 def _path_from_json(p: Any, where: str) -> Path:
     if not isinstance(p, list) or not all(
         isinstance(k, str | int) and not isinstance(k, bool) for k in p
     ):
-        raise CorruptCheckpointError(f"{where}: malformed leaf path {p!r}")
+        raise CorruptCheckpointError(f"{where}: malformed leaf path {str(p)[:200]}")
     return tuple(p)
+
+
+def _int(x: Any, lo: int, hi: int, what: str, where: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
+        raise CorruptCheckpointError(f"{where}: malformed {what} {str(x)[:100]}")
+    return x
 
 
 def leaf_to_json(leaf: Leaf, chunks: bool = True) -> dict[str, Any]:
@@ -248,12 +322,18 @@ def leaf_to_json(leaf: Leaf, chunks: bool = True) -> dict[str, Any]:
     }
     if leaf.key_impl is not None:
         out["key_impl"] = leaf.key_impl
+    if leaf.layout is not None:
+        out["layout"] = leaf.layout
+    if leaf.writers is not None:
+        out["writers"] = list(leaf.writers)
+    if leaf.chunk_count is not None:
+        out["chunk_count"] = leaf.chunk_count
     if chunks:
         out["chunks"] = leaf.chunks.rows()
     return out
 
 
-def leaf_from_json(d: Any, where: str) -> Leaf:
+def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
     if not isinstance(d, dict):
         raise CorruptCheckpointError(f"{where}: malformed leaf entry")
     path = _path_from_json(d.get("path"), where)
@@ -262,25 +342,46 @@ def leaf_from_json(d: Any, where: str) -> Leaf:
     if kind == "value":
         return ValueLeaf(path, decode_value(d.get("value"), where))
     if kind not in ARRAY_KINDS:
-        raise CorruptCheckpointError(f"{where}: unknown leaf kind {kind!r}")
+        raise CorruptCheckpointError(f"{where}: unknown leaf kind {str(kind)[:100]!r}")
     shape = d.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        raise CorruptCheckpointError(f"{where}: malformed shape {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM for s in shape
+        )
+        or math.prod(shape) > MAX_BYTES
+    ):
+        raise CorruptCheckpointError(f"{where}: malformed shape {str(shape)[:200]}")
     dtype = d.get("dtype")
     if not isinstance(dtype, str):
-        raise CorruptCheckpointError(f"{where}: malformed dtype {dtype!r}")
-    rows = d.get("chunks", [])
-    if not isinstance(rows, list):
-        raise CorruptCheckpointError(f"{where}: malformed chunk list")
-    return ArrayLeaf(
+        raise CorruptCheckpointError(f"{where}: malformed dtype {str(dtype)[:100]}")
+    key_impl = d.get("key_impl")
+    if key_impl is not None and not isinstance(key_impl, str):
+        raise CorruptCheckpointError(f"{where}: malformed key_impl")
+    sharding = d.get("sharding")
+    leaf = ArrayLeaf(
         path=path,
         kind=kind,
         dtype=dtype,
         shape=tuple(shape),
-        sharding=d.get("sharding"),
-        key_impl=d.get("key_impl"),
-        chunks=ChunkTable.from_rows(rows, len(shape), where),
+        sharding=sharding if isinstance(sharding, dict) else None,
+        key_impl=key_impl,
     )
+    if version == 1:
+        rows = d.get("chunks", [])
+        if not isinstance(rows, list):
+            raise CorruptCheckpointError(f"{where}: malformed chunk list")
+        leaf.chunks = ChunkTable.from_rows(rows, len(shape), where)
+        return leaf
+    leaf.layout = _int(d.get("layout"), 0, 1 << 31, "layout number", where)
+    leaf.chunk_count = _int(d.get("chunk_count"), 0, MAX_BYTES, "chunk count", where)
+    writers = d.get("writers")
+    if writers is not None:
+        if not isinstance(writers, list) or len(writers) > MAX_PROCESSES:
+            raise CorruptCheckpointError(f"{where}: malformed writer list")
+        leaf.writers = tuple(_int(w, 0, MAX_PROCESSES, "writer", where) for w in writers)
+    return leaf
 
 
 @dataclass
@@ -290,7 +391,76 @@ class FileEntry:
 
 
 @dataclass
+class ProcessTable:
+    """v2: what each process wrote: the nonce naming its files, the size of each data file,
+    and the size and crc32c of its record file. Process q's data file j is global file
+    `base[q] + j` of the manifest's flat file list."""
+
+    nonces: list[str]
+    data_sizes: list[list[int]]
+    record_sizes: list[int]
+    record_crcs: list[int]
+
+    def __len__(self) -> int:
+        return len(self.nonces)
+
+    def record_name(self, q: int) -> str:
+        return record_file_name(q, self.nonces[q])
+
+    @property
+    def base(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([len(s) for s in self.data_sizes])]).astype(np.int64)
+
+    def files(self) -> list[FileEntry]:
+        return [
+            FileEntry(data_file_name(q, n, j), size)
+            for q, (n, sizes) in enumerate(zip(self.nonces, self.data_sizes, strict=True))
+            for j, size in enumerate(sizes)
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nonce": "".join(self.nonces),
+            "data_sizes": self.data_sizes,
+            "record_sizes": self.record_sizes,
+            "record_crc32c": "".join(f"{c:08x}" for c in self.record_crcs),
+        }
+
+    @staticmethod
+    def from_json(d: Any, count: int, where: str) -> ProcessTable:
+        if not isinstance(d, dict):
+            raise CorruptCheckpointError(f"{where}: manifest lacks its process table")
+        nonce, crcs = d.get("nonce"), d.get("record_crc32c")
+        sizes, rsizes = d.get("data_sizes"), d.get("record_sizes")
+        if not (
+            isinstance(nonce, str) and isinstance(crcs, str) and isinstance(sizes, list)
+            and isinstance(rsizes, list) and len(nonce) == len(crcs) == 8 * count
+            and len(sizes) == len(rsizes) == count
+        ):  # fmt: skip
+            raise CorruptCheckpointError(
+                f"{where}: the process table does not list {count} processes"
+            )
+        nonces = [nonce[8 * q : 8 * q + 8] for q in range(count)]
+        if not all(_NONCE.match(n) for n in nonces):
+            raise CorruptCheckpointError(f"{where}: malformed file nonce in the process table")
+        try:
+            record_crcs = [int(crcs[8 * q : 8 * q + 8], 16) for q in range(count)]
+        except ValueError:
+            raise CorruptCheckpointError(f"{where}: malformed record checksum") from None
+        data_sizes = []
+        for s in sizes:
+            if not isinstance(s, list) or len(s) > MAX_FILES_PER_PROCESS:
+                raise CorruptCheckpointError(f"{where}: malformed data file sizes")
+            data_sizes.append([_int(x, 0, MAX_BYTES, "file size", where) for x in s])
+        record_sizes = [_int(x, 0, MAX_BYTES, "record file size", where) for x in rsizes]
+        return ProcessTable(nonces, data_sizes, record_sizes, record_crcs)
+
+
+@dataclass
 class Manifest:
+    """The tree and its leaves; v1 lists every chunk inline, v2 the layouts and the process
+    table through which a reader finds the chunk records it needs."""
+
     structure: JsonNode
     leaves: list[Leaf]
     files: list[FileEntry]
@@ -299,6 +469,12 @@ class Manifest:
     created_unix: float = field(default_factory=time.time)
     version: int = FORMAT_VERSION
     extra: dict[str, Any] = field(default_factory=dict)
+    meshes: list[dict[str, Any]] = field(default_factory=list)
+    layouts: list[dict[str, Any]] = field(default_factory=list)
+    processes: ProcessTable | None = None
+    refs: list[dict[str, Any]] = field(default_factory=list)
+    # v2: the format.finder.ChunkFinder that fetches chunk records (set by read_manifest)
+    finder: Any = field(default=None, repr=False, compare=False)
 
     @property
     def arrays(self) -> list[ArrayLeaf]:
@@ -306,25 +482,35 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
+        if self.version >= 2:
+            return sum(a.nbytes for a in self.arrays)
         return sum(int(a.chunks.nbytes.sum()) for a in self.arrays)
 
     def leaf_by_path(self) -> dict[Path, Leaf]:
         return {leaf.path: leaf for leaf in self.leaves}
 
     def to_json(self) -> bytes:
+        """The v2 manifest, with its own checksum (see docs/format.md)."""
+        assert self.processes is not None, "a v2 manifest needs its process table"
         doc = {
             "format": FORMAT_NAME,
-            "version": self.version,
+            "version": 2,
+            "checksum": "00000000",
             "created_unix": self.created_unix,
             "process_count": self.process_count,
             "write_mode": self.write_mode,
             "total_bytes": self.total_bytes,
-            "files": [{"name": f.name, "size": f.size} for f in self.files],
             "tree": self.structure,
-            "leaves": [leaf_to_json(leaf) for leaf in self.leaves],
+            "leaves": [leaf_to_json(leaf, chunks=False) for leaf in self.leaves],
+            "meshes": self.meshes,
+            "layouts": self.layouts,
+            "processes": self.processes.to_json(),
+            "refs": self.refs,
             "extra": self.extra,
         }
-        return json.dumps(doc, separators=(",", ":")).encode()
+        raw = json.dumps(doc, separators=(",", ":")).encode()
+        at = raw.index(CHECKSUM_KEY) + len(CHECKSUM_KEY)
+        return raw[:at] + f"{crc32c(raw):08x}".encode() + raw[at + 8 :]
 
     @staticmethod
     def from_json(data: bytes, where: str) -> Manifest:
@@ -332,34 +518,72 @@ class Manifest:
             doc = json.loads(data)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
+        except RecursionError:
+            raise CorruptCheckpointError(f"{where}: manifest is nested too deeply") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: not a snapshard manifest")
         version = doc.get("version")
-        if version != FORMAT_VERSION:
+        if version not in READ_VERSIONS or isinstance(version, bool):
             raise CorruptCheckpointError(
-                f"{where}: manifest format version {version!r} is not supported (this library reads {FORMAT_VERSION})"
+                f"{where}: manifest format version {str(version)[:20]} is not supported "
+                f"(this library reads {', '.join(map(str, READ_VERSIONS))})"
             )
-        files_raw = doc.get("files")
+        if version >= 2:
+            _check_own_checksum(data, doc, where)
         leaves_raw = doc.get("leaves")
-        if not isinstance(files_raw, list) or not isinstance(leaves_raw, list):
-            raise CorruptCheckpointError(f"{where}: manifest lacks its file or leaf list")
-        files = []
-        for f in files_raw:
-            if not isinstance(f, dict) or not isinstance(f.get("size"), int):
-                raise CorruptCheckpointError(f"{where}: malformed file entry {f!r}")
-            files.append(FileEntry(check_file_name(f.get("name"), where), int(f["size"])))
+        if not isinstance(leaves_raw, list):
+            raise CorruptCheckpointError(f"{where}: manifest lacks its leaf list")
         structure = doc.get("tree")
         if not isinstance(structure, dict):
             raise CorruptCheckpointError(f"{where}: manifest lacks the tree structure")
-        return Manifest(
+        process_count = _int(doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where)
+        extra = doc.get("extra") or {}
+        if not isinstance(extra, dict):
+            raise CorruptCheckpointError(f"{where}: malformed extra")
+        created = doc.get("created_unix", 0.0)
+        m = Manifest(
             structure=structure,
-            leaves=_interned([leaf_from_json(d, where) for d in leaves_raw]),
-            files=files,
-            process_count=int(doc.get("process_count", 1)),
-            write_mode=str(doc.get("write_mode", "auto")),
-            created_unix=float(doc.get("created_unix", 0.0)),
+            leaves=[leaf_from_json(d, where, version) for d in leaves_raw],
+            files=[],
+            process_count=process_count,
+            write_mode=str(doc.get("write_mode", "auto"))[:100],
+            created_unix=float(created) if isinstance(created, int | float) else 0.0,
             version=version,
-            extra=doc.get("extra") or {},
+            extra=extra,
+        )
+        if version == 1:
+            files_raw = doc.get("files")
+            if not isinstance(files_raw, list):
+                raise CorruptCheckpointError(f"{where}: manifest lacks its file list")
+            for f in files_raw:
+                if not isinstance(f, dict):
+                    raise CorruptCheckpointError(f"{where}: malformed file entry {str(f)[:200]}")
+                name = check_file_name(f.get("name"), where)
+                m.files.append(
+                    FileEntry(name, _int(f.get("size"), 0, MAX_BYTES, "file size", where))
+                )
+            _interned(m.leaves)
+            return m
+        for key in ("meshes", "layouts", "refs"):
+            value = doc.get(key, [])
+            if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+                raise CorruptCheckpointError(f"{where}: malformed {key} list")
+            setattr(m, key, value)
+        m.processes = ProcessTable.from_json(doc.get("processes"), process_count, where)
+        m.files = m.processes.files()
+        return m
+
+
+def _check_own_checksum(data: bytes, doc: dict[str, Any], where: str) -> None:
+    at = data.find(CHECKSUM_KEY)
+    stated = doc.get("checksum")
+    if at < 0 or not isinstance(stated, str) or len(stated) != 8:
+        raise CorruptCheckpointError(f"{where}: manifest lacks its checksum")
+    at += len(CHECKSUM_KEY)
+    actual = crc32c(data[:at] + b"00000000" + data[at + 8 :])
+    if data[at : at + 8] != stated.encode() or f"{actual:08x}" != stated:
+        raise CorruptCheckpointError(
+            f"{where}: manifest checksum mismatch (stated {stated!r}, computed {actual:08x})"
         )
 
 
@@ -369,41 +593,3 @@ def _interned(leaves: list[Leaf]) -> list[Leaf]:
         if isinstance(leaf, ArrayLeaf) and len(leaf.chunks):
             leaf.chunks.intern_boxes(seen)
     return leaves
-
-
-@dataclass
-class ProcessIndex:
-    """What one process wrote: its files and, per leaf index, its chunks (file = local index)."""
-
-    process: int
-    files: list[FileEntry]
-    chunks: dict[int, ChunkTable]
-
-    def to_json(self) -> bytes:
-        doc = {
-            "format": INDEX_FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "process": self.process,
-            "files": [{"name": f.name, "size": f.size} for f in self.files],
-            "chunks": {str(i): t.rows() for i, t in self.chunks.items()},
-        }
-        return json.dumps(doc, separators=(",", ":")).encode()
-
-    @staticmethod
-    def from_json(data: bytes, where: str, ndims: dict[int, int]) -> ProcessIndex:
-        try:
-            doc = json.loads(data)
-            if doc.get("format") != INDEX_FORMAT_NAME or doc.get("version") != FORMAT_VERSION:
-                raise ValueError("not a snapshard v1 index")
-            files = [
-                FileEntry(check_file_name(f["name"], where), int(f["size"])) for f in doc["files"]
-            ]
-            chunks = {}
-            for k, rows in doc["chunks"].items():
-                i = int(k)
-                if i not in ndims:
-                    raise ValueError(f"chunks for unknown leaf {i}")
-                chunks[i] = ChunkTable.from_rows(rows, ndims[i], where)
-            return ProcessIndex(int(doc["process"]), files, chunks)
-        except (KeyError, TypeError, ValueError, AttributeError, UnicodeDecodeError) as e:
-            raise CorruptCheckpointError(f"{where}: malformed process index ({e})") from None

@@ -12,19 +12,72 @@ from ..dtypes import NAME_TO_DTYPE
 from ..errors import CorruptCheckpointError, ValidationError
 from ..planning.read_plan import ChunkIndex
 from ..tree import iter_leaf_nodes
-from .manifest import ArrayLeaf, ChunkTable, Manifest
+from .manifest import MAX_BYTES, MAX_DEPTH, ArrayLeaf, ChunkTable, Manifest
 
 _MAX_GRID_CELLS = 1 << 24
+_HEX = frozenset("0123456789abcdef")
 _MAX_REPORTED = 4
 
 
+def _check_tree(structure: object, where: str) -> None:
+    """Node types, unique keys and bounded depth, without recursion."""
+    stack: list[tuple[object, int]] = [(structure, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the tree is nested more than {MAX_DEPTH} deep")
+        if not isinstance(node, dict):
+            raise CorruptCheckpointError(f"{where}: malformed tree node")
+        t = node.get("t")
+        if t == "leaf":
+            if not isinstance(node.get("i"), int) or isinstance(node.get("i"), bool):
+                raise CorruptCheckpointError(f"{where}: malformed leaf reference")
+            continue
+        kids = node.get("c", [])
+        if t not in ("dict", "list", "tuple", "namedtuple", "node") or not isinstance(kids, list):
+            raise CorruptCheckpointError(f"{where}: malformed tree node of type {str(t)[:50]!r}")
+        if t in ("dict", "namedtuple", "node"):
+            keys = node.get("k")
+            if not isinstance(keys, list) or len(keys) != len(kids):
+                raise CorruptCheckpointError(f"{where}: a {t} node's keys and children disagree")
+            if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in keys):
+                raise CorruptCheckpointError(f"{where}: malformed key in a {t} node")
+            if len(set(keys)) != len(keys):
+                raise CorruptCheckpointError(f"{where}: duplicate key in a {t} node")
+        stack.extend((c, depth + 1) for c in kids)
+
+
 def validate_structure(m: Manifest, where: str) -> None:
-    """Everything a reader relies on: leaf references, dtypes, chunk bounds, file bounds."""
+    """Everything a reader relies on, before anything is allocated or read: the tree, leaf
+    references, unique paths, dtypes, and (v1) chunk and file bounds; (v2) layout numbers
+    and that the arrays fit the bytes the files hold."""
+    _check_tree(m.structure, where)
     refs = list(iter_leaf_nodes(m.structure))
     if sorted(refs) != list(range(len(m.leaves))):
         raise CorruptCheckpointError(f"{where}: the tree structure and the leaf list disagree")
+    paths = [leaf.path for leaf in m.leaves]
+    if len(set(paths)) != len(paths):
+        seen: set[object] = set()
+        dup = next(p for p in paths if p in seen or seen.add(p))  # type: ignore[func-returns-value]
+        raise CorruptCheckpointError(
+            f"{where}: leaf path {'/'.join(map(str, dup))!r} is listed twice"
+        )
     sizes = [f.size for f in m.files]
+    stored = sum(sizes)
+    if m.total_bytes > min(stored, MAX_BYTES):
+        raise CorruptCheckpointError(
+            f"{where}: the arrays need {m.total_bytes} bytes, the data files hold {stored}"
+        )
     for leaf in m.arrays:
+        if m.version >= 2:
+            if leaf.layout is None or not 0 <= leaf.layout < len(m.layouts):
+                raise CorruptCheckpointError(
+                    f"{where}, leaf {leaf.name!r}: layout {leaf.layout} is not in the manifest"
+                )
+            if leaf.writers is not None and any(w >= m.process_count for w in leaf.writers):
+                raise CorruptCheckpointError(
+                    f"{where}, leaf {leaf.name!r}: writer beyond the process count"
+                )
         name = f"{where}, leaf {leaf.name!r}"
         dt = NAME_TO_DTYPE.get(leaf.dtype)
         if dt is None:
@@ -33,7 +86,10 @@ def validate_structure(m: Manifest, where: str) -> None:
             raise CorruptCheckpointError(
                 f"{name}: PRNG key without implementation or key-data axis"
             )
-        check_chunks(leaf, leaf.chunks, dt.itemsize, sizes, name)
+        if leaf.kind == "scalar" and leaf.shape:
+            raise CorruptCheckpointError(f"{name}: a scalar with shape {leaf.shape}")
+        if m.version == 1:
+            check_chunks(leaf, leaf.chunks, dt.itemsize, sizes, name)
 
 
 def check_chunks(
@@ -64,15 +120,31 @@ def check_chunks(
     if np.any(t.offset < 0) or np.any(ends > np.asarray(file_sizes, dtype=np.int64)[t.file]):
         i = int(np.flatnonzero((t.offset < 0) | (ends > np.asarray(file_sizes)[t.file]))[0])
         raise CorruptCheckpointError(f"{name}: chunk {i} lies outside its file")
+    if t.crc_offset is not None:  # v2: checksums beside the data, nblocks uint32 values
+        if np.any(t.block <= 0):
+            raise CorruptCheckpointError(f"{name}: a chunk has checksum block size 0")
+        crc_end = t.crc_offset + 4 * (-(-t.nbytes // t.block))
+        fsz = np.asarray(file_sizes, dtype=np.int64)[t.file]
+        bad = (t.crc_offset < 0) | (crc_end > fsz) | ((t.crc_offset < ends) & (crc_end > t.offset))
+        if np.any(bad):
+            i = int(np.flatnonzero(bad)[0])
+            raise CorruptCheckpointError(f"{name}: chunk {i} has its checksums outside its file")
+        dup = np.all(t.starts[1:] == t.starts[:-1], axis=1) if len(t) > 1 else np.zeros(0, bool)
+        if np.any(dup):
+            i = int(np.flatnonzero(dup)[0])
+            raise CorruptCheckpointError(f"{name}: chunks {i} and {i + 1} start at the same place")
+        return
     for i in range(len(t)):
         if t.block[i] <= 0:
             raise CorruptCheckpointError(f"{name}: chunk {i} has checksum block size {t.block[i]}")
         nblocks = -(-int(t.nbytes[i]) // int(t.block[i]))
         crc = t.crc32c[i]
-        if len(crc) != 8 * nblocks or any(c not in "0123456789abcdef" for c in crc):
+        if len(crc) != 8 * nblocks:
             raise CorruptCheckpointError(
                 f"{name}: chunk {i} has {len(crc) // 8} checksums, needs {nblocks}"
             )
+        if not _HEX.issuperset(crc):
+            raise CorruptCheckpointError(f"{name}: chunk {i} has a checksum that is not hex")
 
 
 def _box(start: np.ndarray, stop: np.ndarray) -> str:

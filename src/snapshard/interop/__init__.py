@@ -16,7 +16,7 @@ from ..errors import CheckpointNotFoundError, SnapshardError
 
 if TYPE_CHECKING:
     from ..format import Manifest
-    from ..restore import ReadStats, _Dest
+    from ..restore import Dest, ReadStats
     from ..storage import Storage
 
 ORBAX_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
@@ -28,7 +28,7 @@ class ForeignCheckpoint(Protocol):
     format: str
     manifest: Manifest
 
-    def read_dests(self, dests: list[_Dest], stats: ReadStats) -> None: ...
+    def read_dests(self, dests: list[Dest], stats: ReadStats) -> None: ...
 
 
 # Where TensorStore can read an Orbax checkpoint from (see interop.orbax.kvstore_spec).

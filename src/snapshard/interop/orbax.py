@@ -44,7 +44,7 @@ from .orbax_meta import (
 )
 
 if TYPE_CHECKING:
-    from ..restore import ReadStats, _Dest
+    from ..restore import Dest, ReadStats
 
 FORMAT = "orbax"
 # Decoded chunks and OCDBT b-tree nodes cached by TensorStore: bounded, and enough to keep a
@@ -128,7 +128,7 @@ class OrbaxCheckpoint:
     def __init__(self, url: str, manifest: Manifest, arrays: dict[Path, ts.TensorStore]):
         self.url, self.manifest, self._arrays = url, manifest, arrays
 
-    def read_dests(self, dests: list[_Dest], stats: ReadStats) -> None:
+    def read_dests(self, dests: list[Dest], stats: ReadStats) -> None:
         """Fill every destination box with one TensorStore read each."""
         pending = []
         for d in dests:

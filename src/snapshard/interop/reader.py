@@ -25,10 +25,10 @@ from ..format import ArrayLeaf, ChunkTable, FileEntry, Leaf, Manifest
 from ..restore import (
     DEFAULT_MAX_GAP,
     DEFAULT_THREADS,
+    Dest,
     ReadStats,
-    _Dest,
-    _open,
     aligned_empty,
+    open_checkpoint,
     reader_of,
 )
 from ..storage import Location, Storage, storage_for
@@ -46,7 +46,7 @@ class CheckpointReader:
     url: str
     format: str  # "snapshard", "orbax" or "safetensors"
     manifest: Manifest
-    _read: Callable[[list[_Dest]], None]
+    _read: Callable[[list[Dest]], None]
     storage: Storage | None = None  # what to close when done
     stats: ReadStats = field(default_factory=ReadStats)
 
@@ -57,7 +57,7 @@ class CheckpointReader:
         shape = tuple(int(x) for x in e - s)
         if math.prod(shape) == 0:
             return np.empty(shape, dtype)
-        dest = _Dest(leaf, s, e, aligned_empty(math.prod(shape) * dtype.itemsize))
+        dest = Dest(leaf, s, e, aligned_empty(math.prod(shape) * dtype.itemsize))
         self._read([dest])
         return dest.buf.view(dtype).reshape(shape)
 
@@ -94,7 +94,7 @@ def open_reader(
     storage = storage_for(location)
     stats = ReadStats()
     try:
-        manifest, read_dests = _open(storage, verify, threads, DEFAULT_MAX_GAP, stats)
+        manifest, read_dests = open_checkpoint(storage, verify, threads, DEFAULT_MAX_GAP, stats)
     except BaseException:
         storage.close()
         raise

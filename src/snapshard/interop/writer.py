@@ -13,22 +13,24 @@ from typing import Any
 
 import numpy as np
 
+from ..checksum import crc32c
 from ..dtypes import dtype_from_name, little_endian
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import (
-    DATA_DIR,
-    INDEX_DIR,
     ArrayLeaf,
     ChunkTable,
     FileEntry,
     Leaf,
     Manifest,
-    ProcessIndex,
+    ProcessTable,
     ValueLeaf,
+    data_file_name,
+    record_file_name,
+    records,
     validate_coverage,
     validate_structure,
 )
-from ..saving import write_chunk
+from ..saving import chunk_span, records_of, write_chunk
 from ..storage import FileWriter, Location, Storage, storage_for
 from ..tree import JsonNode, Path
 
@@ -55,7 +57,7 @@ class CheckpointWriter:
         self.overwrite, self.file_bytes, self.extra = overwrite, file_bytes, extra or {}
         self.nonce = uuid.uuid4().hex[:8]
         self.leaves: list[Leaf] = []
-        self._rows: dict[int, list[dict[str, Any]]] = {}
+        self._rows: dict[int, list[tuple[Any, ...]]] = {}
         self.files: list[FileEntry] = []
         self._file: FileWriter | None = None
         self._offset = 0
@@ -95,10 +97,10 @@ class CheckpointWriter:
         assert self._file is not None
         row = write_chunk(self._file, arr, start, stop, len(self.files), self._offset)
         self._rows[leaf].append(row)
-        self._offset += row["nbytes"]
+        self._offset += chunk_span(arr.nbytes)
 
     def _file_name(self) -> str:
-        return f"{DATA_DIR}/p00000-{self.nonce}-{len(self.files)}.bin"
+        return data_file_name(0, self.nonce, len(self.files))
 
     def _next_file(self) -> None:
         self._close_file()
@@ -114,28 +116,37 @@ class CheckpointWriter:
         """Validate and commit; the checkpoint is visible from here on."""
         try:
             self._close_file()
-            tables = {
-                i: ChunkTable.from_rows(rows, len(a.shape), self.url)
-                for i, rows in self._rows.items()
-                if isinstance(a := self.leaves[i], ArrayLeaf)
-            }
-            for i, t in tables.items():
-                leaf = self.leaves[i]
-                assert isinstance(leaf, ArrayLeaf)
-                leaf.chunks = t
-            index_name = f"{INDEX_DIR}/p00000-{self.nonce}.json"
-            self.storage.write_bytes(index_name, ProcessIndex(0, self.files, tables).to_json())
+            ndims = [len(x.shape) if isinstance(x, ArrayLeaf) else 0 for x in self.leaves]
+            segments = {i: records_of(rows, ndims[i]) for i, rows in self._rows.items() if rows}
+            data = records.encode(0, ndims, segments, np.zeros(len(self.leaves), records.DIGEST))
+            record_name = record_file_name(0, self.nonce)
+            self.storage.write_bytes(record_name, data)
+            base = 0
+            for i, leaf in enumerate(self.leaves):
+                if isinstance(leaf, ArrayLeaf):
+                    leaf.layout = 0
+                    r = segments.get(i)
+                    leaf.chunk_count = 0 if r is None else len(r)
+                    leaf.chunks = ChunkTable.empty(ndims[i]) if r is None else ChunkTable(
+                        r["start"].reshape(len(r), ndims[i]), r["stop"].reshape(len(r), ndims[i]),
+                        r["file"].astype(np.int64) + base, r["offset"].astype(np.int64),
+                        r["nbytes"].astype(np.int64), r["block"].astype(np.int64), [],
+                        r["crc_offset"].astype(np.int64),
+                    )  # fmt: skip
             # Files an earlier, interrupted attempt left in the staging area must not commit.
-            ours = {f.name for f in self.files} | {index_name}
+            ours = {f.name for f in self.files} | {record_name}
             stale = [n for n in self.storage.list_staging() if n not in ours]
             self.storage.delete_staging_files(stale)
+            table = ProcessTable([self.nonce], [[f.size for f in self.files]], [len(data)], [crc32c(data)])
             manifest = Manifest(
                 structure=structure,
                 leaves=self.leaves,
                 files=self.files,
                 process_count=1,
                 write_mode="single_replica",
-                extra={"indexes": [index_name], **self.extra},
+                extra=self.extra,
+                layouts=[{"kind": "host"}],
+                processes=table,
             )
             validate_structure(manifest, self.url)
             validate_coverage(manifest, self.url)

@@ -290,7 +290,7 @@ class LocalStore:
 
 
 def _read_extra(storage: LocalStorage) -> dict[str, Any]:
-    from ..restore import read_manifest
+    from ..format.reading import read_manifest
 
     with storage:
         return read_manifest(storage).extra

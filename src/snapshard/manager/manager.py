@@ -29,7 +29,8 @@ from ..coordination.jax_distributed import preemption_sync_point
 from ..coordination.rendezvous import namespace
 from ..coordination.transfer import PendingExchange, exchange, start_exchange
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
-from ..restore import ReadStats, is_target_leaf, load, read_manifest
+from ..format.reading import read_manifest
+from ..restore import ReadStats, is_target_leaf, load
 from ..saving import DEFAULT_TIMEOUT_S, SaveTimings, classify_leaves, finish, prepare
 from ..staging import Snapshot, host_snapshot
 from ..storage import CheckpointRoot, Location, root_for

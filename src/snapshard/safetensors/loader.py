@@ -17,9 +17,9 @@ from ..restore import (
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_THREADS,
     ReadStats,
-    _request,
     execute,
     is_target_leaf,
+    make_request,
     reader_of,
 )
 from ..storage import Location, Storage
@@ -121,7 +121,7 @@ def load(
             x = lazy[name]
             if isinstance(x, Unreadable):
                 raise UnsupportedLeafError(x.error)
-            reqs.append(_request(planner.leaf(name, x), t, url))
+            reqs.append(make_request(planner.leaf(name, x), t, url))
         manifest = Manifest(
             structure={},
             leaves=[],

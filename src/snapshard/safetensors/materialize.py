@@ -1,6 +1,6 @@
 """From destination boxes of lazy arrays to the reads of the restore executor.
 
-The restore executor fills host buffers (its `_Dest`s: a leaf, a box, a buffer) from the
+The restore executor fills host buffers (its `Dest`s: a leaf, a box, a buffer) from the
 chunks of the leaf. A stored or composite array's leaf has its stored pieces as chunks, so
 its buffers are read directly. Derived arrays, and derived pieces of composites, get a
 scratch buffer for the box of their child they need, and a step that computes their own
@@ -16,13 +16,13 @@ import numpy as np
 
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf
-from ..restore import _Dest, aligned_empty
+from ..restore import Dest, aligned_empty
 from .virtual import Composite, Derived, Stored, VArray, leaf_of
 
 Step = Callable[[], None]
 
 
-def _view(d: _Dest) -> np.ndarray:
+def _view(d: Dest) -> np.ndarray:
     return d.buf.view(dtype_from_name(d.leaf.dtype)).reshape(d.shape)
 
 
@@ -44,19 +44,19 @@ class Planner:
         self._nodes[id(leaf)] = (leaf, x)
         return leaf
 
-    def expand(self, dests: list[_Dest]) -> tuple[list[_Dest], list[Step]]:
-        reads: list[_Dest] = []
+    def expand(self, dests: list[Dest]) -> tuple[list[Dest], list[Step]]:
+        reads: list[Dest] = []
         steps: list[Step] = []
         for d in dests:
             self._expand(d, reads, steps)
         return reads, steps
 
-    def _scratch(self, name: str, x: VArray, start: np.ndarray, stop: np.ndarray) -> _Dest:
+    def _scratch(self, name: str, x: VArray, start: np.ndarray, stop: np.ndarray) -> Dest:
         leaf = self.leaf(name, x)
         nbytes = int(np.prod(stop - start, dtype=np.int64)) * x.dtype.itemsize
-        return _Dest(leaf, start, stop, aligned_empty(nbytes))
+        return Dest(leaf, start, stop, aligned_empty(nbytes))
 
-    def _expand(self, d: _Dest, reads: list[_Dest], steps: list[Step]) -> None:
+    def _expand(self, d: Dest, reads: list[Dest], steps: list[Step]) -> None:
         _, x = self._nodes[id(d.leaf)]
         name = d.leaf.name
         if isinstance(x, Stored):
@@ -68,7 +68,7 @@ class Planner:
             self._expand_derived(d, x, reads, steps, name)
 
     def _expand_composite(
-        self, d: _Dest, x: Composite, reads: list[_Dest], steps: list[Step]
+        self, d: Dest, x: Composite, reads: list[Dest], steps: list[Step]
     ) -> None:
         direct = False
         for p in x.pieces:
@@ -86,7 +86,7 @@ class Planner:
                 slice(int(a), int(b)) for a, b in zip(lo - d.start, hi - d.start, strict=True)
             )
 
-            def copy(d: _Dest = d, sub: _Dest = sub, where: tuple[slice, ...] = where) -> None:
+            def copy(d: Dest = d, sub: Dest = sub, where: tuple[slice, ...] = where) -> None:
                 _view(d)[where] = _view(sub)
 
             steps.append(copy)
@@ -94,7 +94,7 @@ class Planner:
             reads.append(d)
 
     def _expand_derived(
-        self, d: _Dest, x: Derived, reads: list[_Dest], steps: list[Step], name: str
+        self, d: Dest, x: Derived, reads: list[Dest], steps: list[Step], name: str
     ) -> None:
         child = x.child
         assert child is not None
@@ -113,7 +113,7 @@ class Planner:
             fill = lambda a: a.reshape(mid)[where]  # noqa: E731
         self._expand(sub, reads, steps)
 
-        def compute(d: _Dest = d, sub: _Dest = sub) -> None:
+        def compute(d: Dest = d, sub: Dest = sub) -> None:
             _view(d)[...] = fill(_view(sub))
 
         steps.append(compute)

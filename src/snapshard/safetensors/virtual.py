@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -283,8 +283,8 @@ def evaluate(x: VArray, read: Callable[[Stored], np.ndarray]) -> np.ndarray:
 class WindowedChunkTable(ChunkTable):
     """Chunks that store a larger box than the part of the array they provide."""
 
-    stored_starts: np.ndarray
-    stored_stops: np.ndarray
+    stored_starts: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
+    stored_stops: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), np.int64))
 
     stores_own_boxes = False
 

@@ -153,7 +153,8 @@ class ObjectStorage(Storage):
 def _files_of(manifest: bytes, url: str) -> set[str]:
     """The data and index files a manifest names."""
     m = Manifest.from_json(manifest, f"{url}/{MANIFEST_NAME}")
-    return {f.name for f in m.files} | set(m.extra.get("indexes", []))
+    records = [m.processes.record_name(q) for q in range(len(m.processes))] if m.processes else []
+    return {f.name for f in m.files} | set(m.extra.get("indexes", [])) | set(records)
 
 
 class ObjectRoot(CheckpointRoot):

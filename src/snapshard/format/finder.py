@@ -1,0 +1,295 @@
+"""Format v2: find the chunks that boxes of saved arrays overlap, reading only their records.
+
+For each array, the layout description says which processes held each saved box, hence
+which processes may have written chunks a box overlaps (narrowed by the leaf's `writers`
+where listed). Their directory entries and record segments are fetched with ranged reads,
+coalesced per record file, and checked against their checksums and the manifest's bounds
+before a single data byte is read. The planner's tiling guarantees the chunks found cover
+every box; the restore checks that too (see restore.plan_tasks).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..dtypes import NAME_TO_DTYPE
+from ..errors import CorruptCheckpointError, SnapshardError
+from ..planning.layout import ArrayLayout, ShardGroups
+from ..planning.read_plan import ChunkIndex
+from . import records as rec
+from .layouts import Mesh, host_holders, mesh_layout, rows_layout
+from .manifest import ArrayLeaf, ChunkTable, LazyChunkTable, Manifest
+
+if TYPE_CHECKING:
+    from ..storage import Storage
+
+Box = tuple[np.ndarray, np.ndarray]
+# Reads of one record file closer than this are merged into one.
+_MERGE_GAP = 64 << 10
+
+
+@dataclass
+class _Holders:
+    groups: ShardGroups
+    index: ChunkIndex
+
+
+@dataclass
+class ChunkFinder:
+    """Chunk tables of v2 arrays, restricted to the boxes asked for."""
+
+    storage: Storage
+    manifest: Manifest
+    threads: int = 8
+    metadata_bytes: int = 0  # record bytes read so far
+    _holders: dict[tuple[Any, ...], _Holders] = field(default_factory=dict)
+    _meshes: dict[int, Mesh] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        self.index = {id(leaf): i for i, leaf in enumerate(self.manifest.leaves)}
+
+    # ---- who held what -----------------------------------------------------------------
+    def _layout(self, leaf: ArrayLeaf) -> ArrayLayout:
+        m = self.manifest
+        where = f"{self.storage.url}, leaf {leaf.name!r}"
+        if leaf.layout is None or not 0 <= leaf.layout < len(m.layouts):
+            raise CorruptCheckpointError(f"{where}: layout {leaf.layout} is not in the manifest")
+        d = m.layouts[leaf.layout]
+        kind = d.get("kind")
+        if kind == "host":
+            return host_holders(leaf.shape, 1, m.process_count)
+        if kind == "rows":
+            lay = rows_layout(d.get("rows"), leaf.shape, 1, d.get("devices"), where)
+        elif kind == "mesh":
+            mid = d.get("mesh")
+            if not isinstance(mid, int) or not 0 <= mid < len(m.meshes):
+                raise CorruptCheckpointError(
+                    f"{where}: layout names mesh {mid!r}, not in the manifest"
+                )
+            if mid not in self._meshes:
+                self._meshes[mid] = Mesh.from_json(m.meshes[mid], where)
+            spec = d.get("spec")
+            if not isinstance(spec, list) or not all(
+                isinstance(s, list) and all(isinstance(a, str) for a in s) for s in spec
+            ):
+                raise CorruptCheckpointError(f"{where}: malformed layout spec")
+            lay = mesh_layout(self._meshes[mid], spec, leaf.shape, 1, where)
+        else:
+            raise CorruptCheckpointError(f"{where}: unknown layout kind {str(kind)[:50]!r}")
+        if int(lay.process_ids.max()) >= m.process_count:
+            raise CorruptCheckpointError(
+                f"{where}: layout names a process beyond {m.process_count}"
+            )
+        return lay
+
+    def holders(self, leaf: ArrayLeaf) -> _Holders:
+        key = (leaf.layout, leaf.shape)
+        h = self._holders.get(key)
+        if h is None:
+            groups = self._layout(leaf).shards
+            h = self._holders[key] = _Holders(groups, ChunkIndex(groups.starts, groups.stops))
+        return h
+
+    def candidates(self, leaf: ArrayLeaf, boxes: Sequence[Box]) -> np.ndarray:
+        """The processes that may have written chunks overlapping `boxes`."""
+        h = self.holders(leaf)
+        g = h.groups
+        if leaf.writers is not None and len(leaf.writers) <= 64:
+            procs = np.asarray(leaf.writers, np.int64)
+        else:
+            parts = []
+            for start, stop in boxes:
+                u = h.index.overlapping(start, stop)
+                if len(u) == g.count:
+                    parts = [g.cand_process]
+                    break
+                lo, hi = g.cand_ptr[u], g.cand_ptr[u + 1]
+                parts.extend(
+                    g.cand_process[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)
+                )
+            procs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            if leaf.writers is not None:
+                procs = np.intersect1d(procs, np.asarray(leaf.writers, np.int64))
+        return procs
+
+    # ---- fetching records ----------------------------------------------------------------
+    def _read(self, name: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges of one committed file, merging ranges that (nearly) touch."""
+        out: dict[tuple[int, int], bytes] = {}
+        merged: list[list[Any]] = []
+        for a, b in sorted(set(ranges)):
+            if merged and a <= merged[-1][1] + _MERGE_GAP:
+                merged[-1][1] = max(merged[-1][1], b)
+                merged[-1][2].append((a, b))
+            else:
+                merged.append([a, b, [(a, b)]])
+        for a, b, members in merged:
+            buf = bytearray(b - a)
+            if b > a:
+                self.storage.read_into(name, a, [memoryview(buf)])
+            with self._lock:
+                self.metadata_bytes += b - a
+            for x, y in members:
+                out[(x, y)] = bytes(buf[x - a : y - a])
+        return [out[r] for r in ranges]
+
+    def _fetch_process(self, q: int, leaves: list[int]) -> dict[int, rec.Records]:
+        m = self.manifest
+        assert m.processes is not None
+        name = m.processes.record_name(q)
+        size = m.processes.record_sizes[q]
+        where = f"{self.storage.url}/{name}"
+        n = len(m.leaves)
+        end = rec.directory_offset(n)
+        if end > size:
+            raise CorruptCheckpointError(f"{where}: record file is smaller than its directory")
+        entries = self._read(
+            name, [(rec.directory_offset(a), rec.directory_offset(a + 1)) for a in leaves]
+        )
+        wanted: list[tuple[int, np.void, int, tuple[int, int]]] = []
+        for a, raw in zip(leaves, entries, strict=True):
+            e = rec.decode_entries(raw)[0]
+            leaf = m.leaves[a]
+            assert isinstance(leaf, ArrayLeaf)
+            off, length = rec.check_entry(e, len(leaf.shape), size, where)
+            if length:
+                wanted.append((a, e, len(leaf.shape), (off, off + length)))
+        segments = self._read(name, [r for *_, r in wanted])
+        return {
+            a: rec.decode_segment(raw, e, nd, q, a, f"{where}, leaf {m.leaves[a].name!r}")
+            for (a, e, nd, _), raw in zip(wanted, segments, strict=True)
+        }
+
+    def tables(self, wants: Sequence[tuple[ArrayLeaf, Sequence[Box]]]) -> dict[int, ChunkTable]:
+        """For each leaf (keyed by id), the chunks written by every process that may hold
+        chunks overlapping its boxes."""
+        by_process: dict[int, list[int]] = {}
+        leaves: dict[int, ArrayLeaf] = {}
+        memo: dict[tuple[Any, ...], np.ndarray] = {}
+        empty: dict[int, ChunkTable] = {}
+        for leaf, boxes in wants:
+            if math.prod(leaf.shape) == 0:
+                empty[id(leaf)] = ChunkTable.empty(len(leaf.shape))
+                continue
+            a = self.index[id(leaf)]
+            leaves[a] = leaf
+            key = (leaf.layout, leaf.shape, leaf.writers,
+                   b"".join(s.tobytes() + e.tobytes() for s, e in boxes))  # fmt: skip
+            procs = memo.get(key)
+            if procs is None:
+                procs = memo[key] = self.candidates(leaf, boxes)
+            for q in procs.tolist():
+                by_process.setdefault(q, []).append(a)
+        found: dict[int, list[tuple[int, rec.Records]]] = {a: [] for a in leaves}
+        items = sorted(by_process.items())
+        if self.threads > 1 and len(items) > 1:
+            with ThreadPoolExecutor(min(self.threads, len(items)), "snapshard-records") as pool:
+                results = list(pool.map(lambda qa: self._fetch_process(*qa), items))
+        else:
+            results = [self._fetch_process(q, a) for q, a in items]
+        for (q, _), got in zip(items, results, strict=True):
+            for a, r in got.items():
+                found[a].append((q, r))
+        out = {id(leaf): self._table(leaf, found[a]) for a, leaf in leaves.items()}
+        out.update(empty)
+        return out
+
+    def _table(self, leaf: ArrayLeaf, parts: list[tuple[int, rec.Records]]) -> ChunkTable:
+        m = self.manifest
+        assert m.processes is not None
+        where = f"{self.storage.url}, leaf {leaf.name!r}"
+        base = m.processes.base
+        dt = NAME_TO_DTYPE.get(leaf.dtype)
+        if dt is None:
+            raise CorruptCheckpointError(f"{where}: unknown dtype {leaf.dtype!r}")
+        tables = []
+        for q, r in parts:
+            if np.any(r.flags):
+                bad = int(r.flags[np.flatnonzero(r.flags)[0]])
+                what = (
+                    "refers to another checkpoint"
+                    if bad & rec.FLAG_REFERENCE
+                    else (
+                        f"uses codec {rec.CODECS.get((bad & rec.CODEC_MASK) >> rec.CODEC_SHIFT, bad)}"
+                    )
+                )
+                raise SnapshardError(
+                    f"{where}: a chunk of process {q} {what}, which this version does not read"
+                )
+            nfiles = len(m.processes.data_sizes[q])
+            if np.any(r.file < 0) or np.any(r.file >= nfiles):
+                raise CorruptCheckpointError(
+                    f"{where}: a record of process {q} names a file it did not write"
+                )
+            tables.append(
+                ChunkTable(
+                    r.starts,
+                    r.stops,
+                    base[q] + r.file,
+                    r.offset,
+                    r.nbytes,
+                    r.block,
+                    [],
+                    r.crc_offset,
+                )
+            )
+        t = ChunkTable.concat(tables, len(leaf.shape)).sorted_by_box()
+        if t.crc_offset is None:
+            t.crc_offset = np.zeros(len(t), np.int64)
+        from .validate import check_chunks
+
+        check_chunks(leaf, t, dt.itemsize, [f.size for f in m.files], where)
+        return t
+
+    def full_table(self, leaf: ArrayLeaf) -> ChunkTable:
+        """Every chunk of an array (for tools that walk them all)."""
+        whole = (np.zeros(len(leaf.shape), np.int64), np.asarray(leaf.shape, np.int64))
+        t = self.tables([(leaf, [whole])])[id(leaf)]
+        if leaf.chunk_count is not None and len(t) != leaf.chunk_count:
+            raise CorruptCheckpointError(
+                f"{self.storage.url}, leaf {leaf.name!r}: {len(t)} chunk records found, "
+                f"the manifest says {leaf.chunk_count}"
+            )
+        return t
+
+
+def attach_lazy_tables(storage: Storage, manifest: Manifest) -> ChunkFinder:
+    """Give every array of a v2 manifest a chunk table fetched on first use."""
+    finder = manifest.finder = ChunkFinder(storage, manifest)
+    for leaf in manifest.arrays:
+        leaf.chunks = LazyChunkTable(lambda leaf=leaf: finder.full_table(leaf))  # type: ignore[misc]
+    return finder
+
+
+def loaded_table(leaf: ArrayLeaf) -> ChunkTable | None:
+    """The leaf's table if it is in memory (v1, or a v2 table already fetched)."""
+    t = leaf.chunks
+    return None if isinstance(t, LazyChunkTable) and "_load" in t.__dict__ else t
+
+
+def check_record_files(storage: Storage, manifest: Manifest) -> None:
+    """Read every record file whole and check it against the manifest's size and crc32c
+    (what `snapshard verify` adds to the checks a restore makes)."""
+    table = manifest.processes
+    assert table is not None
+    for q in range(len(table)):
+        name = table.record_name(q)
+        where = f"{storage.url}/{name}"
+        size = table.record_sizes[q]
+        buf = bytearray(size)
+        storage.read_into(name, 0, [memoryview(buf)])
+        stated = rec.decode_header(bytes(buf[: rec.HEADER_SIZE]), where, q, len(manifest.leaves))
+        if stated != size:
+            raise CorruptCheckpointError(f"{where}: record file says {stated} bytes, the manifest {size}")
+        from ..checksum import crc32c
+
+        if crc32c(bytes(buf)) != table.record_crcs[q]:
+            raise CorruptCheckpointError(f"{where}: record file fails its checksum")

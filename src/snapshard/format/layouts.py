@@ -1,0 +1,158 @@
+"""Format v2: compact descriptions of where an array's saved boxes lived, and who held them.
+
+A reader uses them to know which processes may have written the chunks its boxes overlap,
+so that it fetches those processes' records and nobody else's. One description per
+distinct layout, never one row per device of every array:
+
+- ``{"kind": "mesh", "mesh": m, "spec": [[axis, ...] | [], ...]}``: a named sharding over
+  mesh `m` of the manifest's ``meshes`` (axis names, axis sizes and the process of every
+  mesh position). Array axis i is cut evenly into the product of the sizes of its mesh
+  axes (major to minor); a box is held by the processes of every mesh position mapping to it.
+- ``{"kind": "rows", "rows": <base64 zlib int64 (devices, 2·ndim + 1)>}``: each device's
+  box start, stop and process, for any other sharding.
+- ``{"kind": "host"}``: every process held all of the array (NumPy and Python values).
+
+Pure: no I/O, no JAX.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from ..planning.layout import ArrayLayout, ShardGroups
+
+# Bounds a reader enforces before allocating anything a description implies.
+MAX_DEVICES = 1 << 22
+MAX_NDIM = 64
+
+
+def pack_ints(a: np.ndarray) -> str:
+    return base64.b64encode(zlib.compress(np.ascontiguousarray(a, "<i8").tobytes(), 6)).decode()
+
+
+def unpack_ints(text: Any, count: int, where: str) -> np.ndarray:
+    if not isinstance(text, str) or count < 0 or count > MAX_DEVICES * (2 * MAX_NDIM + 1):
+        raise CorruptCheckpointError(f"{where}: malformed packed integers")
+    try:
+        raw = zlib.decompressobj().decompress(base64.b64decode(text, validate=True), 8 * count + 1)
+    except (ValueError, zlib.error) as e:
+        raise CorruptCheckpointError(f"{where}: malformed packed integers ({e})") from None
+    if len(raw) != 8 * count:
+        raise CorruptCheckpointError(
+            f"{where}: packed integers hold {len(raw) // 8}, expected {count}"
+        )
+    return np.frombuffer(raw, "<i8").astype(np.int64)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Axis names and sizes, and the process of every mesh position (C order)."""
+
+    axes: tuple[str, ...]
+    shape: tuple[int, ...]
+    processes: np.ndarray
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "axes": list(self.axes),
+            "shape": list(self.shape),
+            "processes": pack_ints(self.processes),
+        }
+
+    @staticmethod
+    def from_json(d: Any, where: str) -> Mesh:
+        try:
+            axes = tuple(str(a) for a in d["axes"])
+            shape = tuple(int(s) for s in d["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptCheckpointError(f"{where}: malformed mesh") from None
+        if len(axes) != len(shape) or len(set(axes)) != len(axes) or any(s < 1 for s in shape):
+            raise CorruptCheckpointError(f"{where}: malformed mesh axes {list(axes)} {list(shape)}")
+        n = math.prod(shape)
+        if n > MAX_DEVICES:
+            raise CorruptCheckpointError(f"{where}: mesh of {n} devices is too large")
+        return Mesh(axes, shape, unpack_ints(d.get("processes"), n, where))
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.axes, self.shape, self.processes.tobytes())
+
+
+def mesh_layout(
+    mesh: Mesh, spec: list[list[str]], shape: tuple[int, ...], itemsize: int, where: str
+) -> ArrayLayout:
+    """The layout (one row per mesh position) of an array sharded over `mesh` by `spec`."""
+    nd = len(shape)
+    if len(spec) != nd:
+        raise CorruptCheckpointError(f"{where}: layout spec has {len(spec)} axes, the array {nd}")
+    used = [a for axes in spec for a in axes]
+    if len(set(used)) != len(used) or any(a not in mesh.axes for a in used):
+        raise CorruptCheckpointError(
+            f"{where}: layout spec {spec} does not fit mesh {list(mesh.axes)}"
+        )
+    coords = np.indices(mesh.shape, dtype=np.int64).reshape(len(mesh.shape), -1)
+    size = dict(zip(mesh.axes, mesh.shape, strict=True))
+    starts = np.zeros((coords.shape[1], nd), np.int64)
+    stops = np.zeros_like(starts)
+    for i, axes in enumerate(spec):
+        parts = math.prod(size[a] for a in axes)
+        if shape[i] % parts:
+            raise CorruptCheckpointError(
+                f"{where}: axis {i} of size {shape[i]} is not divisible into {parts} shards"
+            )
+        k = np.zeros(coords.shape[1], np.int64)
+        for a in axes:
+            k = k * size[a] + coords[mesh.axes.index(a)]
+        step = shape[i] // parts
+        starts[:, i], stops[:, i] = k * step, (k + 1) * step
+    rows = len(mesh.processes)
+    return ArrayLayout(shape, itemsize, starts, stops, np.zeros(rows, np.int64), mesh.processes)
+
+
+def rows_layout(
+    text: Any, shape: tuple[int, ...], itemsize: int, devices: Any, where: str
+) -> ArrayLayout:
+    nd = len(shape)
+    if not isinstance(devices, int) or not 0 < devices <= MAX_DEVICES:
+        raise CorruptCheckpointError(f"{where}: malformed device count {devices!r}")
+    a = unpack_ints(text, devices * (2 * nd + 1), where).reshape(devices, 2 * nd + 1)
+    starts, stops = a[:, :nd], a[:, nd : 2 * nd]
+    if np.any(starts < 0) or np.any(stops > np.asarray(shape, np.int64)) or np.any(stops < starts):
+        raise CorruptCheckpointError(f"{where}: layout rows outside the array")
+    if np.any(a[:, -1] < 0):
+        raise CorruptCheckpointError(f"{where}: layout rows name a negative process")
+    return ArrayLayout(shape, itemsize, starts, stops, np.zeros(devices, np.int64), a[:, -1])
+
+
+def host_holders(shape: tuple[int, ...], itemsize: int, process_count: int) -> ArrayLayout:
+    nd = len(shape)
+    n = process_count
+    return ArrayLayout(
+        shape, itemsize, np.zeros((n, nd), np.int64), np.tile(np.asarray(shape, np.int64), (n, 1)),
+        np.arange(n), np.arange(n),
+    )  # fmt: skip
+
+
+def describe_rows(layout: ArrayLayout) -> dict[str, Any]:
+    rows = np.concatenate([layout.starts, layout.stops, layout.process_ids[:, None]], axis=1)
+    return {"kind": "rows", "devices": len(rows), "rows": pack_ints(rows)}
+
+
+def same_holders(a: ShardGroups, b: ShardGroups) -> bool:
+    """Whether two layouts have the same unique boxes, each held by the same processes."""
+    if a.count != b.count or not (
+        np.array_equal(a.starts, b.starts) and np.array_equal(a.stops, b.stops)
+    ):
+        return False
+
+    def held(g: ShardGroups) -> np.ndarray:
+        pairs = np.stack([g.cand_box, g.cand_process], axis=1)
+        return np.unique(pairs, axis=0)
+
+    return np.array_equal(held(a), held(b))

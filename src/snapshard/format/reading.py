@@ -1,0 +1,19 @@
+"""Reading a committed checkpoint's manifest: parsed, validated, and (v2) given lazy chunk
+tables. Imports no framework: inspection, the manager and the CLI use it to read metadata."""
+
+from __future__ import annotations
+
+from ..storage import Storage
+from .finder import attach_lazy_tables
+from .manifest import Manifest
+from .validate import validate_structure
+
+
+def read_manifest(storage: Storage) -> Manifest:
+    """The validated manifest of the checkpoint at `storage` (CheckpointNotFoundError if
+    none is committed there). v2 chunk tables are fetched only when first used."""
+    manifest = Manifest.from_json(storage.read_manifest(), storage.url)
+    validate_structure(manifest, storage.url)
+    if manifest.version >= 2:
+        attach_lazy_tables(storage, manifest)
+    return manifest

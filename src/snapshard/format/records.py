@@ -1,0 +1,176 @@
+"""Format v2: the binary chunk records each process writes (`index/p<process>-<nonce>.idx`).
+
+Layout of one record file (all integers little-endian; see docs/format.md):
+
+    header     64 bytes: magic, version, process, leaf count, offsets of the tables
+    directory  one 16-byte entry per leaf of the manifest, in leaf order:
+               (byte offset of the leaf's segment, record count, crc32c of the segment)
+    digests    one 8-byte entry per leaf: crc32c of the leaf's description and of its value
+               as this process saw them (a committer compares them when processes disagree)
+    segments   for each leaf this process wrote chunks of, its records back to back, sorted
+               by box; a record is RECORD_FIXED bytes plus the box (2 · ndim int64)
+
+A reader that needs leaf `a` of process `p` reads directory entry `a` (16 bytes at a known
+offset), then that segment; the segment's crc32c (salted with process and leaf, so that an
+entry pointing at another segment fails too) vouches for the records. Nothing is read that
+the reader's boxes do not need, apart from the records of the same process and leaf.
+
+Pure encoding and decoding: no I/O here.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..checksum import crc32c
+from ..errors import CorruptCheckpointError
+
+RECORD_MAGIC = b"SNAPIDX2"
+RECORD_VERSION = 2
+# magic, version, process, leaves, flags, directory offset, digest offset, segments offset,
+# file size, record count
+HEADER = struct.Struct("<8sIIIIQQQQQ")
+HEADER_SIZE = HEADER.size
+DIR_ENTRY = np.dtype([("offset", "<u8"), ("count", "<u4"), ("crc", "<u4")])
+DIR_ENTRY_SIZE = DIR_ENTRY.itemsize
+
+# Flags of a record. A reference (incremental saves) names a file of another committed
+# checkpoint in the manifest's `refs` list instead of one of the writer's data files; a codec
+# compresses every checksum block on its own (see docs/format.md). Readers refuse what they
+# do not implement.
+FLAG_REFERENCE = 1
+CODEC_SHIFT = 8
+CODEC_MASK = 0xFF << CODEC_SHIFT
+CODECS = {0: "none", 1: "zstd", 2: "zstd+shuffle"}
+
+RECORD_FIXED = np.dtype(
+    [
+        ("file", "<u4"),  # the writer's data file number (or refs index with FLAG_REFERENCE)
+        ("flags", "<u4"),
+        ("offset", "<u8"),  # first byte of the chunk in that file
+        ("nbytes", "<u8"),  # bytes of the chunk (C order of its box)
+        ("block", "<u4"),  # checksum block size
+        ("nblocks", "<u4"),
+        ("crc_offset", "<u8"),  # nblocks crc32c values (uint32) in the same file
+    ]
+)
+assert HEADER_SIZE == 64 and DIR_ENTRY_SIZE == 16 and RECORD_FIXED.itemsize == 40
+
+
+def record_dtype(ndim: int) -> np.dtype:
+    """One chunk record of an array with `ndim` axes."""
+    names = RECORD_FIXED.names or ()
+    fields = [(n, RECORD_FIXED.fields[n][0]) for n in names]  # type: ignore[index]
+    return np.dtype([*fields, ("start", "<i8", (ndim,)), ("stop", "<i8", (ndim,))])
+
+
+def segment_crc(data: bytes | memoryview, process: int, leaf: int) -> int:
+    return crc32c(data, crc32c(struct.pack("<II", process, leaf)))
+
+
+@dataclass(frozen=True)
+class Records:
+    """The records of one leaf from one process, as columns."""
+
+    starts: np.ndarray  # (n, ndim) int64
+    stops: np.ndarray
+    file: np.ndarray  # (n,) the writer's file number
+    flags: np.ndarray
+    offset: np.ndarray
+    nbytes: np.ndarray
+    block: np.ndarray
+    crc_offset: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+
+DIGEST = np.dtype([("description", "<u4"), ("value", "<u4")])
+
+
+def encode(
+    process: int, ndims: list[int], segments: dict[int, np.ndarray], digests: np.ndarray
+) -> bytes:
+    """A record file: `segments` maps leaf number to its structured records (record_dtype);
+    `digests` has one DIGEST row per leaf."""
+    n = len(ndims)
+    directory = np.zeros(n, DIR_ENTRY)
+    parts: list[bytes] = [np.ascontiguousarray(digests, DIGEST).tobytes()]
+    digest_at = HEADER_SIZE + n * DIR_ENTRY_SIZE
+    pos = digest_at + n * DIGEST.itemsize
+    count = 0
+    for leaf in sorted(segments):
+        recs = segments[leaf]
+        if recs.dtype != record_dtype(ndims[leaf]):
+            raise ValueError(f"records of leaf {leaf} have the wrong layout")
+        raw = recs.tobytes()
+        directory[leaf] = (pos, len(recs), segment_crc(raw, process, leaf))
+        parts.append(raw)
+        pos += len(raw)
+        count += len(recs)
+    header = HEADER.pack(
+        RECORD_MAGIC, RECORD_VERSION, process, n, 0, HEADER_SIZE, digest_at,
+        digest_at + n * DIGEST.itemsize, pos, count,
+    )  # fmt: skip
+    return header + directory.tobytes() + b"".join(parts)
+
+
+def decode_header(data: bytes, where: str, process: int, leaves: int) -> int:
+    """Checks the header of a record file; returns the file size it states."""
+    if len(data) < HEADER_SIZE:
+        raise CorruptCheckpointError(f"{where}: record file header is truncated")
+    magic, version, proc, n, _flags, d, g, _s, size, _count = HEADER.unpack_from(data)
+    if magic != RECORD_MAGIC or version != RECORD_VERSION:
+        raise CorruptCheckpointError(f"{where}: not a snapshard v2 record file")
+    if proc != process or n != leaves or d != HEADER_SIZE or g != d + n * DIR_ENTRY_SIZE:
+        raise CorruptCheckpointError(
+            f"{where}: record file header says process {proc} with {n} leaves, the manifest "
+            f"says process {process} with {leaves}"
+        )
+    return int(size)
+
+
+def directory_offset(leaf: int) -> int:
+    return HEADER_SIZE + leaf * DIR_ENTRY_SIZE
+
+
+def digest_range(leaves: int) -> tuple[int, int]:
+    start = HEADER_SIZE + leaves * DIR_ENTRY_SIZE
+    return start, start + leaves * DIGEST.itemsize
+
+
+def decode_entries(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, DIR_ENTRY)
+
+
+def check_entry(entry: np.void, ndim: int, file_size: int, where: str) -> tuple[int, int]:
+    """(offset, byte length) of the segment a directory entry points to, bounded by the file."""
+    offset, count = int(entry["offset"]), int(entry["count"])
+    length = count * record_dtype(ndim).itemsize
+    if count and (offset < HEADER_SIZE or offset + length > file_size):
+        raise CorruptCheckpointError(
+            f"{where}: directory entry points outside the record file ({count} records at {offset})"
+        )
+    return offset, length
+
+
+def decode_segment(
+    data: bytes | memoryview, entry: np.void, ndim: int, process: int, leaf: int, where: str
+) -> Records:
+    """The records of one segment, after checking its crc32c."""
+    if segment_crc(data, process, leaf) != int(entry["crc"]):
+        raise CorruptCheckpointError(f"{where}: chunk records fail their checksum")
+    recs = np.frombuffer(data, record_dtype(ndim))
+    return Records(
+        starts=recs["start"].astype(np.int64).reshape(len(recs), ndim),
+        stops=recs["stop"].astype(np.int64).reshape(len(recs), ndim),
+        file=recs["file"].astype(np.int64),
+        flags=recs["flags"].astype(np.int64),
+        offset=recs["offset"].astype(np.int64),
+        nbytes=recs["nbytes"].astype(np.int64),
+        block=recs["block"].astype(np.int64),
+        crc_offset=recs["crc_offset"].astype(np.int64),
+    )
