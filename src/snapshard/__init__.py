@@ -29,6 +29,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .inspection import ArrayMetadata, ValueMetadata, metadata
     from .manager import BackgroundSaveError, CheckpointManager, LocalTier
+    from .per_process import PerProcess
     from .restore import ReadStats, load
     from .saving import AsyncSave, SaveTimings, save, save_async
 
@@ -41,6 +42,7 @@ _LAZY = {
     "BackgroundSaveError": "manager",
     "CheckpointManager": "manager",
     "LocalTier": "manager",
+    "PerProcess": "per_process",
     "ReadStats": "restore",
     "load": "restore",
     "AsyncSave": "saving",
@@ -69,6 +71,7 @@ __all__ = [
     "CoordinationError",
     "CorruptCheckpointError",
     "LocalTier",
+    "PerProcess",
     "ReadStats",
     "SaveTimings",
     "SnapshardError",

@@ -23,8 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from . import per_process
 from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes, to_devices
-from .checksum import BlockVerifier
+from .checksum import BlockVerifier, crc32c
+from .coordination import default_coordinator
 from .dtypes import dtype_from_name
 from .errors import (
     CheckpointNotFoundError,
@@ -34,8 +36,10 @@ from .errors import (
 )
 from .format import ArrayLeaf, ChunkTable, Manifest, ValueLeaf
 from .format.finder import ChunkFinder, loaded_table
+from .format.manifest import PerProcessLeaf, values_file_name
 from .format.reading import read_manifest
 from .format.validate import coverage_problems
+from .per_process import PerProcess, Resplit
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
 from .planning.read_plan import covering_range
 from .storage import Location, Storage, storage_for
@@ -79,12 +83,64 @@ def aligned_empty(nbytes: int) -> np.ndarray:
 
 def is_target_leaf(x: Any) -> bool:
     return isinstance(
-        x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float | str
-    )
+        x,
+        jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float | str
+        | bytes | PerProcess,
+    )  # fmt: skip
 
 
 def _is_python_value(x: Any) -> bool:
-    return isinstance(x, bool | int | float | str) and not isinstance(x, np.generic)
+    return isinstance(x, bool | int | float | str | bytes) and not isinstance(x, np.generic)
+
+
+def _read_values_file(storage: Storage, manifest: Manifest, q: int) -> dict[int, Any]:
+    table = manifest.processes
+    assert table is not None and table.values_sizes
+    name = values_file_name(q, table.nonces[q])
+    buf = bytearray(table.values_sizes[q])
+    storage.read_into(name, 0, [memoryview(buf)])
+    if crc32c(bytes(buf)) != table.values_crcs[q]:
+        raise CorruptCheckpointError(
+            f"{storage.url}/{name}: per-process values fail their checksum"
+        )
+    return per_process.decode_file(bytes(buf), f"{storage.url}/{name}")
+
+
+def per_process_values(
+    storage: Storage, manifest: Manifest, leaves: list[PerProcessLeaf], resplit: Resplit | None
+) -> dict[Path, Any]:
+    """This process's own values of `leaves`; on another process count, `resplit` of all
+    processes' values, else an error naming the leaf."""
+    if not leaves:
+        return {}
+    coord = default_coordinator()
+    me, n = coord.process_index, coord.process_count
+    index = {id(leaf): i for i, leaf in enumerate(manifest.leaves)}
+    url = storage.url
+    if n != manifest.process_count and resplit is None:
+        raise TargetMismatchError(
+            f"{url}: leaf {leaves[0].name!r} holds one value per process, saved by "
+            f"{manifest.process_count} processes; this job has {n}. Pass "
+            "load(..., resplit=fn) to say how to re-split them"
+        )
+    wanted = range(manifest.process_count) if n != manifest.process_count else [me]
+    files = {q: _read_values_file(storage, manifest, q) for q in wanted}
+    out: dict[Path, Any] = {}
+    for leaf in leaves:
+        i = index[id(leaf)]
+        got = []
+        for q in wanted:
+            if i not in files[q]:
+                raise CorruptCheckpointError(
+                    f"{url}: process {q} has no value for leaf {leaf.name!r}"
+                )
+            got.append(per_process.decode(files[q][i], f"{url}, leaf {leaf.name!r}"))
+        out[leaf.path] = (
+            got[0]
+            if resplit is None or n == manifest.process_count
+            else resplit(leaf.name, got, me, n)
+        )
+    return out
 
 
 @dataclass
@@ -302,9 +358,13 @@ def plan_tasks(
             # Each overlap is one byte range of the chunk: coalesce those, not every run.
             grids.sort(key=lambda dg: dg[1].src_base)
             ranges = _coalesce_grids([g for _, g in grids], nbytes, block, max_gap)
-            runs = _ChunkRuns(leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
+            runs = _ChunkRuns(
+                leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids
+            )
         else:
-            runs = _ChunkRuns(leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
+            runs = _ChunkRuns(
+                leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids
+            )
             lo = min(g.src_base for _, g in grids)
             hi = max(g.src_end for _, g in grids)
             needed = sum(g.count * g.run_bytes for _, g in grids)
@@ -642,6 +702,7 @@ def load(
     threads: int = DEFAULT_THREADS,
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
     max_gap: int = DEFAULT_MAX_GAP,
+    resplit: Resplit | None = None,
 ) -> Any:
     """Restore a checkpoint.
 
@@ -649,7 +710,9 @@ def load(
     values, in plain containers. Otherwise a pytree whose leaves say what to build:
     ShapeDtypeStruct with a sharding or a jax.Array (a jax.Array on that sharding), an
     np.ndarray or ShapeDtypeStruct without sharding (NumPy). Leaves the target omits are not
-    read; a differing dtype is cast on the host. `memory_budget` bounds the host bytes held
+    read; a differing dtype is cast on the host. Leaves saved as snapshard.PerProcess come
+    back as each process's own value (`resplit` re-splits them onto another process count).
+    `memory_budget` bounds the host bytes held
     at once while building jax.Arrays. A checkpoint written by Orbax is read the same way,
     through TensorStore (see docs/migrating-from-orbax.md).
     """
@@ -668,8 +731,12 @@ def load(
         saved = manifest.leaf_by_path()
         results: dict[Path, Any] = {}
         reqs: list[tuple[Path, Request]] = []
+        own = [saved[p] for p, _ in pairs if isinstance(saved[p], PerProcessLeaf)]
+        results.update(per_process_values(storage, manifest, own, resplit))  # type: ignore[arg-type]
         for path, t in pairs:
             leaf = saved[path]
+            if isinstance(leaf, PerProcessLeaf):
+                continue
             if isinstance(leaf, ValueLeaf):
                 if t is not None and not _is_python_value(t):
                     raise TargetMismatchError(

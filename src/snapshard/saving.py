@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from . import per_process
 from .adapters.jax_arrays import mesh_and_spec
 from .adapters.leaves import SaveArray, classify, is_save_leaf
 from .background import BackgroundTask
@@ -43,7 +44,7 @@ from .format import (
     validate_structure,
 )
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
-from .format.manifest import encode_value
+from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem, stage
 from .storage import FileWriter, Location, Storage, storage_for
@@ -190,11 +191,25 @@ def records_of(rows: list[tuple[Any, ...]], ndim: int) -> np.ndarray:
     return out
 
 
+def _layout_digest(arr: SaveArray) -> int:
+    """crc32c of where an array's boxes live: equal on every process for a global array."""
+    lay = arr.layout
+    d = lay._cache.get("digest")
+    if d is None:
+        d = lay._cache["digest"] = crc32c(
+            lay.process_ids.tobytes(), crc32c(lay.starts.tobytes() + lay.stops.tobytes())
+        )
+    return int(d)  # type: ignore[call-overload]
+
+
 def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
     """Per leaf, crc32c of its description and (with `values`) of its value for host values,
     as this process sees them: processes that disagree are found at commit."""
     out = np.zeros(len(leaves), records.DIGEST)
     for i, leaf in enumerate(leaves):
+        if isinstance(leaf, PerProcessLeaf):  # differs by design
+            out[i] = (crc32c(json.dumps(["per_process", list(leaf.path)]).encode()), 0)
+            continue
         if not isinstance(leaf, SaveArray):
             assert isinstance(leaf, ValueLeaf)
             desc = json.dumps(["value", list(leaf.path)]).encode()
@@ -203,7 +218,7 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
             )
         else:
             desc = json.dumps([leaf.kind, list(leaf.path), leaf.dtype.name, list(leaf.shape),
-                               leaf.key_impl, leaf.devices is None]).encode()  # fmt: skip
+                               leaf.key_impl, leaf.devices is None, _layout_digest(leaf)]).encode()  # fmt: skip
             value = 0
             if values and leaf.devices is None:  # NumPy: the same value is assumed on every process
                 value = crc32c(np.ascontiguousarray(leaf.source).reshape(-1).view(np.uint8).data)
@@ -259,6 +274,12 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
     segments = {i: records_of(rows, ndims[i]) for i, rows in by_leaf.items()}
     data = records.encode(pid, ndims, segments, prep.digests)
     prep.storage.write_bytes(record_file_name(pid, nonce), data)
+    own = {i: leaf.value for i, leaf in enumerate(prep.leaves) if isinstance(leaf, PerProcessLeaf)}
+    values = b""
+    if own:
+        leaf_names = {i: prep.leaves[i].name for i in own}
+        values = per_process.encode_file(own, leaf_names)
+        prep.storage.write_bytes(values_file_name(pid, nonce), values)
     sizes = [size for size, _ in results]
     prep.timings.bytes_written = sum(it.nbytes for it in prep.items)
     prep.timings.bytes_metadata = sum(sizes) + len(data) - prep.timings.bytes_written
@@ -267,6 +288,8 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         "sizes": sizes,
         "record_size": len(data),
         "record_crc": crc32c(data),
+        "values_size": len(values),
+        "values_crc": crc32c(values),
         "digest": crc32c(prep.digests.tobytes(), crc32c(json.dumps(prep.structure).encode())),
     }
 
@@ -316,6 +339,9 @@ def _layouts(prep: _Prepared) -> tuple[list[Leaf], list[dict[str, Any]], list[di
     plans = iter(prep.plan.arrays)
     out: list[Leaf] = []
     for leaf in prep.leaves:
+        if isinstance(leaf, PerProcessLeaf):
+            out.append(PerProcessLeaf(leaf.path, None))  # the values stay in their files
+            continue
         if not isinstance(leaf, SaveArray):
             out.append(leaf)
             continue
@@ -386,6 +412,9 @@ def _commit(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
         record_sizes=[int(r["record_size"]) for r in reports],
         record_crcs=[int(r["record_crc"]) for r in reports],
     )
+    if any(isinstance(leaf, PerProcessLeaf) for leaf in prep.leaves):
+        table.values_sizes = [int(r["values_size"]) for r in reports]
+        table.values_crcs = [int(r["values_crc"]) for r in reports]
     leaves, meshes, layouts = _layouts(prep)
     manifest = Manifest(
         structure=prep.structure,
@@ -400,6 +429,12 @@ def _commit(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
     )
     expected = {f.name: f.size for f in manifest.files}
     expected.update({table.record_name(q): size for q, size in enumerate(table.record_sizes)})
+    expected.update(
+        {
+            values_file_name(q, n): size
+            for q, (n, size) in enumerate(zip(table.nonces, table.values_sizes, strict=False))
+        }
+    )
     # Bytes stored = each array's bytes plus its checksums: the tiling, from the sizes alone.
     planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays else 0
     stored = sum(f.size for f in manifest.files)

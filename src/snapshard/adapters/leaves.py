@@ -10,7 +10,8 @@ import numpy as np
 
 from ..dtypes import dtype_name, little_endian
 from ..errors import UnsupportedLeafError
-from ..format.manifest import ValueLeaf
+from ..format.manifest import PerProcessLeaf, ValueLeaf
+from ..per_process import PerProcess
 from ..planning.layout import ArrayLayout
 from ..tree import Path, path_str
 from .jax_arrays import describe_sharding, host_layout, is_prng_key, layout_of
@@ -19,7 +20,7 @@ VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 
 
 def is_save_leaf(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, *VALUE_TYPES))
+    return isinstance(x, (jax.Array, np.ndarray, np.generic, PerProcess, *VALUE_TYPES))
 
 
 @dataclass(eq=False)
@@ -43,6 +44,8 @@ class SaveArray:
 
 def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
     name = path_str(path)
+    if isinstance(value, PerProcess):
+        return PerProcessLeaf(path, value.value)
     if isinstance(value, VALUE_TYPES) and not isinstance(
         value, np.generic
     ):  # np.float64 is a float

@@ -288,7 +288,9 @@ def check_record_files(storage: Storage, manifest: Manifest) -> None:
         storage.read_into(name, 0, [memoryview(buf)])
         stated = rec.decode_header(bytes(buf[: rec.HEADER_SIZE]), where, q, len(manifest.leaves))
         if stated != size:
-            raise CorruptCheckpointError(f"{where}: record file says {stated} bytes, the manifest {size}")
+            raise CorruptCheckpointError(
+                f"{where}: record file says {stated} bytes, the manifest {size}"
+            )
         from ..checksum import crc32c
 
         if crc32c(bytes(buf)) != table.record_crcs[q]:

@@ -250,7 +250,17 @@ class ValueLeaf:
         return path_str(self.path)
 
 
+@dataclass
+class PerProcessLeaf(ValueLeaf):
+    """v2: a value each process saved for itself (snapshard.PerProcess), kept in that
+    process's values file; `value` is filled in by a restore (None until then)."""
+
+
 Leaf = ArrayLeaf | ValueLeaf
+
+
+def values_file_name(process: int, nonce: str) -> str:
+    return f"{INDEX_DIR}/p{process:05d}-{nonce}.values.json"
 
 
 def encode_value(v: Any, where: str) -> dict[str, Any]:
@@ -307,6 +317,8 @@ def _int(x: Any, lo: int, hi: int, what: str, where: str) -> int:
 
 
 def leaf_to_json(leaf: Leaf, chunks: bool = True) -> dict[str, Any]:
+    if isinstance(leaf, PerProcessLeaf):
+        return {"path": list(leaf.path), "kind": "per_process"}
     if isinstance(leaf, ValueLeaf):
         return {
             "path": list(leaf.path),
@@ -341,6 +353,8 @@ def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
     where = f"{where}, leaf {path_str(path)!r}"
     if kind == "value":
         return ValueLeaf(path, decode_value(d.get("value"), where))
+    if kind == "per_process" and version >= 2:
+        return PerProcessLeaf(path, None)
     if kind not in ARRAY_KINDS:
         raise CorruptCheckpointError(f"{where}: unknown leaf kind {str(kind)[:100]!r}")
     shape = d.get("shape")
@@ -400,6 +414,9 @@ class ProcessTable:
     data_sizes: list[list[int]]
     record_sizes: list[int]
     record_crcs: list[int]
+    # sizes and crc32c of the per-process values files (empty lists: no such leaves)
+    values_sizes: list[int] = field(default_factory=list)
+    values_crcs: list[int] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.nonces)
@@ -424,7 +441,12 @@ class ProcessTable:
             "data_sizes": self.data_sizes,
             "record_sizes": self.record_sizes,
             "record_crc32c": "".join(f"{c:08x}" for c in self.record_crcs),
-        }
+            **(
+                {"values_sizes": self.values_sizes,
+                 "values_crc32c": "".join(f"{c:08x}" for c in self.values_crcs)}
+                if self.values_sizes else {}
+            ),
+        }  # fmt: skip
 
     @staticmethod
     def from_json(d: Any, count: int, where: str) -> ProcessTable:
@@ -453,7 +475,18 @@ class ProcessTable:
                 raise CorruptCheckpointError(f"{where}: malformed data file sizes")
             data_sizes.append([_int(x, 0, MAX_BYTES, "file size", where) for x in s])
         record_sizes = [_int(x, 0, MAX_BYTES, "record file size", where) for x in rsizes]
-        return ProcessTable(nonces, data_sizes, record_sizes, record_crcs)
+        table = ProcessTable(nonces, data_sizes, record_sizes, record_crcs)
+        if "values_sizes" in d:
+            vsizes, vcrcs = d.get("values_sizes"), d.get("values_crc32c")
+            if not (isinstance(vsizes, list) and len(vsizes) == count and isinstance(vcrcs, str)
+                    and len(vcrcs) == 8 * count):  # fmt: skip
+                raise CorruptCheckpointError(f"{where}: malformed per-process value table")
+            table.values_sizes = [_int(x, 0, MAX_BYTES, "values file size", where) for x in vsizes]
+            try:
+                table.values_crcs = [int(vcrcs[8 * q : 8 * q + 8], 16) for q in range(count)]
+            except ValueError:
+                raise CorruptCheckpointError(f"{where}: malformed values checksum") from None
+        return table
 
 
 @dataclass
