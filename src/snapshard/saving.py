@@ -17,7 +17,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -44,7 +44,7 @@ from .format import (
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem, stage
 from .storage import FileWriter, Location, Storage, storage_for
-from .tree import FlatTree, flatten
+from .tree import FlatTree, Path, flatten
 
 log = logging.getLogger("snapshard")
 
@@ -83,6 +83,19 @@ class _Prepared:
     timings: SaveTimings = field(default_factory=SaveTimings)
 
 
+class SaveAdapter(Protocol):
+    """Hook for a framework other than JAX (snapshard.torch): which values are leaves, how
+    they become SaveArrays, and how this process's planned items reach host memory."""
+
+    def is_leaf(self, x: Any) -> bool: ...
+
+    def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray: ...
+
+    def stage(
+        self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
+    ) -> tuple[list[StagedItem], int]: ...
+
+
 def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray]:
     return [classify(p, v, process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)]
 
@@ -101,25 +114,33 @@ def prepare(
     extra: dict[str, Any] | None = None,
     snapshot: Snapshot | None = None,
     flat: FlatTree | None = None,
+    adapter: SaveAdapter | None = None,
 ) -> _Prepared:
     """The blocking phase: plan, then bring every owned slice to host memory (from
     `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
     t0 = time.perf_counter()
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
-    flat = flat or flatten(tree, is_save_leaf)
-    leaves = classify_leaves(flat, coord.process_count)
+    flat = flat or flatten(tree, adapter.is_leaf if adapter else is_save_leaf)
+    if adapter is not None:
+        n = coord.process_count
+        leaves = [adapter.classify(p, v, n) for p, v in zip(flat.paths, flat.leaves, strict=True)]
+    else:
+        leaves = classify_leaves(flat, coord.process_count)
     arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
     plan = plan_writes([a.layout for _, a in arrays], mode, num_processes=coord.process_count)
     t1 = time.perf_counter()
-    items, copied = stage(
-        arrays,
-        plan,
-        coord.process_index,
-        budget=host_budget,
-        copy_host_values=copy_host_values,
-        snapshot=snapshot,
-    )
+    if adapter is not None:
+        items, copied = adapter.stage(arrays, plan, coord.process_index, copy=copy_host_values)
+    else:
+        items, copied = stage(
+            arrays,
+            plan,
+            coord.process_index,
+            budget=host_budget,
+            copy_host_values=copy_host_values,
+            snapshot=snapshot,
+        )
     t2 = time.perf_counter()
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
     # The namespace is taken here, in program order, the same on every process.
