@@ -194,3 +194,19 @@ def test_rendezvous_over_the_store_names_ranks_that_did_not_report():
     rv[0].start_clock()
     with pytest.raises(CoordinationError, match=r"process\(es\) \[2\] did not report"):
         rv[0].gather("written")
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="NO CUDA DEVICE: the pinned-buffer, side-stream staging path is not exercised here",
+)
+def test_cuda_tensors_stage_through_pinned_buffers(tmp_path):
+    w = torch.randn(256, 256, device="cuda")
+    before = w.cpu()
+    job = st.save_async(tmp_path / "a", {"w": w})
+    w.add_(1.0)  # queued on the current stream after the blocking phase returned
+    job.wait()
+    assert torch.equal(st.load(tmp_path / "a")["w"], before)
+    target = {"w": torch.zeros(256, 256, device="cuda", dtype=torch.bfloat16)}
+    st.load(tmp_path / "a", target)
+    assert torch.equal(target["w"].cpu(), before.to(torch.bfloat16))
