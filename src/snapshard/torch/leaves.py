@@ -56,16 +56,28 @@ def placement_specs(placements: Any, leaf: str = "?") -> list[PlacementSpec]:
     return out
 
 
+_mesh_cache: dict[int, tuple[Any, np.ndarray, bool]] = {}
+
+
 def mesh_ranks(mesh: Any) -> tuple[np.ndarray, bool]:
     """The rank tensor to lay a DTensor out on, and whether it was widened: a sub-mesh of a
     bigger root mesh is stacked with its copies (which hold the same data) on a new first
-    dimension, so that every rank of the root knows every holder without asking."""
+    dimension, so that every rank of the root knows every holder without asking. Cached
+    per mesh object (meshes live as long as the job)."""
+    hit = _mesh_cache.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1], hit[2]
     sub = mesh.mesh.cpu().numpy().astype(np.int64)
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    if root is mesh:
-        return sub, False
-    full = expand_submesh(root.mesh.cpu().numpy().astype(np.int64), sub)
-    return (full, True) if len(full) > 1 else (sub, False)
+    out = (sub, False)
+    if root is not mesh:
+        full = expand_submesh(root.mesh.cpu().numpy().astype(np.int64), sub)
+        if len(full) > 1:
+            out = (full, True)
+    if len(_mesh_cache) > 256:
+        _mesh_cache.clear()
+    _mesh_cache[id(mesh)] = (mesh, *out)
+    return out
 
 
 def dtensor_layout(value: Any, itemsize: int, leaf: str = "?") -> TensorLayout:
