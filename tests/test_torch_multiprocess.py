@@ -27,7 +27,11 @@ def _check(saved: dict, loaded: list, names: list[str], kinds: list[str]) -> Non
 
 
 def test_fsdp_and_tp_state_from_4_ranks_onto_2(tmp_path):
-    saved = _run("save", 4, tmp_path)[0].result()
+    ranks = _run("save", 4, tmp_path)
+    saved = ranks[0].result()
+    # Every rank computed the same write plan, each on its own.
+    for kind in ("1d", "2d"):
+        assert len({p.result()[f"{kind}-plan"] for p in ranks}) == 1
     # The 2-D mesh gives every placement FSDP2 and TP make, strided sharding included.
     assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in saved["placements"]
     assert "(Shard(dim=0), Shard(dim=1))" in saved["placements"]
@@ -43,3 +47,10 @@ def test_fsdp_state_from_2_ranks_onto_4_and_a_2d_mesh(tmp_path):
     saved = _run("save", 2, tmp_path)[0].result()
     loaded = _run("load", 4, tmp_path)
     _check(saved, loaded, ["1d", "1d-async"], ["1d", "2d"])
+
+
+def test_a_rank_that_never_reports_is_named(tmp_path):
+    done = multiproc.run("torch_job.py", 2, 1, "dies", str(tmp_path), timeout=60, env=ENV)
+    res = done[0].result()
+    assert res["error"] is not None and "process(es) [1] did not report" in res["error"]
+    assert not res["exists"]  # nothing became visible

@@ -3,6 +3,7 @@
     torch_job.py save DIR     every rank: train a tiny model with FSDP2 (1-D over all ranks)
                               and FSDP2 x TP (2-D, with 4 ranks), save model + Adam state
                               (sync, and async followed at once by another optimizer step)
+    torch_job.py dies DIR     rank 1 leaves without saving; rank 0's save must fail naming it
     torch_job.py load DIR     every rank: FSDP2 (and FSDP2 x TP with 4 ranks) over this world
                               size, load each saved state into it
 
@@ -98,6 +99,25 @@ def digests(state) -> dict[str, str]:
     return out
 
 
+def plan_digest(state) -> str:
+    """A digest of the write plan this rank computes for `state` (every rank must agree)."""
+    from snapshard.planning import plan_writes
+    from snapshard.torch.leaves import classify, is_leaf
+    from snapshard.tree import flatten
+
+    flat = flatten(state, is_leaf)
+    arrays = [
+        classify(p, v, dist.get_world_size()) for p, v in zip(flat.paths, flat.leaves, strict=True)
+    ]
+    layouts = [a.layout for a in arrays if hasattr(a, "layout")]
+    plan = plan_writes(layouts, "auto", num_processes=dist.get_world_size())
+    h = hashlib.sha256(plan.mode.encode())
+    for a in plan.arrays:
+        for x in (a.starts, a.stops, a.writer):
+            h.update(x.astype("int64").tobytes())
+    return h.hexdigest()[:16]
+
+
 def main() -> None:
     cmd, root = sys.argv[1], sys.argv[2]
     rank = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
@@ -115,6 +135,17 @@ def main() -> None:
     import snapshard.torch as st
 
     result: dict[str, object] = {}
+    if cmd == "dies":
+        if rank == 1:
+            os._exit(0)
+        try:
+            st.save(os.path.join(root, "never"), {"w": torch.zeros(4)}, timeout_s=3)
+            report(error=None)
+        except Exception as e:
+            report(
+                error=f"{type(e).__name__}: {e}", exists=os.path.exists(os.path.join(root, "never"))
+            )
+        os._exit(0)
     kinds = ["1d", "2d"] if world == 4 else ["1d"]
     if cmd == "save":
         for kind in kinds:
@@ -123,6 +154,7 @@ def main() -> None:
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd, "step": 2}
             result[kind] = digests(state)
+            result[f"{kind}-plan"] = plan_digest(state)
             st.save(os.path.join(root, kind), state, timeout_s=60)
             job = st.save_async(os.path.join(root, f"{kind}-async"), state, timeout_s=60)
             train(model, opt, 1, seed=100 + rank)  # in place, while the save writes
@@ -148,8 +180,7 @@ def main() -> None:
                     {"model": msd, "optim": osd, "step": target["step"]}
                 )
     dist.barrier()
-    if rank == 0 or cmd == "load":
-        report(rank=rank, **result)
+    report(rank=rank, **result)
     dist.destroy_process_group()
 
 
