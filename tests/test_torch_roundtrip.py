@@ -114,6 +114,15 @@ def test_strided_target_regions_and_numpy_targets(tmp_path):
     assert np.array_equal(target["n"], state["n"])
 
 
+def test_a_small_memory_budget_reads_in_batches(tmp_path):
+    state = {f"w{i}": torch.randn(16, 16) for i in range(5)}
+    st.save(tmp_path / "c", state)
+    target = {k: torch.zeros(16, 16, dtype=torch.float64) for k in state}  # cast: buffered
+    st.load(tmp_path / "c", target, memory_budget=1024)
+    for k, v in state.items():
+        assert torch.equal(target[k], v.double())
+
+
 def test_target_mismatches_are_named(tmp_path):
     st.save(tmp_path / "c", {"w": torch.zeros(3, 2), "k": 1})
     with pytest.raises(TargetMismatchError, match="shape"):
