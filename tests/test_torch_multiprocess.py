@@ -38,6 +38,7 @@ def test_fsdp_and_tp_state_from_4_ranks_onto_2(tmp_path):
     # The async save returned before the optimizer stepped again: the checkpoint holds the
     # state from before that step.
     assert saved["1d"] != saved["1d-after"]
+    assert saved["1d"]["strided"] == saved["1d-after"]["strided"]
     loaded = _run("load", 2, tmp_path)
     _check(saved, loaded, ["1d", "1d-async", "2d", "2d-async"], ["1d"])
 

@@ -60,6 +60,21 @@ def build(kind: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 
 
+def strided(world: int, zeros: bool) -> object:
+    """A (10, 3) DTensor with strided sharding alone: each rank's rows are not contiguous
+    (4 ranks: {0, 1, 5, 6}, {2, 3, 7, 8}, {4, 9} and none)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = _StridedShard(0, split_factor=2)
+    g = torch.arange(30, dtype=torch.float32).reshape(10, 3) + 0.5
+    local = p._split_tensor(g, world, with_padding=False, contiguous=True)[0][dist.get_rank()]
+    local = torch.zeros_like(local) if zeros else local.clone()
+    return DTensor.from_local(local, mesh, [p], run_check=False, shape=g.shape, stride=g.stride())
+
+
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
@@ -153,13 +168,15 @@ def main() -> None:
             train(model, opt, 2, seed=rank)
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd, "step": 2}
+            if kind == "1d":
+                state["strided"] = strided(world, zeros=False)
             result[kind] = digests(state)
             result[f"{kind}-plan"] = plan_digest(state)
             st.save(os.path.join(root, kind), state, timeout_s=60)
             job = st.save_async(os.path.join(root, f"{kind}-async"), state, timeout_s=60)
             train(model, opt, 1, seed=100 + rank)  # in place, while the save writes
             job.wait()
-            result[f"{kind}-after"] = digests({"model": msd, "optim": osd, "step": 2})
+            result[f"{kind}-after"] = digests(state)
         result["placements"] = sorted(
             {str(v.placements) for _, v in flat_items(msd) if hasattr(v, "placements")}
         )
@@ -170,15 +187,20 @@ def main() -> None:
                 train(model, opt, 1, seed=7)  # different values, same structure
                 msd, osd = get_state_dict(model, opt)
                 target = {"model": msd, "optim": osd, "step": 0}
+                if name.startswith("1d"):
+                    target["strided"] = strided(world, zeros=True)
                 out = st.load(os.path.join(root, name), target)
                 assert out is target
                 set_state_dict(
                     model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"]
                 )
                 msd, osd = get_state_dict(model, opt)
-                result[f"{name}@{kind}"] = digests(
-                    {"model": msd, "optim": osd, "step": target["step"]}
-                )
+                loaded = {"model": msd, "optim": osd, "step": target["step"]}
+                if "strided" in target:
+                    loaded["strided"] = target["strided"]
+                    want = torch.arange(30, dtype=torch.float32).reshape(10, 3) + 0.5
+                    assert torch.equal(target["strided"].full_tensor(), want)
+                result[f"{name}@{kind}"] = digests(loaded)
     dist.barrier()
     report(rank=rank, **result)
     dist.destroy_process_group()
