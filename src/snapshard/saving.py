@@ -19,7 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -48,7 +48,7 @@ from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem, stage
 from .storage import FileWriter, Location, Storage, storage_for
-from .tree import FlatTree, flatten
+from .tree import FlatTree, Path, flatten
 
 log = logging.getLogger("snapshard")
 
@@ -89,6 +89,19 @@ class _Prepared:
     timings: SaveTimings = field(default_factory=SaveTimings)
 
 
+class SaveAdapter(Protocol):
+    """Hook for a framework other than JAX (snapshard.torch): which values are leaves, how
+    they become SaveArrays, and how this process's planned items reach host memory."""
+
+    def is_leaf(self, x: Any) -> bool: ...
+
+    def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray: ...
+
+    def stage(
+        self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
+    ) -> tuple[list[StagedItem], int]: ...
+
+
 def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray]:
     return [classify(p, v, process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)]
 
@@ -107,6 +120,7 @@ def prepare(
     extra: dict[str, Any] | None = None,
     snapshot: Snapshot | None = None,
     flat: FlatTree | None = None,
+    adapter: SaveAdapter | None = None,
 ) -> _Prepared:
     """The blocking phase: plan, then bring every owned slice to host memory (from
     `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
@@ -117,19 +131,26 @@ def prepare(
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
-    flat = flat or flatten(tree, is_save_leaf)
-    leaves = classify_leaves(flat, coord.process_count)
+    flat = flat or flatten(tree, adapter.is_leaf if adapter else is_save_leaf)
+    if adapter is not None:
+        n = coord.process_count
+        leaves = [adapter.classify(p, v, n) for p, v in zip(flat.paths, flat.leaves, strict=True)]
+    else:
+        leaves = classify_leaves(flat, coord.process_count)
     arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
     plan = plan_writes([a.layout for _, a in arrays], mode, num_processes=coord.process_count)
     t1 = time.perf_counter()
-    items, copied = stage(
-        arrays,
-        plan,
-        coord.process_index,
-        budget=host_budget,
-        copy_host_values=copy_host_values,
-        snapshot=snapshot,
-    )
+    if adapter is not None:
+        items, copied = adapter.stage(arrays, plan, coord.process_index, copy=copy_host_values)
+    else:
+        items, copied = stage(
+            arrays,
+            plan,
+            coord.process_index,
+            budget=host_budget,
+            copy_host_values=copy_host_values,
+            snapshot=snapshot,
+        )
     # Host values are assumed equal on every process: their digests are compared at commit.
     digests = leaf_digests(leaves, values=coord.process_count > 1)
     t2 = time.perf_counter()
@@ -220,7 +241,7 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
             desc = json.dumps([leaf.kind, list(leaf.path), leaf.dtype.name, list(leaf.shape),
                                leaf.key_impl, leaf.devices is None, _layout_digest(leaf)]).encode()  # fmt: skip
             value = 0
-            if values and leaf.devices is None:  # NumPy: the same value is assumed on every process
+            if values and isinstance(leaf.source, np.ndarray | np.generic):  # NumPy: the same value is assumed on every process
                 value = crc32c(np.ascontiguousarray(leaf.source).reshape(-1).view(np.uint8).data)
         out[i] = (crc32c(desc), value)
     return out
@@ -386,7 +407,7 @@ def _describe(
 
 
 def _description(arr: SaveArray) -> tuple[dict[str, Any], Mesh | None]:
-    if arr.devices is None:
+    if arr.devices is None and isinstance(arr.source, np.ndarray | np.generic):
         return {"kind": "host"}, None
     found = mesh_and_spec(getattr(arr.source, "sharding", None), len(arr.shape))
     if found is not None:

@@ -17,7 +17,7 @@ from _dist import init, report
 
 def main() -> None:
     mode, ckpt = sys.argv[1], sys.argv[2]
-    pid, n = init()
+    pid, _n = init()
     import jax
     import numpy as np
 

@@ -1,0 +1,36 @@
+"""snapshard for PyTorch: state dicts of tensors and DTensors (FSDP2, tensor parallel).
+
+    snapshard.torch.save(path, state_dict)            # every rank; atomic; no collective
+    job = snapshard.torch.save_async(path, state_dict) # returns once owned bytes are on host
+    snapshard.torch.load(path, target_state_dict)     # in place, onto any mesh / world size
+    snapshard.torch.metadata(path)                    # shapes, dtypes, saved placements
+
+Same planner, format and storage as the JAX side: a checkpoint written by one is read by
+the other. Needs the `torch` extra. See docs/torch.md.
+"""
+
+from __future__ import annotations
+
+from ..inspection import metadata
+from .coordination import TorchStoreCoordinator, default_coordinator
+from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
+from .leaves import dtensor_layout
+from .loading import load
+from .saving import AsyncSave, HostBuffers, save, save_async
+
+__all__ = [
+    "AsyncSave",
+    "HostBuffers",
+    "ShardSpec",
+    "TensorLayout",
+    "TorchStoreCoordinator",
+    "default_coordinator",
+    "dtensor_layout",
+    "expand_submesh",
+    "load",
+    "local_shape_and_offset",
+    "metadata",
+    "save",
+    "save_async",
+    "tensor_layout",
+]

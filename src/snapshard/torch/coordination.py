@@ -1,0 +1,102 @@
+"""Coordination over torch.distributed's key-value store (the c10d Store of the process group).
+
+A save uses the store for its two rendezvous (reports to rank 0, rank 0's outcome), exactly
+as with jax.distributed: no collective, no barrier. Waits poll the store (`check`, then
+`get`) rather than blocking inside it, so that a long wait from a save's background thread
+never holds the store client while the training loop's thread uses it, and so that every
+timeout is ours, with an error naming the ranks that did not report.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from ..coordination.base import Coordinator, SingleProcessCoordinator
+from ..errors import CoordinationError
+
+_POLL_MIN_S = 0.001
+_POLL_MAX_S = 0.05
+
+
+class TorchStoreCoordinator(Coordinator):
+    """A Coordinator over a c10d Store (TCPStore, FileStore, HashStore, PrefixStore...)."""
+
+    def __init__(
+        self, store: Any = None, rank: int | None = None, world_size: int | None = None
+    ) -> None:
+        import torch.distributed as dist
+
+        if store is None:
+            if not dist.is_initialized():
+                raise RuntimeError("torch.distributed is not initialized")
+            store = dist.distributed_c10d._get_default_store()
+        self._store = store
+        self.process_index = dist.get_rank() if rank is None else int(rank)
+        self.process_count = dist.get_world_size() if world_size is None else int(world_size)
+        self._barriers: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: str) -> None:
+        self._store.set(key, value)
+
+    def try_get(self, key: str) -> str | None:
+        if not self._store.check([key]):
+            return None
+        return bytes(self._store.get(key)).decode()
+
+    def get(self, key: str, timeout_s: float) -> str:
+        deadline = time.monotonic() + timeout_s
+        pause = _POLL_MIN_S
+        while True:
+            value = self.try_get(key)
+            if value is not None:
+                return value
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"key {key!r} not set within {timeout_s:g} s")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        """Every rank sets its own key, then waits for all; the n-th barrier of a name has
+        its own keys, so names may be reused."""
+        with self._lock:
+            n = self._barriers.get(name, 0)
+            self._barriers[name] = n + 1
+        prefix = f"snapshard/barrier/{name}/{n}"
+        self.set(f"{prefix}/{self.process_index}", "1")
+        deadline = time.monotonic() + timeout_s
+        pending = [p for p in range(self.process_count) if p != self.process_index]
+        pause = _POLL_MIN_S
+        while pending:
+            pending = [p for p in pending if not self._store.check([f"{prefix}/{p}"])]
+            if not pending:
+                return
+            if time.monotonic() >= deadline:
+                raise CoordinationError(
+                    f"barrier {name!r}: rank(s) {pending} did not arrive within {timeout_s:g} s"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, _POLL_MAX_S)
+
+
+_default: tuple[Any, TorchStoreCoordinator] | None = None
+_single: SingleProcessCoordinator | None = None
+
+
+def default_coordinator() -> Coordinator:
+    """The default process group's store when torch.distributed runs several ranks, else a
+    single-process coordinator."""
+    global _default, _single
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        store = dist.distributed_c10d._get_default_store()
+        if _default is None or _default[0] is not store:
+            _default = (store, TorchStoreCoordinator(store))
+        return _default[1]
+    if _single is None:
+        _single = SingleProcessCoordinator()
+    return _single

@@ -1,0 +1,160 @@
+"""torch leaves of a state dict: tensors and DTensors to layouts, and back to host memory.
+
+A DTensor's layout comes from its mesh and placements alone (see layout.py); a plain tensor
+is taken to be the same on every rank (like a NumPy leaf: written once, by the rank the
+planner picks). Process ids are global ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..adapters.jax_arrays import host_layout
+from ..adapters.leaves import VALUE_TYPES, SaveArray
+from ..errors import UnsupportedLeafError
+from ..format.manifest import ValueLeaf
+from ..tree import Path, path_str
+from .dtypes import numpy_dtype
+from .layout import PlacementSpec, ShardSpec, TensorLayout, expand_submesh, tensor_layout
+
+
+def is_dtensor(x: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, DTensor)
+
+
+def is_leaf(x: Any) -> bool:
+    return isinstance(x, (torch.Tensor, np.ndarray, np.generic, *VALUE_TYPES))
+
+
+def placement_specs(placements: Any, leaf: str = "?") -> list[PlacementSpec]:
+    """DTensor placements as layout.py's specs; Partial (pending reduction) is refused."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    out: list[PlacementSpec] = []
+    for m, p in enumerate(placements):
+        if isinstance(p, _StridedShard):
+            out.append(ShardSpec(int(p.dim), int(p.split_factor)))
+        elif isinstance(p, Shard):
+            out.append(ShardSpec(int(p.dim)))
+        elif isinstance(p, Replicate):
+            out.append(None)
+        elif p.is_partial():
+            raise UnsupportedLeafError(
+                f"leaf {leaf!r}: DTensor has a Partial placement ({p}) on mesh dimension {m}: "
+                "its local tensors are unreduced partial values; redistribute it to Shard or "
+                "Replicate before saving"
+            )
+        else:
+            raise UnsupportedLeafError(f"leaf {leaf!r}: DTensor placement {p!r} is not supported")
+    return out
+
+
+_mesh_cache: dict[int, tuple[Any, np.ndarray, bool]] = {}
+
+
+def mesh_ranks(mesh: Any) -> tuple[np.ndarray, bool]:
+    """The rank tensor to lay a DTensor out on, and whether it was widened: a sub-mesh of a
+    bigger root mesh is stacked with its copies (which hold the same data) on a new first
+    dimension, so that every rank of the root knows every holder without asking. Cached
+    per mesh object (meshes live as long as the job)."""
+    hit = _mesh_cache.get(id(mesh))
+    if hit is not None and hit[0] is mesh:
+        return hit[1], hit[2]
+    sub = mesh.mesh.cpu().numpy().astype(np.int64)
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    out = (sub, False)
+    if root is not mesh:
+        full = expand_submesh(root.mesh.cpu().numpy().astype(np.int64), sub)
+        if len(full) > 1:
+            out = (full, True)
+    if len(_mesh_cache) > 256:
+        _mesh_cache.clear()
+    _mesh_cache[id(mesh)] = (mesh, *out)
+    return out
+
+
+def dtensor_layout(value: Any, itemsize: int, leaf: str = "?") -> TensorLayout:
+    specs = placement_specs(value.placements, leaf)
+    ranks, widened = mesh_ranks(value.device_mesh)
+    if widened:
+        specs = [None, *specs]
+    return tensor_layout(tuple(value.shape), itemsize, ranks, specs)
+
+
+def describe(value: Any) -> dict[str, Any]:
+    """A JSON description of where a leaf lived, for people and `metadata` (never read back)."""
+    if not is_dtensor(value):
+        return {"type": "torch.Tensor", "device": value.device.type}
+    mesh = value.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return {
+        "type": "DTensor",
+        "mesh": {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)},
+        "placements": [str(p) for p in value.placements],
+        "device": mesh.device_type,
+    }
+
+
+@dataclass(eq=False)
+class TorchSource:
+    """What a torch leaf's rows are read from: the local tensor (the DTensor's shard on this
+    rank, or the whole tensor) and where each layout row starts in it."""
+
+    local: torch.Tensor
+    local_starts: np.ndarray | None  # (rows, ndim); None: rows are global boxes of `local`
+
+
+def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
+    name = path_str(path)
+    if isinstance(value, VALUE_TYPES) and not isinstance(value, np.generic):
+        return ValueLeaf(path, value)
+    if isinstance(value, torch.Tensor):
+        dt = numpy_dtype(value.dtype, leaf=name)
+        shape = tuple(int(s) for s in value.shape)
+        if is_dtensor(value):
+            tl = dtensor_layout(value, dt.itemsize, name)
+            local = value.to_local()  # type: ignore[attr-defined]
+            rank = _rank()
+            want = tl.local_shape(rank)
+            if len(tl.rows_of(rank)) and tuple(local.shape) != want:
+                raise UnsupportedLeafError(
+                    f"leaf {name!r}: rank {rank}'s local tensor has shape {tuple(local.shape)}, "
+                    f"its mesh and placements say {want}"
+                )
+            source = TorchSource(local, tl.local_starts)
+            return SaveArray(path, "array", dt, shape, tl.layout, None, source, describe(value))
+        layout = host_layout(shape, dt.itemsize, process_count)
+        return SaveArray(
+            path, "array", dt, shape, layout, None, TorchSource(value, None), describe(value)
+        )
+    from ..adapters.leaves import classify as classify_numpy
+
+    if isinstance(value, np.ndarray | np.generic):
+        return classify_numpy(path, value, process_count)
+    raise UnsupportedLeafError(
+        f"leaf {name!r}: values of type {type(value).__module__}.{type(value).__qualname__} "
+        "cannot be saved"
+    )
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def row_slices(arr: SaveArray, row: int, start: np.ndarray, stop: np.ndarray) -> tuple[slice, ...]:
+    """Box [start, stop) (inside layout row `row`) as slices of the leaf's local tensor."""
+    src = arr.source
+    if isinstance(src, TorchSource) and src.local_starts is not None:
+        origin = arr.layout.starts[row] - src.local_starts[row]
+    else:
+        origin = np.zeros_like(start)
+    return tuple(slice(int(a), int(b)) for a, b in zip(start - origin, stop - origin, strict=True))

@@ -1,0 +1,252 @@
+"""Restoring into torch state dicts: each rank reads exactly the boxes its tensors hold.
+
+With a target state dict, every tensor leaf is filled in place: a DTensor's local shard
+(its boxes computed from its own mesh and placements, whatever mesh the checkpoint was
+saved from), a plain tensor or NumPy array whole. Where a target region is one contiguous
+CPU block of the saved dtype, the reads land in the tensor's memory directly; otherwise
+they go through a host buffer, are cast if the dtypes differ, and are copied in. Python
+values of the target are replaced by the saved ones. Entries the target omits are not read.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..dtypes import dtype_from_name
+from ..errors import TargetMismatchError
+from ..format import ArrayLeaf, ValueLeaf
+from ..restore import (
+    DEFAULT_MAX_GAP,
+    DEFAULT_MEMORY_BUDGET,
+    DEFAULT_THREADS,
+    Dest,
+    ReadStats,
+    aligned_empty,
+    open_checkpoint,
+)
+from ..restore import load as _load_numpy
+from ..storage import Location, Storage, storage_for
+from ..tree import Path, flatten, path_str
+from .dtypes import from_numpy, host_view, numpy_dtype
+from .leaves import _rank, dtensor_layout, is_dtensor, is_leaf
+
+
+class _Fill:
+    """One region of a target leaf and the buffer it is read into (None steps: read in place)."""
+
+    def __init__(self, dest: Dest, step: Callable[[], None] | None):
+        self.dest, self.step = dest, step
+
+    @property
+    def buffered(self) -> int:
+        return self.dest.buf.nbytes if self.step is not None else 0
+
+
+def _regions(target: Any) -> list[tuple[np.ndarray, np.ndarray, Any, tuple[slice, ...]]]:
+    """(global start, stop, local array, local slices) of every region this rank holds."""
+    nd = len(target.shape)
+    if isinstance(target, torch.Tensor) and is_dtensor(target):
+        tl = dtensor_layout(target, 1)
+        lay = tl.layout
+        local = target.to_local()  # type: ignore[attr-defined]
+        out = []
+        for row in tl.rows_of(_rank()):
+            s, e = lay.starts[row], lay.stops[row]
+            o = tl.local_starts[row]
+            out.append(
+                (
+                    s,
+                    e,
+                    local,
+                    tuple(slice(int(a), int(a + b - c)) for a, b, c in zip(o, e, s, strict=True)),
+                )
+            )
+        return out
+    shape = np.asarray(target.shape, dtype=np.int64).reshape(nd)
+    return [(np.zeros(nd, np.int64), shape, target, tuple(slice(0, int(n)) for n in shape))]
+
+
+def _fills(leaf: ArrayLeaf, target: Any) -> list[_Fill]:
+    saved_dt = dtype_from_name(leaf.dtype)
+    out = []
+    for start, stop, local, slc in _regions(target):
+        shape = tuple(int(b - a) for a, b in zip(start, stop, strict=True))
+        nbytes = math.prod(shape) * saved_dt.itemsize
+        if nbytes == 0:
+            continue
+        region = local[slc] if slc else local
+        if isinstance(region, torch.Tensor):
+            want = numpy_dtype(region.dtype, leaf=leaf.name)
+            direct = region.device.type == "cpu" and region.is_contiguous() and want == saved_dt
+        else:
+            want = region.dtype
+            direct = region.flags.c_contiguous and want == saved_dt and region.flags.writeable
+        if direct:
+            flat = host_view(region) if isinstance(region, torch.Tensor) else region
+            out.append(_Fill(Dest(leaf, start, stop, flat.reshape(-1).view(np.uint8)), None))
+            continue
+        buf = aligned_empty(nbytes)
+
+        def step(
+            buf: np.ndarray = buf, region: Any = region, shape: Any = shape, want: Any = want
+        ) -> None:
+            data = buf.view(saved_dt).reshape(shape)
+            if data.dtype != want:
+                data = data.astype(want)
+            if isinstance(region, np.ndarray):
+                np.copyto(region, data)
+            elif region.device.type == "cpu":
+                np.copyto(host_view(region), data)
+            else:
+                t = from_numpy(np.ascontiguousarray(data))
+                assert t is not None
+                region.copy_(t)
+
+        out.append(_Fill(Dest(leaf, start, stop, buf), step))
+    return out
+
+
+def _batches(fills: list[_Fill], budget: int | None) -> list[list[_Fill]]:
+    out: list[list[_Fill]] = []
+    cur: list[_Fill] = []
+    size = 0
+    for f in fills:
+        if cur and budget is not None and size + f.buffered > budget:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(f)
+        size += f.buffered
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _put_back(node: Any, path: Path, values: dict[Path, Any]) -> Any:
+    """The target with its value leaves replaced, containers updated in place where mutable."""
+    if path in values:
+        return values[path]
+    if type(node) is dict:
+        for k in list(node.keys()):
+            node[k] = _put_back(node[k], (*path, k), values)
+        return node
+    if type(node) is list:
+        for i, v in enumerate(node):
+            node[i] = _put_back(v, (*path, i), values)
+        return node
+    if type(node) is tuple:
+        return tuple(_put_back(v, (*path, i), values) for i, v in enumerate(node))
+    if isinstance(node, tuple) and hasattr(type(node), "_fields"):
+        return type(node)(*[_put_back(getattr(node, f), (*path, f), values) for f in node._fields])  # type: ignore[attr-defined]
+    return node
+
+
+def _to_torch(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _to_torch(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_torch(v) for v in tree]
+    if isinstance(tree, tuple):
+        return tuple(_to_torch(v) for v in tree)
+    if isinstance(tree, np.ndarray):
+        t = from_numpy(tree)
+        return tree if t is None else t
+    return tree
+
+
+def load(
+    directory: Location | Storage,
+    target: Any = None,
+    *,
+    verify: bool = True,
+    stats: ReadStats | None = None,
+    threads: int = DEFAULT_THREADS,
+    memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
+    max_gap: int = DEFAULT_MAX_GAP,
+) -> Any:
+    """Restore a checkpoint into `target` (a state dict of tensors, DTensors, NumPy arrays
+    and Python values), in place, and return it. Without a target: the whole checkpoint as
+    CPU tensors (NumPy arrays for dtypes torch lacks) and Python values.
+
+    Any checkpoint snapshard reads works: one saved from JAX, from torch on another mesh or
+    world size, or by Orbax. `memory_budget` bounds the host bytes of buffers held at once
+    (regions read in place need none)."""
+    if target is None:
+        return _to_torch(
+            _load_numpy(
+                directory,
+                verify=verify,
+                stats=stats,
+                threads=threads,
+                memory_budget=memory_budget,
+                max_gap=max_gap,
+            )
+        )
+    t_start = time.perf_counter()
+    stats = stats if stats is not None else ReadStats()
+    owns = not isinstance(directory, Storage)
+    storage = storage_for(directory)
+    try:
+        manifest, read = open_checkpoint(storage, verify, threads, max_gap, stats)
+        url = storage.url
+        saved = manifest.leaf_by_path()
+        flat = flatten(target, is_leaf)
+        values: dict[Path, Any] = {}
+        fills: list[_Fill] = []
+        for path, t in zip(flat.paths, flat.leaves, strict=True):
+            leaf = saved.get(path)
+            if leaf is None:
+                below = [p for p in saved if p[: len(path)] == path]
+                near = sorted(path_str(p) for p in saved if p[:-1] == path[:-1])[:5]
+                raise TargetMismatchError(
+                    f"{url}: leaf {path_str(path)!r} of the target is not in the checkpoint"
+                    + (
+                        f" (the checkpoint has a subtree there: {len(below)} leaves)"
+                        if below
+                        else ""
+                    )
+                    + (
+                        f" (saved leaves beside it: {', '.join(near)})"
+                        if near and not below
+                        else ""
+                    )
+                )
+            is_array = isinstance(t, torch.Tensor | np.ndarray)
+            if isinstance(leaf, ValueLeaf):
+                if is_array:
+                    raise TargetMismatchError(
+                        f"{url}: leaf {leaf.name!r} is a saved {type(leaf.value).__name__} value, "
+                        "the target has an array"
+                    )
+                values[path] = leaf.value
+                continue
+            if not is_array:
+                raise TargetMismatchError(
+                    f"{url}: leaf {leaf.name!r} is a saved array, the target has {type(t).__name__}"
+                )
+            if tuple(t.shape) != leaf.shape:
+                raise TargetMismatchError(
+                    f"{url}: leaf {leaf.name!r} has shape {leaf.shape} in the checkpoint, the "
+                    f"target asks for {tuple(t.shape)}"
+                )
+            fills.extend(_fills(leaf, t))
+        with torch.no_grad():
+            for batch in _batches(fills, memory_budget):
+                t0 = time.perf_counter()
+                read([f.dest for f in batch])
+                t1 = time.perf_counter()
+                for f in batch:
+                    if f.step is not None:
+                        f.step()
+                stats.read_s += t1 - t0
+                stats.assemble_s += time.perf_counter() - t1
+    finally:
+        if owns:
+            storage.close()
+    stats.total_s = time.perf_counter() - t_start
+    return _put_back(target, (), values)

@@ -1,0 +1,250 @@
+"""Saving torch state dicts through snapshard's save executor.
+
+The blocking phase stages this rank's planned boxes on the host:
+
+- synchronous saves on CPU: NumPy views of the tensors' memory (the caller waits for the
+  whole save, so nothing can change underneath; no copy);
+- asynchronous saves (and any CUDA tensor): every owned byte is copied into host buffers
+  before returning, since ``optimizer.step()`` updates tensors in place. Buffers are reused
+  from one save to the next (pinned memory for CUDA sources, which are copied with
+  ``non_blocking`` on a side stream that is synchronised before returning).
+
+Writing, reporting, merging, validating and committing are snapshard's own (saving.finish).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import saving as _saving
+from ..adapters.leaves import SaveArray
+from ..background import BackgroundTask
+from ..errors import CheckpointExistsError
+from ..format.manifest import Leaf
+from ..planning import WritePlan
+from ..restore import aligned_empty
+from ..staging import StagedItem
+from ..storage import Location, Storage, storage_for
+from ..tree import Path
+from . import leaves as _leaves
+from .coordination import default_coordinator
+from .dtypes import host_view
+
+
+class HostBuffers:
+    """Host buffers reused across asynchronous saves, by byte size.
+
+    A save takes the buffers it needs and gives them all back when its background phase
+    ends; buffers no save asked for in a round are dropped, so memory stays at what the
+    saves in flight need."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[int, bool], list[tuple[np.ndarray, torch.Tensor | None]]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, pinned: bool) -> tuple[np.ndarray, torch.Tensor | None]:
+        with self._lock:
+            free = self._free.get((nbytes, pinned))
+            if free:
+                return free.pop()
+        if pinned:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            return t.numpy(), t
+        return aligned_empty(nbytes), None
+
+    def give_back(self, bufs: list[tuple[np.ndarray, torch.Tensor | None]]) -> None:
+        fresh: dict[tuple[int, bool], list[tuple[np.ndarray, torch.Tensor | None]]] = {}
+        for b in bufs:
+            fresh.setdefault((b[0].nbytes, b[1] is not None), []).append(b)
+        with self._lock:
+            self._free = fresh
+
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(b[0].nbytes for v in self._free.values() for b in v)
+
+
+_buffers = HostBuffers()
+
+
+class TorchAdapter:
+    """snapshard.saving.SaveAdapter for torch state dicts."""
+
+    def __init__(self, buffers: HostBuffers | None) -> None:
+        self.buffers = buffers
+        self.taken: list[tuple[np.ndarray, torch.Tensor | None]] = []
+
+    def is_leaf(self, x: Any) -> bool:
+        return _leaves.is_leaf(x)
+
+    def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray:
+        return _leaves.classify(path, value, process_count)
+
+    def _buffer(self, nbytes: int, pinned: bool) -> tuple[np.ndarray, torch.Tensor | None]:
+        if self.buffers is None:
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinned else None
+            return (t.numpy(), t) if t is not None else (aligned_empty(nbytes), None)
+        b = self.buffers.take(nbytes, pinned)
+        self.taken.append(b)
+        return b
+
+    def stage(
+        self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
+    ) -> tuple[list[StagedItem], int]:
+        items: list[StagedItem] = []
+        used = 0
+        streams: dict[torch.device, Any] = {}
+        for a, k in plan.items_of(process):
+            leaf_index, arr = arrays[a]
+            p = plan.arrays[a]
+            nbytes = int(p.nbytes[k])
+            if nbytes == 0:
+                continue
+            row = int(p.source_row[k])
+            item = StagedItem(leaf_index, arr.name, p.starts[k], p.stops[k], nbytes)
+            items.append(item)
+            rel = _leaves.row_slices(arr, row, p.starts[k], p.stops[k])
+            src = arr.source
+            if not isinstance(src, _leaves.TorchSource):  # a NumPy leaf
+                view = np.asarray(src)[rel]
+                if copy:
+                    buf, _ = self._buffer(nbytes, False)
+                    dst = buf.view(view.dtype).reshape(view.shape)
+                    np.copyto(dst, view)
+                    view, used = dst, used + nbytes
+                item.host = view
+                continue
+            local = src.local[rel] if rel else src.local
+            shape = tuple(local.shape)
+            if local.device.type == "cpu":
+                view = host_view(local)
+                if copy:
+                    buf, _ = self._buffer(nbytes, False)
+                    dst = buf.view(view.dtype).reshape(shape)
+                    np.copyto(dst, view)
+                    view, used = dst, used + nbytes
+                item.host = view
+                continue
+            # A device tensor: a non-blocking copy into pinned memory on a side stream.
+            buf, pinned = self._buffer(nbytes, True)
+            assert pinned is not None
+            dev = local.device
+            if dev not in streams:
+                s = torch.cuda.Stream(device=dev)
+                s.wait_stream(torch.cuda.current_stream(dev))
+                streams[dev] = s
+            with torch.cuda.stream(streams[dev]):
+                pinned.view(local.dtype).view(shape).copy_(local.detach(), non_blocking=True)
+            item.host = buf.view(arr.dtype).reshape(shape)
+            used += nbytes
+        for s in streams.values():
+            s.synchronize()
+        return items, used
+
+
+def _prepare(
+    directory: Location | Storage,
+    state_dict: Any,
+    *,
+    overwrite: bool,
+    mode: str,
+    timeout_s: float,
+    coordinator: Any,
+    threads: int,
+    asynchronous: bool,
+    extra: dict[str, Any] | None,
+) -> tuple[Any, TorchAdapter]:
+    adapter = TorchAdapter(_buffers if asynchronous else None)
+    prep = _saving.prepare(
+        directory,
+        state_dict,
+        overwrite=overwrite,
+        mode=mode,
+        timeout_s=timeout_s,
+        coordinator=coordinator or default_coordinator(),
+        threads=threads,
+        copy_host_values=asynchronous,
+        extra=extra,
+        adapter=adapter,
+    )
+    return prep, adapter
+
+
+def save(
+    directory: Location | Storage,
+    state_dict: Any,
+    *,
+    overwrite: bool = False,
+    mode: str = "auto",
+    timeout_s: float = _saving.DEFAULT_TIMEOUT_S,
+    coordinator: Any = None,
+    threads: int = 2,
+) -> _saving.SaveTimings:
+    """Save a torch state dict atomically; every rank calls it with its own state dict of
+    the same structure. Leaves: tensors (taken to be equal on every rank), DTensors (each
+    rank writes only the boxes the shared plan gives it), NumPy arrays, Python values."""
+    storage = storage_for(directory)
+    if not overwrite and storage.is_committed():
+        raise CheckpointExistsError(
+            f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
+        )
+    prep, _ = _prepare(
+        storage,
+        state_dict,
+        overwrite=overwrite,
+        mode=mode,
+        timeout_s=timeout_s,
+        coordinator=coordinator,
+        threads=threads,
+        asynchronous=False,
+        extra=None,
+    )
+    return _saving.finish(prep)
+
+
+class AsyncSave(_saving.AsyncSave):
+    """A torch save whose background phase runs; its host buffers go back for reuse when it
+    ends (whether it succeeded or not)."""
+
+    def __init__(self, prep: Any, adapter: TorchAdapter):
+        self._prep = prep
+
+        def run() -> _saving.SaveTimings:
+            try:
+                return _saving.finish(prep)
+            finally:
+                if adapter.buffers is not None:
+                    adapter.buffers.give_back(adapter.taken)
+
+        BackgroundTask.__init__(self, run, f"save to {prep.storage.url}")
+
+
+def save_async(
+    directory: Location | Storage,
+    state_dict: Any,
+    *,
+    overwrite: bool = False,
+    mode: str = "auto",
+    timeout_s: float = _saving.DEFAULT_TIMEOUT_S,
+    coordinator: Any = None,
+    threads: int = 2,
+    extra: dict[str, Any] | None = None,
+) -> AsyncSave:
+    """Start a save; returns once every byte this rank writes is copied to host memory, so
+    the caller may step the optimizer at once. `wait()` returns the timings or raises."""
+    prep, adapter = _prepare(
+        directory,
+        state_dict,
+        overwrite=overwrite,
+        mode=mode,
+        timeout_s=timeout_s,
+        coordinator=coordinator,
+        threads=threads,
+        asynchronous=True,
+        extra=extra,
+    )
+    return AsyncSave(prep, adapter)

@@ -1,0 +1,57 @@
+"""snapshard.torch across real processes: FSDP2 and FSDP2 x TP state saved on one world size
+and loaded onto another, bit-exact (gloo on CPU; each run bounded in time)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+
+import multiproc
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+def _run(cmd: str, n: int, root) -> list:
+    return multiproc.run("torch_job.py", n, 1, cmd, str(root), timeout=150, env=ENV)
+
+
+def _check(saved: dict, loaded: list, names: list[str], kinds: list[str]) -> None:
+    for p in loaded:
+        got = p.result()
+        for name in names:
+            want = saved[name.removesuffix("-async")]
+            for kind in kinds:
+                assert got[f"{name}@{kind}"] == want, (p.process_id, name, kind)
+
+
+def test_fsdp_and_tp_state_from_4_ranks_onto_2(tmp_path):
+    ranks = _run("save", 4, tmp_path)
+    saved = ranks[0].result()
+    # Every rank computed the same write plan, each on its own.
+    for kind in ("1d", "2d"):
+        assert len({p.result()[f"{kind}-plan"] for p in ranks}) == 1
+    # The 2-D mesh gives every placement FSDP2 and TP make, strided sharding included.
+    assert "(_StridedShard(dim=0, sf=2), Shard(dim=0))" in saved["placements"]
+    assert "(Shard(dim=0), Shard(dim=1))" in saved["placements"]
+    # The async save returned before the optimizer stepped again: the checkpoint holds the
+    # state from before that step.
+    assert saved["1d"] != saved["1d-after"]
+    assert saved["1d"]["strided"] == saved["1d-after"]["strided"]
+    loaded = _run("load", 2, tmp_path)
+    _check(saved, loaded, ["1d", "1d-async", "2d", "2d-async"], ["1d"])
+
+
+def test_fsdp_state_from_2_ranks_onto_4_and_a_2d_mesh(tmp_path):
+    # Over 4 ranks the 5-row tensors shard as 2, 2, 1, 0 rows: empty local shards.
+    saved = _run("save", 2, tmp_path)[0].result()
+    loaded = _run("load", 4, tmp_path)
+    _check(saved, loaded, ["1d", "1d-async"], ["1d", "2d"])
+
+
+def test_a_rank_that_never_reports_is_named(tmp_path):
+    done = multiproc.run("torch_job.py", 2, 1, "dies", str(tmp_path), timeout=60, env=ENV)
+    res = done[0].result()
+    assert res["error"] is not None and "process(es) [1] did not report" in res["error"]
+    assert not res["exists"]  # nothing became visible

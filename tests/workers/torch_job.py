@@ -1,0 +1,210 @@
+"""A torch.distributed (gloo, CPU) rank of a multi-process snapshard.torch test.
+
+    torch_job.py save DIR     every rank: train a tiny model with FSDP2 (1-D over all ranks)
+                              and FSDP2 x TP (2-D, with 4 ranks), save model + Adam state
+                              (sync, and async followed at once by another optimizer step)
+    torch_job.py dies DIR     rank 1 leaves without saving; rank 0's save must fail naming it
+    torch_job.py load DIR     every rank: FSDP2 (and FSDP2 x TP with 4 ranks) over this world
+                              size, load each saved state into it
+
+Reports, per saved state, the sha256 of every entry's full value: the test compares them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from workers._dist import report
+
+
+class Tiny(nn.Module):
+    # Odd sizes: uneven shards, and empty ones over 4 ranks (5 rows: 2, 2, 1, 0).
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 10)
+        self.down = nn.Linear(10, 5)
+        self.norm = nn.LayerNorm(5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.down(torch.relu(self.up(x))))
+
+
+def build(kind: str, world: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = Tiny()
+    if kind == "2d":
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        dp = mesh["dp"]
+    else:
+        dp = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    for m in (model.up, model.down):
+        fully_shard(m, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def strided(world: int, zeros: bool) -> object:
+    """A (10, 3) DTensor with strided sharding alone: each rank's rows are not contiguous
+    (4 ranks: {0, 1, 5, 6}, {2, 3, 7, 8}, {4, 9} and none)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (world,))
+    p = _StridedShard(0, split_factor=2)
+    g = torch.arange(30, dtype=torch.float32).reshape(10, 3) + 0.5
+    local = p._split_tensor(g, world, with_padding=False, contiguous=True)[0][dist.get_rank()]
+    local = torch.zeros_like(local) if zeros else local.clone()
+    return DTensor.from_local(local, mesh, [p], run_check=False, shape=g.shape, stride=g.stride())
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(4, 6, generator=g)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def flat_items(tree, path=()):
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            yield from flat_items(v, (*path, str(k)))
+    elif isinstance(tree, list | tuple):
+        for i, v in enumerate(tree):
+            yield from flat_items(v, (*path, str(i)))
+    else:
+        yield "/".join(path), tree
+
+
+def digests(state) -> dict[str, str]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, v in flat_items(state):
+        if isinstance(v, DTensor):
+            v = v.full_tensor()
+        if isinstance(v, torch.Tensor):
+            v = v.detach().contiguous()
+            out[name] = (
+                f"{v.dtype}:{tuple(v.shape)}:"
+                + hashlib.sha256(v.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+            )
+        else:
+            out[name] = repr(v)
+    return out
+
+
+def plan_digest(state) -> str:
+    """A digest of the write plan this rank computes for `state` (every rank must agree)."""
+    from snapshard.planning import plan_writes
+    from snapshard.torch.leaves import classify, is_leaf
+    from snapshard.tree import flatten
+
+    flat = flatten(state, is_leaf)
+    arrays = [
+        classify(p, v, dist.get_world_size()) for p, v in zip(flat.paths, flat.leaves, strict=True)
+    ]
+    layouts = [a.layout for a in arrays if hasattr(a, "layout")]
+    plan = plan_writes(layouts, "auto", num_processes=dist.get_world_size())
+    h = hashlib.sha256(plan.mode.encode())
+    for a in plan.arrays:
+        for x in (a.starts, a.stops, a.writer):
+            h.update(x.astype("int64").tobytes())
+    return h.hexdigest()[:16]
+
+
+def main() -> None:
+    cmd, root = sys.argv[1], sys.argv[2]
+    rank = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
+    world = int(os.environ["SNAPSHARD_TEST_NUM_PROCESSES"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['SNAPSHARD_TEST_PORT']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import snapshard.torch as st
+
+    result: dict[str, object] = {}
+    if cmd == "dies":
+        if rank == 1:
+            os._exit(0)
+        try:
+            st.save(os.path.join(root, "never"), {"w": torch.zeros(4)}, timeout_s=3)
+            report(error=None)
+        except Exception as e:
+            report(
+                error=f"{type(e).__name__}: {e}", exists=os.path.exists(os.path.join(root, "never"))
+            )
+        os._exit(0)
+    kinds = ["1d", "2d"] if world == 4 else ["1d"]
+    if cmd == "save":
+        for kind in kinds:
+            model, opt = build(kind, world)
+            train(model, opt, 2, seed=rank)
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd, "step": 2}
+            if kind == "1d":
+                state["strided"] = strided(world, zeros=False)
+            result[kind] = digests(state)
+            result[f"{kind}-plan"] = plan_digest(state)
+            st.save(os.path.join(root, kind), state, timeout_s=60)
+            job = st.save_async(os.path.join(root, f"{kind}-async"), state, timeout_s=60)
+            train(model, opt, 1, seed=100 + rank)  # in place, while the save writes
+            job.wait()
+            result[f"{kind}-after"] = digests(state)
+        result["placements"] = sorted(
+            {str(v.placements) for _, v in flat_items(msd) if hasattr(v, "placements")}
+        )
+    else:
+        for name in sorted(os.listdir(root)):
+            for kind in kinds:
+                model, opt = build(kind, world)
+                train(model, opt, 1, seed=7)  # different values, same structure
+                msd, osd = get_state_dict(model, opt)
+                target = {"model": msd, "optim": osd, "step": 0}
+                if name.startswith("1d"):
+                    target["strided"] = strided(world, zeros=True)
+                out = st.load(os.path.join(root, name), target)
+                assert out is target
+                set_state_dict(
+                    model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"]
+                )
+                msd, osd = get_state_dict(model, opt)
+                loaded = {"model": msd, "optim": osd, "step": target["step"]}
+                if "strided" in target:
+                    loaded["strided"] = target["strided"]
+                    want = torch.arange(30, dtype=torch.float32).reshape(10, 3) + 0.5
+                    assert torch.equal(target["strided"].full_tensor(), want)
+                result[f"{name}@{kind}"] = digests(loaded)
+    dist.barrier()
+    report(rank=rank, **result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
