@@ -295,9 +295,21 @@ def _verified(verify: bool, t: ChunkTable, c: int) -> bool:
     return verify and int(t.block[c]) > 0
 
 
-def _covered(index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str) -> np.ndarray:
+def _covered(
+    index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str, seen: dict[Any, np.ndarray]
+) -> np.ndarray:
     """The chunks overlapping dest `d`, after checking that they tile its box exactly once
-    (the planner guarantees it for what snapshard writes; a damaged checkpoint may not)."""
+    (the planner guarantees it for what snapshard writes; a damaged checkpoint may not).
+    Arrays sharing their chunk boxes share the answer (`seen`)."""
+    key = (id(index), d.start.tobytes(), d.stop.tobytes())
+    done = seen.get(key)
+    if done is not None:
+        return done
+    over = seen[key] = _check_cover(index, t, d, exact, url)
+    return over
+
+
+def _check_cover(index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str) -> np.ndarray:
     over = index.overlapping(d.start, d.stop)
     if exact >= 0 and len(over) == 1:
         return over
@@ -326,6 +338,7 @@ def plan_tasks(
     # Arrays with the same chunk boxes share their box columns (interned when the manifest is
     # read), hence one index.
     indexes: dict[int, ChunkIndex] = {}
+    covered: dict[Any, np.ndarray] = {}
     per_chunk: dict[tuple[int, int], list[tuple[int, RunGrid]]] = {}
     leaves: dict[int, ArrayLeaf] = {}
     for di, d in enumerate(dests):
@@ -338,7 +351,7 @@ def plan_tasks(
             index = indexes[id(t.starts)] = ChunkIndex(t.starts, t.stops)
         stats.bytes_needed += d.buf.nbytes
         exact = index.exact(d.start, d.stop) if t.stores_own_boxes else -1
-        over = _covered(index, t, d, exact, url)
+        over = _covered(index, t, d, exact, url, covered)
         if exact >= 0:  # the box is a chunk: one run, the whole of both
             per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
             continue

@@ -52,6 +52,8 @@ class ChunkFinder:
     _holders: dict[tuple[Any, ...], _Holders] = field(default_factory=dict)
     _meshes: dict[int, Mesh] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Tables with equal boxes share their box columns, hence one index in the restore.
+    _boxes: dict[bytes, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.index = {id(leaf): i for i, leaf in enumerate(self.manifest.leaves)}
@@ -246,8 +248,15 @@ class ChunkFinder:
             t.crc_offset = np.zeros(len(t), np.int64)
         from .validate import check_chunks
 
-        check_chunks(leaf, t, dt.itemsize, [f.size for f in m.files], where)
+        check_chunks(leaf, t, dt.itemsize, self._file_sizes(), where)
+        t.intern_boxes(self._boxes)
         return t
+
+    def _file_sizes(self) -> list[int]:
+        sizes = self.__dict__.get("_sizes")
+        if sizes is None:
+            sizes = self.__dict__["_sizes"] = [f.size for f in self.manifest.files]
+        return sizes
 
     def full_table(self, leaf: ArrayLeaf) -> ChunkTable:
         """Every chunk of an array (for tools that walk them all)."""
