@@ -1,6 +1,6 @@
 """Metadata bytes each restoring process reads, format v1 against v2, on real processes.
 
-4 processes × 2 CPU devices save a 2,000-array tree (mesh (data=2, model=4); arrays sharded
+4 processes x 2 CPU devices save a 2,000-array tree (mesh (data=2, model=4); arrays sharded
 over `model`, replicated over `data`) and restore it onto the same mesh. v1 is the library
 as of the commit given by --v1-rev (its code is taken from git into a temporary directory);
 v2 is the working tree. Each process reports the manifest bytes it parsed, the chunk-record
