@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CoordinationError
 from .base import Coordinator
+
+log = logging.getLogger("snapshard")
+
+# How long a process waits for the others in a save, an export or a manager's start-up.
+DEFAULT_TIMEOUT_S = 600.0
 
 _counts: dict[str, int] = {}
 _counts_lock = threading.Lock()
@@ -105,3 +112,46 @@ class Rendezvous:
         doc = self._get("outcome", "process 0")
         if not doc["ok"]:
             raise CoordinationError(f"{self.what} failed: {doc['error']}")
+
+
+def write_then_commit(
+    rv: Rendezvous,
+    write: Callable[[], dict[str, Any]],
+    commit: Callable[[list[dict[str, Any]]], None],
+    discard: Callable[[], None],
+) -> dict[str, Any]:
+    """The protocol of every multi-process operation (saves, exports), in one place.
+
+    Every process runs `write` and reports its result (a small JSON document) or its error
+    under `written/<pid>`; process 0 gathers every report, in process order, and runs
+    `commit` on them; it publishes the outcome, which the others wait for. Any failure is
+    raised on every process, naming the process that failed; process 0 then runs `discard`
+    (nothing was made visible). Returns this process's report.
+    """
+    pid = rv.coord.process_index
+
+    def fail(e: BaseException) -> None:
+        rv.publish_outcome(e)
+        log.error("%s failed: %s", rv.what, e)
+        discard()
+
+    try:
+        mine = write()
+    except BaseException as e:
+        rv.report(f"written/{pid}", e)
+        if rv.coord.is_leader:
+            fail(e)
+        raise
+    rv.report(f"written/{pid}", **mine)
+    rv.start_clock()
+    if rv.coord.is_leader:
+        try:
+            others = rv.gather("written")
+            commit([mine if p == pid else others[p] for p in range(rv.coord.process_count)])
+        except BaseException as e:
+            fail(e)
+            raise
+        rv.publish_outcome()
+    else:
+        rv.await_outcome()
+    return mine

@@ -23,20 +23,18 @@ import numpy as np
 
 from ..adapters.leaves import SaveArray, classify, is_save_leaf
 from ..coordination import Coordinator, default_coordinator
-from ..coordination.rendezvous import Rendezvous, namespace
+from ..coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, namespace, write_then_commit
 from ..errors import CheckpointExistsError, StorageError, UnsupportedLeafError
 from ..planning import overlap_runs, plan_writes
 from ..staging import stage
 from ..storage import Location, is_object_store_url
-from ..storage.local import fsync_dir
+from ..storage.local import STAGING_SUFFIX, fsync_dir
 from ..tree import flatten, path_str
 from .dtypes import safetensors_name
 from .files import INDEX_NAME, SINGLE_NAME, SUFFIX
 from .header import build_header
 
-DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_HOST_BUDGET = 1 << 30
-STAGING_SUFFIX = ".snapshard-tmp"
 
 
 @dataclass
@@ -258,28 +256,14 @@ def save(
         rv.report("ready")
     else:
         rv.wait("ready", "process 0")
-    # 2. Everyone writes its own byte runs and reports.
-    try:
-        written = _write_own(staging, files, pid, plan, host_budget)
-    except BaseException as e:
-        rv.report(f"written/{pid}", e)
-        if coord.is_leader:
-            rv.publish_outcome(e)
-            _discard(staging)
-        raise
-    rv.report(f"written/{pid}")
-    # 3. Process 0 commits once every process has written; the others learn the outcome.
-    if coord.is_leader:
-        try:
-            rv.gather("written")
-            _commit(staging, final, overwrite)
-        except BaseException as e:
-            rv.publish_outcome(e)
-            _discard(staging)
-            raise
-        rv.publish_outcome()
-    else:
-        rv.await_outcome()
+    # 2. Everyone writes its own byte runs and reports; process 0 commits once all have.
+    mine = write_then_commit(
+        rv,
+        lambda: {"bytes": _write_own(staging, files, pid, plan, host_budget)},
+        lambda _reports: _commit(staging, final, overwrite),
+        lambda: _discard(staging),
+    )
+    written = int(mine["bytes"])
     return ExportResult([f.name for f in files], written)
 
 
