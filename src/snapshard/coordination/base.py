@@ -32,6 +32,27 @@ class Coordinator(ABC):
     @abstractmethod
     def barrier(self, name: str, timeout_s: float) -> None: ...
 
+    @abstractmethod
+    def get_dir(self, prefix: str) -> dict[str, str]:
+        """Every key under `prefix/` that is set now (key relative to the prefix), in one
+        round trip."""
+
+    @abstractmethod
+    def delete(self, prefix: str) -> None:
+        """Remove `prefix` and every key under `prefix/`."""
+
+    @abstractmethod
+    def increment(self, key: str, by: int = 1) -> int:
+        """Add `by` to the counter at `key` (0 if unset) and return the new value, atomically."""
+
+    def set_if_absent(self, key: str, value: str) -> str:
+        """Set `key` unless it is set; returns the value that stays (the first setter's)."""
+        current = self.try_get(key)
+        if current is None:
+            self.set(key, value)
+            return value
+        return current
+
 
 class SingleProcessCoordinator(Coordinator):
     """One process: the key-value store is a dict, safe to use from background threads."""
@@ -63,3 +84,30 @@ class SingleProcessCoordinator(Coordinator):
 
     def barrier(self, name: str, timeout_s: float) -> None:
         return None
+
+    def get_dir(self, prefix: str) -> dict[str, str]:
+        base = prefix.rstrip("/") + "/"
+        with self._cond:
+            return {k[len(base) :]: v for k, v in self._kv.items() if k.startswith(base)}
+
+    def delete(self, prefix: str) -> None:
+        base = prefix.rstrip("/")
+        with self._cond:
+            for k in [k for k in self._kv if k == base or k.startswith(base + "/")]:
+                del self._kv[k]
+
+    def increment(self, key: str, by: int = 1) -> int:
+        with self._cond:
+            n = int(self._kv.get(key, "0")) + by
+            self._kv[key] = str(n)
+            self._cond.notify_all()
+            return n
+
+    def set_if_absent(self, key: str, value: str) -> str:
+        with self._cond:
+            return self._kv.setdefault(key, value)
+
+    def keys(self) -> list[str]:
+        """Every key set now (for tests: a finished operation leaves none behind)."""
+        with self._cond:
+            return sorted(self._kv)
