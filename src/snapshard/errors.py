@@ -45,6 +45,10 @@ class UnsupportedLeafError(SnapshardError, TypeError):
     """A leaf of the tree has a type snapshard cannot save."""
 
 
+class DeletedArrayError(SnapshardError, RuntimeError):
+    """A jax.Array leaf was deleted (or donated) before snapshard could read it."""
+
+
 class CoordinationError(SnapshardError):
     """Another process failed, or did not report within the timeout."""
 
