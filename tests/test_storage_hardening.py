@@ -180,3 +180,10 @@ def test_single_process_directory_operations():
     assert c.set_if_absent("t", "first") == "first" and c.set_if_absent("t", "2nd") == "first"
     c.delete("a")
     assert c.keys() == ["ab/3", "t"]
+
+
+def test_the_job_token_is_stable_and_shared():
+    c = SingleProcessCoordinator()
+    t = c.job_token()
+    assert t == c.job_token() and t.isalnum() and len(t) == 12
+    assert SingleProcessCoordinator().job_token() != t

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 
 
@@ -44,6 +45,15 @@ class Coordinator(ABC):
     @abstractmethod
     def increment(self, key: str, by: int = 1) -> int:
         """Add `by` to the counter at `key` (0 if unset) and return the new value, atomically."""
+
+    def job_token(self) -> str:
+        """A random token, the same on every process of this job and different between jobs
+        (the first process to ask sets it; one round trip, once per process)."""
+        token: str | None = getattr(self, "_job_token", None)
+        if token is None:
+            token = self.set_if_absent("snapshard/job-token", uuid.uuid4().hex[:12])
+            self._job_token = token
+        return token
 
     def set_if_absent(self, key: str, value: str) -> str:
         """Set `key` unless it is set; returns the value that stays (the first setter's)."""
@@ -108,6 +118,6 @@ class SingleProcessCoordinator(Coordinator):
             return self._kv.setdefault(key, value)
 
     def keys(self) -> list[str]:
-        """Every key set now (for tests: a finished operation leaves none behind)."""
+        """Every key set now but the job token (for tests: an operation leaves none behind)."""
         with self._cond:
-            return sorted(self._kv)
+            return sorted(k for k in self._kv if k != "snapshard/job-token")
