@@ -226,3 +226,18 @@ def test_a_killed_writer_is_taken_over_by_the_next_job(root_url):
     root = root_for(root_url)
     for step in (n for n, ok in root.list().items() if ok):
         assert snapshard.load(root.child(step))["step"] == int(step)
+
+
+def test_every_process_of_a_job_learns_that_the_root_is_held(tmp_path):
+    holder = WriterLease(root_for(tmp_path / "run").lease_files())
+    holder.acquire()
+    try:
+        procs = multiproc.run("manager_start.py", 2, 1, tmp_path / "run", timeout=90)
+    finally:
+        holder.release()
+    r0, r1 = procs[0].result(), procs[1].result()
+    assert r0["error_type"] == "WriterLeaseError" and f"pid {os.getpid()}" in r0["error"]
+    assert r1["error_type"] == "CoordinationError"
+    assert "WriterLeaseError" in r1["error"] and f"pid {os.getpid()}" in r1["error"]
+    procs = multiproc.run("manager_start.py", 2, 1, tmp_path / "run", timeout=90)
+    assert all(p.result()["ok"] for p in procs)
