@@ -101,7 +101,7 @@ class Rendezvous:
                         f"{self.timeout_s:g} s (stopped or died)"
                     )
                 time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.25)
+                pause = min(pause * 2, 0.1)
         finally:
             self._forget(f"{self.prefix}/{key}")
 
