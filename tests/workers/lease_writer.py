@@ -37,7 +37,7 @@ def main() -> None:
             tree = {"w": np.full((64, 32), step, np.float32), "step": step}
             manager.save(step, tree)
             saved.append(step)
-            time.sleep(0.02)
+            time.sleep(0.1)  # long enough for the second job to start meanwhile
         manager.close()
     except Exception as e:
         report(saved=saved, error_type=type(e).__name__, error=str(e))
