@@ -19,11 +19,17 @@ from functools import cached_property
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes, to_devices
+from .adapters.jax_arrays import (
+    assemble,
+    key_array,
+    key_dtype_is_prng,
+    local_device_boxes,
+    resolve_target_sharding,
+    to_devices,
+)
 from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
 from .errors import CheckpointNotFoundError, ChecksumMismatchError, TargetMismatchError
@@ -31,7 +37,7 @@ from .format import ArrayLeaf, ChunkTable, Manifest, ValueLeaf, validate_structu
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
 from .planning.read_plan import covering_range
 from .storage import Location, Storage, storage_for
-from .tree import Path, keypath_to_path, path_str, unflatten
+from .tree import Path, keypath_to_path, path_str, unflatten, warn_lost_classes
 
 DEFAULT_MEMORY_BUDGET = 4 << 30
 DEFAULT_MAX_GAP = 4096
@@ -108,7 +114,7 @@ class _Request:
         return sum(d.buf.nbytes for d in self.dests)
 
 
-def _request(saved: ArrayLeaf, target: Any, url: str) -> _Request:
+def _request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> _Request:
     """What to build for a saved array leaf given its target leaf (None: NumPy as saved)."""
     name = saved.name
     saved_dtype = dtype_from_name(saved.dtype)
@@ -122,6 +128,7 @@ def _request(saved: ArrayLeaf, target: Any, url: str) -> _Request:
         sharding = (
             target.sharding if isinstance(target, jax.Array) else getattr(target, "sharding", None)
         )
+        sharding = resolve_target_sharding(sharding, mesh, leaf=name)
     elif isinstance(target, np.ndarray | np.generic):
         shape, dtype, sharding = tuple(np.shape(target)), target.dtype, None
     else:
@@ -407,10 +414,7 @@ def _build(req: _Request) -> Any:
         # Key arrays are small: every process reads all of the key data and builds its part.
         impl = req.saved.key_impl
         data = host(req.dests[0], saved_dtype)
-        if req.sharding is None:
-            return jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
-        wrap = jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=req.sharding)
-        return wrap(data)
+        return key_array(data, impl, req.sharding)
     per_device: dict[Any, jax.Array] = {}
     for d in req.dests:
         per_device.update(zip(d.devices, to_devices(host(d, req.dtype), d.devices), strict=True))
@@ -566,6 +570,7 @@ def load(
     threads: int = DEFAULT_THREADS,
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
     max_gap: int = DEFAULT_MAX_GAP,
+    mesh: Any = None,
 ) -> Any:
     """Restore a checkpoint.
 
@@ -575,7 +580,9 @@ def load(
     np.ndarray or ShapeDtypeStruct without sharding (NumPy). Leaves the target omits are not
     read; a differing dtype is cast on the host. `memory_budget` bounds the host bytes held
     at once while building jax.Arrays. A checkpoint written by Orbax is read the same way,
-    through TensorStore (see docs/migrating-from-orbax.md).
+    through TensorStore (see docs/migrating-from-orbax.md). Target shardings on an
+    AbstractMesh (eval_shape under jax.set_mesh) are placed on `mesh`, or else on the mesh
+    in context.
     """
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
@@ -605,7 +612,7 @@ def load(
                     raise TargetMismatchError(
                         f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
                     )
-                reqs.append((path, _request(leaf, t, url)))
+                reqs.append((path, _request(leaf, t, url, mesh)))
         built = execute([r for _, r in reqs], read_dests, memory_budget=memory_budget, stats=stats)
         results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:
@@ -614,5 +621,6 @@ def load(
     stats.total_s = time.perf_counter() - t_start
     if treedef is None:
         by_index: Callable[[int], Any] = lambda i: results[manifest.leaves[i].path]  # noqa: E731
+        warn_lost_classes(manifest.structure)
         return unflatten(manifest.structure, by_index)
     return jax.tree_util.tree_unflatten(treedef, [results[p] for p, _ in pairs])
