@@ -102,9 +102,7 @@ def test_nnx_state_and_split(ckpt):
     merged = nnx.merge(graphdef, restored)
     assert_same(nnx.state(merged), state)
     # nnx.State paths gain a trailing 'value'
-    assert "l1/kernel/value" in {
-        "/".join(map(str, p)) for p in _paths(snapshard.metadata(ckpt))
-    }
+    assert "l1/kernel/value" in {"/".join(map(str, p)) for p in _paths(snapshard.metadata(ckpt))}
 
 
 def _paths(tree, prefix=()):

@@ -109,9 +109,7 @@ def test_load_abstract_mesh_target(ckpt):
     snapshard.save(ckpt, {"w": w, "k": jax.random.key(7)})
     target = {
         "w": jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=abstract_sharding(mesh, "data")),
-        "k": jax.ShapeDtypeStruct(
-            (), jax.random.key(0).dtype, sharding=abstract_sharding(mesh)
-        ),
+        "k": jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=abstract_sharding(mesh)),
     }
     with pytest.raises(TargetMismatchError, match="AbstractMesh"):
         snapshard.load(ckpt, target)

@@ -206,9 +206,7 @@ def resolve_target_sharding(sharding: Any, mesh: Any = None, *, leaf: str | None
     on the concrete mesh in context. The concrete mesh must have the abstract one's axis
     names and sizes. Any other sharding (or None) is returned unchanged.
     """
-    if not isinstance(sharding, jax.sharding.NamedSharding) or not _is_abstract_mesh(
-        sharding.mesh
-    ):
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not _is_abstract_mesh(sharding.mesh):
         return sharding
     where = f"leaf {leaf!r}: " if leaf is not None else ""
     abstract = sharding.mesh
@@ -222,7 +220,9 @@ def resolve_target_sharding(sharding: Any, mesh: Any = None, *, leaf: str | None
             "of those axes"
         )
     if _is_abstract_mesh(concrete):
-        raise TargetMismatchError(f"{where}mesh= must be a concrete jax.sharding.Mesh, not an AbstractMesh")
+        raise TargetMismatchError(
+            f"{where}mesh= must be a concrete jax.sharding.Mesh, not an AbstractMesh"
+        )
     have = dict(concrete.shape)
     if have != wanted:
         source = "mesh=" if mesh is not None else "the mesh in context"

@@ -17,12 +17,13 @@ import os
 from typing import Any
 
 from ..dtypes import dtype_from_name
-from ..errors import SnapshardError
+from ..errors import CheckpointExistsError, SnapshardError
 from ..format import ArrayLeaf
 from ..interop import local_path
-from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
+from ..interop.reader import CheckpointReader, chunk_slabs
 from ..interop.writer import CheckpointWriter
 from ..storage import storage_for
+from .ls import open_checkpoint
 from .options import add_memory_option
 from .output import Output, human_bytes
 
@@ -140,9 +141,26 @@ def to_safetensors(
     }
 
 
+def _exists_error(e: CheckpointExistsError) -> CheckpointExistsError:
+    """The library's 'pass overwrite=True' said as the command line says it."""
+    text = (
+        str(e)
+        .replace("pass overwrite=True", "pass --overwrite")
+        .replace("pass overwrite", "pass --overwrite")
+    )
+    return CheckpointExistsError(text)
+
+
 def run(args: argparse.Namespace, out: Output) -> int:
+    try:
+        return _run(args, out)
+    except CheckpointExistsError as e:
+        raise _exists_error(e) from None
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
     chunk_bytes = args.chunk_bytes
-    with open_reader(args.src) as reader:
+    with open_checkpoint(args.src, "convert") as reader:
         if args.to == "snapshard":
             with storage_for(args.dst) as dst:
                 check_destination(reader.url, dst.url)
