@@ -102,7 +102,7 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
                 "c": [walk(getattr(node, f), (*path, f)) for f in fields],
             }
         try:
-            children, _ = jax.tree_util.flatten_one_level_with_keys(node)
+            children = _one_level(node)
         except ValueError:
             raise UnsupportedLeafError(
                 f"leaf {path_str(path)!r}: values of type {type(node).__module__}."
@@ -123,6 +123,20 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
 
     structure = walk(tree, ())
     return FlatTree(structure, paths, leaves)
+
+
+def _one_level(node: Any) -> list[tuple[Any, Any]]:
+    """(key, child) pairs of a registered pytree node; ValueError for a leaf."""
+    import jax
+
+    one_level = getattr(jax.tree_util, "flatten_one_level_with_keys", None)
+    if one_level is not None:
+        return list(one_level(node)[0])
+    # JAX before 0.4.36: flatten with every child a leaf.
+    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is node:
+        raise ValueError("not a pytree node")
+    return [(keypath[0], child) for keypath, child in flat]
 
 
 def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:

@@ -138,8 +138,9 @@ def assemble(
 
 @contextmanager
 def outside_context_mesh() -> Iterator[None]:
-    """Run the body with no context mesh (JAX versions without one: unchanged)."""
-    set_mesh = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "set_mesh", None)
+    """Run the body with no context mesh (JAX versions without `jax.set_mesh`: unchanged;
+    their `jax.sharding.set_mesh` is a global setter, not a context)."""
+    set_mesh = getattr(jax, "set_mesh", None)
     if set_mesh is None:
         yield
         return

@@ -40,7 +40,7 @@ def _partitioned_type() -> Any:
 
 
 def _set_mesh(mesh: Any) -> Any:
-    set_mesh = getattr(jax, "set_mesh", None) or getattr(jax.sharding, "set_mesh", None)
+    set_mesh = getattr(jax, "set_mesh", None)  # a context manager (jax.sharding's is a setter)
     if set_mesh is not None:
         return set_mesh(mesh)
     use_mesh = getattr(jax.sharding, "use_mesh", None)
