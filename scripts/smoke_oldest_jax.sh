@@ -12,7 +12,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "jax[cpu]==$JAX_VERSION" "jaxlib==$JAX_VERSION"
+"$VENV/bin/python" -m pip install -q "jax[cpu]==$JAX_VERSION"
 "$VENV/bin/python" -m pip install -q --no-deps -e .
 "$VENV/bin/python" -m pip install -q "crc32c>=2.4,<3" "ml_dtypes>=0.5,<0.7" \
   "pytest>=8,<10" "pytest-timeout>=2.3,<3" "hypothesis>=6.100,<7" "psutil>=5.9,<8" "tqdm>=4.66,<5"

@@ -4,6 +4,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+if not hasattr(jax, "set_mesh"):
+    pytest.skip("needs jax.set_mesh (JAX 0.7 and later)", allow_module_level=True)
+
 from jax.sharding import AxisType, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -11,8 +15,6 @@ import snapshard
 from snapshard import TargetMismatchError
 from snapshard.adapters.jax_arrays import key_array, outside_context_mesh, resolve_target_sharding
 from snapshard.staging import cpu_views_survive_donation
-
-pytestmark = pytest.mark.skipif(not hasattr(jax, "set_mesh"), reason="needs jax.set_mesh")
 
 
 def explicit_mesh() -> jax.sharding.Mesh:
