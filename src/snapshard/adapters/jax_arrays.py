@@ -141,10 +141,32 @@ def outside_context_mesh() -> Iterator[None]:
     """Run the body with no context mesh (JAX versions without `jax.set_mesh`: unchanged;
     their `jax.sharding.set_mesh` is a global setter, not a context)."""
     set_mesh = getattr(jax, "set_mesh", None)
-    if set_mesh is None:
+    if set_mesh is not None:
+        with set_mesh(None):
+            yield
+        return
+    with _outside_use_mesh():
+        yield
+
+
+@contextmanager
+def _outside_use_mesh() -> Iterator[None]:
+    """JAX 0.5-0.6: leave the context of `jax.sharding.use_mesh` (its two halves)."""
+    use_mesh = getattr(jax.sharding, "use_mesh", None)
+    try:
+        import sys
+
+        from jax._src import mesh as mesh_lib
+
+        use_concrete = getattr(sys.modules[use_mesh.__module__], "use_concrete_mesh", None)
+        use_abstract = mesh_lib.use_abstract_mesh
+        empty = mesh_lib.empty_abstract_mesh
+    except (AttributeError, ImportError, KeyError):
+        use_concrete = None
+    if use_concrete is None:
         yield
         return
-    with set_mesh(None):
+    with use_abstract(empty), use_concrete(None):
         yield
 
 
@@ -183,6 +205,13 @@ def _is_abstract_mesh(mesh: Any) -> bool:
 def context_mesh() -> Any:
     """The concrete mesh of `jax.set_mesh` (or the legacy `with mesh:`), else None."""
     get_mesh = getattr(jax.sharding, "get_mesh", None)
+    if get_mesh is None:  # JAX 0.5-0.6: the concrete half of `jax.sharding.use_mesh`
+        try:
+            from jax._src import mesh as mesh_lib
+
+            get_mesh = getattr(mesh_lib, "get_concrete_mesh", None)
+        except ImportError:
+            get_mesh = None
     if get_mesh is not None:
         try:
             mesh = get_mesh()
