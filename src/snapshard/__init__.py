@@ -27,6 +27,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
+    from .adapters.targets import abstract_target
     from .inspection import ArrayMetadata, ValueMetadata, metadata
     from .manager import BackgroundSaveError, CheckpointManager, LocalTier
     from .per_process import PerProcess
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "abstract_target": "adapters.targets",
     "ArrayMetadata": "inspection",
     "ValueMetadata": "inspection",
     "metadata": "inspection",
@@ -81,6 +83,7 @@ __all__ = [
     "ValidationError",
     "ValueMetadata",
     "__version__",
+    "abstract_target",
     "load",
     "metadata",
     "save",

@@ -20,8 +20,9 @@ from ..errors import (
 )
 from ..format import MANIFEST_NAME, Manifest, validate_coverage
 from ..format.finder import check_record_files
-from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
+from ..interop.reader import CheckpointReader, chunk_slabs
 from ..storage import LocalStorage, Storage
+from .ls import open_checkpoint
 from .options import add_memory_option
 from .output import Output, human_bytes
 
@@ -143,7 +144,7 @@ def render(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     try:
-        reader = open_reader(args.path, verify=True)
+        reader = open_checkpoint(args.path, "verify", verify=True)
     except CorruptCheckpointError as e:  # a damaged manifest is a finding, not bad input
         problem = {"message": str(e), "file": MANIFEST_NAME, "leaf": None, "chunk": None}
         doc = {"path": args.path, "ok": False, "problem": problem}
