@@ -151,12 +151,6 @@ def test_bytes_leaves_with_the_hooks(ckpt, bytes_hooks):
     assert restore_iterator(OwnIterator(None), out["data"]).state == it.state
 
 
-@pytest.mark.xfail(
-    reason="bytes leaves need format.manifest.encode_value/decode_value and "
-    "adapters.leaves.VALUE_TYPES to accept bytes ({'type': 'bytes', 'value': <base64>})",
-    raises=UnsupportedLeafError,
-    strict=False,
-)
 def test_bytes_leaves(ckpt):
     snapshard.save(ckpt, {"raw": bytes(range(256))})
     assert snapshard.load(ckpt)["raw"] == bytes(range(256))

@@ -19,11 +19,13 @@ from .errors import (
     ChecksumMismatchError,
     CoordinationError,
     CorruptCheckpointError,
+    DeletedArrayError,
     SnapshardError,
     StorageError,
     TargetMismatchError,
     UnsupportedLeafError,
     ValidationError,
+    WriterLeaseError,
 )
 
 if TYPE_CHECKING:
@@ -72,6 +74,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "DeletedArrayError",
     "LocalTier",
     "PerProcess",
     "ReadStats",
@@ -82,6 +85,7 @@ __all__ = [
     "UnsupportedLeafError",
     "ValidationError",
     "ValueMetadata",
+    "WriterLeaseError",
     "__version__",
     "abstract_target",
     "load",

@@ -36,7 +36,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..adapters.jax_arrays import layout_of, slices_to_box
+from ..adapters.jax_arrays import layout_of, outside_context_mesh, slices_to_box
 from ..adapters.leaves import SaveArray
 from ..coordination import Coordinator, SingleProcessCoordinator
 from ..coordination.transfer import PendingExchange, exchange, start_exchange
@@ -372,9 +372,9 @@ def build_from_local(entry: dict[str, Any], target: Any, name: str) -> Any:
             name,
         )
         impl = entry["key_impl"]
-        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(
-            data
-        )
+        with outside_context_mesh():  # our jit must not see the caller's mesh context
+            wrap = jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)
+            return wrap(data)
     per_device: dict[Any, jax.Array] = {}
     groups: dict[str, list[Any]] = {}
     for d, idx in sharding.addressable_devices_indices_map(shape).items():

@@ -72,6 +72,11 @@ class TorchStoreCoordinator(Coordinator):
             with contextlib.suppress(Exception):
                 self._store.delete_key(k)
 
+    def set_if_absent(self, key: str, value: str) -> str:
+        """Atomically, through the store's compare-and-set (an empty expected value matches
+        a missing key)."""
+        return bytes(self._store.compare_set(key, "", value)).decode()
+
     def increment(self, key: str, by: int = 1) -> int:
         return int(self._store.add(key, by))
 
