@@ -131,6 +131,16 @@ def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str
     return doc
 
 
+def _verify_or_damaged(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str, Any]:
+    """verify(), with damage found while reading the metadata (the chunk records of a v2
+    checkpoint, say) reported as damage rather than as a failure of the tool."""
+    try:
+        return verify(reader, out, buffer_bytes)
+    except CorruptCheckpointError as e:
+        problem = {"message": str(e), "file": None, "leaf": None, "chunk": None}
+        return {"path": reader.url, "ok": False, "problem": problem}
+
+
 def render(doc: dict[str, Any]) -> str:
     if not doc["ok"]:
         return f"DAMAGED {doc['path']}: {doc['problem']['message']}"
@@ -149,6 +159,6 @@ def run(args: argparse.Namespace, out: Output) -> int:
         doc = {"path": args.path, "ok": False, "problem": problem}
     else:
         with reader:
-            doc = verify(reader, out, args.buffer_bytes)
+            doc = _verify_or_damaged(reader, out, args.buffer_bytes)
     out.result(doc, lambda: render(doc))
     return 0 if doc["ok"] else 1
