@@ -552,8 +552,7 @@ def test_mutations_fail_cleanly(mutation_results: list[Any]) -> None:
 @pytest.mark.parametrize("cls", SPECIAL)
 def test_special_files(mutation_results: list[Any], cls: str) -> None:
     bad = failures(mutation_results, (cls,))
-    if bad:
-        pytest.xfail(reason="needs the safe-open change in storage/local.py: " + bad[0][:300])
+    assert not bad, "\n".join(bad[:20])
 
 
 def test_every_mutation_class_was_tried(mutation_results: list[Any]) -> None:
