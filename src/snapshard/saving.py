@@ -130,6 +130,8 @@ def prepare(
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
+    # Staging named after the job: saves of two jobs to one location never share it.
+    storage.set_attempt(coord.job_token())
     flat = flat or flatten(tree, adapter.is_leaf if adapter else is_save_leaf)
     if adapter is not None:
         n = coord.process_count

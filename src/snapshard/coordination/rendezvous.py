@@ -82,34 +82,62 @@ class Rendezvous:
 
     def gather(self, key: str) -> dict[int, dict[str, Any]]:
         """Process 0: every other process's report `key/<pid>`; a failure or a process that
-        does not report in time raises, naming it (and every process still missing)."""
+        does not report in time raises, naming it (and every process still missing).
+
+        The reports are read together (one listing of `key/` per poll, never one request
+        per process), polling with a growing pause; they are deleted once read."""
+        me, n = self.coord.process_index, self.coord.process_count
+        want = set(range(n)) - {me}
+        pause = 0.002
+        try:
+            while True:
+                got = self._reports(key)
+                for p, doc in sorted(got.items()):
+                    if p in want and not doc["ok"]:
+                        raise CoordinationError(f"{self.what}: process {p} failed: {doc['error']}")
+                if want <= got.keys():
+                    return {p: got[p] for p in sorted(want)}
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(want - got.keys())
+                    raise CoordinationError(
+                        f"{self.what}: process(es) {missing} did not report within "
+                        f"{self.timeout_s:g} s (stopped or died)"
+                    )
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.1)
+        finally:
+            self._forget(f"{self.prefix}/{key}")
+
+    def _reports(self, key: str) -> dict[int, dict[str, Any]]:
         out = {}
-        for p in range(self.coord.process_count):
-            if p == self.coord.process_index:
-                continue
-            try:
-                out[p] = json.loads(self.coord.get(f"{self.prefix}/{key}/{p}", self._left()))
-            except TimeoutError:
-                missing = [
-                    q
-                    for q in range(self.coord.process_count)
-                    if q != self.coord.process_index
-                    and self.coord.try_get(f"{self.prefix}/{key}/{q}") is None
-                ]
-                raise CoordinationError(
-                    f"{self.what}: process(es) {missing} did not report within "
-                    f"{self.timeout_s:g} s (stopped or died)"
-                ) from None
-            if not out[p]["ok"]:
-                raise CoordinationError(f"{self.what}: process {p} failed: {out[p]['error']}")
+        for rel, text in self.coord.get_dir(f"{self.prefix}/{key}").items():
+            if rel.isdigit():
+                out[int(rel)] = dict(json.loads(text))
         return out
 
+    def _forget(self, prefix: str) -> None:
+        """Delete keys nobody reads any more (best effort: a leftover key is harmless)."""
+        try:
+            self.coord.delete(prefix)
+        except Exception as e:
+            log.debug("could not delete coordination keys %s: %s", prefix, e)
+
     def publish_outcome(self, error: BaseException | None = None) -> None:
+        if self.coord.process_count == 1:
+            self._forget(self.prefix)  # nobody waits for it
+            return
         self.report("outcome", error)
 
     def await_outcome(self) -> None:
-        """The others: wait for process 0's outcome, raising it if the operation failed."""
+        """The others: wait for process 0's outcome, raising it if the operation failed.
+        The last process to read it deletes the operation's keys."""
         doc = self._get("outcome", "process 0")
+        try:
+            if self.coord.increment(f"{self.prefix}/seen") == self.coord.process_count - 1:
+                self._forget(self.prefix)
+        except CoordinationError:
+            pass
         if not doc["ok"]:
             raise CoordinationError(f"{self.what} failed: {doc['error']}")
 
