@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 Box = tuple[np.ndarray, np.ndarray]
 # Reads of one record file closer than this are merged into one.
 _MERGE_GAP = 64 << 10
+# Record reads are small and bound by the store's latency (two requests in a row per record
+# file: directory entries, then segments), and a restore touches hundreds of record files
+# (the writers of replicated arrays are spread over the job): many run at once.
+DEFAULT_THREADS = 64
 
 
 @dataclass
@@ -47,7 +51,7 @@ class ChunkFinder:
 
     storage: Storage
     manifest: Manifest
-    threads: int = 8
+    threads: int = DEFAULT_THREADS
     metadata_bytes: int = 0  # record bytes read so far
     _holders: dict[tuple[Any, ...], _Holders] = field(default_factory=dict)
     _meshes: dict[int, Mesh] = field(default_factory=dict)
@@ -208,7 +212,7 @@ class ChunkFinder:
         m = self.manifest
         assert m.processes is not None
         where = f"{self.storage.url}, leaf {leaf.name!r}"
-        base = m.processes.base
+        base, nfiles_of, sizes = self._per_process()
         dt = NAME_TO_DTYPE.get(leaf.dtype)
         if dt is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {leaf.dtype!r}")
@@ -226,7 +230,7 @@ class ChunkFinder:
                 raise SnapshardError(
                     f"{where}: a chunk of process {q} {what}, which this version does not read"
                 )
-            nfiles = len(m.processes.data_sizes[q])
+            nfiles = nfiles_of[q]
             if np.any(r.file < 0) or np.any(r.file >= nfiles):
                 raise CorruptCheckpointError(
                     f"{where}: a record of process {q} names a file it did not write"
@@ -249,15 +253,23 @@ class ChunkFinder:
             t.crc_offset = np.zeros(len(t), np.int64)
         from .validate import check_chunks
 
-        check_chunks(leaf, t, dt.itemsize, self._file_sizes(), where)
+        # An int64 array, not a list: check_chunks takes its length and indexes it, and
+        # np.asarray of it is free where that of a P-long list is O(P) for every leaf.
+        check_chunks(leaf, t, dt.itemsize, cast(list[int], sizes), where)
         t.intern_boxes(self._boxes)
         return t
 
-    def _file_sizes(self) -> list[int]:
-        sizes = self.__dict__.get("_sizes")
-        if sizes is None:
-            sizes = self.__dict__["_sizes"] = [f.size for f in self.manifest.files]
-        return sizes
+    def _per_process(self) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """Each process's first global file number, its data file count, and every data
+        file's size, computed once: per leaf they would cost O(processes) each."""
+        got = self.__dict__.get("_per_process_cache")
+        if got is None:
+            table = self.manifest.processes
+            assert table is not None
+            sizes = np.asarray([f.size for f in self.manifest.files], dtype=np.int64)
+            got = (table.base, [len(s) for s in table.data_sizes], sizes)
+            self.__dict__["_per_process_cache"] = got
+        return got
 
     def full_table(self, leaf: ArrayLeaf) -> ChunkTable:
         """Every chunk of an array (for tools that walk them all)."""
