@@ -53,7 +53,7 @@ class ChunkFinder:
     manifest: Manifest
     threads: int = DEFAULT_THREADS
     metadata_bytes: int = 0  # record bytes read so far
-    _holders: dict[tuple[Any, ...], _Holders] = field(default_factory=dict)
+    _holders: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     _meshes: dict[int, Mesh] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Tables with equal boxes share their box columns, hence one index in the restore.
@@ -104,26 +104,61 @@ class ChunkFinder:
             h = self._holders[key] = _Holders(groups, ChunkIndex(groups.starts, groups.stops))
         return h
 
+    def _mesh_grid(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
+        """For a mesh layout: the process of every mesh position arranged as (pieces of array
+        axis 0, pieces of axis 1, …, the other mesh axes), and each axis's piece length;
+        None for other layouts. Holders of a box are then one block of it, with no per-device
+        rows built."""
+        key = ("grid", leaf.layout, leaf.shape)
+        if key in self._holders:
+            return self._holders[key]
+        d = self.manifest.layouts[leaf.layout] if leaf.layout is not None else {}
+        grid = None
+        if d.get("kind") == "mesh":
+            lay = self._layout(leaf)  # validates the description (and is cheap to build)
+            mesh = self._meshes[d["mesh"]]
+            spec: list[list[str]] = d["spec"]
+            used = [mesh.axes.index(a) for axes in spec for a in axes]
+            rest = [i for i in range(len(mesh.shape)) if i not in used]
+            pieces = [math.prod(mesh.shape[mesh.axes.index(a)] for a in axes) for axes in spec]
+            t = mesh.processes.reshape(mesh.shape).transpose(used + rest)
+            t = t.reshape([*pieces, -1])
+            steps = np.asarray([n // k for n, k in zip(leaf.shape, pieces, strict=True)], np.int64)
+            del lay
+            grid = (t, np.maximum(steps, 1))
+        self._holders[key] = grid
+        return grid
+
     def candidates(self, leaf: ArrayLeaf, boxes: Sequence[Box]) -> np.ndarray:
         """The processes that may have written chunks overlapping `boxes`."""
-        h = self.holders(leaf)
-        g = h.groups
         if leaf.writers is not None and len(leaf.writers) <= 64:
-            procs = np.asarray(leaf.writers, np.int64)
-        else:
-            parts = []
-            for start, stop in boxes:
-                u = h.index.overlapping(start, stop)
-                if len(u) == g.count:
-                    parts = [g.cand_process]
-                    break
-                lo, hi = g.cand_ptr[u], g.cand_ptr[u + 1]
-                parts.extend(
-                    g.cand_process[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)
-                )
-            procs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            return np.asarray(leaf.writers, np.int64)
+        grid = self._mesh_grid(leaf)
+        if grid is not None:
+            t, steps = grid
+            blocks = [
+                t[tuple(slice(a, b) for a, b in zip((s // steps).tolist(), (-(-e // steps)).tolist(), strict=True))]
+                for s, e in boxes
+            ]  # fmt: skip
+            procs = np.unique(np.concatenate([b.reshape(-1) for b in blocks]))
             if leaf.writers is not None:
                 procs = np.intersect1d(procs, np.asarray(leaf.writers, np.int64))
+            return procs
+        h = self.holders(leaf)
+        g = h.groups
+        parts = []
+        for start, stop in boxes:
+            u = h.index.overlapping(start, stop)
+            if len(u) == g.count:
+                parts = [g.cand_process]
+                break
+            lo, hi = g.cand_ptr[u], g.cand_ptr[u + 1]
+            parts.extend(
+                g.cand_process[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)
+            )
+        procs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        if leaf.writers is not None:
+            procs = np.intersect1d(procs, np.asarray(leaf.writers, np.int64))
         return procs
 
     # ---- fetching records ----------------------------------------------------------------
