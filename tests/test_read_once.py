@@ -63,6 +63,14 @@ def test_replicated_state_is_read_once(saved_4x2, layout, replicas):
 
 
 @pytest.mark.multiprocess
+def test_small_memory_budget(saved_4x2):
+    """Several batches, each agreed on before its collective, cut alike on every process."""
+    _, on = _restore(saved_4x2, 4, 2, "rep2", "--budget", 200_000)
+    unique, read, _ = _totals(on)
+    assert read <= 1.05 * unique + _SMALL, (read, unique)
+
+
+@pytest.mark.multiprocess
 def test_onto_another_process_count(saved_4x2):
     """Saved on 4 x 2, restored on 2 processes x 4 devices (each box on both processes)."""
     _, on = _restore(saved_4x2, 2, 4, "rep2")

@@ -190,24 +190,22 @@ def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
     return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
-def plan(reqs: list[Request], process: int) -> dict[int, _Once]:
+def plan(reqs: list[Request], process: int, processes: int) -> dict[int, _Once]:
     """The requests to read once (by index in `reqs`), each re-planned on its read sharding."""
     out: dict[int, _Once] = {}
     for i, r in enumerate(reqs):
         if r.kind != "jax" or r.sharding is None:
             continue
         lp = leaf_plan(tuple(r.saved.shape), r.sharding)
-        if lp is None:
-            continue
+        if lp is None or len(lp.target_elements) != processes or 0 in lp.target_elements:
+            continue  # (a sharding must span every process of the job to be read once)
         saved_size = dtype_from_name(r.saved.dtype).itemsize
         out_size = np.dtype(r.dtype).itemsize
         cost = max(
             t * out_size + e * saved_size
             for t, e in zip(lp.target_elements, lp.read_elements, strict=True)
         )
-        from_peers = lp.from_peers_elements[process] * out_size if process < len(
-            lp.from_peers_elements
-        ) else 0  # fmt: skip
+        from_peers = lp.from_peers_elements[process] * out_size
         once = request_boxes(Request(r.saved, "jax", r.dtype, lp.read_sharding), lp.read_sharding)
         r.dests.clear()  # the target boxes' buffers: not read into
         out[i] = _Once(once, r.sharding, cost, from_peers)
@@ -285,7 +283,11 @@ def execute(
 
     Every process must call it with the same targets (as every restore requires)."""
     coord = coord if coord is not None else default_coordinator()
-    once = plan(reqs, coord.process_index) if enabled and coord.process_count > 1 else {}
+    once = (
+        plan(reqs, coord.process_index, coord.process_count)
+        if enabled and coord.process_count > 1
+        else {}
+    )
     if not once:
         return execute_all(reqs, read, memory_budget=memory_budget, stats=stats, expand=expand)
     rv = Rendezvous(coord, namespace("load", location), f"load of {location}", timeout_s)

@@ -2,7 +2,7 @@
 
 usage: read_once.py save CKPT
        read_once.py restore CKPT LAYOUT [--no-read-once] [--fail-read PID] [--timeout S]
-                    [--safetensors] [--manager]
+                    [--safetensors] [--manager] [--budget BYTES]
    LAYOUT: 'rep4' (mesh data=processes x model=devices, params on P(None, 'model'): each box
    on every process), 'rep2' (mesh 2 x (devices*processes/2): each box on 2 processes).
    Reports, per process, whether every addressable shard matches bit for bit, its ReadStats,
@@ -111,6 +111,8 @@ def restore(args) -> None:
         local.LocalStorage.read_into = read_into
     stats = snapshard.ReadStats()
     opts = {"read_once": not args.no_read_once, "timeout_s": args.timeout, "stats": stats}
+    if args.budget:
+        opts["memory_budget"] = args.budget
     t0 = time.perf_counter()
     # An ambient mesh must not matter: read-once passes its shardings explicitly.
     ambient = jax.set_mesh(Mesh(devs.reshape(-1), ("other",)))
@@ -167,6 +169,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--safetensors", action="store_true")
     ap.add_argument("--manager", action="store_true")
+    ap.add_argument("--budget", type=int, default=0, help="memory_budget in bytes")
     args = ap.parse_args()
     save(args) if args.op == "save" else restore(args)
 
