@@ -22,7 +22,6 @@ once and copied device to device.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -231,38 +230,27 @@ def _batches(items: list[int], cost: dict[int, int], budget: int | None) -> list
 
 def _agree(rv: Rendezvous, batch: int, error: BaseException | None) -> None:
     """Every process learns whether every read of `batch` succeeded; raises on all of them,
-    naming the failing process, when one did not."""
+    naming the failing process, when one did not. Process 0 gathers the reports and
+    publishes the outcome; the last process to read it deletes the batch's keys."""
     coord = rv.coord
     me = coord.process_index
-    key = f"read/{batch}"
-    rv.start_clock()
+    step = Rendezvous(coord, f"{rv.prefix}/read/{batch}", rv.what, rv.timeout_s)
+    step.start_clock()
     if me != 0:
-        rv.report(f"{key}/{me}", error)
-        if error is not None:
-            raise CoordinationError(
-                f"{rv.what}: process {me} failed: {type(error).__name__}: {error}"
-            ) from error
-        try:
-            doc = json.loads(coord.get(f"{rv.prefix}/{key}/outcome", rv.timeout_s))
-        except TimeoutError:
-            raise CoordinationError(
-                f"{rv.what}: process 0 did not report within {rv.timeout_s:g} s"
-            ) from None
-        if not doc["ok"]:
-            raise CoordinationError(doc["error"])
+        step.report(f"ok/{me}", error)
+        step.await_outcome()  # raises the outcome's error, naming the failing process
+        if error is not None:  # (the outcome always reports it; never reached)
+            raise error
         return
     failure: CoordinationError | None = None
     if error is not None:
         failure = CoordinationError(f"{rv.what}: process 0 failed: {type(error).__name__}: {error}")
     else:
         try:
-            rv.gather(key)
+            step.gather("ok")
         except CoordinationError as e:
             failure = e
-    coord.set(
-        f"{rv.prefix}/{key}/outcome",
-        json.dumps({"ok": failure is None, "error": None if failure is None else str(failure)}),
-    )
+    step.publish_outcome(failure)
     if failure is not None:
         raise failure from error
 

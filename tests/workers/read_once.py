@@ -124,7 +124,7 @@ def restore(args) -> None:
         elif args.manager:
             with snapshard.CheckpointManager(args.ckpt) as mgr:
                 out = mgr.restore(5, target, **opts)
-                peers = mgr.last_restore["bytes_from_peers"]
+                peers = mgr.last_restore.bytes_from_peers
                 assert peers == stats.bytes_from_peers, (peers, stats.bytes_from_peers)
         else:
             out = snapshard.load(args.ckpt, target, **opts)
