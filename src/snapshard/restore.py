@@ -59,15 +59,19 @@ _ALIGN = 64
 
 @dataclass
 class ReadStats:
-    """What a load read on this process. bytes_needed counts each target box once."""
+    """What a load read on this process. bytes_needed counts each box read once (with
+    read-once, this process's share of the replicated leaves); bytes_from_peers counts the
+    bytes of this process's target boxes that other processes read and sent."""
 
     bytes_needed: int = 0
     bytes_read: int = 0
+    bytes_from_peers: int = 0
     metadata_bytes: int = 0  # chunk records read (v2), beside the manifest
     reads: int = 0
     chunks_touched: int = 0
     read_s: float = 0.0
     assemble_s: float = 0.0
+    reshard_s: float = 0.0  # read-once: moving the bytes read onto the target shardings
     total_s: float = 0.0
 
     @property
@@ -710,6 +714,24 @@ def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple
     return pairs, treedef
 
 
+def _execute_read_once(
+    reqs: list[Request],
+    read: ReadDests,
+    memory_budget: int | None,
+    stats: ReadStats,
+    enabled: bool,
+    url: str,
+    timeout_s: float,
+) -> list[Any]:
+    """execute, with replicated jax targets read once across the job (see read_once.py)."""
+    from . import read_once
+
+    return read_once.execute(
+        reqs, read, memory_budget=memory_budget, stats=stats, enabled=enabled, location=url,
+        timeout_s=timeout_s,
+    )  # fmt: skip
+
+
 def load(
     directory: Location | Storage,
     target: Any = None,
@@ -721,6 +743,8 @@ def load(
     max_gap: int = DEFAULT_MAX_GAP,
     resplit: Resplit | None = None,
     mesh: Any = None,
+    read_once: bool = True,
+    timeout_s: float = 600.0,
 ) -> Any:
     """Restore a checkpoint.
 
@@ -735,6 +759,11 @@ def load(
     through TensorStore (see docs/migrating-from-orbax.md). Target shardings on an
     AbstractMesh (eval_shape under jax.set_mesh) are placed on `mesh`, or else on the mesh
     in context.
+
+    `read_once` (multi-process jobs): a jax target replicated across processes is read from
+    storage once across the job, each process reading a share, and the copies travel over
+    the job's collectives; `read_once=False` makes every holder read its boxes itself.
+    `timeout_s` bounds how long a process waits for the others' reads to finish then.
     """
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
@@ -769,7 +798,9 @@ def load(
                         f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
                     )
                 reqs.append((path, make_request(leaf, t, url, mesh)))
-        built = execute([r for _, r in reqs], read_dests, memory_budget=memory_budget, stats=stats)
+        built = _execute_read_once(
+            [r for _, r in reqs], read_dests, memory_budget, stats, read_once, url, timeout_s
+        )
         results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:
         if owns_storage:

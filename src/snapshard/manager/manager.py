@@ -440,6 +440,7 @@ class CheckpointManager:
             tier="persistent",
             step=step,
             bytes_read_persistent=stats.bytes_read,
+            bytes_from_peers=stats.bytes_from_peers,
             seconds=time.perf_counter() - t0,
             skipped=skipped,
         )

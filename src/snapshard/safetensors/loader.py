@@ -12,12 +12,12 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..format import FileEntry, Manifest
+from ..read_once import execute as read_once_execute
 from ..restore import (
     DEFAULT_MAX_GAP,
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_THREADS,
     ReadStats,
-    execute,
     is_target_leaf,
     make_request,
     reader_of,
@@ -89,6 +89,8 @@ def load(
     threads: int = DEFAULT_THREADS,
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
     max_gap: int = DEFAULT_MAX_GAP,
+    read_once: bool = True,
+    timeout_s: float = 600.0,
 ) -> Any:
     """Load safetensors tensors: a file, a directory, or a `model.safetensors.index.json`.
 
@@ -96,7 +98,9 @@ def load(
     Otherwise a pytree whose leaves name tensors by their path joined with '.', and say what
     to build (as in snapshard.load): a ShapeDtypeStruct with a sharding gives a jax.Array on
     it, read by each process for its own shards only; an np.ndarray or a ShapeDtypeStruct
-    without sharding gives NumPy. A differing dtype is cast on the host.
+    without sharding gives NumPy. A differing dtype is cast on the host. `read_once` and
+    `timeout_s` as in snapshard.load: tensors replicated across processes are read once
+    across the job and sent to the other holders.
     """
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
@@ -132,7 +136,10 @@ def load(
         read = reader_of(
             files.storage, manifest, verify=False, threads=threads, max_gap=max_gap, stats=stats
         )
-        built = execute(reqs, read, memory_budget=memory_budget, stats=stats, expand=planner.expand)
+        built = read_once_execute(
+            reqs, read, memory_budget=memory_budget, stats=stats, expand=planner.expand,
+            enabled=read_once, location=url, timeout_s=timeout_s,
+        )  # fmt: skip
     finally:
         files.close()
     stats.total_s = time.perf_counter() - t_start

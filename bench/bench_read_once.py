@@ -1,0 +1,237 @@
+"""Read-once restore: bytes read from storage and restore time with read-once on and off.
+
+4 processes x 2 CPU devices (jax.distributed on 127.0.0.1, gloo collectives). The state is
+saved on mesh (data=4, model=2) with P('data', 'model') and restored onto the same mesh
+with P(None, 'model'): every column band then lives on all 4 processes, so without
+read-once the job reads 4x the unique bytes. Storages: the local disk (page cache warm, and
+evicted with posix_fadvise before each restore) and, when AWS_ENDPOINT_URL is set, the
+local S3 server (`.ci/run` shows how to start it and which AWS_* variables to export).
+
+One set of worker processes serves every round: in each round both modes run, in an order
+alternated between rounds, each behind a barrier (not counted); a restore's time is the
+slowest process's, its bytes the sum over processes. The first restore of each mode in a
+job also compiles the resharding program; the first round is reported apart.
+
+usage: python bench/bench_read_once.py [--mb 512] [--rounds 5] [--out FILE.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import common as bc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROCS, DEVICES = 4, 2
+N_ARRAYS, COLS = 8, 1024
+
+
+# ================================================================ worker side
+def _init() -> tuple[int, int]:
+    import jax
+
+    pid = int(os.environ["BENCH_RO_PID"])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        f"127.0.0.1:{os.environ['BENCH_RO_PORT']}", num_processes=PROCS, process_id=pid,
+        initialization_timeout=120,
+    )  # fmt: skip
+    return pid, PROCS
+
+
+def _rows(mb: int) -> int:
+    return max(8, (mb << 20) // (N_ARRAYS * COLS * 4) // 8 * 8)
+
+
+def _host(i: int, rows: int):
+    import numpy as np
+
+    return (np.arange(rows * COLS, dtype=np.float32).reshape(rows, COLS) + i * 0.5) * 1e-3
+
+
+def worker(args: argparse.Namespace) -> None:
+    pid, n = _init()
+    import gc
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import snapshard
+    from snapshard.coordination import default_coordinator
+
+    coord = default_coordinator()
+    rows = _rows(args.mb)
+    mesh = Mesh(np.array(jax.devices()).reshape(n, -1), ("data", "model"))
+    save_s = NamedSharding(mesh, P("data", "model"))
+    target_s = NamedSharding(mesh, P(None, "model"))
+    refs = {f"w{i}": _host(i, rows) for i in range(N_ARRAYS)}
+    tree = {
+        k: jax.make_array_from_callback(v.shape, save_s, lambda idx, v=v: v[idx])
+        for k, v in refs.items()
+    }
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target_s) for k, v in refs.items()}
+    unique = sum(v.nbytes for v in refs.values())
+    storages = [("local", os.path.join(args.dir, "ckpt"))]
+    if args.s3:
+        storages.append(("s3", args.s3))
+    seq = 0
+
+    def sync(name: str) -> None:
+        nonlocal seq
+        seq += 1
+        coord.barrier(f"bench_ro/{seq}/{name}", 600)
+
+    for where, loc in storages:
+        sync(f"save-{where}")
+        snapshard.save(loc, tree, overwrite=True)
+        variants = [("warm", False)] if where == "s3" else [("warm", False), ("evicted", True)]
+        for cache, evict in variants:
+            for r in range(args.rounds):
+                modes = [True, False] if r % 2 == 0 else [False, True]
+                for once in modes:
+                    if evict and pid == 0:
+                        bc.evict(loc)
+                    sync(f"{where}-{cache}-{r}-{once}")
+                    stats = snapshard.ReadStats()
+                    t0 = time.perf_counter()
+                    out = snapshard.load(loc, target, stats=stats, read_once=once)
+                    jax.block_until_ready(out)
+                    dt = time.perf_counter() - t0
+                    ok = True
+                    if r == 0:
+                        for k, x in out.items():
+                            ok &= x.sharding == target_s
+                            for s in x.addressable_shards:
+                                ok &= np.asarray(s.data).tobytes() == refs[k][s.index].tobytes()
+                    del out
+                    gc.collect()
+                    key = f"bench_ro/res/{where}/{cache}/{r}/{once}"
+                    mine = {"s": dt, "read": stats.bytes_read, "peers": stats.bytes_from_peers,
+                            "reshard_s": stats.reshard_s, "ok": bool(ok)}  # fmt: skip
+                    coord.set(f"{key}/{pid}", json.dumps(mine))
+                    if pid == 0:
+                        got = [json.loads(coord.get(f"{key}/{q}", 600)) for q in range(n)]
+                        bc.emit(
+                            storage=where, cache=cache, round=r, read_once=once, unique=unique,
+                            seconds=max(g["s"] for g in got),
+                            bytes_read=sum(g["read"] for g in got),
+                            bytes_from_peers=sum(g["peers"] for g in got),
+                            reshard_s=max(g["reshard_s"] for g in got),
+                            ok=all(g["ok"] for g in got),
+                        )  # fmt: skip
+    sync("done")
+    os._exit(0)
+
+
+# ================================================================ driver side
+def run_job(args: argparse.Namespace, out: str) -> list[dict]:
+    port = bc.free_port()
+    procs = []
+    for pid in range(PROCS):
+        env = dict(os.environ)
+        env.update(
+            BENCH_RO_PID=str(pid), BENCH_RO_PORT=str(port), JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+        )  # fmt: skip
+        cmd = [sys.executable, os.path.join(HERE, "bench_read_once.py"), "--worker",
+               "--mb", str(args.mb), "--rounds", str(args.rounds), "--dir", args.dir]  # fmt: skip
+        if args.s3:
+            cmd += ["--s3", args.s3]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    rows = []
+    try:
+        stdout, stderr = procs[0].communicate(timeout=args.timeout)
+        for p in procs[1:]:
+            p.communicate(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if procs[0].returncode != 0:
+        raise SystemExit(f"worker 0 exited {procs[0].returncode}:\n{stderr[-4000:]}")
+    with open(out, "a") as f:
+        for line in stdout.splitlines():
+            if line.startswith("RESULT "):
+                rows.append(json.loads(line[7:]))
+                f.write(line[7:] + "\n")
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    print("\n| storage | page cache | read-once | restore s, median [min-max] (first round) "
+          "| bytes read / unique | from peers / unique | ok |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    groups: dict[tuple[str, str], dict[bool, list[dict]]] = {}
+    for r in rows:
+        groups.setdefault((r["storage"], r["cache"]), {}).setdefault(r["read_once"], []).append(r)
+    ratios = []
+    for (where, cache), by_mode in groups.items():
+        for once in (True, False):
+            rs = sorted(by_mode.get(once, []), key=lambda r: r["round"])
+            if not rs:
+                continue
+            later = [r["seconds"] for r in rs[1:]] or [rs[0]["seconds"]]
+            u = rs[0]["unique"]
+            print(
+                f"| {where} | {cache} | {'on' if once else 'off'} | {bc.spread(later, 3)} "
+                f"({rs[0]['seconds']:.3f}) | {statistics.median(r['bytes_read'] for r in rs) / u:.3f} "
+                f"| {statistics.median(r['bytes_from_peers'] for r in rs) / u:.3f} "
+                f"| {all(r['ok'] for r in rs)} |"
+            )
+        on = {r["round"]: r["seconds"] for r in by_mode.get(True, [])}
+        off = {r["round"]: r["seconds"] for r in by_mode.get(False, [])}
+        paired = [off[k] / on[k] for k in sorted(on) if k in off and k > 0]
+        ratios.append((f"{where}, {cache}: time off / on (rounds after the first)", paired, ""))
+    bc.ratio_table("Speed-up of read-once, paired per round", ratios)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=512, help="state size in MiB")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--analyze", default=None)
+    ap.add_argument("--s3", default=None, help="s3:// URL (default: a new bucket when "
+                    "AWS_ENDPOINT_URL is set)")  # fmt: skip
+    ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--dir", default=os.path.join(bc.bench_dir(), "read_once"))
+    ap.add_argument("--timeout", type=float, default=3000)
+    ap.add_argument("--worker", action="store_true")
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.analyze:
+        with open(args.analyze) as f:
+            report([json.loads(line) for line in f if line.strip()])
+        return
+    if args.s3 is None and not args.no_s3 and os.environ.get("AWS_ENDPOINT_URL"):
+        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+        from s3env import create_bucket
+
+        args.s3 = f"s3://{create_bucket('snapshard-bench')}/read-once"
+    os.makedirs(args.dir, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = args.out or os.path.join(HERE, "results", f"read_once-{stamp}.jsonl")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    rows = run_job(args, out)
+    print(f"{len(rows)} restores; {args.mb} MiB state, {PROCS} processes x {DEVICES} devices")
+    report(rows)
+    bc.remove(args.dir)
+
+
+if __name__ == "__main__":
+    main()

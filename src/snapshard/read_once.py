@@ -1,0 +1,312 @@
+"""Read-once restore: each unique byte is read from storage by one process of the job, and
+the copies that other processes hold arrive over the interconnect.
+
+For a target whose sharding holds a box on several processes (data-parallel replicas), a
+*read sharding* on the same devices is derived in which every byte lives on exactly one
+device: the mesh axes the target leaves unused are appended to the spec of one array axis
+(the first, in axis order, whose length they divide), after the axes already cutting it,
+so that each device reads a piece of its own target box. Each process reads its boxes of
+the read sharding through the ordinary restore executor, and one jitted identity with the
+target as output sharding moves the bytes (an all-gather over the job's collectives).
+
+Collectives must be entered by every process, so before them the processes agree, through
+the coordinator, that every read of the batch succeeded: a process whose read failed
+reports it and raises, and the others raise the same error, naming it, instead of waiting
+in a collective that would never complete. Batches are cut from sizes every process
+computes alike (the most host bytes any one process holds), so every process runs the
+same batches and the same collectives in the same order.
+
+With one process this is a no-op: boxes held by several local devices are already read
+once and copied device to device.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .adapters.jax_arrays import slices_to_box
+from .coordination import default_coordinator
+from .coordination.base import Coordinator
+from .coordination.rendezvous import Rendezvous, namespace
+from .dtypes import dtype_from_name
+from .errors import CoordinationError
+from .restore import Expand, ReadDests, ReadStats, Request, request_boxes
+from .restore import execute as execute_all
+
+DEFAULT_TIMEOUT_S = 600.0
+_READ_AXIS = "snapshard_read"
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class LeafPlan:
+    """How one (shape, target sharding) is read once: the read sharding, and per process the
+    elements it holds in the target and in the read sharding, and the target elements it
+    does not read itself."""
+
+    read_sharding: jax.sharding.Sharding
+    target_elements: tuple[int, ...]  # by process index
+    read_elements: tuple[int, ...]
+    from_peers_elements: tuple[int, ...]
+
+
+def _size(box: Box) -> int:
+    return math.prod(b - a for a, b in zip(*box, strict=True))
+
+
+def _overlap(a: Box, b: Box) -> int:
+    return math.prod(
+        max(0, min(e1, e2) - max(s1, s2))
+        for s1, e1, s2, e2 in zip(a[0], a[1], b[0], b[1], strict=True)
+    )
+
+
+def _boxes_by_process(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> dict[int, set[Box]]:
+    out: dict[int, set[Box]] = {}
+    index_map: dict[Any, Any] = dict(sharding.devices_indices_map(shape))
+    for d, idx in index_map.items():
+        out.setdefault(d.process_index, set()).add(slices_to_box(idx, shape))
+    return out
+
+
+def _holders(by_process: dict[int, set[Box]]) -> dict[Box, int]:
+    count: dict[Box, int] = {}
+    for boxes in by_process.values():
+        for b in boxes:
+            count[b] = count.get(b, 0) + 1
+    return count
+
+
+def _spec_axes(entry: Any) -> list[str]:
+    if entry is None:
+        return []
+    if isinstance(entry, tuple | list):
+        return [str(a) for a in entry]
+    return [str(entry)]
+
+
+def _named_candidates(sharding: NamedSharding, shape: tuple[int, ...]) -> list[NamedSharding]:
+    """Read shardings for a NamedSharding: its unused mesh axes (all of them, then only those
+    that span processes) appended to one array axis they divide, major axes first."""
+    mesh = sharding.mesh
+    if getattr(mesh, "devices", None) is None:  # an abstract mesh
+        return []
+    ndim = len(shape)
+    spec = [sharding.spec[i] if i < len(sharding.spec) else None for i in range(ndim)]
+    used = {a for e in spec for a in _spec_axes(e)}
+    sizes = dict(mesh.shape)
+    unused = [str(a) for a in mesh.axis_names if str(a) not in used and sizes[a] > 1]
+    procs = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(mesh.devices)
+    spans = [
+        a for a in unused
+        if np.any(procs != np.take(procs, [0], axis=list(mesh.axis_names).index(a)))
+    ]  # fmt: skip
+    out = []
+    for extra in [unused, spans] if spans != unused else [unused]:
+        if not extra:
+            continue
+        k = math.prod(sizes[a] for a in extra)
+        for i in range(ndim):
+            existing = _spec_axes(spec[i])
+            m = math.prod(sizes[a] for a in existing) * k
+            if shape[i] % m:
+                continue
+            axes = existing + extra
+            new = list(spec)
+            new[i] = tuple(axes) if len(axes) > 1 else axes[0]
+            out.append(NamedSharding(mesh, P(*new), memory_kind=sharding.memory_kind))
+    return out
+
+
+def _flat_candidates(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> list[NamedSharding]:
+    """Other shardings: a 1-D mesh of their devices (process-major), cutting one axis."""
+    devices: list[Any] = sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
+    mesh = Mesh(np.array(devices), (_READ_AXIS,))
+    out = []
+    for i in range(len(shape)):
+        if shape[i] % len(devices) == 0:
+            spec: list[str | None] = [None] * len(shape)
+            spec[i] = _READ_AXIS
+            out.append(NamedSharding(mesh, P(*spec)))
+    return out
+
+
+@lru_cache(maxsize=1024)
+def leaf_plan(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> LeafPlan | None:
+    """The read-once plan of an array, or None when it would not reduce storage reads (no
+    box is held by more than one process) or when no read sharding fits its shape."""
+    try:
+        target = _boxes_by_process(sharding, shape)
+    except Exception:  # shardings that cannot list their devices' boxes: read as usual
+        return None
+    if not any(n > 1 for n in _holders(target).values()):
+        return None
+    if isinstance(sharding, NamedSharding):
+        candidates = _named_candidates(sharding, shape)
+    else:
+        candidates = _flat_candidates(sharding, shape)
+    for rs in candidates:
+        read = _boxes_by_process(rs, shape)
+        if any(n > 1 for n in _holders(read).values()) or set(read) != set(target):
+            continue
+        procs = sorted(target)
+        n = max(procs) + 1
+        t_el, r_el, f_el = [0] * n, [0] * n, [0] * n
+        for p in procs:
+            t_el[p] = sum(_size(b) for b in target[p])
+            r_el[p] = sum(_size(b) for b in read[p])
+            mine = sum(_overlap(t, r) for t in target[p] for r in read[p])
+            f_el[p] = t_el[p] - mine
+        return LeafPlan(rs, tuple(t_el), tuple(r_el), tuple(f_el))
+    return None
+
+
+@dataclass
+class _Once:
+    req: Request  # the request on the read sharding
+    target: jax.sharding.Sharding
+    cost: int  # the most host bytes one process holds for it (read pieces + target boxes)
+    from_peers: int  # bytes of this process's target boxes it does not read itself
+
+
+@lru_cache(maxsize=64)
+def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
+    """One program moving a whole batch onto its target shardings (one compilation)."""
+    return jax.jit(lambda *xs: xs, out_shardings=shardings)
+
+
+def plan(reqs: list[Request], process: int, processes: int) -> dict[int, _Once]:
+    """The requests to read once (by index in `reqs`), each re-planned on its read sharding."""
+    out: dict[int, _Once] = {}
+    for i, r in enumerate(reqs):
+        if r.kind != "jax" or r.sharding is None:
+            continue
+        lp = leaf_plan(tuple(r.saved.shape), r.sharding)
+        if lp is None or len(lp.target_elements) != processes or 0 in lp.target_elements:
+            continue  # (a sharding must span every process of the job to be read once)
+        saved_size = dtype_from_name(r.saved.dtype).itemsize
+        out_size = np.dtype(r.dtype).itemsize
+        cost = max(
+            t * out_size + e * saved_size
+            for t, e in zip(lp.target_elements, lp.read_elements, strict=True)
+        )
+        from_peers = lp.from_peers_elements[process] * out_size
+        once = request_boxes(Request(r.saved, "jax", r.dtype, lp.read_sharding), lp.read_sharding)
+        r.dests.clear()  # the target boxes' buffers: not read into
+        out[i] = _Once(once, r.sharding, cost, from_peers)
+    return out
+
+
+def _batches(items: list[int], cost: dict[int, int], budget: int | None) -> list[list[int]]:
+    if budget is None:
+        return [items] if items else []
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for i in items:
+        if cur and size + cost[i] > budget:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(i)
+        size += cost[i]
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _agree(rv: Rendezvous, batch: int, error: BaseException | None) -> None:
+    """Every process learns whether every read of `batch` succeeded; raises on all of them,
+    naming the failing process, when one did not. Process 0 gathers the reports and
+    publishes the outcome; the last process to read it deletes the batch's keys."""
+    coord = rv.coord
+    me = coord.process_index
+    step = Rendezvous(coord, f"{rv.prefix}/read/{batch}", rv.what, rv.timeout_s)
+    step.start_clock()
+    if me != 0:
+        step.report(f"ok/{me}", error)
+        step.await_outcome()  # raises the outcome's error, naming the failing process
+        if error is not None:  # (the outcome always reports it; never reached)
+            raise error
+        return
+    failure: CoordinationError | None = None
+    if error is not None:
+        failure = CoordinationError(f"{rv.what}: process 0 failed: {type(error).__name__}: {error}")
+    else:
+        try:
+            step.gather("ok")
+        except CoordinationError as e:
+            failure = e
+    step.publish_outcome(failure)
+    if failure is not None:
+        raise failure from error
+
+
+def execute(
+    reqs: list[Request],
+    read: ReadDests,
+    *,
+    memory_budget: int | None,
+    stats: ReadStats,
+    expand: Expand | None = None,
+    enabled: bool = True,
+    location: str = "",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    coord: Coordinator | None = None,
+) -> list[Any]:
+    """restore.execute, reading each unique byte of replicated jax targets once per job.
+
+    Every process must call it with the same targets (as every restore requires)."""
+    coord = coord if coord is not None else default_coordinator()
+    once = (
+        plan(reqs, coord.process_index, coord.process_count)
+        if enabled and coord.process_count > 1
+        else {}
+    )
+    if not once:
+        return execute_all(reqs, read, memory_budget=memory_budget, stats=stats, expand=expand)
+    rv = Rendezvous(coord, namespace("load", location), f"load of {location}", timeout_s)
+    results: dict[int, Any] = {}
+    error: BaseException | None = None
+    rest = [i for i in range(len(reqs)) if i not in once]
+    try:
+        built = execute_all(
+            [reqs[i] for i in rest], read, memory_budget=memory_budget, stats=stats, expand=expand
+        )
+        results.update(zip(rest, built, strict=True))
+    except Exception as e:
+        error = e
+    costs = {i: o.cost for i, o in once.items()}
+    for k, batch in enumerate(_batches(sorted(once), costs, memory_budget)):
+        arrays: list[Any] = []
+        if error is None:
+            try:
+                arrays = execute_all(
+                    [once[i].req for i in batch], read, memory_budget=None, stats=stats,
+                    expand=expand,
+                )  # fmt: skip
+            except Exception as e:
+                error = e
+        _agree(rv, k, error)
+        t0 = time.perf_counter()
+        outs = _reshard(tuple(once[i].target for i in batch))(*arrays)
+        del arrays
+        jax.block_until_ready(outs)
+        stats.reshard_s += time.perf_counter() - t0
+        for i, out in zip(batch, outs, strict=True):
+            results[i] = out
+            stats.bytes_from_peers += once[i].from_peers
+    return [results[i] for i in range(len(reqs))]

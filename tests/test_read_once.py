@@ -1,0 +1,151 @@
+"""Read-once restore: replicated targets are read from storage once across the job."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import multiproc
+import snapshard
+from snapshard.read_once import leaf_plan
+
+from conftest import mesh, sharded
+
+
+def _restore(ckpt, n, d, layout, *extra, check=True, timeout=150):
+    procs = multiproc.run(
+        "read_once.py", n, d, "restore", ckpt, layout, *extra, timeout=timeout, check=check
+    )
+    return procs, [p.result() for p in procs]
+
+
+def _totals(results):
+    assert all(r["ok"] for r in results), results
+    unique = results[0]["unique"]
+    read = sum(r["stats"]["bytes_read"] for r in results)
+    peers = sum(r["stats"]["bytes_from_peers"] for r in results)
+    return unique, read, peers
+
+
+@pytest.fixture(scope="module")
+def saved_4x2(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("once") / "ckpt"
+    multiproc.run("read_once.py", 4, 2, "save", ckpt, timeout=120)
+    return ckpt
+
+
+# Beside the array leaves of the worker, every process reads all of the PRNG key and the
+# NumPy leaf, and leaf 'odd' (7x5, no read sharding fits) is read by every holder.
+_SMALL = 4 * (8 + 64 * 4 + 7 * 5 * 4) + 4 * 4096  # and a checksum block at most per process
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout,replicas", [("rep4", 4), ("rep2", 2)])
+def test_replicated_state_is_read_once(saved_4x2, layout, replicas):
+    _, on = _restore(saved_4x2, 4, 2, layout)
+    unique, read, peers = _totals(on)
+    assert read <= 1.05 * unique + _SMALL, (read, unique)
+    assert peers > 0
+    _, off = _restore(saved_4x2, 4, 2, layout, "--no-read-once")
+    unique, read_off, peers_off = _totals(off)
+    assert peers_off == 0
+    # Without read-once every holder reads its boxes: about replicas x unique.
+    assert read_off >= 0.9 * replicas * unique, (read_off, unique)
+    # Every byte a process holds was read by it or received: nothing is missing.
+    for r_on, r_off in zip(on, off, strict=True):
+        got = r_on["stats"]["bytes_needed"] + r_on["stats"]["bytes_from_peers"]
+        assert got == r_off["stats"]["bytes_needed"]
+
+
+@pytest.mark.multiprocess
+def test_small_memory_budget(saved_4x2):
+    """Several batches, each agreed on before its collective, cut alike on every process."""
+    _, on = _restore(saved_4x2, 4, 2, "rep2", "--budget", 200_000)
+    unique, read, _ = _totals(on)
+    assert read <= 1.05 * unique + _SMALL, (read, unique)
+
+
+@pytest.mark.multiprocess
+def test_onto_another_process_count(saved_4x2):
+    """Saved on 4 x 2, restored on 2 processes x 4 devices (each box on both processes)."""
+    _, on = _restore(saved_4x2, 2, 4, "rep2")
+    unique, read, _ = _totals(on)
+    assert read <= 1.05 * unique + _SMALL, (read, unique)
+    _, off = _restore(saved_4x2, 2, 4, "rep2", "--no-read-once")
+    assert _totals(off)[1] >= 1.8 * unique
+
+
+@pytest.mark.multiprocess
+def test_saved_on_2x4_restores_on_4x2(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    multiproc.run("read_once.py", 2, 4, "save", ckpt, timeout=120)
+    _, on = _restore(ckpt, 4, 2, "rep4")
+    unique, read, _ = _totals(on)
+    assert read <= 1.05 * unique + _SMALL, (read, unique)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("how", ["--manager", "--safetensors"])
+def test_manager_and_safetensors(tmp_path, how):
+    ckpt = tmp_path / ("ckpt.safetensors" if how == "--safetensors" else "ckpt")
+    multiproc.run("read_once.py", 4, 2, "save", ckpt, how, timeout=120)
+    _, on = _restore(ckpt, 4, 2, "rep4", how)
+    unique, read, peers = _totals(on)
+    assert read <= 1.05 * unique + _SMALL, (read, unique)
+    assert peers > 0
+
+
+@pytest.mark.multiprocess
+def test_a_failing_reader_fails_every_process_naming_it(saved_4x2):
+    t0 = time.monotonic()
+    procs, results = _restore(
+        saved_4x2, 4, 2, "rep4", "--fail-read", 1, "--timeout", 60, check=False, timeout=120
+    )
+    elapsed = time.monotonic() - t0
+    for p, r in zip(procs, results, strict=True):
+        assert p.returncode == 3, (p.process_id, p.stderr[-2000:])
+        assert not r["ok"]
+        assert "process 1 failed" in r["error"] and "injected read failure" in r["error"], r
+        assert r["seconds"] < 30, r  # not the 60 s timeout: the failure is reported at once
+    assert elapsed < 100
+
+
+def test_single_process_reads_each_byte_once_without_peers(ckpt):
+    """Within one process read-once is a no-op: a box on several local devices is read once
+    and copied device to device."""
+    m = mesh(2, 4)
+    x = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+    snapshard.save(ckpt, {"x": sharded(x, m, "data", "model")})
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, P()))}
+    for read_once in (True, False):
+        stats = snapshard.ReadStats()
+        out = snapshard.load(ckpt, target, stats=stats, read_once=read_once)
+        assert stats.bytes_read <= 1.05 * x.nbytes and stats.bytes_from_peers == 0
+        assert len(out["x"].addressable_shards) == 8
+        for s in out["x"].addressable_shards:
+            assert np.array_equal(np.asarray(s.data), x)
+
+
+def test_read_sharding_of_a_replicated_target():
+    """The planner's read sharding: the unused axes appended to the first axis they divide;
+    nothing when no box is held by two processes (one process here) or nothing fits."""
+    m = mesh(2, 4)
+    # One process: no box has several holder processes, so nothing to gain.
+    assert leaf_plan((64, 32), NamedSharding(m, P())) is None
+
+
+def test_read_sharding_candidates():
+    from snapshard.read_once import _named_candidates
+
+    m = mesh(2, 4)
+    got = _named_candidates(NamedSharding(m, P(None, "model")), (64, 32))
+    assert got[0].spec == P("data", "model")
+    got = _named_candidates(NamedSharding(m, P()), (6, 16))
+    assert got[0].spec == P(None, ("data", "model"))
+    got = _named_candidates(NamedSharding(m, P("model")), (12, 5))
+    assert got == []  # 12 is not divisible by 4 x 2, 5 by 2
