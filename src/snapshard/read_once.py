@@ -255,6 +255,18 @@ def _agree(rv: Rendezvous, batch: int, error: BaseException | None) -> None:
         raise failure from error
 
 
+def default_on(location: str, enabled: bool | None) -> bool:
+    """Read-once unless asked otherwise, by default only on object stores: there every
+    byte read costs a request and egress, while on a local or shared filesystem of this
+    kind of machine (CPU collectives over loopback) moving the bytes between processes
+    measured slower than reading them again (see docs/design.md)."""
+    if enabled is not None:
+        return enabled
+    from .storage import is_object_store_url
+
+    return is_object_store_url(location)
+
+
 def execute(
     reqs: list[Request],
     read: ReadDests,
@@ -262,7 +274,7 @@ def execute(
     memory_budget: int | None,
     stats: ReadStats,
     expand: Expand | None = None,
-    enabled: bool = True,
+    enabled: bool | None = None,
     location: str = "",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     coord: Coordinator | None = None,
@@ -273,7 +285,7 @@ def execute(
     coord = coord if coord is not None else default_coordinator()
     once = (
         plan(reqs, coord.process_index, coord.process_count)
-        if enabled and coord.process_count > 1
+        if default_on(location, enabled) and coord.process_count > 1
         else {}
     )
     if not once:

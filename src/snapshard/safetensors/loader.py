@@ -89,7 +89,7 @@ def load(
     threads: int = DEFAULT_THREADS,
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
     max_gap: int = DEFAULT_MAX_GAP,
-    read_once: bool = True,
+    read_once: bool | None = None,
     timeout_s: float = 600.0,
 ) -> Any:
     """Load safetensors tensors: a file, a directory, or a `model.safetensors.index.json`.
