@@ -60,6 +60,7 @@ from .policies import (
     StepInfo,
     young_daly_interval,
 )
+from .references import References, identical_leaves, is_retained, saved_arrays
 
 log = logging.getLogger("snapshard")
 
@@ -94,6 +95,7 @@ class CheckpointManager:
         host_budget: int | None = None,
         handle_sigterm: bool = False,
         local_tier: LocalTier | None = None,
+        incremental: bool = False,
     ):
         """`save_interval_steps`, `save_on_steps`: when `should_save` is true (or pass
         `save_policy`). Retention: keep the newest `max_to_keep` steps, or with `best_fn` the
@@ -101,7 +103,9 @@ class CheckpointManager:
         metrics are kept), plus every step divisible by `keep_period` (or pass `retention`).
         `handle_sigterm`: a SIGTERM makes `reached_preemption` true (single-process jobs;
         multi-process jobs use JAX's preemption service). `local_tier`: also keep each
-        process's shards on node-local storage and on peers (see local_tier.py)."""
+        process's shards on node-local storage and on peers (see local_tier.py).
+        `incremental`: every step records its chunks' content hashes and refers to the
+        newest kept step for chunks that did not change (see references.py)."""
         self._root = root_for(directory)
         self._coord = coordinator or default_coordinator()
         self._timeout_s = timeout_s
@@ -135,6 +139,11 @@ class CheckpointManager:
         self._tier_reports: dict[int, dict[str, float]] = {}
         self._holdings: list[dict[str, list[int]]] = []
         self.last_restore: dict[str, Any] = {}
+        # incremental saves (references.py): steps retained for references, arrays last saved
+        self._incremental = incremental
+        self._references = References(self._root)
+        self._retained: set[str] = set()
+        self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
         self._local = (
             LocalStore(local_tier, self._coord.process_index, self._coord.process_count)
             if local_tier
@@ -161,6 +170,9 @@ class CheckpointManager:
         for name, committed in self._root.list().items():
             if committed and name.isdigit():
                 with self._root.child(name) as storage:
+                    if is_retained(storage):
+                        self._retained.add(name)
+                        continue
                     manifest = read_manifest(storage)
                 steps[int(name)] = StepInfo(
                     int(name), manifest.extra.get("metrics"), manifest.created_unix
@@ -300,6 +312,9 @@ class CheckpointManager:
             assert self._local is not None
             local_work, snapshot = self._stage_local(step, flat, report)
         prep = None
+        incremental: dict[str, Any] = {}
+        if persistent and self._incremental:
+            incremental = self._increment_from(flat)
         if persistent:
             prep = prepare(
                 self._root.child(str(step)),
@@ -312,6 +327,7 @@ class CheckpointManager:
                 extra={"step": step, "metrics": info_metrics},
                 snapshot=snapshot,
                 flat=flat,
+                **incremental,
             )
         report["blocking_s"] = time.perf_counter() - t0
 
@@ -322,6 +338,8 @@ class CheckpointManager:
                 timings = finish(prep)
                 report["persistent_save_s"] = timings.total_s - timings.blocking_s
                 report["persistent_bytes"] = timings.bytes_written
+                if self._incremental:
+                    self._saved_arrays = (step, saved_arrays(flat))
                 self._after_commit(step, info_metrics)
 
         task = BackgroundTask(work, f"save of step {step}")
@@ -395,8 +413,25 @@ class CheckpointManager:
             for s in doomed:
                 del self._steps[s]
         if self._coord.is_leader:
+            if self._incremental or self._retained:
+                with self._lock:
+                    kept = [str(s) for s in self._steps]
+                self._references.remove([str(s) for s in doomed], kept, self._retained)
+                return
             for s in doomed:
                 self._root.child(str(s)).delete()
+
+    def _increment_from(self, flat: FlatTree) -> dict[str, Any]:
+        """prepare()'s options of an incremental save: the newest kept step as base, and the
+        leaves that are the very jax.Arrays saved in it."""
+        with self._lock:
+            base = max(self._steps) if self._steps else None
+        if base is None:
+            return {"hashes": True}
+        same = frozenset[int]()
+        if self._saved_arrays is not None and self._saved_arrays[0] == base:
+            same = identical_leaves(flat, self._saved_arrays[1])
+        return {"base": self._root.child(str(base)), "hashes": True, "identical": same}
 
     def wait_until_finished(self) -> None:
         """Wait for the save in flight; raise its error (or an earlier one) if any."""
