@@ -287,3 +287,19 @@ def test_object_store_chain_under_retention(store_root):
     # overwriting a step never deletes the files it referred to
     snapshard.save(f"{store_root}/5", tree(5), overwrite=True)
     assert_same(snapshard.load(f"{store_root}/4"), tree(4))
+
+
+def test_a_plain_manager_never_deletes_what_kept_steps_refer_to(tmp_path):
+    with CheckpointManager(tmp_path, incremental=True) as m:
+        for step in (1, 2):
+            m.save(step, tree(step))
+    with CheckpointManager(tmp_path, max_to_keep=2) as m:  # not incremental
+        m.save(3, tree(3))  # a full save; step 1 is dropped, but step 2 refers to it
+        m.wait_until_finished()
+        assert m.all_steps() == [2, 3]
+        assert_same(m.restore(2), tree(2))
+        assert (tmp_path / "1" / "RETAINED").is_file()
+        m.save(4, tree(4))  # step 2 dropped: nothing refers to step 1 any more
+        m.wait_until_finished()
+        assert_same(m.restore(3), tree(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]

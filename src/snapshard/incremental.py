@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _xxhash = None
 
 UNKNOWN_HASH = bytes(rec.HASH_SIZE)  # a chunk whose hash nobody computed (never matches)
+_PARALLEL_BYTES = 8 << 20  # hash in threads above this many bytes
 
 
 def hash_id() -> int:
@@ -96,6 +97,8 @@ class Base:
     candidates: list[dict[str, Any]] = field(default_factory=list)
     _file_to_candidate: dict[int, int] = field(default_factory=dict)
     _records: dict[int, bytes] = field(default_factory=dict)
+    _by_path: dict[Any, Any] = field(default_factory=dict)
+    _file_base: list[int] = field(default_factory=list)  # global number of file 0, per process
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @staticmethod
@@ -106,7 +109,9 @@ class Base:
         if manifest.version < 2 or manifest.processes is None:
             raise ValueError(f"{storage.url}: the base of an incremental save must be format v2")
         b = Base(storage, name, manifest)
-        own = int(manifest.processes.base[-1])
+        b._by_path = manifest.leaf_by_path()
+        b._file_base = [int(x) for x in manifest.processes.base]
+        own = b._file_base[-1]
         for k, r in enumerate(manifest.refs):
             if isinstance(r, dict):
                 b._file_to_candidate[own + k] = len(b.candidates)
@@ -140,7 +145,7 @@ class Base:
         """The base's chunks of leaf `path` with exactly one of `boxes`, keyed by box_key;
         empty where the base has no such leaf (or another dtype or shape)."""
         m = self.manifest
-        leaf = m.leaf_by_path().get(path)
+        leaf = self._by_path.get(path)
         if not isinstance(leaf, ArrayLeaf) or leaf.dtype != dtype or tuple(leaf.shape) != shape:
             return {}
         assert m.finder is not None and m.processes is not None
@@ -151,7 +156,7 @@ class Base:
         ndim = len(shape)
         for q in procs.tolist():
             raw = self._record_file(q)
-            where = f"{self.storage.url}/{m.processes.record_name(q)}, leaf {leaf.name!r}"
+            where = f"{self.storage.url}, records of process {q}, leaf {a}"
             flags = rec.header_flags(raw)
             entry = rec.decode_entries(raw[rec.directory_offset(a) : rec.directory_offset(a + 1)])[
                 0
@@ -164,14 +169,14 @@ class Base:
             if flags & rec.FILE_HASHES and (flags >> rec.HASH_SHIFT) & 0xFF == hash_id():
                 hashes = rec.decode_hashes(raw[off + length :], entry, ndim, where)
             nfiles = len(m.processes.data_sizes[q])
-            own = int(m.processes.base[-1])
+            own = self._file_base[-1]
             for i in range(len(r)):
-                key = box_key(r.starts[i], r.stops[i])
+                key = r.starts[i].tobytes() + b"|" + r.stops[i].tobytes()
                 if key not in want:
                     continue
                 f = int(r.file[i])
                 is_ref = bool(r.flags[i] & rec.FLAG_REFERENCE)
-                g = own + f if is_ref else int(m.processes.base[q]) + f
+                g = own + f if is_ref else self._file_base[q] + f
                 if (not is_ref and f >= nfiles) or g not in self._file_to_candidate:
                     continue  # a malformed record: never refer to it
                 if int(r.flags[i]) & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK):
@@ -276,11 +281,14 @@ class Increment:
 
         lock = threading.Lock()
         run: Callable[[StagedItem], StagedItem | None] = one
-        if threads > 1 and len(items) > 1:
+        # Items to hash in threads (hashing releases the GIL); the rest cost nothing.
+        heavy = [it for it in items if it.leaf not in self.identical]
+        if threads > 1 and len(heavy) > 1 and sum(it.nbytes for it in heavy) > _PARALLEL_BYTES:
             from concurrent.futures import ThreadPoolExecutor
 
-            with ThreadPoolExecutor(min(threads, len(items)), "snapshard-hash") as pool:
-                kept = list(pool.map(run, items))
+            light = [run(it) for it in items if it.leaf in self.identical]
+            with ThreadPoolExecutor(min(threads, len(heavy)), "snapshard-hash") as pool:
+                kept = light + list(pool.map(run, heavy))
         else:
             kept = [run(it) for it in items]
         return [it for it in kept if it is not None]

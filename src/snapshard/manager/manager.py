@@ -412,14 +412,12 @@ class CheckpointManager:
             doomed = self._retention.to_delete(self._steps.values())
             for s in doomed:
                 del self._steps[s]
-        if self._coord.is_leader:
-            if self._incremental or self._retained:
-                with self._lock:
-                    kept = [str(s) for s in self._steps]
-                self._references.remove([str(s) for s in doomed], kept, self._retained)
-                return
-            for s in doomed:
-                self._root.child(str(s)).delete()
+        if self._coord.is_leader and (doomed or self._retained):
+            # Never a file a kept step refers to (steps of an incremental run, even when this
+            # manager is not incremental): see references.py.
+            with self._lock:
+                kept = [str(s) for s in self._steps]
+            self._references.remove([str(s) for s in doomed], kept, self._retained)
 
     def _increment_from(self, flat: FlatTree) -> dict[str, Any]:
         """prepare()'s options of an incremental save: the newest kept step as base, and the

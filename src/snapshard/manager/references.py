@@ -83,6 +83,7 @@ class References:
     def __init__(self, root: CheckpointRoot):
         self.root = root
         self._refs: dict[str, set[tuple[str, str]]] = {}  # step name -> (checkpoint, file)
+        self._trimmed: dict[str, frozenset[str]] = {}  # retained step -> files it kept
 
     def refs_of(self, name: str) -> set[tuple[str, str]]:
         got = self._refs.get(name)
@@ -104,18 +105,22 @@ class References:
         need = self.needed(kept)
         for name in [*doomed, *sorted(retained)]:
             self._refs.pop(name, None)
+            files = frozenset(need.get(name, ()))
+            if name in retained and self._trimmed.get(name) == files:
+                continue  # nothing changed for it since the last pass
             storage = self.root.child(name)
             with storage:
-                files = need.get(name)
                 if not files:
                     storage.delete()
                     retained.discard(name)
+                    self._trimmed.pop(name, None)
                     continue
                 if name not in retained:
                     _mark_retained(storage)
                     retained.add(name)
                     log.info("%s: step %s retained for references", self.root.url, name)
                 _delete_files(storage, _own_files(storage) - files)
+                self._trimmed[name] = files
 
 
 def saved_arrays(flat: FlatTree) -> dict[Path, weakref.ref[Any]]:
