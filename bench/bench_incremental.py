@@ -38,6 +38,7 @@ from common import (
 force_cpu_devices(8)
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import snapshard  # noqa: E402
@@ -117,7 +118,7 @@ def bench_incremental(args, m) -> list[tuple[str, float, str]]:
         for step, v in r.items():
             emit(what="managed save", mode=name, step=step, **v)
     # content hashes only: equal values in new arrays (no identity shortcut)
-    copy = jax.tree.map(lambda x: x + 0, frozen)
+    copy = jax.tree.map(lambda x: jnp.array(x, copy=True), frozen)
     jax.block_until_ready(copy)
     hashed_dir = ckpt_dir("incr-inc") + "/2h"
     settle()
@@ -173,7 +174,7 @@ def bench_compression(args) -> list[tuple[str, float, str]]:
     rows = []
     for sname, state in states.items():
         base_size = None
-        for option in (None, "zstd", "zstd-noshuffle"):
+        for option in (None, "zstd", "zstd+shuffle"):
             d = ckpt_dir(f"codec-{sname}-{option}")
             fresh_dir(os.path.dirname(d))
             settle()
