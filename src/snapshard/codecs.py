@@ -83,8 +83,8 @@ def _decompress(data: bytes, size: int) -> bytes:
 def codec_for(compression: str | None, dtype: np.dtype) -> int:
     """The codec of a chunk of `dtype` under a save's `compression` option: 'zstd' (or
     'zstd-noshuffle') compresses the bytes as they are; 'zstd+shuffle' byte-shuffles types
-    wider than a byte first. The shuffle gained 0.2-0.3% on trained-like floating-point
-    state for 1.6-2x the time (bench/bench_incremental.py), so it is not the default."""
+    wider than a byte first. The shuffle saved 0.3-0.4% more bytes on trained-like
+    floating-point state for 10-70% more time (design.md, "Compression"): not the default."""
     if compression is None:
         return NONE
     if compression in ("zstd", "zstd-noshuffle"):
