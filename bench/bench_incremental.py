@@ -88,7 +88,7 @@ def managed_pair(root: str, frozen: dict, ad1: dict, ad2: dict, incremental: boo
             res[step] = {
                 "blocking_s": t1 - t0,
                 "total_s": t2 - t0,
-                "bytes_written": int(rep["persistent_bytes"]),
+                "bytes_written": int(rep.persistent_bytes),
             }
     return res
 

@@ -66,7 +66,7 @@ def run(src: str, mode: str, ckpt: str, arrays: int) -> list[dict]:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for i in range(4)
     ]
     out = []

@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> None:
                 m.save(step, tree)
                 out[f"step{step}_blocking_s"] = time.perf_counter() - t0
                 m.wait_until_finished()
-            out["reports"] = {str(k): v for k, v in m.tier_reports().items()}
+            out["reports"] = {str(k): v.as_dict() for k, v in m.tier_reports().items()}
         with snapshard.CheckpointManager(args.persistent + "-only") as m:
             for step in (1, 2):
                 t0 = time.perf_counter()
@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         restored = jax.block_until_ready(m.restore(target=target))
         out["restore_s"] = time.perf_counter() - t0
-        out["restore"] = m.last_restore
+        out["restore"] = m.last_restore.as_dict()
         out["bit_exact"] = bc.check_restored(bc.flatten(restored), args.scale)
         m.close()
     print("RESULT " + json.dumps(out), flush=True)

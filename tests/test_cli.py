@@ -387,3 +387,98 @@ def test_console_entry_point(saved):
     )
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("snapshard: error: no checkpoint")
+
+
+# ---- issue nits: runs, metrics, --overwrite, verify on a run, width-0 terminals ----------
+
+
+def _managed_run(root: Path, steps=(1, 2)) -> Path:
+    with snapshard.CheckpointManager(root, save_interval_steps=1) as mgr:
+        for s in steps:
+            mgr.save(s, {"x": np.full(3, s, np.float32)}, metrics={"loss": 1.0 / s, "acc": s})
+    return root
+
+
+def test_ls_of_a_directory_of_runs(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    _managed_run(runs / "a", (1, 2, 10))
+    _managed_run(runs / "b", (5,))
+    (runs / "notes").mkdir()
+    (runs / "notes" / "readme.txt").write_text("not a checkpoint")
+    (runs / "7.snapshard-tmp").mkdir()
+    code, doc = run_json(capsys, "ls", runs)
+    assert code == 0
+    by_name = {e["name"]: e for e in doc["checkpoints"]}
+    assert by_name["a"]["state"] == "run" and by_name["a"]["checkpoints"] == 3
+    assert by_name["a"]["latest"] == "10"
+    assert by_name["b"]["state"] == "run" and by_name["b"]["latest"] == "5"
+    assert by_name["notes"]["state"] == "other" and by_name["notes"]["format"] is None
+    assert by_name["7"]["state"] == "incomplete"
+    code, out, _ = run(capsys, "ls", runs)
+    assert code == 0 and "run (3 checkpoints, latest 10)" in out and "other" in out
+
+
+def test_ls_calls_a_checkpoint_without_manifest_incomplete(tmp_path, capsys):
+    root = tmp_path / "run"
+    snapshard.save(root / "1", {"x": np.ones(2)})
+    (root / "2" / "data").mkdir(parents=True)  # an in-place save that never committed
+    _, doc = run_json(capsys, "ls", root)
+    assert {e["name"]: e["state"] for e in doc["checkpoints"]} == {
+        "1": "complete",
+        "2": "incomplete",
+    }
+
+
+def test_metrics_in_ls_and_info(tmp_path, capsys):
+    root = _managed_run(tmp_path / "run")
+    code, doc = run_json(capsys, "ls", root)
+    assert code == 0
+    assert [e["metrics"] for e in doc["checkpoints"]] == [
+        {"loss": 1.0, "acc": 1},
+        {"loss": 0.5, "acc": 2},
+    ]
+    code, out, _ = run(capsys, "ls", root)
+    assert "METRICS" in out and "loss=0.5 acc=2" in out
+    code, doc = run_json(capsys, "info", root / "2")
+    assert doc["metrics"] == {"loss": 0.5, "acc": 2} and doc["step"] == 2
+    code, out, _ = run(capsys, "info", root / "2")
+    assert "step 2" in out and "metrics loss=0.5 acc=2" in out
+    # a checkpoint saved without a manager has no metrics column
+    snapshard.save(tmp_path / "plain" / "1", {"x": np.ones(2)})
+    code, out, _ = run(capsys, "ls", tmp_path / "plain")
+    assert "METRICS" not in out
+
+
+@pytest.mark.parametrize("to", ["snapshard", "safetensors"])
+def test_convert_error_names_the_flag(saved, tmp_path, capsys, to):
+    dst = tmp_path / ("out.safetensors" if to == "safetensors" else "out")
+    assert run(capsys, "convert", saved, dst, "--to", to)[0] == 0
+    code, _, err = run(capsys, "convert", saved, dst, "--to", to)
+    assert code == 2 and "--overwrite" in err and "overwrite=True" not in err
+
+
+@pytest.mark.parametrize("command", ["verify", "info"])
+def test_verify_or_info_of_a_run_points_to_its_steps(tmp_path, capsys, command):
+    root = _managed_run(tmp_path / "run", (3, 12))
+    code, _, err = run(capsys, command, root)
+    assert code == 2
+    assert "directory of 2 checkpoint(s)" in err
+    assert f"snapshard {command} {root}/12" in err
+
+
+def test_progress_bar_when_the_terminal_reports_width_zero(saved, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("tqdm")
+    import sys
+
+    from snapshard.cli import output
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(output.os, "get_terminal_size", lambda *a: os.terminal_size((0, 0)))
+    monkeypatch.setenv("COLUMNS", "0")
+    assert output._bar_width() == 80
+    code = main(["convert", str(saved), str(tmp_path / "copy")])
+    assert code == 0
+    err = capsys.readouterr().err
+    assert "convert" in err and "%|" in err  # a bar, not only the counts
+    monkeypatch.setattr(output.os, "get_terminal_size", lambda *a: os.terminal_size((120, 40)))
+    assert output._bar_width() is None

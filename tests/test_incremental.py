@@ -40,6 +40,11 @@ def tree(step: int):
     return t
 
 
+def steps_on_disk(directory) -> list[str]:
+    """The checkpoints in a directory (not the manager's writer lease and other dot files)."""
+    return sorted(p.name for p in Path(directory).iterdir() if not p.name.startswith("."))
+
+
 def manifest(path) -> dict:
     return json.loads((Path(path) / "manifest.json").read_bytes())
 
@@ -138,12 +143,12 @@ def test_manager_chain_of_5_under_max_to_keep_2(tmp_path):
             for s in m.all_steps():
                 assert_same(m.restore(s), tree(s))
         assert m.all_steps() == [4, 5]
-        persisted = m.tier_reports()[5]["persistent_bytes"]
+        persisted = m.tier_reports()[5].persistent_bytes
         assert persisted == 32 * 8 * 4
     # step 1 holds the frozen bytes: retained for references, hidden, trimmed
     assert (tmp_path / "1" / "RETAINED").is_file()
     assert not (tmp_path / "1" / "index").exists() or not any((tmp_path / "1" / "index").iterdir())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "4", "5"]
+    assert steps_on_disk(tmp_path) == ["1", "4", "5"]
     with CheckpointManager(tmp_path, max_to_keep=2, incremental=True) as m:
         assert m.all_steps() == [4, 5]
         for s in (4, 5):
@@ -154,7 +159,7 @@ def test_manager_chain_of_5_under_max_to_keep_2(tmp_path):
         assert m.all_steps() == [6, 7]
         for s in (6, 7):
             assert_same(m.restore(s), tree(s))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "6", "7"]
+    assert steps_on_disk(tmp_path) == ["1", "6", "7"]
 
 
 def test_retained_step_is_deleted_once_nothing_refers_to_it(tmp_path):
@@ -162,11 +167,11 @@ def test_retained_step_is_deleted_once_nothing_refers_to_it(tmp_path):
         m.save(1, {"a": np.ones(1000, np.float32)})
         m.save(2, {"a": np.ones(1000, np.float32)})
         m.wait_until_finished()
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+        assert steps_on_disk(tmp_path) == ["1", "2"]
         m.save(3, {"a": np.zeros(1000, np.float32)})  # nothing refers to step 1 now
         m.wait_until_finished()
         assert_same(m.restore(3), {"a": np.zeros(1000, np.float32)})
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["3"]
+    assert steps_on_disk(tmp_path) == ["3"]
 
 
 def test_identity_shortcut_skips_hashing_the_same_jax_array(tmp_path, monkeypatch):
@@ -187,13 +192,13 @@ def test_identity_shortcut_skips_hashing_the_same_jax_array(tmp_path, monkeypatc
         m.save(2, {"frozen": frozen, "t": jnp.ones(16)})
         m.wait_until_finished()
         assert hashed == [16 * 4]  # the frozen array: identical object, not hashed
-        assert m.tier_reports()[2]["persistent_bytes"] == 16 * 4
+        assert m.tier_reports()[2].persistent_bytes == 16 * 4
         # an equal but new array is hashed, and still referred to
         hashed.clear()
         m.save(3, {"frozen": frozen + 0, "t": jnp.ones(16)})
         m.wait_until_finished()
         assert sum(hashed) == 4096 * 4 + 16 * 4
-        assert m.tier_reports()[3]["persistent_bytes"] == 0
+        assert m.tier_reports()[3].persistent_bytes == 0
         out = m.restore(3)
         assert np.array_equal(out["frozen"], np.asarray(frozen))
 
@@ -278,7 +283,7 @@ def test_object_store_chain_under_retention(store_root):
         assert m.all_steps() == [4, 5]
         for s in (4, 5):
             assert_same(m.restore(s), tree(s))
-        assert m.tier_reports()[5]["persistent_bytes"] == 32 * 8 * 4
+        assert m.tier_reports()[5].persistent_bytes == 32 * 8 * 4
     root = root_for(store_root)
     assert sorted(root.list()) == ["1", "4", "5"]  # 1: retained for references
     with CheckpointManager(store_root, max_to_keep=2, incremental=True) as m:
@@ -302,7 +307,7 @@ def test_a_plain_manager_never_deletes_what_kept_steps_refer_to(tmp_path):
         m.save(4, tree(4))  # step 2 dropped: nothing refers to step 1 any more
         m.wait_until_finished()
         assert_same(m.restore(3), tree(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["3", "4"]
+    assert steps_on_disk(tmp_path) == ["3", "4"]
 
 
 def test_ls_shows_retained_steps_and_verify_skips_unused_slots(tmp_path):

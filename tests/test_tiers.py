@@ -107,3 +107,29 @@ def test_incomplete_local_steps_are_ignored(saved, tmp_path):
     for r in restore(root):
         # Local step 4 is complete but not newer than persistent step 4: the rule picks persistent.
         assert r["ok"] and r["step"] == 4 and r["restore"]["tier"] == "persistent"
+
+
+def _flip_a_byte(copy):
+    f = sorted((copy / "data").iterdir())[0]
+    raw = bytearray(f.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    f.write_bytes(bytes(raw))
+
+
+def test_a_corrupt_own_copy_is_skipped_for_the_peers_copy(saved, tmp_path):
+    root = fresh_copy(saved, tmp_path)
+    _flip_a_byte(root / "local" / "process-00002" / "5" / "own")
+    results = restore(root)
+    for r in results:
+        assert r["ok"] and r["step"] == 5 and r["restore"]["bytes_read_persistent"] == 0
+        assert any(s.startswith("process 2 step 5") for s in r["restore"]["skipped"])
+    assert results[2]["restore"]["tier"] == "peer"
+
+
+def test_corrupt_own_and_peer_copies_fall_back_to_the_persistent_tier(saved, tmp_path):
+    root = fresh_copy(saved, tmp_path)
+    _flip_a_byte(root / "local" / "process-00002" / "5" / "own")
+    _flip_a_byte(root / "local" / "process-00003" / "5" / "peer-00002")
+    for r in restore(root):
+        assert r["ok"] and r["step"] == 4 and r["restore"]["tier"] == "persistent"
+        assert r["restore"]["skipped"]

@@ -19,14 +19,17 @@ from .errors import (
     ChecksumMismatchError,
     CoordinationError,
     CorruptCheckpointError,
+    DeletedArrayError,
     SnapshardError,
     StorageError,
     TargetMismatchError,
     UnsupportedLeafError,
     ValidationError,
+    WriterLeaseError,
 )
 
 if TYPE_CHECKING:
+    from .adapters.targets import abstract_target
     from .inspection import ArrayMetadata, ValueMetadata, metadata
     from .manager import BackgroundSaveError, CheckpointManager, LocalTier
     from .per_process import PerProcess
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 _LAZY = {
+    "abstract_target": "adapters.targets",
     "ArrayMetadata": "inspection",
     "ValueMetadata": "inspection",
     "metadata": "inspection",
@@ -70,6 +74,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CoordinationError",
     "CorruptCheckpointError",
+    "DeletedArrayError",
     "LocalTier",
     "PerProcess",
     "ReadStats",
@@ -80,7 +85,9 @@ __all__ = [
     "UnsupportedLeafError",
     "ValidationError",
     "ValueMetadata",
+    "WriterLeaseError",
     "__version__",
+    "abstract_target",
     "load",
     "metadata",
     "save",

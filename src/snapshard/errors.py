@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 
 class SnapshardError(Exception):
     """Base class of every error raised by snapshard."""
@@ -43,9 +45,35 @@ class UnsupportedLeafError(SnapshardError, TypeError):
     """A leaf of the tree has a type snapshard cannot save."""
 
 
+class DeletedArrayError(SnapshardError, RuntimeError):
+    """A jax.Array leaf was deleted (or donated) before snapshard could read it."""
+
+
 class CoordinationError(SnapshardError):
     """Another process failed, or did not report within the timeout."""
 
 
 class StorageError(SnapshardError, OSError):
-    """The storage backend failed in a way that retrying will not fix."""
+    """The storage backend failed in a way that retrying will not fix.
+
+    The message names the operation and the path; `errno` is the system's error number
+    when the failure came from the operating system."""
+
+    @classmethod
+    def wrap(cls, error: OSError, operation: str, path: object) -> StorageError:
+        """`error` of `operation` on `path` as a StorageError (a SnapshardError is kept)."""
+        if isinstance(error, SnapshardError):
+            return error  # type: ignore[return-value]
+        why = error.strerror or str(error)
+        code = errno.errorcode.get(error.errno or -1)
+        out = cls(f"{operation} {path} failed: {why}" + (f" [{code}]" if code else ""))
+        out.errno = error.errno
+        return out
+
+
+class WriterLeaseError(SnapshardError):
+    """Another writer holds the root's writer lease (or took it over from this one)."""
+
+    def __init__(self, message: str, holder: dict[str, object] | None = None):
+        self.holder = holder or {}
+        super().__init__(message)

@@ -19,12 +19,18 @@ from functools import cached_property
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from . import per_process
-from .adapters.jax_arrays import assemble, key_dtype_is_prng, local_device_boxes, to_devices
+from .adapters.jax_arrays import (
+    assemble,
+    key_array,
+    key_dtype_is_prng,
+    local_device_boxes,
+    resolve_target_sharding,
+    to_devices,
+)
 from .checksum import BlockVerifier, crc32c
 from .coordination import default_coordinator
 from .dtypes import dtype_from_name
@@ -43,7 +49,7 @@ from .per_process import PerProcess, Resplit
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
 from .planning.read_plan import covering_range
 from .storage import Location, Storage, storage_for
-from .tree import Path, keypath_to_path, path_str, unflatten
+from .tree import Path, keypath_to_path, path_str, unflatten, warn_lost_classes
 
 DEFAULT_MEMORY_BUDGET = 4 << 30
 DEFAULT_MAX_GAP = 4096
@@ -173,7 +179,7 @@ class Request:
         return sum(d.buf.nbytes for d in self.dests)
 
 
-def make_request(saved: ArrayLeaf, target: Any, url: str) -> Request:
+def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> Request:
     """What to build for a saved array leaf given its target leaf (None: NumPy as saved)."""
     name = saved.name
     saved_dtype = dtype_from_name(saved.dtype)
@@ -187,6 +193,7 @@ def make_request(saved: ArrayLeaf, target: Any, url: str) -> Request:
         sharding = (
             target.sharding if isinstance(target, jax.Array) else getattr(target, "sharding", None)
         )
+        sharding = resolve_target_sharding(sharding, mesh, leaf=name)
     elif isinstance(target, np.ndarray | np.generic):
         shape, dtype, sharding = tuple(np.shape(target)), target.dtype, None
     else:
@@ -551,10 +558,7 @@ def _build(req: Request) -> Any:
         # Key arrays are small: every process reads all of the key data and builds its part.
         impl = req.saved.key_impl
         data = host(req.dests[0], saved_dtype)
-        if req.sharding is None:
-            return jax.random.wrap_key_data(jnp.asarray(data), impl=impl)
-        wrap = jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=req.sharding)
-        return wrap(data)
+        return key_array(data, impl, req.sharding)
     per_device: dict[Any, jax.Array] = {}
     for d in req.dests:
         per_device.update(zip(d.devices, to_devices(host(d, req.dtype), d.devices), strict=True))
@@ -735,6 +739,7 @@ def load(
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
     max_gap: int = DEFAULT_MAX_GAP,
     resplit: Resplit | None = None,
+    mesh: Any = None,
 ) -> Any:
     """Restore a checkpoint.
 
@@ -746,7 +751,9 @@ def load(
     back as each process's own value (`resplit` re-splits them onto another process count).
     `memory_budget` bounds the host bytes held
     at once while building jax.Arrays. A checkpoint written by Orbax is read the same way,
-    through TensorStore (see docs/migrating-from-orbax.md).
+    through TensorStore (see docs/migrating-from-orbax.md). Target shardings on an
+    AbstractMesh (eval_shape under jax.set_mesh) are placed on `mesh`, or else on the mesh
+    in context.
     """
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
@@ -780,7 +787,7 @@ def load(
                     raise TargetMismatchError(
                         f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
                     )
-                reqs.append((path, make_request(leaf, t, url)))
+                reqs.append((path, make_request(leaf, t, url, mesh)))
         built = execute([r for _, r in reqs], read_dests, memory_budget=memory_budget, stats=stats)
         results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:
@@ -789,5 +796,6 @@ def load(
     stats.total_s = time.perf_counter() - t_start
     if treedef is None:
         by_index: Callable[[int], Any] = lambda i: results[manifest.leaves[i].path]  # noqa: E731
+        warn_lost_classes(manifest.structure)
         return unflatten(manifest.structure, by_index)
     return jax.tree_util.tree_unflatten(treedef, [results[p] for p, _ in pairs])

@@ -29,7 +29,7 @@ from .adapters.leaves import SaveArray, classify, is_save_leaf
 from .background import BackgroundTask
 from .checksum import block_crcs, crc32c
 from .coordination import Coordinator, default_coordinator
-from .coordination.rendezvous import Rendezvous, namespace
+from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, namespace, write_then_commit
 from .errors import (
     CheckpointExistsError,
     CoordinationError,
@@ -58,7 +58,6 @@ from .tree import FlatTree, Path, flatten
 
 log = logging.getLogger("snapshard")
 
-DEFAULT_TIMEOUT_S = 600.0
 _WRITE_PIECE = 16 << 20
 
 
@@ -143,6 +142,8 @@ def prepare(
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
+    # Staging named after the job: saves of two jobs to one location never share it.
+    storage.set_attempt(coord.job_token())
     if compression is not None:
         codecs.codec_for(compression, np.dtype(np.float32))  # refuse unknown names now
         if not codecs.available():
@@ -260,7 +261,9 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
             desc = json.dumps([leaf.kind, list(leaf.path), leaf.dtype.name, list(leaf.shape),
                                leaf.key_impl, leaf.devices is None, _layout_digest(leaf)]).encode()  # fmt: skip
             value = 0
-            if values and isinstance(leaf.source, np.ndarray | np.generic):  # NumPy: the same value is assumed on every process
+            if values and isinstance(
+                leaf.source, np.ndarray | np.generic
+            ):  # NumPy: the same value is assumed on every process
                 value = crc32c(np.ascontiguousarray(leaf.source).reshape(-1).view(np.uint8).data)
         out[i] = (crc32c(desc), value)
     return out
@@ -555,38 +558,18 @@ def _check_staged_files(prep: _Prepared, expected: dict[str, int]) -> None:
 def finish(prep: _Prepared) -> SaveTimings:
     """The background phase. Raises on this process if the save failed anywhere."""
     t0 = time.perf_counter()
-    rv = prep.rendezvous
-    pid = rv.coord.process_index
+    t1 = t0
 
-    def fail(e: BaseException) -> None:
-        """Process 0: tell everyone, and remove what was staged (nothing was visible)."""
-        rv.publish_outcome(e)
-        log.error("%s failed: %s", rv.what, e)
-        prep.storage.discard_staging()
-
-    try:
+    def write() -> dict[str, Any]:
+        nonlocal t1
         report = _write_own(prep)
-    except BaseException as e:
-        rv.report(f"written/{pid}", e)
-        if rv.coord.is_leader:
-            fail(e)
-        raise
-    rv.report(f"written/{pid}", **report)
-    t1 = time.perf_counter()
-    prep.timings.write_s = t1 - t0
-    rv.start_clock()
-    if rv.coord.is_leader:
-        try:
-            others = rv.gather("written")
-            _commit(
-                prep, [report if p == pid else others[p] for p in range(rv.coord.process_count)]
-            )
-        except BaseException as e:
-            fail(e)
-            raise
-        rv.publish_outcome()
-    else:
-        rv.await_outcome()
+        t1 = time.perf_counter()
+        prep.timings.write_s = t1 - t0
+        return report
+
+    write_then_commit(
+        prep.rendezvous, write, lambda reports: _commit(prep, reports), prep.storage.discard_staging
+    )
     t2 = time.perf_counter()
     prep.timings.commit_s = t2 - t1
     prep.timings.total_s = prep.timings.blocking_s + (t2 - t0)

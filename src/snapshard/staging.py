@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .adapters.jax_arrays import outside_context_mesh
 from .adapters.leaves import SaveArray
 from .errors import SnapshardError
 from .planning import WritePlan
@@ -32,11 +33,12 @@ def cpu_views_survive_donation() -> bool:
     """Whether a NumPy view of a CPU array keeps its bytes when the array is donated."""
     global _donation_safe
     if _donation_safe is None:
-        cpu = jax.local_devices(backend="cpu")[0]
-        x = jax.device_put(np.zeros(1024, np.float32), cpu)
-        view = np.asarray(x)
-        with warnings.catch_warnings():
+        # On one device of our own, outside any context mesh of the caller (jax.set_mesh).
+        with outside_context_mesh(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            cpu = jax.local_devices(backend="cpu")[0]
+            x = jax.device_put(np.zeros(1024, np.float32), cpu)
+            view = np.asarray(x)
             jax.jit(lambda a: a + 1, donate_argnums=0)(x).block_until_ready()
         _donation_safe = bool(np.all(view == 0))
     return _donation_safe

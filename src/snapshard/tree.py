@@ -6,11 +6,13 @@ The same path rules apply to a restore target, so leaves are matched by path.
 
 Without a target, a tree is rebuilt from plain Python containers: dicts, lists and tuples as
 saved; a namedtuple or any other registered pytree node becomes a dict of its children keyed
-by field or key (the class itself is not imported back: that would need pickle-like trust).
+by field or key (the class itself is not imported back: that would need pickle-like trust);
+`warn_lost_classes` tells the caller so, naming the first such node and how to pass a target.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -100,7 +102,7 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
                 "c": [walk(getattr(node, f), (*path, f)) for f in fields],
             }
         try:
-            children, _ = jax.tree_util.flatten_one_level_with_keys(node)
+            children = _one_level(node)
         except ValueError:
             raise UnsupportedLeafError(
                 f"leaf {path_str(path)!r}: values of type {type(node).__module__}."
@@ -121,6 +123,20 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
 
     structure = walk(tree, ())
     return FlatTree(structure, paths, leaves)
+
+
+def _one_level(node: Any) -> list[tuple[Any, Any]]:
+    """(key, child) pairs of a registered pytree node; ValueError for a leaf."""
+    import jax
+
+    one_level = getattr(jax.tree_util, "flatten_one_level_with_keys", None)
+    if one_level is not None:
+        return list(one_level(node)[0])
+    # JAX before 0.4.36: flatten with every child a leaf.
+    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is node:
+        raise ValueError("not a pytree node")
+    return [(keypath[0], child) for keypath, child in flat]
 
 
 def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:
@@ -153,3 +169,44 @@ def iter_leaf_nodes(structure: JsonNode) -> Iterator[int]:
             yield int(node["i"])
         else:
             stack.extend(reversed(node.get("c", [])))
+
+
+class ClassesLostWarning(UserWarning):
+    """A restore without a target turned namedtuples or other registered classes into dicts."""
+
+
+def lost_classes(structure: JsonNode) -> list[tuple[Path, str]]:
+    """(path, class name) of every namedtuple or registered class node, in tree order."""
+    out: list[tuple[Path, str]] = []
+
+    def walk(node: Any, path: Path) -> None:
+        if not isinstance(node, dict):
+            return
+        t = node.get("t")
+        if t in ("namedtuple", "node"):
+            out.append((path, str(node.get("name", "?"))))
+        keys = node.get("k")
+        for i, child in enumerate(node.get("c", [])):
+            k = keys[i] if t in ("dict", "namedtuple", "node") and keys is not None else i
+            walk(child, (*path, k))
+
+    walk(structure, ())
+    return out
+
+
+def warn_lost_classes(structure: JsonNode, stacklevel: int = 3) -> None:
+    """Warn (ClassesLostWarning) when rebuilding `structure` without a target turns class
+    instances into dicts: name the first one and say how to get the classes back."""
+    lost = lost_classes(structure)
+    if not lost:
+        return
+    path, name = lost[0]
+    where = f"{path_str(path)!r}" if path else "the root"
+    more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
+    warnings.warn(
+        f"restoring without a target: {where} was saved as {name}{more} and comes back as a "
+        "dict; pass a target to get the classes back, e.g. load(path, jax.eval_shape(init)) "
+        "or load(path, nnx.eval_shape(init)) for Flax NNX (see docs/flax.md)",
+        ClassesLostWarning,
+        stacklevel=stacklevel,
+    )

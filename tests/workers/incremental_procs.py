@@ -36,7 +36,7 @@ def main() -> None:
             f = frozen if step % 2 else jax.jit(lambda a: a + 0, out_shardings=frozen_sh)(frozen)
             m.save(step, {"frozen": f, "trained": trained, "step": step})
             m.wait_until_finished()
-            written.append(m.tier_reports()[step]["persistent_bytes"])
+            written.append(m.tier_reports()[step].persistent_bytes)
         ok = True
         for s in m.all_steps():
             target = {

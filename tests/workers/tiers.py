@@ -53,7 +53,8 @@ def main() -> None:
                 m.save(step, state(step, mesh))
             m.wait_until_finished()
             report(
-                persistent=m.all_steps(), reports={str(k): v for k, v in m.tier_reports().items()}
+                persistent=m.all_steps(),
+                reports={str(k): v.as_dict() for k, v in m.tier_reports().items()},
             )
         return
     tier = snapshard.LocalTier(local, interval=1, max_to_keep=3, replicas=1)
@@ -86,7 +87,12 @@ def main() -> None:
         )
     )
     ok &= out["host"].tolist() == [step] * 3 and out["keys"].sharding == want["keys"].sharding
-    report(ok=bool(ok), step=step, restore=m.last_restore, pid=pid)
+    report(
+        ok=bool(ok),
+        step=step,
+        restore=m.last_restore.as_dict() if m.last_restore else None,
+        pid=pid,
+    )
     m.close()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..errors import TargetMismatchError
 from ..planning.layout import ArrayLayout
 
 Index = tuple[slice, ...]
@@ -148,3 +151,146 @@ def mesh_and_spec(
         else:
             spec.append([str(p)])
     return tuple(str(a) for a in mesh.axis_names), tuple(int(s) for s in devices.shape), processes, spec
+
+
+# --- Independence from the caller's mesh context ------------------------------------------
+#
+# Flax and JAX teach `with jax.set_mesh(mesh):` around a whole program. Nothing snapshard
+# computes may depend on that context: a computation of our own (a probe, building key
+# arrays) runs outside it, and a target whose shardings name an AbstractMesh is resolved
+# against a concrete mesh before any device is looked at.
+
+
+@contextmanager
+def outside_context_mesh() -> Iterator[None]:
+    """Run the body with no context mesh (JAX versions without `jax.set_mesh`: unchanged;
+    their `jax.sharding.set_mesh` is a global setter, not a context)."""
+    set_mesh = getattr(jax, "set_mesh", None)
+    if set_mesh is not None:
+        with set_mesh(None):
+            yield
+        return
+    with _outside_use_mesh():
+        yield
+
+
+@contextmanager
+def _outside_use_mesh() -> Iterator[None]:
+    """JAX 0.5-0.6: leave the context of `jax.sharding.use_mesh` (its two halves)."""
+    use_mesh = getattr(jax.sharding, "use_mesh", None)
+    try:
+        import sys
+
+        from jax._src import mesh as mesh_lib
+
+        use_concrete = getattr(sys.modules[use_mesh.__module__], "use_concrete_mesh", None)
+        use_abstract = mesh_lib.use_abstract_mesh
+        empty = mesh_lib.empty_abstract_mesh
+    except (AttributeError, ImportError, KeyError):
+        use_concrete = None
+    if use_concrete is None:
+        yield
+        return
+    with use_abstract(empty), use_concrete(None):
+        yield
+
+
+def key_array(data: np.ndarray, impl: str | None, sharding: Any = None) -> jax.Array:
+    """Typed PRNG keys wrapping the key data `data` (the whole array, shape key shape + the
+    impl's trailing axes), placed on `sharding` (None: the default device).
+
+    Each local device gets its box of the key data, wrapped on that device, and the shards
+    are assembled: no jit, so neither the context mesh nor the sharding's kind matters.
+    """
+    with outside_context_mesh():
+        if sharding is None:
+            return jax.random.wrap_key_data(jax.device_put(np.asarray(data)), impl=impl)
+        shape = tuple(int(s) for s in data.shape)
+        key_ndim = len(shape) - _key_data_ndim(impl)
+        key_shape = shape[:key_ndim]
+        shards = []
+        for device, index in sharding.addressable_devices_indices_map(key_shape).items():
+            piece = np.ascontiguousarray(data[tuple(index)])
+            shards.append(jax.random.wrap_key_data(jax.device_put(piece, device), impl=impl))
+        return jax.make_array_from_single_device_arrays(key_shape, sharding, shards)
+
+
+def _key_data_ndim(impl: str | None) -> int:
+    """Trailing axes of the key data of one key of `impl` (1 for every built-in impl)."""
+    with outside_context_mesh():
+        probe = jax.random.key(0, impl=impl)
+        return int(jax.random.key_data(probe).ndim)
+
+
+def _is_abstract_mesh(mesh: Any) -> bool:
+    abstract = getattr(jax.sharding, "AbstractMesh", None)
+    return abstract is not None and isinstance(mesh, abstract)
+
+
+def context_mesh() -> Any:
+    """The concrete mesh of `jax.set_mesh` (or the legacy `with mesh:`), else None."""
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    if get_mesh is None:  # JAX 0.5-0.6: the concrete half of `jax.sharding.use_mesh`
+        try:
+            from jax._src import mesh as mesh_lib
+
+            get_mesh = getattr(mesh_lib, "get_concrete_mesh", None)
+        except ImportError:
+            get_mesh = None
+    if get_mesh is not None:
+        try:
+            mesh = get_mesh()
+        except Exception:  # not inside any mesh context on some JAX versions
+            mesh = None
+        if mesh is not None and not getattr(mesh, "empty", False) and mesh.devices.size:
+            return mesh
+    try:
+        from jax._src import mesh as mesh_lib  # the legacy `with mesh:` context
+
+        env_mesh = mesh_lib.thread_resources.env.physical_mesh
+    except Exception:
+        return None
+    return None if env_mesh.empty else env_mesh
+
+
+def resolve_target_sharding(sharding: Any, mesh: Any = None, *, leaf: str | None = None) -> Any:
+    """A sharding a restore can place arrays on.
+
+    A `NamedSharding` on an `AbstractMesh` (what `nnx.eval_shape` or `jax.eval_shape` give
+    under `jax.set_mesh`) names axes but no devices: it is rebuilt on `mesh` if given, else
+    on the concrete mesh in context. The concrete mesh must have the abstract one's axis
+    names and sizes. Any other sharding (or None) is returned unchanged.
+    """
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not _is_abstract_mesh(sharding.mesh):
+        return sharding
+    where = f"leaf {leaf!r}: " if leaf is not None else ""
+    abstract = sharding.mesh
+    concrete = mesh if mesh is not None else context_mesh()
+    wanted = dict(abstract.shape)
+    if concrete is None:
+        raise TargetMismatchError(
+            f"{where}the target's sharding is on an AbstractMesh {_axes(wanted)} (from "
+            "eval_shape under jax.set_mesh?), which names no devices; call load inside "
+            "`with jax.set_mesh(mesh):` or pass `mesh=` with a concrete jax.sharding.Mesh "
+            "of those axes"
+        )
+    if _is_abstract_mesh(concrete):
+        raise TargetMismatchError(
+            f"{where}mesh= must be a concrete jax.sharding.Mesh, not an AbstractMesh"
+        )
+    have = dict(concrete.shape)
+    if have != wanted:
+        source = "mesh=" if mesh is not None else "the mesh in context"
+        raise TargetMismatchError(
+            f"{where}the target's sharding is on an AbstractMesh {_axes(wanted)}, {source} "
+            f"has {_axes(have)}; pass a mesh with the same axis names and sizes"
+        )
+    kwargs: dict[str, Any] = {}
+    memory_kind = getattr(sharding, "memory_kind", None)
+    if memory_kind is not None:
+        kwargs["memory_kind"] = memory_kind
+    return jax.sharding.NamedSharding(concrete, sharding.spec, **kwargs)
+
+
+def _axes(shape: dict[str, int]) -> str:
+    return "(" + ", ".join(f"{k}={v}" for k, v in shape.items()) + ")"

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from ..dtypes import dtype_name, little_endian
-from ..errors import UnsupportedLeafError
+from ..errors import DeletedArrayError, UnsupportedLeafError
 from ..format.manifest import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess
 from ..planning.layout import ArrayLayout
@@ -51,6 +51,11 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
     ):  # np.float64 is a float
         return ValueLeaf(path, value)
     if isinstance(value, jax.Array):
+        if value.is_deleted():
+            raise DeletedArrayError(
+                f"leaf {name!r}: the jax.Array was deleted or donated (e.g. passed to a jitted "
+                f"function with donate_argnums) before the save; save the array that replaced it"
+            )
         kind, key_impl, data = "array", None, value
         if is_prng_key(value):
             kind, key_impl = "prng_key", str(jax.random.key_impl(value))

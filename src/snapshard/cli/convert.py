@@ -4,8 +4,10 @@ Sources: snapshard and Orbax checkpoints, safetensors files. To snapshard, array
 streamed chunk by chunk (each source chunk cut into slabs of at most --chunk-mb), so memory
 holds one slab, and the new checkpoint appears atomically when complete. To safetensors,
 each array is read and written in slabs of whole rows of at most --chunk-mb (at least one
-row), tensors named by their path joined with '.'; Python values have no place in a
-safetensors file and are listed as skipped. The source is never written to.
+row), tensors named by their path joined with '.' (or chosen, renamed and transposed with
+--select, --rename, --transpose: the rules of snapshard.safetensors.save); Python values
+have no place in a safetensors file and are listed as skipped. The source is never written
+to.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import os
 from typing import Any
 
 from ..dtypes import dtype_from_name
-from ..errors import SnapshardError
+from ..errors import CheckpointExistsError, SnapshardError
 from ..format import ArrayLeaf
 from ..interop import local_path
-from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
+from ..interop.reader import CheckpointReader, chunk_slabs
 from ..interop.writer import CheckpointWriter
 from ..storage import storage_for
-from .options import add_memory_option
+from .ls import open_checkpoint
+from .options import add_memory_option, megabytes
 from .output import Output, human_bytes
 
 FORMATS = ("snapshard", "safetensors")
@@ -38,6 +41,45 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("--to", choices=FORMATS, default="snapshard", help="format to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
     add_memory_option(p, "--chunk-mb", "largest chunk written, and data held in memory")
+    st = p.add_argument_group(
+        "to safetensors", "the same rules as snapshard.safetensors.save (see docs/safetensors.md)"
+    )
+    st.add_argument(
+        "--select",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="write only leaves whose dotted name matches (glob, or a prefix: 'params'); repeatable",
+    )
+    st.add_argument(
+        "--rename",
+        action="append",
+        nargs=2,
+        default=[],
+        metavar=("REGEX", "REPLACEMENT"),
+        help="re.sub on the tensor names, in order; repeatable",
+    )
+    st.add_argument(
+        "--transpose",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="reverse the axes of tensors whose (renamed) name matches this glob; repeatable",
+    )
+    st.add_argument(
+        "--prng-keys",
+        choices=("data", "skip", "refuse"),
+        default="data",
+        help="PRNG keys as their uint32 key data (default), left out, or an error",
+    )
+    st.add_argument(
+        "--max-file-mb",
+        type=megabytes,
+        default=None,
+        dest="max_file_bytes",
+        metavar="MIB",
+        help="write DST as a directory of files of at most this size with an index",
+    )
     p.set_defaults(run=run)
 
 
@@ -91,11 +133,12 @@ def to_snapshard(
 
 
 def row_slabs(
-    leaf: ArrayLeaf, slab_bytes: int
+    leaf: ArrayLeaf, slab_bytes: int, transpose: bool = False
 ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
     """Boxes of whole leading-axis rows (contiguous in C order) of at most `slab_bytes`
-    (at least one row), with their byte offset in the array."""
-    shape = leaf.shape
+    (at least one row), with their byte offset in the array. With `transpose`, the boxes
+    and offsets are those of the array with its axes reversed."""
+    shape = tuple(reversed(leaf.shape)) if transpose else leaf.shape
     if not shape or math.prod(shape) == 0:
         return [((0,) * len(shape), shape, 0)] if not shape else []
     row = math.prod(shape[1:]) * dtype_from_name(leaf.dtype).itemsize
@@ -107,7 +150,13 @@ def row_slabs(
 
 
 def to_safetensors(
-    reader: CheckpointReader, dst: str, out: Output, overwrite: bool, slab_bytes: int
+    reader: CheckpointReader,
+    dst: str,
+    out: Output,
+    overwrite: bool,
+    slab_bytes: int,
+    names: Any = None,
+    max_file_bytes: int | None = None,
 ) -> dict[str, Any]:
     try:
         # Written alongside this module; looked up at run time so that either can ship first.
@@ -117,32 +166,78 @@ def to_safetensors(
             "writing safetensors needs snapshard.safetensors, which this installation does not have"
         ) from None
     m = reader.manifest
+    names = names if names is not None else st.ExportNames()
 
-    def slabs_of(leaf: ArrayLeaf) -> Any:
+    def slabs_of(leaf: ArrayLeaf, transpose: bool) -> Any:
+        if not transpose:
+            return lambda: (
+                (off, reader.read_box(leaf, a, b)) for a, b, off in row_slabs(leaf, slab_bytes)
+            )
+        # A row slab of the transposed tensor is a slab of the source's last axis, transposed.
         return lambda: (
-            (off, reader.read_box(leaf, a, b)) for a, b, off in row_slabs(leaf, slab_bytes)
+            (off, reader.read_box(leaf, a[::-1], b[::-1]).transpose())
+            for a, b, off in row_slabs(leaf, slab_bytes, transpose=True)
         )
 
-    tensors = [
-        st.StreamedTensor(
-            ".".join(str(k) for k in leaf.path) or "root",
-            dtype_from_name(leaf.dtype),
-            leaf.shape,
-            slabs_of(leaf),
-        )
-        for leaf in m.arrays
+    skipped = [
+        leaf.name
+        for leaf in m.leaves
+        if not isinstance(leaf, ArrayLeaf) and names.selects(st.export.leaf_name(leaf.path))
     ]
-    with out.progress(sum(a.nbytes for a in m.arrays), "convert") as bar:
-        st.save_streamed(dst, tensors, overwrite=overwrite, progress=bar.update)
+    chosen: list[tuple[str, ArrayLeaf]] = []
+    for leaf in m.arrays:
+        name = st.export.leaf_name(leaf.path)
+        if not names.selects(name):
+            continue
+        if leaf.kind == "prng_key" and not names.check_key(leaf.name):
+            skipped.append(leaf.name)
+            continue
+        chosen.append((name, leaf))
+    tensors = []
+    renamed: dict[str, str] = {}
+    for (_, leaf), (_, new, transpose) in zip(
+        chosen, names.plan([n for n, _ in chosen]), strict=True
+    ):
+        shape = tuple(reversed(leaf.shape)) if transpose else leaf.shape
+        dtype = dtype_from_name(leaf.dtype)
+        tensors.append(st.StreamedTensor(new, dtype, shape, slabs_of(leaf, transpose)))
+        renamed[new] = leaf.name
+    with out.progress(sum(leaf.nbytes for _, leaf in chosen), "convert") as bar:
+        result = st.save_streamed(
+            dst,
+            tensors,
+            overwrite=overwrite,
+            progress=bar.update,
+            max_file_bytes=max_file_bytes,
+        )
     return {
         "destination": os.path.abspath(dst),
-        "skipped": [leaf.name for leaf in m.leaves if not isinstance(leaf, ArrayLeaf)],
+        "skipped": skipped,
+        "files": result.files,
+        "names": renamed,
     }
 
 
+def _exists_error(e: CheckpointExistsError) -> CheckpointExistsError:
+    """The library's 'pass overwrite=True' said as the command line says it."""
+    text = (
+        str(e)
+        .replace("pass overwrite=True", "pass --overwrite")
+        .replace("pass overwrite", "pass --overwrite")
+    )
+    return CheckpointExistsError(text)
+
+
 def run(args: argparse.Namespace, out: Output) -> int:
+    try:
+        return _run(args, out)
+    except CheckpointExistsError as e:
+        raise _exists_error(e) from None
+
+
+def _run(args: argparse.Namespace, out: Output) -> int:
     chunk_bytes = args.chunk_bytes
-    with open_reader(args.src) as reader:
+    with open_checkpoint(args.src, "convert") as reader:
         if args.to == "snapshard":
             with storage_for(args.dst) as dst:
                 check_destination(reader.url, dst.url)
@@ -151,7 +246,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
         if args.to == "snapshard":
             result = to_snapshard(reader, args.dst, out, args.overwrite, chunk_bytes)
         else:
-            result = to_safetensors(reader, args.dst, out, args.overwrite, chunk_bytes)
+            st = importlib.import_module("snapshard.safetensors")
+            names = st.export_names(args.select, args.rename, args.transpose, args.prng_keys)
+            result = to_safetensors(
+                reader, args.dst, out, args.overwrite, chunk_bytes, names, args.max_file_bytes
+            )
         m = reader.manifest
         doc = {
             "source": reader.url,
@@ -169,7 +268,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
             f"{doc['arrays']} arrays, {human_bytes(doc['bytes'])}"
         )
         if doc["skipped"]:
-            line += f"; skipped {len(doc['skipped'])} Python values: {', '.join(doc['skipped'])}"
+            line += f"; skipped {len(doc['skipped'])} leaves: {', '.join(doc['skipped'])}"
         return line
 
     out.result(doc, text)

@@ -15,7 +15,8 @@ import numpy as np
 
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf, Leaf, ValueLeaf
-from ..interop.reader import CheckpointReader, open_reader, slabs
+from ..interop.reader import CheckpointReader, slabs
+from .ls import open_checkpoint
 from .options import add_memory_option
 from .output import Output, Progress, json_value
 
@@ -159,7 +160,7 @@ def render(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     buffer_bytes = args.buffer_bytes
-    with open_reader(args.a) as a, open_reader(args.b) as b:
+    with open_checkpoint(args.a, "diff") as a, open_checkpoint(args.b, "diff") as b:
         doc = diff(a, b, args.values, out, buffer_bytes)
     out.result(doc, lambda: render(doc))
     return 0 if doc["identical"] else 1

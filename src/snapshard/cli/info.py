@@ -6,8 +6,17 @@ import argparse
 from typing import Any
 
 from ..format import ArrayLeaf, Leaf, Manifest
-from ..interop.reader import CheckpointReader, open_reader
-from .output import Output, describe_sharding, human_bytes, iso_time, json_value, table
+from ..interop.reader import CheckpointReader
+from .ls import open_checkpoint
+from .output import (
+    Output,
+    describe_sharding,
+    format_metrics,
+    human_bytes,
+    iso_time,
+    json_value,
+    table,
+)
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -47,6 +56,10 @@ def checkpoint_doc(reader: CheckpointReader) -> dict[str, Any]:
     }
     if reader.format == "snapshard":
         doc.update(version=m.version, write_mode=m.write_mode)
+        if "step" in m.extra:
+            doc["step"] = m.extra["step"]
+        if m.extra.get("metrics") is not None:
+            doc["metrics"] = m.extra["metrics"]
     elif "layout" in m.extra:
         doc["layout"] = m.extra["layout"]
     return doc
@@ -60,6 +73,10 @@ def render(doc: dict[str, Any]) -> str:
     if doc.get("created"):
         head.append(f"created {doc['created']}")
     head.append(f"{human_bytes(doc['bytes'])} in {len(doc['leaves'])} leaves")
+    if doc.get("step") is not None:
+        head.append(f"step {doc['step']}")
+    if doc.get("metrics"):
+        head.append(f"metrics {format_metrics(doc['metrics'])}")
     rows = []
     for leaf in doc["leaves"]:
         if leaf["kind"] == "value":
@@ -81,7 +98,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    with open_reader(args.path) as reader:
+    with open_checkpoint(args.path, "info") as reader:
         doc = checkpoint_doc(reader)
     out.result(doc, lambda: render(doc))
     return 0

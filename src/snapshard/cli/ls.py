@@ -7,10 +7,12 @@ import os
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, SnapshardError
+from ..format import DATA_DIR, INDEX_DIR
 from ..format.reading import read_manifest
 from ..interop import local_path, looks_like_orbax, step_order
+from ..interop.reader import CheckpointReader, open_reader
 from ..storage import CheckpointRoot, root_for, storage_for
-from .output import Output, human_bytes, iso_time, table
+from .output import Output, format_metrics, human_bytes, iso_time, table
 
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
 
@@ -65,11 +67,37 @@ def _entry(root: CheckpointRoot, name: str, committed: bool) -> dict[str, Any]:
             "state": "retained" if retained else "complete",
             "time_unix": m.created_unix,
             "bytes": m.total_bytes,
+            "metrics": m.extra.get("metrics"),
         }
     orbax = _orbax_entry(f"{root.url.rstrip('/')}/{name}")
     if orbax is not None:
         return {**entry, **orbax}
-    return {**entry, "format": None, "state": "incomplete", "time_unix": None, "bytes": None}
+    return {**entry, **_uncommitted(root, name)}
+
+
+def _uncommitted(root: CheckpointRoot, name: str) -> dict[str, Any]:
+    """What an entry without a committed manifest is: an unfinished save (its staging
+    directory, or a checkpoint's own folders without the manifest), a directory of
+    checkpoints (a run: listed with its number of steps and the newest), or something
+    that is not snapshard's at all."""
+    none: dict[str, Any] = {"time_unix": None, "bytes": None}
+    location = f"{root.url.rstrip('/')}/{name}"
+    local = local_path(location)
+    if local is not None and not os.path.isdir(local):
+        return {"format": "snapshard", "state": "incomplete", **none}  # only a staging directory
+    inner = root_for(location).list()
+    if DATA_DIR in inner or INDEX_DIR in inner:
+        return {"format": "snapshard", "state": "incomplete", **none}
+    steps = sorted((n for n, done in inner.items() if done), key=step_order)
+    if steps:
+        return {
+            "format": "snapshard",
+            "state": "run",
+            "checkpoints": len(steps),
+            "latest": steps[-1],
+            **none,
+        }
+    return {"format": None, "state": "other", **none}
 
 
 def list_checkpoints(location: str) -> dict[str, Any]:
@@ -93,20 +121,59 @@ def list_checkpoints(location: str) -> dict[str, Any]:
 def run(args: argparse.Namespace, out: Output) -> int:
     doc = list_checkpoints(args.dir)
 
+    def state(e: dict[str, Any]) -> str:
+        if e["state"] == "run":
+            return f"run ({e['checkpoints']} checkpoints, latest {e['latest']})"
+        return str(e["state"])
+
     def text() -> str:
+        entries = doc["checkpoints"]
+        if not entries:
+            return f"{doc['root']}: no checkpoints"
+        with_metrics = any(e.get("metrics") for e in entries)
         rows = [
             [
                 e["name"],
-                e["state"],
+                state(e),
                 e["format"] or "-",
                 e["time"] or "-",
                 human_bytes(e.get("bytes")),
+                *([format_metrics(e.get("metrics")) or "-"] if with_metrics else []),
             ]
-            for e in doc["checkpoints"]
+            for e in entries
         ]
-        if not rows:
-            return f"{doc['root']}: no checkpoints"
-        return table(["NAME", "STATE", "FORMAT", "TIME (UTC)", "SIZE"], rows)
+        header = ["NAME", "STATE", "FORMAT", "TIME (UTC)", "SIZE"]
+        return table(header + (["METRICS"] if with_metrics else []), rows)
 
     out.result(doc, text)
     return 0
+
+
+def open_checkpoint(location: str, command: str, **kwargs: Any) -> CheckpointReader:
+    """open_reader, but a directory of checkpoints (a run) is told apart from a missing
+    checkpoint: the error names its newest step and the command to run on it."""
+    try:
+        return open_reader(location, **kwargs)
+    except CheckpointNotFoundError as e:
+        hint = _run_hint(location, command)
+        if hint is None:
+            raise
+        raise CheckpointNotFoundError(f"{e}; {hint}") from None
+
+
+def _run_hint(location: str, command: str) -> str | None:
+    local = local_path(location)
+    if local is not None and not os.path.isdir(local):
+        return None
+    try:
+        found = root_for(location).list()
+    except (SnapshardError, OSError, ValueError):
+        return None
+    steps = sorted((n for n, done in found.items() if done), key=step_order)
+    if not steps:
+        return None
+    child = f"{location.rstrip('/')}/{steps[-1]}"
+    return (
+        f"it is a directory of {len(steps)} checkpoint(s), newest {steps[-1]!r}: "
+        f"run `snapshard {command} {child}` (`snapshard ls {location}` lists them)"
+    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,9 +54,36 @@ class Output:
             yield _NoProgress()
             return
         with tqdm(
-            total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, leave=False
+            total=total,
+            desc=desc,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            leave=False,
+            ncols=_bar_width(),
         ) as bar:
             yield bar
+
+
+def format_metrics(metrics: Any) -> str:
+    """A manager's step metrics, short: 'loss=0.25 acc=0.9' ('' for none)."""
+    if not isinstance(metrics, dict) or not metrics:
+        return ""
+    parts = []
+    for k, v in metrics.items():
+        text = f"{v:.6g}" if isinstance(v, float) else str(v)
+        parts.append(f"{k}={text}")
+    return " ".join(parts)
+
+
+def _bar_width() -> int | None:
+    """None (tqdm sizes the bar) unless the terminal reports no width, as some terminals and
+    pseudo-terminals do: then 80 columns, not a bar of width 0."""
+    try:
+        columns = os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        columns = shutil.get_terminal_size((0, 0)).columns
+    return None if columns > 0 else 80
 
 
 def human_bytes(n: int | None) -> str:

@@ -20,8 +20,9 @@ from ..errors import (
 )
 from ..format import MANIFEST_NAME, Manifest, validate_coverage
 from ..format.finder import check_record_files
-from ..interop.reader import CheckpointReader, chunk_slabs, open_reader
+from ..interop.reader import CheckpointReader, chunk_slabs
 from ..storage import LocalStorage, Storage
+from .ls import open_checkpoint
 from .options import add_memory_option
 from .output import Output, human_bytes
 
@@ -76,6 +77,21 @@ def file_problem(storage: Storage, m: Manifest) -> dict[str, Any] | None:
     return None
 
 
+def record_file_problem(storage: Storage, m: Manifest) -> dict[str, Any] | None:
+    """v2: the first record file whose size differs from the manifest's (bytes appended to
+    one are not read by anything, but the checkpoint is not the one committed)."""
+    if m.processes is None:
+        return None
+    for q, expected in enumerate(m.processes.record_sizes):
+        name = m.processes.record_name(q)
+        size = _file_size(storage, name, expected)
+        if size != expected:
+            what = "is missing or unreadable" if size is None else f"has {size} bytes"
+            message = f"{storage.url}: record file {name!r} {what}, the manifest says {expected}"
+            return {"message": message, "file": name, "leaf": None, "chunk": None}
+    return None
+
+
 def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str, Any]:
     m = reader.manifest
     arrays = m.arrays
@@ -100,7 +116,7 @@ def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str
             doc["problem"] = {"message": str(e), "file": None, "leaf": None, "chunk": None}
             return doc
         assert reader.storage is not None
-        doc["problem"] = file_problem(reader.storage, m)
+        doc["problem"] = file_problem(reader.storage, m) or record_file_problem(reader.storage, m)
         if doc["problem"] is not None:
             return doc
     with out.progress(doc["bytes"], "verify") as bar:
@@ -133,6 +149,16 @@ def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str
     return doc
 
 
+def _verify_or_damaged(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str, Any]:
+    """verify(), with damage found while reading the metadata (the chunk records of a v2
+    checkpoint, say) reported as damage rather than as a failure of the tool."""
+    try:
+        return verify(reader, out, buffer_bytes)
+    except CorruptCheckpointError as e:
+        problem = {"message": str(e), "file": None, "leaf": None, "chunk": None}
+        return {"path": reader.url, "ok": False, "problem": problem}
+
+
 def render(doc: dict[str, Any]) -> str:
     if not doc["ok"]:
         return f"DAMAGED {doc['path']}: {doc['problem']['message']}"
@@ -145,12 +171,12 @@ def render(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     try:
-        reader = open_reader(args.path, verify=True)
+        reader = open_checkpoint(args.path, "verify", verify=True)
     except CorruptCheckpointError as e:  # a damaged manifest is a finding, not bad input
         problem = {"message": str(e), "file": MANIFEST_NAME, "leaf": None, "chunk": None}
         doc = {"path": args.path, "ok": False, "problem": problem}
     else:
         with reader:
-            doc = verify(reader, out, args.buffer_bytes)
+            doc = _verify_or_damaged(reader, out, args.buffer_bytes)
     out.result(doc, lambda: render(doc))
     return 0 if doc["ok"] else 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 
 
@@ -31,6 +32,36 @@ class Coordinator(ABC):
 
     @abstractmethod
     def barrier(self, name: str, timeout_s: float) -> None: ...
+
+    @abstractmethod
+    def get_dir(self, prefix: str) -> dict[str, str]:
+        """Every key under `prefix/` that is set now (key relative to the prefix), in one
+        round trip."""
+
+    @abstractmethod
+    def delete(self, prefix: str) -> None:
+        """Remove `prefix` and every key under `prefix/`."""
+
+    @abstractmethod
+    def increment(self, key: str, by: int = 1) -> int:
+        """Add `by` to the counter at `key` (0 if unset) and return the new value, atomically."""
+
+    def job_token(self) -> str:
+        """A random token, the same on every process of this job and different between jobs
+        (the first process to ask sets it; one round trip, once per process)."""
+        token: str | None = getattr(self, "_job_token", None)
+        if token is None:
+            token = self.set_if_absent("snapshard/job-token", uuid.uuid4().hex[:12])
+            self._job_token = token
+        return token
+
+    def set_if_absent(self, key: str, value: str) -> str:
+        """Set `key` unless it is set; returns the value that stays (the first setter's)."""
+        current = self.try_get(key)
+        if current is None:
+            self.set(key, value)
+            return value
+        return current
 
 
 class SingleProcessCoordinator(Coordinator):
@@ -63,3 +94,30 @@ class SingleProcessCoordinator(Coordinator):
 
     def barrier(self, name: str, timeout_s: float) -> None:
         return None
+
+    def get_dir(self, prefix: str) -> dict[str, str]:
+        base = prefix.rstrip("/") + "/"
+        with self._cond:
+            return {k[len(base) :]: v for k, v in self._kv.items() if k.startswith(base)}
+
+    def delete(self, prefix: str) -> None:
+        base = prefix.rstrip("/")
+        with self._cond:
+            for k in [k for k in self._kv if k == base or k.startswith(base + "/")]:
+                del self._kv[k]
+
+    def increment(self, key: str, by: int = 1) -> int:
+        with self._cond:
+            n = int(self._kv.get(key, "0")) + by
+            self._kv[key] = str(n)
+            self._cond.notify_all()
+            return n
+
+    def set_if_absent(self, key: str, value: str) -> str:
+        with self._cond:
+            return self._kv.setdefault(key, value)
+
+    def keys(self) -> list[str]:
+        """Every key set now but the job token (for tests: an operation leaves none behind)."""
+        with self._cond:
+            return sorted(k for k in self._kv if k != "snapshard/job-token")

@@ -6,9 +6,36 @@ is thread-safe, so saves may use it from their background thread.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from ..errors import CoordinationError
 from .base import Coordinator
+
+T = TypeVar("T")
+_LOST = ("UNAVAILABLE", "Socket closed", "Connection reset", "failed to connect", "CANCELLED")
+
+
+def _is_deadline(e: BaseException) -> bool:
+    return "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower()
+
+
+def _call(what: str, fn: Callable[[], T]) -> T:
+    """One call of the coordination client; a lost coordination service (it runs inside
+    process 0) becomes a CoordinationError naming process 0, any other runtime error a
+    CoordinationError naming the call. Deadlines are left to the caller."""
+    try:
+        return fn()
+    except Exception as e:
+        if _is_deadline(e) or "NOT_FOUND" in str(e) or "ALREADY_EXISTS" in str(e):
+            raise
+        first = str(e).split("\n", 1)[0][:300]
+        if any(m in str(e) for m in _LOST):
+            raise CoordinationError(
+                f"lost contact with the coordination service during {what}: process 0, "
+                f"which hosts it, died or is unreachable ({first})"
+            ) from e
+        raise CoordinationError(f"coordination service: {what} failed: {first}") from e
 
 
 def _client() -> Any:
@@ -29,26 +56,74 @@ class JaxDistributedCoordinator(Coordinator):
         self.process_count = jax.process_count()
 
     def set(self, key: str, value: str) -> None:
-        self._client.key_value_set(key, value, allow_overwrite=True)
+        _call(
+            f"set of {key!r}", lambda: self._client.key_value_set(key, value, allow_overwrite=True)
+        )
 
     def get(self, key: str, timeout_s: float) -> str:
         try:
-            return str(self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000))))
+            return str(
+                _call(
+                    f"wait for {key!r}",
+                    lambda: self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000))),
+                )
+            )
+        except CoordinationError:
+            raise
         except Exception as e:  # the runtime raises its own error type for deadlines
-            if "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower():
+            if _is_deadline(e):
                 raise TimeoutError(f"key {key!r} not set within {timeout_s:g} s") from None
             raise
 
     def try_get(self, key: str) -> str | None:
         try:
-            return str(self._client.key_value_try_get(key))
+            return str(_call(f"read of {key!r}", lambda: self._client.key_value_try_get(key)))
+        except CoordinationError:
+            raise
         except Exception as e:
             if "NOT_FOUND" in str(e) or "not found" in str(e).lower():
                 return None
             raise
 
     def barrier(self, name: str, timeout_s: float) -> None:
-        self._client.wait_at_barrier(name, max(1, int(timeout_s * 1000)))
+        try:
+            _call(
+                f"barrier {name!r}",
+                lambda: self._client.wait_at_barrier(name, max(1, int(timeout_s * 1000))),
+            )
+        except CoordinationError:
+            raise
+        except Exception as e:
+            if _is_deadline(e):
+                raise TimeoutError(f"barrier {name!r} not reached within {timeout_s:g} s") from None
+            raise
+
+    def get_dir(self, prefix: str) -> dict[str, str]:
+        base = prefix.rstrip("/") + "/"
+        pairs = _call(f"listing of {base!r}", lambda: self._client.key_value_dir_get(base))
+        return {
+            str(k)[len(base) :] if str(k).startswith(base) else str(k): str(v) for k, v in pairs
+        }
+
+    def delete(self, prefix: str) -> None:
+        base = prefix.rstrip("/")
+        _call(f"deletion of {base!r}", lambda: self._client.key_value_delete(base))
+
+    def increment(self, key: str, by: int = 1) -> int:
+        return int(
+            _call(f"increment of {key!r}", lambda: self._client.key_value_increment(key, by))
+        )
+
+    def set_if_absent(self, key: str, value: str) -> str:
+        try:
+            _call(f"set of {key!r}", lambda: self._client.key_value_set(key, value))
+            return value
+        except CoordinationError:
+            raise
+        except Exception as e:
+            if "ALREADY_EXISTS" not in str(e):
+                raise
+        return self.get(key, 60.0)
 
 
 def distributed_is_initialized() -> bool:

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CoordinationError
 from .base import Coordinator
+
+log = logging.getLogger("snapshard")
+
+# How long a process waits for the others in a save, an export or a manager's start-up.
+DEFAULT_TIMEOUT_S = 600.0
 
 _counts: dict[str, int] = {}
 _counts_lock = threading.Lock()
@@ -75,33 +82,104 @@ class Rendezvous:
 
     def gather(self, key: str) -> dict[int, dict[str, Any]]:
         """Process 0: every other process's report `key/<pid>`; a failure or a process that
-        does not report in time raises, naming it (and every process still missing)."""
+        does not report in time raises, naming it (and every process still missing).
+
+        The reports are read together (one listing of `key/` per poll, never one request
+        per process), polling with a growing pause; they are deleted once read."""
+        me, n = self.coord.process_index, self.coord.process_count
+        want = set(range(n)) - {me}
+        pause = 0.002
+        try:
+            while True:
+                got = self._reports(key)
+                for p, doc in sorted(got.items()):
+                    if p in want and not doc["ok"]:
+                        raise CoordinationError(f"{self.what}: process {p} failed: {doc['error']}")
+                if want <= got.keys():
+                    return {p: got[p] for p in sorted(want)}
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(want - got.keys())
+                    raise CoordinationError(
+                        f"{self.what}: process(es) {missing} did not report within "
+                        f"{self.timeout_s:g} s (stopped or died)"
+                    )
+                time.sleep(min(pause, left))
+                pause = min(pause * 2, 0.1)
+        finally:
+            self._forget(f"{self.prefix}/{key}")
+
+    def _reports(self, key: str) -> dict[int, dict[str, Any]]:
         out = {}
-        for p in range(self.coord.process_count):
-            if p == self.coord.process_index:
-                continue
-            try:
-                out[p] = json.loads(self.coord.get(f"{self.prefix}/{key}/{p}", self._left()))
-            except TimeoutError:
-                missing = [
-                    q
-                    for q in range(self.coord.process_count)
-                    if q != self.coord.process_index
-                    and self.coord.try_get(f"{self.prefix}/{key}/{q}") is None
-                ]
-                raise CoordinationError(
-                    f"{self.what}: process(es) {missing} did not report within "
-                    f"{self.timeout_s:g} s (stopped or died)"
-                ) from None
-            if not out[p]["ok"]:
-                raise CoordinationError(f"{self.what}: process {p} failed: {out[p]['error']}")
+        for rel, text in self.coord.get_dir(f"{self.prefix}/{key}").items():
+            if rel.isdigit():
+                out[int(rel)] = dict(json.loads(text))
         return out
 
+    def _forget(self, prefix: str) -> None:
+        """Delete keys nobody reads any more (best effort: a leftover key is harmless)."""
+        try:
+            self.coord.delete(prefix)
+        except Exception as e:
+            log.debug("could not delete coordination keys %s: %s", prefix, e)
+
     def publish_outcome(self, error: BaseException | None = None) -> None:
+        if self.coord.process_count == 1:
+            self._forget(self.prefix)  # nobody waits for it
+            return
         self.report("outcome", error)
 
     def await_outcome(self) -> None:
-        """The others: wait for process 0's outcome, raising it if the operation failed."""
+        """The others: wait for process 0's outcome, raising it if the operation failed.
+        The last process to read it deletes the operation's keys."""
         doc = self._get("outcome", "process 0")
+        try:
+            if self.coord.increment(f"{self.prefix}/seen") == self.coord.process_count - 1:
+                self._forget(self.prefix)
+        except CoordinationError:
+            pass
         if not doc["ok"]:
             raise CoordinationError(f"{self.what} failed: {doc['error']}")
+
+
+def write_then_commit(
+    rv: Rendezvous,
+    write: Callable[[], dict[str, Any]],
+    commit: Callable[[list[dict[str, Any]]], None],
+    discard: Callable[[], None],
+) -> dict[str, Any]:
+    """The protocol of every multi-process operation (saves, exports), in one place.
+
+    Every process runs `write` and reports its result (a small JSON document) or its error
+    under `written/<pid>`; process 0 gathers every report, in process order, and runs
+    `commit` on them; it publishes the outcome, which the others wait for. Any failure is
+    raised on every process, naming the process that failed; process 0 then runs `discard`
+    (nothing was made visible). Returns this process's report.
+    """
+    pid = rv.coord.process_index
+
+    def fail(e: BaseException) -> None:
+        rv.publish_outcome(e)
+        log.error("%s failed: %s", rv.what, e)
+        discard()
+
+    try:
+        mine = write()
+    except BaseException as e:
+        rv.report(f"written/{pid}", e)
+        if rv.coord.is_leader:
+            fail(e)
+        raise
+    rv.report(f"written/{pid}", **mine)
+    rv.start_clock()
+    if rv.coord.is_leader:
+        try:
+            others = rv.gather("written")
+            commit([mine if p == pid else others[p] for p in range(rv.coord.process_count)])
+        except BaseException as e:
+            fail(e)
+            raise
+        rv.publish_outcome()
+    else:
+        rv.await_outcome()
+    return mine

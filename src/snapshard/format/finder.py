@@ -251,6 +251,7 @@ class ChunkFinder:
                 )
             )
         t = ChunkTable.concat(tables, len(leaf.shape)).sorted_by_box()
+        _check_found(leaf, t, where)
         if t.crc_offset is None:
             t.crc_offset = np.zeros(len(t), np.int64)
         from .validate import check_chunks
@@ -275,6 +276,14 @@ class ChunkFinder:
                 f"the manifest says {leaf.chunk_count}"
             )
         return t
+
+
+def _check_found(leaf: ArrayLeaf, t: ChunkTable, where: str) -> None:
+    """Records were found for an array with elements, and no more than the manifest counts."""
+    if not len(t) or (leaf.chunk_count is not None and len(t) > leaf.chunk_count):
+        raise CorruptCheckpointError(
+            f"{where}: {len(t)} chunk records found, the manifest says {leaf.chunk_count}"
+        )
 
 
 def attach_lazy_tables(storage: Storage, manifest: Manifest) -> ChunkFinder:

@@ -558,7 +558,11 @@ class Manifest:
     @staticmethod
     def from_json(data: bytes, where: str) -> Manifest:
         try:
-            doc = json.loads(data)
+            doc = json.loads(data, object_pairs_hook=_unique_keys)
+        except _DuplicateKey as e:
+            raise CorruptCheckpointError(
+                f"{where}: manifest repeats the key {e.args[0][:100]!r}"
+            ) from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(f"{where}: manifest is not valid JSON ({e})") from None
         except RecursionError:
@@ -625,6 +629,19 @@ class Manifest:
 
             m.files += ref_files(m.refs, where)
         return m
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refusing repeated keys (json.loads would keep the last silently)."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))  # type: ignore[func-returns-value]
+    return d
 
 
 def _check_own_checksum(data: bytes, doc: dict[str, Any], where: str) -> None:

@@ -47,6 +47,42 @@ def _check_tree(structure: object, where: str) -> None:
         stack.extend((c, depth + 1) for c in kids)
 
 
+def _check_leaf_paths(m: Manifest, where: str) -> None:
+    """Every leaf's path is where the tree puts it (keys of dict-like nodes, positions in
+    lists and tuples), so that a leaf can never take another's place."""
+    stack: list[tuple[object, tuple[object, ...]]] = [(m.structure, ())]
+    while stack:
+        node, path = stack.pop()
+        assert isinstance(node, dict)  # _check_tree checked every node
+        if node.get("t") == "leaf":
+            i = node["i"]
+            leaf_path = m.leaves[i].path
+            if len(leaf_path) != len(path) or any(
+                type(a) is not type(b) or a != b for a, b in zip(leaf_path, path, strict=True)
+            ):
+                raise CorruptCheckpointError(
+                    f"{where}: leaf {i} has path {'/'.join(map(str, leaf_path))[:200]!r}, the "
+                    f"tree holds it at {'/'.join(map(str, path))[:200]!r}"
+                )
+            continue
+        kids = node.get("c", [])
+        assert isinstance(kids, list)
+        keys = node.get("k") if node.get("t") in ("dict", "namedtuple", "node") else None
+        names = keys if isinstance(keys, list) else range(len(kids))
+        stack.extend((c, (*path, k)) for k, c in zip(names, kids, strict=True))
+
+
+def _check_chunk_counts(m: Manifest, where: str) -> None:
+    """An array has chunks if and only if it has elements (before any record is read)."""
+    for leaf in m.arrays:
+        n = leaf.chunk_count if m.version >= 2 else len(leaf.chunks)
+        empty = math.prod(leaf.shape) == 0
+        if (n == 0) != empty:
+            raise CorruptCheckpointError(
+                f"{where}, leaf {leaf.name!r}: {n} chunks for an array of shape {leaf.shape}"
+            )
+
+
 def validate_structure(m: Manifest, where: str) -> None:
     """Everything a reader relies on, before anything is allocated or read: the tree, leaf
     references, unique paths, dtypes, and (v1) chunk and file bounds; (v2) layout numbers
@@ -55,6 +91,7 @@ def validate_structure(m: Manifest, where: str) -> None:
     refs = list(iter_leaf_nodes(m.structure))
     if sorted(refs) != list(range(len(m.leaves))):
         raise CorruptCheckpointError(f"{where}: the tree structure and the leaf list disagree")
+    _check_leaf_paths(m, where)
     paths = [leaf.path for leaf in m.leaves]
     if len(set(paths)) != len(paths):
         seen: set[object] = set()
@@ -86,10 +123,28 @@ def validate_structure(m: Manifest, where: str) -> None:
             raise CorruptCheckpointError(
                 f"{name}: PRNG key without implementation or key-data axis"
             )
+        if leaf.kind == "prng_key":
+            _check_key_data(leaf, name)
         if leaf.kind == "scalar" and leaf.shape:
             raise CorruptCheckpointError(f"{name}: a scalar with shape {leaf.shape}")
         if m.version == 1:
             check_chunks(leaf, leaf.chunks, dt.itemsize, sizes, name)
+    _check_chunk_counts(m, where)
+
+
+# The key data of the PRNG implementations JAX ships: (dtype, size of the key-data axis).
+_KEY_DATA = {"threefry2x32": ("uint32", 2), "rbg": ("uint32", 4), "unsafe_rbg": ("uint32", 4)}
+
+
+def _check_key_data(leaf: ArrayLeaf, name: str) -> None:
+    """A typed key's stored data fits its implementation (JAX would refuse it with a bare
+    TypeError at the end of the restore)."""
+    want = _KEY_DATA.get(str(leaf.key_impl))
+    if want is not None and (leaf.dtype, leaf.shape[-1]) != want:
+        raise CorruptCheckpointError(
+            f"{name}: {leaf.key_impl} keys need {want[0]} key data of {want[1]} words, the "
+            f"checkpoint has {leaf.dtype} of shape {leaf.shape}"
+        )
 
 
 def check_chunks(

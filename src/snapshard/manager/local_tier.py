@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,18 +36,57 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..adapters.jax_arrays import layout_of, slices_to_box
+from ..adapters.jax_arrays import layout_of, outside_context_mesh, slices_to_box
 from ..adapters.leaves import SaveArray
-from ..coordination import SingleProcessCoordinator
+from ..coordination import Coordinator, SingleProcessCoordinator
+from ..coordination.transfer import PendingExchange, exchange, start_exchange
+from ..errors import CorruptCheckpointError, SnapshardError, StorageError
 from ..format.manifest import ValueLeaf
-from ..restore import aligned_empty, load
-from ..saving import finish, prepare
-from ..staging import Box, Snapshot
+from ..restore import aligned_empty, is_target_leaf, load
+from ..saving import classify_leaves, finish, prepare
+from ..staging import Box, Snapshot, host_snapshot
 from ..storage import LocalRoot, LocalStorage
-from ..tree import FlatTree, path_str
+from ..tree import FlatTree, keypath_to_path, path_str
 from ..tree import Path as TreePath
 
+log = logging.getLogger("snapshard")
+
 _SINGLE = SingleProcessCoordinator()
+
+
+@dataclass
+class TierReport:
+    """What one step's save cost this process, per tier (seconds and bytes)."""
+
+    blocking_s: float = 0.0  # what the training step waited for
+    local_snapshot_s: float = 0.0  # the host snapshot of every local box
+    peer_dispatch_s: float = 0.0  # dispatching the copies to peers (collectives)
+    peer_transfer_wait_s: float = 0.0  # background: waiting for the peers' bytes
+    local_save_s: float = 0.0  # background: writing the own and peer copies
+    local_bytes: int = 0
+    persistent_save_s: float = 0.0  # background: the persistent save after the blocking phase
+    persistent_bytes: int = 0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class RestoreReport:
+    """Which tier served a manager's restore, how long it took and what it read."""
+
+    tier: str = ""  # "local", "peer" or "persistent"
+    step: int | None = None
+    bytes_read_persistent: int = 0
+    bytes_read_local: int = 0
+    bytes_from_peers: int = 0
+    seconds: float = 0.0
+    skipped: tuple[str, ...] = ()  # copies that failed verification and were passed over
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dict(self.__dict__)
+        out["skipped"] = list(self.skipped)
+        return out
 
 
 @dataclass(frozen=True)
@@ -221,7 +262,11 @@ class LocalStore:
             for copy, ok in LocalRoot(self.step_dir(step)).list().items():
                 if not ok or not (copy == "own" or copy.startswith("peer-")):
                     continue
-                extra = _read_extra(LocalStorage(self.step_dir(step) / copy))
+                try:
+                    extra = _read_extra(LocalStorage(self.step_dir(step) / copy))
+                except SnapshardError as e:
+                    log.warning("local tier: skipping %s: %s", self.step_dir(step) / copy, e)
+                    continue
                 if extra.get("process_count") != self.process_count:
                     continue
                 saved = extra.get("fingerprints", {})
@@ -327,9 +372,9 @@ def build_from_local(entry: dict[str, Any], target: Any, name: str) -> Any:
             name,
         )
         impl = entry["key_impl"]
-        return jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)(
-            data
-        )
+        with outside_context_mesh():  # our jit must not see the caller's mesh context
+            wrap = jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)
+            return wrap(data)
     per_device: dict[Any, jax.Array] = {}
     groups: dict[str, list[Any]] = {}
     for d, idx in sharding.addressable_devices_indices_map(shape).items():
@@ -340,3 +385,195 @@ def build_from_local(entry: dict[str, Any], target: Any, name: str) -> Any:
             host = host.astype(target.dtype)
         per_device.update(zip(devices, to_devices(host, devices), strict=True))
     return assemble(shape, sharding, per_device)
+
+
+# ---- the protocol: save, agree on a step, restore -----------------------------------------
+
+
+def stage_local(
+    store: LocalStore, coord: Coordinator, step: int, flat: FlatTree, report: TierReport
+) -> tuple[Callable[[], None], Snapshot]:
+    """Blocking part of a local-tier save: the host snapshot and the copies to peers.
+    Returns the background part (writing own and peer copies) and the snapshot."""
+    me, n = coord.process_index, coord.process_count
+    t0 = time.perf_counter()
+    leaves = classify_leaves(flat, n)
+    arrays = [(i, a) for i, a in enumerate(leaves) if isinstance(a, SaveArray)]
+    snapshot = host_snapshot(arrays, me)
+    own_tree = local_tree(leaves, flat, snapshot)
+    t1 = time.perf_counter()
+    # The copies to peers: dispatched now, in program order on every process (they are
+    # collectives), and received by the background part.
+    pending: dict[int, PendingExchange] = {}
+    if n > 1:
+        blob = pack_shards(leaves, snapshot, me)
+        sizes = [shard_bytes(leaves, p) for p in range(n)]
+        per_host = store.tier.processes_per_host
+        for r in range(1, len(peers(0, n, store.tier.replicas, per_host)) + 1):
+            k = r * per_host
+            pending[(me - k) % n] = start_exchange(
+                blob, [(p, (p + k) % n) for p in range(n)], sizes
+            )
+    report.local_snapshot_s = t1 - t0
+    report.peer_dispatch_s = time.perf_counter() - t1
+    extra = {
+        "tier": "local",
+        "step": step,
+        "process_count": n,
+        "paths": [list(p) for p in flat.paths],
+        "fingerprints": saved_fingerprints(flat),
+    }
+
+    def write() -> None:
+        t = time.perf_counter()
+        written = store.write(step, me, own_tree, extra)
+        for src, exchange_in_flight in pending.items():
+            t_wait = time.perf_counter()
+            got = exchange_in_flight.result()
+            report.peer_transfer_wait_s = time.perf_counter() - t_wait
+            assert got is not None
+            peer_tree = local_tree(leaves, flat, unpack_shards(leaves, got, src))
+            written += store.write(step, src, peer_tree, extra)
+        store.retain(store.tier.max_to_keep)
+        report.local_save_s = time.perf_counter() - t
+        report.local_bytes = written
+
+    return write, snapshot
+
+
+def exchange_all(coord: Coordinator, prefix: str, mine: Any, timeout_s: float) -> list[Any]:
+    """Every process's `mine`, in process order: one set, one barrier and one listing per
+    process (O(P) keys in all), then the keys are deleted."""
+    n, me = coord.process_count, coord.process_index
+    if n == 1:
+        return [mine]
+    coord.set(f"{prefix}/{me}", json.dumps(mine))
+    coord.barrier(f"{prefix}/all-set", timeout_s)
+    got = coord.get_dir(prefix)
+    out = [json.loads(got[str(q)]) for q in range(n)]
+    coord.barrier(f"{prefix}/all-read", timeout_s)
+    if me == 0:
+        coord.delete(prefix)
+    return out
+
+
+def agree_on_step(
+    store: LocalStore,
+    coord: Coordinator,
+    prefix: str,
+    target: Any,
+    step: int | None,
+    newest_persistent: int | None,
+    timeout_s: float,
+) -> tuple[int | None, list[dict[str, list[int]]]]:
+    """The step to restore from the local tier, the same on every process (or None), and
+    what every process holds."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+    fps = {path_str(keypath_to_path(kp)): target_fingerprint(t) for kp, t in flat}
+    mine = {str(s): v for s, v in store.holdings(fps).items()}
+    held: list[dict[str, list[int]]] = exchange_all(coord, prefix, mine, timeout_s)
+    n = coord.process_count
+    complete = sorted(
+        int(s)
+        for s in set().union(*held)
+        if set().union(*(h.get(s, []) for h in held)) >= set(range(n))
+    )
+    if step is not None:
+        return (step if step in complete else None), held
+    if complete and (newest_persistent is None or complete[-1] > newest_persistent):
+        return complete[-1], held
+    return None, held
+
+
+def restore_local(
+    store: LocalStore,
+    coord: Coordinator,
+    step: int,
+    held: list[dict[str, list[int]]],
+    target: Any,
+) -> tuple[Any, RestoreReport]:
+    """Every process rebuilds its shards from its own local copy, fetched from a peer
+    first where its own is missing. Raises CorruptCheckpointError when this process's
+    copy fails verification (the caller then tries the next copy)."""
+    me, n = coord.process_index, coord.process_count
+    key = str(step)
+    missing = [q for q in range(n) if q not in held[q].get(key, [])]
+    pairs = [(min(h for h in range(n) if q in held[h].get(key, [])), q) for q in missing]
+    received = 0
+    while pairs:  # rounds in which each process sends at most once and receives at most once
+        round_: list[tuple[int, int]] = []
+        rest: list[tuple[int, int]] = []
+        senders: set[int] = set()
+        for src, dst in pairs:
+            (rest if src in senders else round_).append((src, dst))
+            senders.add(src)
+        send = next((store.pack_files(step, dst) for src, dst in round_ if src == me), None)
+        got = exchange(send, round_)
+        if got is not None:
+            store.unpack_files(step, got)
+            received += got.nbytes
+        pairs = rest
+    entries, _, bytes_read = store.read_own(step)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+    leaves = []
+    for kp, t in flat:
+        name = path_str(keypath_to_path(kp))
+        if name not in entries:
+            raise CorruptCheckpointError(
+                f"{store.step_dir(step) / 'own'}: the local copy has no leaf {name!r}"
+            )
+        leaves.append(build_from_local(entries[name], t, name))
+    report = RestoreReport(
+        tier="peer" if me in missing else "local",
+        step=step,
+        bytes_read_local=bytes_read,
+        bytes_from_peers=received,
+    )
+    return jax.tree_util.tree_unflatten(treedef, leaves), report
+
+
+def restore_from_tiers(
+    store: LocalStore,
+    coord: Coordinator,
+    prefix: str,
+    target: Any,
+    step: int | None,
+    newest_persistent: int | None,
+    timeout_s: float,
+) -> tuple[Any, RestoreReport] | tuple[None, RestoreReport]:
+    """Restore from the nearest complete copy: own, then a peer's. A copy that fails
+    verification is logged, removed, and the processes agree again without it (at most
+    three rounds); (None, report) means the persistent tier must serve."""
+    skipped: list[str] = []
+    for attempt in range(3):
+        chosen, held = agree_on_step(
+            store, coord, f"{prefix}/{attempt}/holdings", target, step, newest_persistent, timeout_s
+        )
+        if chosen is None:
+            break
+        error: str | None = None
+        try:
+            out, report = restore_local(store, coord, chosen, held, target)
+        except (CorruptCheckpointError, StorageError, OSError, ValueError, KeyError) as e:
+            out, report = None, RestoreReport()
+            error = f"{type(e).__name__}: {e}"
+            where = store.step_dir(chosen) / "own"
+            log.warning(
+                "local tier: the copy of step %d at %s failed verification (%s); "
+                "removing it and trying the next copy",
+                chosen,
+                where,
+                error,
+            )
+            shutil.rmtree(where, ignore_errors=True)
+        errors = exchange_all(coord, f"{prefix}/{attempt}/outcome", error, timeout_s)
+        failed = [f"process {q} step {chosen}: {e}" for q, e in enumerate(errors) if e]
+        if not failed:
+            report.skipped = tuple(skipped)
+            return out, report
+        skipped.extend(failed)
+    if skipped:
+        log.warning(
+            "local tier: falling back to the persistent tier after %d failed copies", len(skipped)
+        )
+    return None, RestoreReport(skipped=tuple(skipped))

@@ -11,7 +11,6 @@ step, by the next `save`, `wait_until_finished` or `close` (once).
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import threading
@@ -20,32 +19,25 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-import jax
-
-from ..adapters.leaves import SaveArray, is_save_leaf
+from ..adapters.leaves import is_save_leaf
 from ..background import BackgroundTask
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.jax_distributed import preemption_sync_point
-from ..coordination.rendezvous import namespace
-from ..coordination.transfer import PendingExchange, exchange, start_exchange
+from ..coordination.rendezvous import Rendezvous, namespace
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..format.reading import read_manifest
-from ..restore import ReadStats, is_target_leaf, load
-from ..saving import DEFAULT_TIMEOUT_S, SaveTimings, classify_leaves, finish, prepare
-from ..staging import Snapshot, host_snapshot
+from ..restore import ReadStats, load
+from ..saving import DEFAULT_TIMEOUT_S, SaveTimings, finish, prepare
 from ..storage import CheckpointRoot, Location, root_for
-from ..tree import FlatTree, flatten, keypath_to_path, path_str
+from ..storage.lease import DEFAULT_LEASE_TIMEOUT_S, WriterLease
+from ..tree import FlatTree, flatten
 from .local_tier import (
     LocalStore,
     LocalTier,
-    build_from_local,
-    local_tree,
-    pack_shards,
-    peers,
-    saved_fingerprints,
-    shard_bytes,
-    target_fingerprint,
-    unpack_shards,
+    RestoreReport,
+    TierReport,
+    restore_from_tiers,
+    stage_local,
 )
 from .policies import (
     AnyOf,
@@ -95,6 +87,8 @@ class CheckpointManager:
         host_budget: int | None = None,
         handle_sigterm: bool = False,
         local_tier: LocalTier | None = None,
+        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+        takeover: bool = False,
         incremental: bool = False,
     ):
         """`save_interval_steps`, `save_on_steps`: when `should_save` is true (or pass
@@ -104,6 +98,12 @@ class CheckpointManager:
         `handle_sigterm`: a SIGTERM makes `reached_preemption` true (single-process jobs;
         multi-process jobs use JAX's preemption service). `local_tier`: also keep each
         process's shards on node-local storage and on peers (see local_tier.py).
+
+        One writer per directory: process 0 takes the directory's writer lease when the
+        manager starts and gives it up in `close` (see storage/lease.py); a second manager
+        on the directory fails with WriterLeaseError naming the holder. A lease whose holder
+        stopped its heartbeat for `lease_timeout_s` is taken over; `takeover=True` takes it
+        whatever its state.
         `incremental`: every step records its chunks' content hashes and refers to the
         newest kept step for chunks that did not change (see references.py)."""
         self._root = root_for(directory)
@@ -136,9 +136,9 @@ class CheckpointManager:
         self._old_sigterm: Any = None
         if handle_sigterm:
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._tier_reports: dict[int, dict[str, float]] = {}
-        self._holdings: list[dict[str, list[int]]] = []
-        self.last_restore: dict[str, Any] = {}
+        self._tier_reports: dict[int, TierReport] = {}
+        self.last_restore: RestoreReport | None = None
+        self._lease: WriterLease | None = None
         # incremental saves (references.py): steps retained for references, arrays last saved
         self._incremental = incremental
         self._references = References(self._root)
@@ -151,19 +151,38 @@ class CheckpointManager:
         )
         if self._local is not None:
             self._local.retain(self._local.tier.max_to_keep)
-        self._cleanup_incomplete()
+        self._start(lease_timeout_s, takeover)
         self._steps: dict[int, StepInfo] = self._scan()
 
     # ---- start-up --------------------------------------------------------------------
-    def _cleanup_incomplete(self) -> None:
-        """Process 0 removes what crashed saves left; the others wait for it (one barrier)."""
-        if self._coord.is_leader:
+    def _start(self, lease_timeout_s: float, takeover: bool) -> None:
+        """Process 0 takes the writer lease and removes what crashed saves left; the others
+        wait for its outcome (one rendezvous), so they learn of a failure too."""
+        rv = Rendezvous(
+            self._coord,
+            namespace("manager-start", self._root.url),
+            f"checkpoint manager start on {self._root.url}",
+            self._timeout_s,
+        )
+        rv.start_clock()
+        if not self._coord.is_leader:
+            rv.await_outcome()
+            return
+        try:
+            lease = WriterLease(self._root.lease_files(), timeout_s=lease_timeout_s)
+            lease.acquire(takeover=takeover)
+            self._lease = lease
             for name, committed in self._root.list().items():
                 if not committed:
                     log.info("removing incomplete checkpoint %s/%s", self._root.url, name)
                     self._root.remove_incomplete(name)
-        if self._coord.process_count > 1:
-            self._coord.barrier(namespace("manager-start", self._root.url), self._timeout_s)
+        except BaseException as e:
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
+            rv.publish_outcome(e)
+            raise
+        rv.publish_outcome()
 
     def _scan(self) -> dict[int, StepInfo]:
         steps = {}
@@ -211,11 +230,11 @@ class CheckpointManager:
                 return False
         return self._save_policy.should_save(step)
 
-    def tier_reports(self) -> dict[int, dict[str, float]]:
+    def tier_reports(self) -> dict[int, TierReport]:
         """Per step: blocking time, local snapshot and peer-exchange time, local and persistent
         background time, and bytes this process wrote to each tier."""
         with self._lock:
-            return {k: dict(v) for k, v in self._tier_reports.items()}
+            return dict(self._tier_reports)
 
     def save_timings(self) -> dict[int, SaveTimings]:
         """Per-step blocking and background durations of the saves this manager made."""
@@ -290,13 +309,25 @@ class CheckpointManager:
         The durable (persistent) tier saves when `should_save(step)`; the local tier, if
         configured, every `local_tier.interval` steps; `force` saves to both. Waits for a save
         still in flight first. Raises the error of an earlier background save, and
-        CheckpointExistsError for a step that is already committed."""
+        CheckpointExistsError for a step that is already committed, ValueError for a step
+        not newer than the newest saved one, and WriterLeaseError when this manager lost
+        the directory's writer lease."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
         self._wait_inflight()
         self._raise_pending()
+        if self._lease is not None:
+            self._lease.check()
         with self._lock:
             if step in self._steps:
                 raise CheckpointExistsError(
                     f"step {step} already exists in {self._root.url}; it is never overwritten"
+                )
+            newest = max(self._steps, default=None)
+            if newest is not None and step < newest:
+                raise ValueError(
+                    f"step {step} is older than the newest saved step {newest} of "
+                    f"{self._root.url}; steps must increase (retention would delete it at once)"
                 )
         persistent = force or self._save_policy.should_save(step)
         local = self._local is not None and (force or self._local.tier.should_save(step))
@@ -305,19 +336,22 @@ class CheckpointManager:
         t0 = time.perf_counter()
         info_metrics = dict(metrics) if metrics is not None else None
         flat = flatten(tree, is_save_leaf)
-        report: dict[str, float] = {}
+        report = TierReport()
         local_work = None
         snapshot = None
         if local:
             assert self._local is not None
-            local_work, snapshot = self._stage_local(step, flat, report)
+            local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
         prep = None
         incremental: dict[str, Any] = {}
         if persistent and self._incremental:
             incremental = self._increment_from(flat)
         if persistent:
+            storage = self._root.child(str(step))
+            if self._lease is not None:
+                storage.commit_guard = self._lease.verify
             prep = prepare(
-                self._root.child(str(step)),
+                storage,
                 tree,
                 mode=self._write_mode,
                 timeout_s=self._timeout_s,
@@ -329,15 +363,15 @@ class CheckpointManager:
                 flat=flat,
                 **incremental,
             )
-        report["blocking_s"] = time.perf_counter() - t0
+        report.blocking_s = time.perf_counter() - t0
 
         def work() -> None:
             if local_work is not None:
                 local_work()
             if prep is not None:
                 timings = finish(prep)
-                report["persistent_save_s"] = timings.total_s - timings.blocking_s
-                report["persistent_bytes"] = timings.bytes_written
+                report.persistent_save_s = timings.total_s - timings.blocking_s
+                report.persistent_bytes = timings.bytes_written
                 if self._incremental:
                     self._saved_arrays = (step, saved_arrays(flat))
                 self._after_commit(step, info_metrics)
@@ -353,58 +387,6 @@ class CheckpointManager:
             self._raise_pending()
         return True
 
-    def _stage_local(
-        self, step: int, flat: FlatTree, report: dict[str, float]
-    ) -> tuple[Callable[[], None], Snapshot]:
-        """Blocking part of a local-tier save: the host snapshot and the copies to peers.
-        Returns the background part (writing own and peer copies) and the snapshot."""
-        assert self._local is not None
-        store = self._local
-        me, n = self._coord.process_index, self._coord.process_count
-        t0 = time.perf_counter()
-        leaves = classify_leaves(flat, n)
-        arrays = [(i, a) for i, a in enumerate(leaves) if isinstance(a, SaveArray)]
-        snapshot = host_snapshot(arrays, me)
-        own_tree = local_tree(leaves, flat, snapshot)
-        t1 = time.perf_counter()
-        # The copies to peers: dispatched now, in program order on every process (they are
-        # collectives), and received by the background part.
-        pending: dict[int, PendingExchange] = {}
-        if n > 1:
-            blob = pack_shards(leaves, snapshot, me)
-            sizes = [shard_bytes(leaves, p) for p in range(n)]
-            per_host = store.tier.processes_per_host
-            for r in range(1, len(peers(0, n, store.tier.replicas, per_host)) + 1):
-                k = r * per_host
-                pending[(me - k) % n] = start_exchange(
-                    blob, [(p, (p + k) % n) for p in range(n)], sizes
-                )
-        report["local_snapshot_s"] = t1 - t0
-        report["peer_dispatch_s"] = time.perf_counter() - t1
-        extra = {
-            "tier": "local",
-            "step": step,
-            "process_count": n,
-            "paths": [list(p) for p in flat.paths],
-            "fingerprints": saved_fingerprints(flat),
-        }
-
-        def write() -> None:
-            t = time.perf_counter()
-            written = store.write(step, me, own_tree, extra)
-            for src, exchange_in_flight in pending.items():
-                t_wait = time.perf_counter()
-                got = exchange_in_flight.result()
-                report["peer_transfer_wait_s"] = time.perf_counter() - t_wait
-                assert got is not None
-                peer_tree = local_tree(leaves, flat, unpack_shards(leaves, got, src))
-                written += store.write(step, src, peer_tree, extra)
-            store.retain(store.tier.max_to_keep)
-            report["local_save_s"] = time.perf_counter() - t
-            report["local_bytes"] = written
-
-        return write, snapshot
-
     def _after_commit(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Runs in the save's thread on every process: record the step, apply retention."""
         with self._lock:
@@ -413,6 +395,8 @@ class CheckpointManager:
             for s in doomed:
                 del self._steps[s]
         if self._coord.is_leader and (doomed or self._retained):
+            if self._lease is not None:
+                self._lease.verify()
             # Never a file a kept step refers to (steps of an incremental run, even when this
             # manager is not incremental): see references.py.
             with self._lock:
@@ -447,12 +431,32 @@ class CheckpointManager:
         call this with the same arguments. `last_restore` tells which tier served."""
         self._wait_inflight()
         t0 = time.perf_counter()
+        skipped: tuple[str, ...] = ()
         if self._local is not None and target is not None:
-            local_step = self._agree_on_local_step(step, target)
-            if local_step is not None:
-                out = self._restore_local(local_step, target)
-                self.last_restore["seconds"] = time.perf_counter() - t0
+            out, report = restore_from_tiers(
+                self._local,
+                self._coord,
+                namespace("tier-restore", self._root.url),
+                target,
+                step,
+                self.latest_step(),
+                self._timeout_s,
+            )
+            if report.tier:
+                report.seconds = time.perf_counter() - t0
+                self.last_restore = report
                 return out
+            skipped = report.skipped
+            if step is not None and step not in self._steps:
+                raise CheckpointNotFoundError(
+                    f"step {step} is neither a committed step of {self._root.url} nor "
+                    f"restorable from the local tier"
+                    + (
+                        f" (copies that failed verification: {'; '.join(skipped)})"
+                        if skipped
+                        else ""
+                    )
+                )
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -463,84 +467,23 @@ class CheckpointManager:
             )
         stats = load_options.pop("stats", None) or ReadStats()
         out = load(self._root.child(str(step)), target, stats=stats, **load_options)
-        self.last_restore = {
-            "tier": "persistent",
-            "step": step,
-            "bytes_read_persistent": stats.bytes_read,
-            "bytes_read_local": 0,
-            "bytes_from_peers": 0,
-            "seconds": time.perf_counter() - t0,
-        }
-        return out
-
-    def _agree_on_local_step(self, step: int | None, target: Any) -> int | None:
-        """The step to restore from the local tier, the same on every process, or None."""
-        assert self._local is not None
-        flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
-        fps = {path_str(keypath_to_path(kp)): target_fingerprint(t) for kp, t in flat}
-        mine = self._local.holdings(fps)
-        n = self._coord.process_count
-        prefix = namespace("tier-restore", self._root.url)
-        self._coord.set(f"{prefix}/{self._coord.process_index}", json.dumps(mine))
-        held: list[dict[str, list[int]]] = [
-            json.loads(self._coord.get(f"{prefix}/{q}", self._timeout_s)) for q in range(n)
-        ]
-        self._holdings = held
-        complete = sorted(
-            int(s)
-            for s in set().union(*held)
-            if set().union(*(h.get(s, []) for h in held)) >= set(range(n))
+        self.last_restore = RestoreReport(
+            tier="persistent",
+            step=step,
+            bytes_read_persistent=stats.bytes_read,
+            seconds=time.perf_counter() - t0,
+            skipped=skipped,
         )
-        if step is not None:
-            return step if step in complete else None
-        newest_persistent = self.latest_step()
-        if complete and (newest_persistent is None or complete[-1] > newest_persistent):
-            return complete[-1]
-        return None
-
-    def _restore_local(self, step: int, target: Any) -> Any:
-        """Every process rebuilds its shards from its own local copy, fetched from a peer
-        first where its own is missing."""
-        assert self._local is not None
-        store, held = self._local, self._holdings
-        me, n = self._coord.process_index, self._coord.process_count
-        key = str(step)
-        missing = [q for q in range(n) if q not in held[q].get(key, [])]
-        pairs = [(min(h for h in range(n) if q in held[h].get(key, [])), q) for q in missing]
-        received = 0
-        while pairs:  # rounds in which each process sends at most once and receives at most once
-            round_: list[tuple[int, int]] = []
-            rest: list[tuple[int, int]] = []
-            senders: set[int] = set()
-            for src, dst in pairs:
-                (rest if src in senders else round_).append((src, dst))
-                senders.add(src)
-            send = next((store.pack_files(step, dst) for src, dst in round_ if src == me), None)
-            got = exchange(send, round_)
-            if got is not None:
-                store.unpack_files(step, got)
-                received += got.nbytes
-            pairs = rest
-        entries, _, bytes_read = store.read_own(step)
-        flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
-        leaves = []
-        for kp, t in flat:
-            name = path_str(keypath_to_path(kp))
-            leaves.append(build_from_local(entries[name], t, name))
-        self.last_restore = {
-            "tier": "peer" if me in missing else "local",
-            "step": step,
-            "bytes_read_persistent": 0,
-            "bytes_read_local": bytes_read,
-            "bytes_from_peers": received,
-        }
-        return jax.tree_util.tree_unflatten(treedef, leaves)
+        return out
 
     def close(self) -> None:
         """Wait for the save in flight and raise any background error not raised yet."""
         try:
             self.wait_until_finished()
         finally:
+            if self._lease is not None:
+                self._lease.release()
+                self._lease = None
             if self._old_sigterm is not None:
                 signal.signal(signal.SIGTERM, self._old_sigterm)
                 self._old_sigterm = None

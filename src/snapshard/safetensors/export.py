@@ -10,12 +10,15 @@ all and an existing file is never damaged. Needs a filesystem all processes see.
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import math
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,26 +26,132 @@ import numpy as np
 
 from ..adapters.leaves import SaveArray, classify, is_save_leaf
 from ..coordination import Coordinator, default_coordinator
-from ..coordination.rendezvous import Rendezvous, namespace
+from ..coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, namespace, write_then_commit
 from ..errors import CheckpointExistsError, StorageError, UnsupportedLeafError
 from ..planning import overlap_runs, plan_writes
 from ..staging import stage
 from ..storage import Location, is_object_store_url
-from ..storage.local import fsync_dir
+from ..storage.local import STAGING_SUFFIX, fsync_dir
 from ..tree import flatten, path_str
 from .dtypes import safetensors_name
 from .files import INDEX_NAME, SINGLE_NAME, SUFFIX
 from .header import build_header
 
-DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_HOST_BUDGET = 1 << 30
-STAGING_SUFFIX = ".snapshard-tmp"
 
 
 @dataclass
 class ExportResult:
     files: list[str]  # names of the data files written, relative to their directory
     bytes_written: int  # tensor bytes this process wrote
+    names: dict[str, str] = field(default_factory=dict)  # tensor name -> leaf it came from
+    skipped: list[str] = field(default_factory=list)  # leaves left out (prng_keys="skip")
+
+
+PRNG_KEY_POLICIES = ("data", "skip", "refuse")
+
+
+@dataclass(frozen=True)
+class ExportNames:
+    r"""Which leaves an export writes, and under which names; the same rules for
+    `snapshard.safetensors.save` and `snapshard convert --to safetensors`.
+
+    Names start as the leaf's path joined with '.' (`model.blocks.0.qkv.kernel.value`).
+
+    - `select`: patterns; a leaf is written if any matches its name, as a glob (`*` also
+      matches dots) or as a prefix of whole components (`model` selects `model.…`).
+      Empty: every leaf.
+    - `rename`: (regex, replacement) pairs applied in order with `re.sub` to the selected
+      names: `(r"^model\.", "")`, `(r"\.value$", "")`.
+    - `transpose`: globs on the renamed names; those tensors are written with their axes
+      reversed (a `(in, out)` kernel as a `(out, in)` weight).
+    - `prng_keys`: typed PRNG keys are written as their uint32 key data ("data"), left out
+      ("skip"), or an error ("refuse").
+    """
+
+    select: tuple[str, ...] = ()
+    rename: tuple[tuple[str, str], ...] = ()
+    transpose: tuple[str, ...] = ()
+    prng_keys: str = "data"
+
+    def __post_init__(self) -> None:
+        if self.prng_keys not in PRNG_KEY_POLICIES:
+            raise ValueError(
+                f"prng_keys must be one of {PRNG_KEY_POLICIES}, not {self.prng_keys!r}"
+            )
+        for pattern, _ in self.rename:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(
+                    f"rename pattern {pattern!r} is not a regular expression: {e}"
+                ) from None
+
+    def selects(self, name: str) -> bool:
+        if not self.select:
+            return True
+        return any(
+            name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p)
+            for p in self.select
+        )
+
+    def renamed(self, name: str) -> str:
+        for pattern, replacement in self.rename:
+            name = re.sub(pattern, replacement, name)
+        return name
+
+    def transposes(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.transpose)
+
+    def check_key(self, leaf: str) -> bool:
+        """Whether a PRNG key leaf is written (False: skipped); raises under "refuse"."""
+        if self.prng_keys == "refuse":
+            raise UnsupportedLeafError(
+                f"leaf {leaf!r} is a PRNG key; safetensors holds arrays only (pass "
+                "prng_keys='data' to write its key data, or 'skip' to leave it out)"
+            )
+        return self.prng_keys == "data"
+
+    def plan(self, names: list[str]) -> list[tuple[str, str, bool]]:
+        """(leaf name, tensor name, transposed) for the selected names, in order; two leaves
+        renamed alike are an error naming both."""
+        out = []
+        seen: dict[str, str] = {}
+        for name in names:
+            new = self.renamed(name)
+            if not new:
+                raise ValueError(f"leaf {name!r} is renamed to an empty name")
+            if new in seen:
+                raise ValueError(
+                    f"leaves {seen[new]!r} and {name!r} would both be named {new!r} in safetensors"
+                )
+            seen[new] = name
+            out.append((name, new, self.transposes(new)))
+        return out
+
+
+def export_names(
+    select: str | list[str] | tuple[str, ...] | None = None,
+    rename: dict[str, str] | list[tuple[str, str]] | tuple[tuple[str, str], ...] | None = None,
+    transpose: str | list[str] | tuple[str, ...] | None = None,
+    prng_keys: str = "data",
+) -> ExportNames:
+    """An ExportNames from the friendlier forms the public functions accept."""
+
+    def strings(x: Any) -> tuple[str, ...]:
+        if x is None:
+            return ()
+        return (x,) if isinstance(x, str) else tuple(x)
+
+    pairs = tuple(rename.items()) if isinstance(rename, dict) else tuple(rename or ())
+    return ExportNames(
+        strings(select), tuple((str(a), str(b)) for a, b in pairs), strings(transpose), prng_keys
+    )
+
+
+def leaf_name(path: tuple[Any, ...]) -> str:
+    """A leaf's default tensor name: its path joined with '.' ('root' for the root)."""
+    return ".".join(str(k) for k in path) or "root"
 
 
 @dataclass
@@ -50,6 +159,12 @@ class _Tensor:
     name: str
     array: SaveArray
     dtype: str  # safetensors name
+    transpose: bool = False
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        shape = self.array.shape
+        return tuple(reversed(shape)) if self.transpose else shape
 
 
 @dataclass
@@ -64,23 +179,32 @@ class _File:
         return len(self.header) + sum(e - b for b, e in self.spans.values())
 
 
-def _tensors(tree: Any, process_count: int) -> list[_Tensor]:
+def _tensors(tree: Any, process_count: int, names: ExportNames) -> tuple[list[_Tensor], list[str]]:
+    """The tensors to write (in the file order) and the leaves skipped."""
     flat = flatten(tree, is_save_leaf)
-    out = []
-    seen: set[str] = set()
+    chosen: list[tuple[str, SaveArray]] = []
+    skipped: list[str] = []
     for path, value in zip(flat.paths, flat.leaves, strict=True):
-        name = ".".join(str(k) for k in path)
+        name = leaf_name(path)
+        if not names.selects(name):
+            continue
         leaf = classify(path, value, process_count)
-        if not isinstance(leaf, SaveArray) or leaf.kind == "prng_key":
+        if not isinstance(leaf, SaveArray):
             raise UnsupportedLeafError(
-                f"leaf {path_str(path)!r}: safetensors files hold arrays only, not {type(value).__name__}"
+                f"leaf {path_str(path)!r}: safetensors files hold arrays only, not "
+                f"{type(value).__name__} (leave it out with select=...)"
             )
-        if name in seen:
-            raise ValueError(f"two leaves are both named {name!r} in safetensors")
-        seen.add(name)
-        out.append(_Tensor(name, leaf, safetensors_name(leaf.dtype, f"leaf {name!r}")))
+        if leaf.kind == "prng_key" and not names.check_key(path_str(path)):
+            skipped.append(path_str(path))
+            continue
+        chosen.append((name, leaf))
+    out = []
+    for (name, leaf), (_, new, transposed) in zip(
+        chosen, names.plan([n for n, _ in chosen]), strict=True
+    ):
+        out.append(_Tensor(new, leaf, safetensors_name(leaf.dtype, f"leaf {name!r}"), transposed))
     # The safetensors library's order: larger elements first, then by name (keeps alignment).
-    return sorted(out, key=lambda t: (-t.array.dtype.itemsize, t.name))
+    return sorted(out, key=lambda t: (-t.array.dtype.itemsize, t.name)), skipped
 
 
 def _layout_files(
@@ -103,7 +227,7 @@ def _layout_files(
         names = [f"model-{i + 1:05d}-of-{len(groups):05d}{SUFFIX}" for i in range(len(groups))]
     files = []
     for name, group in zip(names, groups, strict=True):
-        header, spans = build_header([(t.name, t.dtype, t.array.shape) for t in group], metadata)
+        header, spans = build_header([(t.name, t.dtype, t.shape) for t in group], metadata)
         files.append(_File(name, group, header, spans))
     return files
 
@@ -121,19 +245,17 @@ def _write_own(target: Path, files: list[_File], pid: int, plan: Any, budget: in
     try:
         for item in items:
             f, t = tensors[item.leaf]
-            data = np.ascontiguousarray(item.materialize()).reshape(-1).view(np.uint8)
+            box = item.materialize()
+            start, stop = item.start, item.stop
+            if t.transpose:  # the box of the transposed tensor: axes, and box, reversed
+                box, start, stop = box.transpose(), start[::-1], stop[::-1]
+            data = np.ascontiguousarray(box).reshape(-1).view(np.uint8)
             if f.name not in fds:
                 path = target / f.name if target.is_dir() else target
                 fds[f.name] = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-            shape = np.asarray(t.array.shape, dtype=np.int64)
+            shape = np.asarray(t.shape, dtype=np.int64)
             src, dst, run = overlap_runs(
-                np.zeros_like(shape),
-                shape,
-                item.start,
-                item.stop,
-                item.start,
-                item.stop,
-                t.array.dtype.itemsize,
+                np.zeros_like(shape), shape, start, stop, start, stop, t.array.dtype.itemsize
             )
             base = f.spans[t.name][0]
             for s, d in zip(src.tolist(), dst.tolist(), strict=True):
@@ -215,12 +337,19 @@ def save(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
     host_budget: int | None = DEFAULT_HOST_BUDGET,
+    select: str | list[str] | tuple[str, ...] | None = None,
+    rename: dict[str, str] | list[tuple[str, str]] | None = None,
+    transpose: str | list[str] | tuple[str, ...] | None = None,
+    prng_keys: str = "data",
 ) -> ExportResult:
     """Write `tree` (jax.Arrays with any sharding, or NumPy arrays) as safetensors.
 
-    Tensor names are the leaves' paths joined with '.'. A path ending in `.safetensors` is
-    one file; any other path is a directory holding `model.safetensors`, or, when the
-    tensors exceed `max_file_bytes`, numbered files and `model.safetensors.index.json`.
+    Tensor names are the leaves' paths joined with '.'; `select`, `rename`, `transpose`
+    and `prng_keys` choose the leaves, rename them and reverse the axes of some, with the
+    rules of `ExportNames` (the same as `snapshard convert --to safetensors`). A path
+    ending in `.safetensors` is one file; any other path is a directory holding
+    `model.safetensors`, or, when the tensors exceed `max_file_bytes`, numbered files and
+    `model.safetensors.index.json`.
     Every process of a multi-process job calls this with the same tree. `metadata` is the
     header's `__metadata__` (Hugging Face transformers wants {"format": "pt"}).
     `host_budget` bounds the bytes copied from accelerators before writing starts.
@@ -236,7 +365,8 @@ def save(
     if final.exists() and not overwrite:
         raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
     coord = coordinator or default_coordinator()
-    tensors = _tensors(tree, coord.process_count)
+    names = export_names(select, rename, transpose, prng_keys)
+    tensors, skipped = _tensors(tree, coord.process_count, names)
     files = _layout_files(tensors, None if directory else final.name, max_file_bytes, metadata)
     plan = plan_writes(
         [t.array.layout for f in files for t in f.tensors], mode, num_processes=coord.process_count
@@ -258,29 +388,20 @@ def save(
         rv.report("ready")
     else:
         rv.wait("ready", "process 0")
-    # 2. Everyone writes its own byte runs and reports.
-    try:
-        written = _write_own(staging, files, pid, plan, host_budget)
-    except BaseException as e:
-        rv.report(f"written/{pid}", e)
-        if coord.is_leader:
-            rv.publish_outcome(e)
-            _discard(staging)
-        raise
-    rv.report(f"written/{pid}")
-    # 3. Process 0 commits once every process has written; the others learn the outcome.
-    if coord.is_leader:
-        try:
-            rv.gather("written")
-            _commit(staging, final, overwrite)
-        except BaseException as e:
-            rv.publish_outcome(e)
-            _discard(staging)
-            raise
-        rv.publish_outcome()
-    else:
-        rv.await_outcome()
-    return ExportResult([f.name for f in files], written)
+    # 2. Everyone writes its own byte runs and reports; process 0 commits once all have.
+    mine = write_then_commit(
+        rv,
+        lambda: {"bytes": _write_own(staging, files, pid, plan, host_budget)},
+        lambda _reports: _commit(staging, final, overwrite),
+        lambda: _discard(staging),
+    )
+    written = int(mine["bytes"])
+    origin = {t.name: path_str_of(t.array) for f in files for t in f.tensors}
+    return ExportResult([f.name for f in files], written, origin, skipped)
+
+
+def path_str_of(array: SaveArray) -> str:
+    return path_str(array.path)
 
 
 def _discard(staging: Path) -> None:
@@ -308,10 +429,14 @@ def save_streamed(
     metadata: dict[str, str] | None = None,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    max_file_bytes: int | None = None,
 ) -> ExportResult:
-    """One process writes one safetensors file from tensors produced slab by slab (what
-    `snapshard convert` uses): the header first, each slab at its offset, then the file
-    appears atomically."""
+    """One process writes safetensors from tensors produced slab by slab (what `snapshard
+    convert` uses): each file's header first, each slab at its offset, then the result
+    appears atomically. Without `max_file_bytes`, `path` is one file; with it, `path` is a
+    directory of numbered files of at most that many tensor bytes (a tensor larger than
+    that gets a file of its own) and `model.safetensors.index.json` (or `model.safetensors`
+    alone when everything fits in one)."""
     text = os.fspath(path)
     if is_object_store_url(text):
         raise StorageError(f"cannot write {text}: safetensors export needs a filesystem")
@@ -319,12 +444,61 @@ def save_streamed(
     if final.exists() and not overwrite:
         raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
     ordered = sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.name))  # as the library orders
-    entries = [(t.name, safetensors_name(t.dtype, f"tensor {t.name!r}"), t.shape) for t in ordered]
-    header, spans = build_header(entries, metadata)
     staging = final.with_name(final.name + STAGING_SUFFIX)
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging.unlink(missing_ok=True)
-    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    _discard(staging)
+    written = 0
+    try:
+        if max_file_bytes is None:
+            written = _write_streamed(staging, ordered, metadata, progress)
+            names = [final.name]
+        else:
+            groups = _group_by_bytes(ordered, max_file_bytes)
+            names = (
+                [SINGLE_NAME]
+                if len(groups) == 1
+                else [f"model-{i + 1:05d}-of-{len(groups):05d}{SUFFIX}" for i in range(len(groups))]
+            )
+            staging.mkdir()
+            for name, group in zip(names, groups, strict=True):
+                written += _write_streamed(staging / name, group, metadata, progress)
+            if len(groups) > 1:
+                weight_map = {t.name: n for n, g in zip(names, groups, strict=True) for t in g}
+                doc = {
+                    "metadata": {"total_size": written},
+                    "weight_map": dict(sorted(weight_map.items())),
+                }
+                (staging / INDEX_NAME).write_text(json.dumps(doc, indent=2))
+    except BaseException:
+        _discard(staging)
+        raise
+    _commit(staging, final, overwrite)
+    return ExportResult(names, written, {t.name: t.name for t in ordered})
+
+
+def _group_by_bytes(tensors: list[StreamedTensor], max_bytes: int) -> list[list[StreamedTensor]]:
+    groups: list[list[StreamedTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        n = math.prod(t.shape) * t.dtype.itemsize
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += n
+    return groups
+
+
+def _write_streamed(
+    path: Path,
+    ordered: list[StreamedTensor],
+    metadata: dict[str, str] | None,
+    progress: Callable[[int], None] | None,
+) -> int:
+    """One safetensors file at `path` (created, fsynced); returns the tensor bytes."""
+    entries = [(t.name, safetensors_name(t.dtype, f"tensor {t.name!r}"), t.shape) for t in ordered]
+    header, spans = build_header(entries, metadata)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     written = 0
     try:
         _pwrite_all(fd, memoryview(header), 0)
@@ -337,10 +511,6 @@ def save_streamed(
                 if progress is not None:
                     progress(raw.nbytes)
         os.fsync(fd)
-    except BaseException:
+    finally:
         os.close(fd)
-        staging.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    _commit(staging, final, overwrite)
-    return ExportResult([final.name], written)
+    return written

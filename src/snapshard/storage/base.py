@@ -8,7 +8,11 @@ Readers go through `read_manifest` and `read_into` only.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .lease import LeaseFiles
 
 
 class FileWriter(ABC):
@@ -30,8 +34,19 @@ class Storage(ABC):
     """A checkpoint location. File names are relative ('data/p00000-…-0.bin', 'index/…')."""
 
     url: str
+    # Called by `commit` before anything becomes visible (a CheckpointManager checks its
+    # writer lease there); raising aborts the commit.
+    commit_guard: Callable[[], None] | None = None
+
+    def _check_guard(self) -> None:
+        if self.commit_guard is not None:
+            self.commit_guard()
 
     # ---- save side: the staging area -------------------------------------------------
+    def set_attempt(self, token: str) -> None:  # noqa: B027 - staging in place has no name
+        """Name the staging area after `token`, the same on every process of one job and
+        different between jobs, so that saves of two jobs to one location never share it."""
+
     @abstractmethod
     def prepare_staging(self) -> None:
         """Create the staging area. Idempotent: every process of a save may call it."""
@@ -102,12 +117,17 @@ class CheckpointRoot(ABC):
         """Every checkpoint name under the root, with whether it is committed.
 
         Incomplete saves (staging areas, checkpoints being deleted, object-store prefixes
-        without their commit marker) are listed as False under the checkpoint's name.
+        without their commit marker) are listed as False under the checkpoint's name. The
+        writer lease (`.snapshard-writer`) is not a checkpoint and is never listed.
         """
 
     @abstractmethod
     def child(self, name: str) -> Storage:
         """The storage of the checkpoint `name` under this root."""
+
+    @abstractmethod
+    def lease_files(self) -> LeaseFiles:
+        """Where the root's writer lease lives (see lease.py)."""
 
     @abstractmethod
     def remove_incomplete(self, name: str) -> None:

@@ -13,6 +13,7 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import threading
 import uuid
 from collections.abc import Sequence
@@ -27,6 +28,7 @@ from ..errors import (
 from ..format.manifest import DATA_DIR, INDEX_DIR, MANIFEST_NAME
 from ..format.refs import check_checkpoint_name, split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
+from .lease import LEASE_DIR, LeaseFiles, LocalLeaseFiles
 
 STAGING_SUFFIX = ".snapshard-tmp"
 DELETING_SUFFIX = ".snapshard-deleting"
@@ -36,7 +38,7 @@ _RENAME_EXCHANGE = 2
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
     finally:
@@ -63,19 +65,27 @@ def _exchange(a: Path, b: Path) -> bool:
 class LocalFileWriter(FileWriter):
     def __init__(self, path: Path):
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise StorageError.wrap(e, "creation of", path) from e
         self.size = 0
 
     def write(self, data: memoryview) -> None:
         mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        while len(mv):
-            n = os.write(self.fd, mv[:_MAX_IO])
-            mv = mv[n:]
-            self.size += n
+        try:
+            while len(mv):
+                n = os.write(self.fd, mv[:_MAX_IO])
+                mv = mv[n:]
+                self.size += n
+        except OSError as e:
+            raise StorageError.wrap(e, f"write (at byte {self.size}) of", self.path) from e
 
     def close(self) -> int:
         try:
             os.fsync(self.fd)
+        except OSError as e:
+            raise StorageError.wrap(e, "sync of", self.path) from e
         finally:
             os.close(self.fd)
         return self.size
@@ -85,47 +95,82 @@ class LocalFileWriter(FileWriter):
             os.close(self.fd)
 
 
+def _is_regular(path: Path) -> bool:
+    """`path` is a regular file itself (a symlink to one is not)."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 class LocalStorage(Storage):
     def __init__(self, path: str | os.PathLike[str]):
-        self.final = Path(os.path.abspath(os.fspath(path)))
+        text = os.fspath(path)
+        if not text:
+            raise ValueError("empty checkpoint path")
+        self.final = Path(os.path.abspath(text))
         self.staging = self.final.with_name(self.final.name + STAGING_SUFFIX)
         self.url = str(self.final)
         self._fds: dict[str, int] = {}
         self._siblings: dict[str, LocalStorage] = {}
         self._lock = threading.Lock()
 
+    def set_attempt(self, token: str) -> None:
+        """Stage in `D.snapshard-tmp-<token>`: saves of different jobs (tokens) to one
+        location never share, clean or commit each other's staging areas."""
+        if token and not token.replace("-", "").isalnum():
+            raise ValueError(f"invalid attempt token {token!r}")
+        suffix = STAGING_SUFFIX + (f"-{token}" if token else "")
+        self.staging = self.final.with_name(self.final.name + suffix)
+
     # ---- save side --------------------------------------------------------------------
     def prepare_staging(self) -> None:
         for sub in (DATA_DIR, INDEX_DIR):
-            os.makedirs(self.staging / sub, exist_ok=True)
+            try:
+                os.makedirs(self.staging / sub, exist_ok=True)
+            except OSError as e:
+                raise StorageError.wrap(e, "creation of the staging directory", self.staging) from e
 
     def open_writer(self, name: str) -> FileWriter:
         return LocalFileWriter(self.staging / name)
 
     def list_staging(self) -> dict[str, int]:
         out = {}
-        for sub in (DATA_DIR, INDEX_DIR):
-            d = self.staging / sub
-            if d.is_dir():
-                for entry in os.scandir(d):
-                    out[f"{sub}/{entry.name}"] = entry.stat().st_size
-        for entry in os.scandir(self.staging) if self.staging.is_dir() else ():
-            if entry.name not in (DATA_DIR, INDEX_DIR):
-                out[entry.name] = entry.stat().st_size
+        try:
+            for sub in (DATA_DIR, INDEX_DIR):
+                d = self.staging / sub
+                if d.is_dir():
+                    for entry in os.scandir(d):
+                        out[f"{sub}/{entry.name}"] = entry.stat(follow_symlinks=False).st_size
+            for entry in os.scandir(self.staging) if self.staging.is_dir() else ():
+                if entry.name not in (DATA_DIR, INDEX_DIR):
+                    out[entry.name] = entry.stat(follow_symlinks=False).st_size
+        except OSError as e:
+            raise StorageError.wrap(e, "listing of the staging directory", self.staging) from e
         return out
 
     def read_staging(self, name: str) -> bytes:
-        return (self.staging / name).read_bytes()
+        return self._read_whole(self.staging, name)
 
     def delete_staging_files(self, names: Sequence[str]) -> None:
         for n in names:
             p = self.staging / n
-            if p.is_dir():
-                shutil.rmtree(p)
-            else:
-                p.unlink(missing_ok=True)
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink(missing_ok=True)
+            except OSError as e:
+                raise StorageError.wrap(e, "deletion of", p) from e
 
     def commit(self, manifest: bytes, *, overwrite: bool) -> None:
+        self._check_guard()
+        try:
+            self._commit(manifest, overwrite)
+        except OSError as e:
+            raise StorageError.wrap(e, "commit of", self.url) from e
+
+    def _commit(self, manifest: bytes, overwrite: bool) -> None:
         self.write_bytes(MANIFEST_NAME, manifest)
         for sub in (DATA_DIR, INDEX_DIR):
             fsync_dir(self.staging / sub)
@@ -157,11 +202,15 @@ class LocalStorage(Storage):
         fsync_dir(self.final.parent)
 
     def _check_replaceable(self) -> None:
+        if self.final == Path(os.getcwd()) or self.final in Path(os.getcwd()).parents:
+            raise CheckpointExistsError(
+                f"{self.url} is the working directory or holds it; refusing to replace it"
+            )
         if not self.final.is_dir():
             raise CheckpointExistsError(
                 f"{self.url} exists and is not a directory; refusing to replace it"
             )
-        if any(self.final.iterdir()) and not (self.final / MANIFEST_NAME).is_file():
+        if any(self.final.iterdir()) and not _is_regular(self.final / MANIFEST_NAME):
             raise CheckpointExistsError(
                 f"{self.url} is a non-empty directory that is not a snapshard checkpoint; refusing to replace it"
             )
@@ -169,13 +218,93 @@ class LocalStorage(Storage):
     def discard_staging(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
 
-    # ---- read side --------------------------------------------------------------------
+    # ---- read side: only regular files inside the checkpoint ---------------------------
     def is_committed(self) -> bool:
-        return (self.final / MANIFEST_NAME).is_file()
+        return _is_regular(self.final / MANIFEST_NAME)
+
+    def _open(self, base: Path, name: str) -> int:
+        """Open the checkpoint file `name` (`manifest.json`, `data/x`, `index/x`) for
+        reading: no symlink followed below `base`, nothing but a regular file opened, never
+        blocking (O_NONBLOCK, so a FIFO or device cannot hang the open)."""
+        parts = name.split("/")
+        if (
+            len(parts) > 2
+            or any(p in ("", ".", "..") for p in parts)
+            or (len(parts) == 2 and parts[0] not in (DATA_DIR, INDEX_DIR))
+        ):
+            raise CorruptCheckpointError(
+                f"{self.url}: file name {name!r} does not name a file of the checkpoint"
+            )
+        where = base / name
+        dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if len(parts) == 2:
+                try:
+                    sub = os.open(
+                        parts[0],
+                        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        dir_fd=dir_fd,
+                    )
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise CorruptCheckpointError(
+                            f"{self.url}: {parts[0]}/ is not a directory of the checkpoint "
+                            f"(a symbolic link or another file); refusing to read {name!r}"
+                        ) from None
+                    raise
+                os.close(dir_fd)
+                dir_fd = sub
+            try:
+                st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise
+            if not stat.S_ISREG(st.st_mode):
+                raise CorruptCheckpointError(
+                    f"{self.url}: {name!r} is not a regular file ({_kind(st.st_mode)}); refusing to read it"
+                )
+            fd = os.open(
+                parts[-1],
+                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                dir_fd=dir_fd,
+            )
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CorruptCheckpointError(
+                    f"{self.url}: {name!r} is a symbolic link; refusing to follow it"
+                ) from None
+            if isinstance(e, FileNotFoundError | NotADirectoryError):
+                raise
+            raise StorageError.wrap(e, "open of", where) from e
+        finally:
+            os.close(dir_fd)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between the check and the open
+            os.close(fd)
+            raise CorruptCheckpointError(
+                f"{self.url}: {name!r} is not a regular file ({_kind(st.st_mode)}); refusing to read it"
+            )
+        return fd
+
+    def _read_whole(self, base: Path, name: str) -> bytes:
+        try:
+            fd = self._open(base, name)
+        except FileNotFoundError:
+            raise CorruptCheckpointError(f"{self.url}: file {name!r} is missing") from None
+        try:
+            parts: list[bytes] = []
+            while True:
+                b = os.read(fd, 1 << 20)
+                if not b:
+                    return b"".join(parts)
+                parts.append(b)
+        except OSError as e:
+            raise StorageError.wrap(e, "read of", base / name) from e
+        finally:
+            os.close(fd)
 
     def read_manifest(self) -> bytes:
         try:
-            return (self.final / MANIFEST_NAME).read_bytes()
+            fd = self._open(self.final, MANIFEST_NAME)
         except FileNotFoundError:
             if self.final.is_dir():
                 why = "the directory has no manifest.json"
@@ -186,14 +315,16 @@ class LocalStorage(Storage):
             raise CheckpointNotFoundError(f"no checkpoint at {self.url}: {why}") from None
         except NotADirectoryError:
             raise CheckpointNotFoundError(f"no checkpoint at {self.url}: it is a file") from None
+        os.close(fd)
+        return self._read_whole(self.final, MANIFEST_NAME)
 
     def _fd(self, name: str) -> int:
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
                 try:
-                    fd = os.open(self.final / name, os.O_RDONLY | os.O_CLOEXEC)
-                except FileNotFoundError:
+                    fd = self._open(self.final, name)
+                except (FileNotFoundError, NotADirectoryError):
                     raise CorruptCheckpointError(
                         f"{self.url}: data file {name!r} is missing"
                     ) from None
@@ -216,7 +347,12 @@ class LocalStorage(Storage):
                 want = len(batch[0])
             done = 0
             while done < want:
-                n = os.preadv(fd, _skip(batch, done), offset + done)
+                try:
+                    n = os.preadv(fd, _skip(batch, done), offset + done)
+                except OSError as e:
+                    raise StorageError.wrap(
+                        e, f"read (at byte {offset + done}) of", self.final / name
+                    ) from e
                 if n == 0:
                     raise CorruptCheckpointError(
                         f"{self.url}: file {name!r} is truncated (wanted bytes up to {offset + want})"
@@ -231,9 +367,9 @@ class LocalStorage(Storage):
         trash = self.final.with_name(self.final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
         try:
             os.rename(self.final, trash)
+            fsync_dir(self.final.parent)
         except OSError as e:
-            raise StorageError(f"cannot delete {self.url}: {e}") from e
-        fsync_dir(self.final.parent)
+            raise StorageError.wrap(e, "deletion of", self.url) from e
         shutil.rmtree(trash, ignore_errors=True)
 
     def _sibling(self, name: str) -> LocalStorage:
@@ -255,6 +391,20 @@ class LocalStorage(Storage):
             sib.close()
 
 
+def _kind(mode: int) -> str:
+    for test, what in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
 class LocalRoot(CheckpointRoot):
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(os.path.abspath(os.fspath(path)))
@@ -265,7 +415,7 @@ class LocalRoot(CheckpointRoot):
         if not self.path.is_dir():
             return out
         for entry in os.scandir(self.path):
-            if not entry.is_dir():
+            if not entry.is_dir() or entry.name == LEASE_DIR:
                 continue
             name = entry.name
             for suffix in (STAGING_SUFFIX, DELETING_SUFFIX):
@@ -274,20 +424,25 @@ class LocalRoot(CheckpointRoot):
                     out.setdefault(base, False)
                     break
             else:
-                out[name] = (Path(entry.path) / MANIFEST_NAME).is_file()
+                out[name] = _is_regular(Path(entry.path) / MANIFEST_NAME)
         return out
 
     def child(self, name: str) -> Storage:
         return LocalStorage(self.path / name)
 
+    def lease_files(self) -> LeaseFiles:
+        return LocalLeaseFiles(self.path)
+
     def remove_incomplete(self, name: str) -> None:
+        if name == LEASE_DIR:
+            return
         for entry in os.scandir(self.path) if self.path.is_dir() else ():
             if entry.name.startswith(name) and entry.name[len(name) :].startswith(
                 (STAGING_SUFFIX, DELETING_SUFFIX)
             ):
                 shutil.rmtree(entry.path, ignore_errors=True)
         target = self.path / name
-        if target.is_dir() and not (target / MANIFEST_NAME).is_file():
+        if target.is_dir() and not _is_regular(target / MANIFEST_NAME):
             shutil.rmtree(target, ignore_errors=True)
 
 

@@ -26,6 +26,7 @@ from ..errors import (
 from ..format.manifest import MANIFEST_NAME, Manifest
 from ..format.refs import split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
+from .lease import LEASE_DIR, LeaseFiles
 from .object_client import ObjectClient, RequestStats, TransferConfig
 
 log = logging.getLogger("snapshard")
@@ -93,6 +94,7 @@ class ObjectStorage(Storage):
         self.client.delete([n for n in names if n not in protected])
 
     def commit(self, manifest: bytes, *, overwrite: bool) -> None:
+        self._check_guard()
         old = self._committed_files()
         if old is not None and not overwrite:
             raise CheckpointExistsError(
@@ -184,7 +186,7 @@ class ObjectRoot(CheckpointRoot):
         out: dict[str, bool] = {}
         for rel in self.client.listing():
             name, _, rest = rel.partition("/")
-            if not rest:
+            if not rest or name == LEASE_DIR:
                 continue  # an object directly under the root is no checkpoint
             committed = out.get(name, False) or rest == COMMIT_MARKER
             out[name] = committed
@@ -195,8 +197,36 @@ class ObjectRoot(CheckpointRoot):
             raise ValueError(f"{self.url}: invalid checkpoint name {name!r}")
         return ObjectStorage(self.client.url, client=self.client.child(name))
 
+    def lease_files(self) -> LeaseFiles:
+        return ObjectLeaseFiles(self.client.child(LEASE_DIR))
+
     def remove_incomplete(self, name: str) -> None:
+        if name == LEASE_DIR:
+            return
         child = self.child(name).client
         if child.exists(COMMIT_MARKER):
             return
         child.delete(sorted(child.listing()))
+
+
+class ObjectLeaseFiles(LeaseFiles):
+    """The writer lease's documents as objects: creation by a conditional PUT."""
+
+    def __init__(self, client: ObjectClient):
+        self.client = client
+        self.where = client.url
+
+    def names(self) -> list[str]:
+        return [n for n in self.client.listing() if "/" not in n]
+
+    def read(self, name: str) -> bytes | None:
+        return self.client.get(name)
+
+    def create(self, name: str, data: bytes) -> bool:
+        return self.client.put(name, data, create=True)
+
+    def replace(self, name: str, data: bytes) -> None:
+        self.client.put(name, data)
+
+    def remove(self, name: str) -> None:
+        self.client.delete([name])

@@ -9,6 +9,7 @@ timeout is ours, with an error naming the ranks that did not report.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -45,6 +46,39 @@ class TorchStoreCoordinator(Coordinator):
         if not self._store.check([key]):
             return None
         return bytes(self._store.get(key)).decode()
+
+    def get_dir(self, prefix: str) -> dict[str, str]:
+        """A c10d store cannot list keys: the keys looked for are `prefix/<rank>` (what the
+        rendezvous' reports are), read in one request when all are there."""
+        keys = [f"{prefix}/{r}" for r in range(self.process_count)]
+        multi_get = getattr(self._store, "multi_get", None)
+        if multi_get is not None and self._store.check(keys):
+            return {str(r): bytes(v).decode() for r, v in enumerate(multi_get(keys))}
+        out = {}
+        for r, k in enumerate(keys):
+            value = self.try_get(k)
+            if value is not None:
+                out[str(r)] = value
+        return out
+
+    def delete(self, prefix: str) -> None:
+        """Remove the keys a rendezvous under `prefix` sets (a c10d store cannot list them)."""
+        names = [prefix, f"{prefix}/outcome", f"{prefix}/seen"]
+        names += [f"{prefix}/{r}" for r in range(self.process_count)]
+        names += [
+            f"{prefix}/{k}/{r}" for k in ("written", "read") for r in range(self.process_count)
+        ]
+        for k in names:
+            with contextlib.suppress(Exception):
+                self._store.delete_key(k)
+
+    def set_if_absent(self, key: str, value: str) -> str:
+        """Atomically, through the store's compare-and-set (an empty expected value matches
+        a missing key)."""
+        return bytes(self._store.compare_set(key, "", value)).decode()
+
+    def increment(self, key: str, by: int = 1) -> int:
+        return int(self._store.add(key, by))
 
     def get(self, key: str, timeout_s: float) -> str:
         deadline = time.monotonic() + timeout_s

@@ -1,0 +1,244 @@
+"""One writer per checkpoint root: the writer lease (storage/lease.py) and the manager's use
+of it, on local disk and on the S3 server, with independent processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import multiproc
+import snapshard
+from snapshard.errors import WriterLeaseError
+from snapshard.storage import root_for
+from snapshard.storage.lease import LEASE_DIR, LocalLeaseFiles, WriterLease
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def root_url(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "run")
+    return f"s3://{request.getfixturevalue('s3_bucket')}/lease-{uuid.uuid4().hex[:8]}/run"
+
+
+def test_a_second_lease_is_refused_naming_the_holder_until_released(root_url):
+    files = root_for(root_url).lease_files()
+    a, b = WriterLease(files, timeout_s=30), WriterLease(files, timeout_s=30)
+    a.acquire()
+    t0 = time.monotonic()
+    with pytest.raises(WriterLeaseError) as info:
+        b.acquire()
+    assert time.monotonic() - t0 < 2  # same host, live process: at once
+    msg = str(info.value)
+    assert f"pid {os.getpid()}" in msg and "host" in msg and "since" in msg
+    assert info.value.holder["pid"] == os.getpid()
+    a.verify()
+    a.release()
+    b.acquire()
+    b.verify()
+    b.release()
+    assert files.names() == []
+
+
+def test_takeover_fences_the_old_holder(root_url):
+    files = root_for(root_url).lease_files()
+    a, b = WriterLease(files, timeout_s=30), WriterLease(files, timeout_s=30)
+    a.acquire()
+    b.acquire(takeover=True)
+    with pytest.raises(WriterLeaseError, match="lost its writer lease"):
+        a.verify()
+    a.release()  # never removes the new holder's lease
+    b.verify()
+    b.release()
+
+
+def _fake_holder(files, gen, host, pid, beat_unix, timeout_s):
+    doc = {
+        "host": host,
+        "pid": pid,
+        "started": "then",
+        "token": "x" * 32,
+        "beat": 7,
+        "beat_unix": beat_unix,
+        "timeout_s": timeout_s,
+    }
+    assert files.create(f"{gen:08d}.json", json.dumps(doc).encode())
+    return doc
+
+
+def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path, caplog):
+    files = LocalLeaseFiles(tmp_path)
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    import socket
+
+    _fake_holder(files, 1, socket.gethostname(), int(dead.stdout), time.time(), 30)
+    lease = WriterLease(files, timeout_s=30)
+    with caplog.at_level(logging.WARNING, "snapshard"):
+        lease.acquire()
+    assert lease.generation == 2 and "stale writer lease" in caplog.text
+    assert sorted(files.names()) == ["00000002.json"]
+    lease.release()
+
+
+def test_a_holder_elsewhere_is_live_while_its_heartbeat_moves(tmp_path):
+    files = LocalLeaseFiles(tmp_path)
+    doc = _fake_holder(files, 1, "elsewhere", 1, 0.0, 1.5)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.2):
+            doc["beat"] += 1
+            files.replace("00000001.json", json.dumps(doc).encode())
+
+    t = threading.Thread(target=beat)
+    t.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(WriterLeaseError, match="'elsewhere'"):
+            WriterLease(files, timeout_s=1.5).acquire()
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        stop.set()
+        t.join()
+    # Its heartbeat stopped: after watching for the timeout, the lease is taken over.
+    t0 = time.monotonic()
+    lease = WriterLease(files, timeout_s=1.5)
+    lease.acquire()
+    assert 1.4 < time.monotonic() - t0 < 5 and lease.generation == 2
+    lease.release()
+
+
+def test_a_second_manager_on_a_root_fails_and_the_first_carries_on(root_url):
+    tree = {"w": np.arange(8.0)}
+    with snapshard.CheckpointManager(root_url) as m:
+        m.save(1, tree)
+        with pytest.raises(WriterLeaseError, match="another writer holds"):
+            snapshard.CheckpointManager(root_url)
+        m.save(2, tree)
+        m.wait_until_finished()
+        assert m.all_steps() == [1, 2]
+    with snapshard.CheckpointManager(root_url) as m:  # released by close
+        assert m.all_steps() == [1, 2]
+        assert LEASE_DIR not in root_for(root_url).list()
+
+
+def test_a_manager_that_lost_its_lease_commits_nothing(root_url):
+    tree = {"w": np.arange(8.0)}
+    m = snapshard.CheckpointManager(root_url, async_save=False)
+    m.save(1, tree)
+    thief = WriterLease(root_for(root_url).lease_files())
+    thief.acquire(takeover=True)
+    with pytest.raises(snapshard.BackgroundSaveError, match="lost its writer lease"):
+        m.save(2, tree)
+    assert root_for(root_url).list() == {"1": True}
+    m.close()
+    thief.release()
+
+
+def _start_writer(root, steps, *extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(multiproc.SRC), str(multiproc.WORKERS), env.get("PYTHONPATH", "")]
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.Popen(
+        [sys.executable, str(multiproc.WORKERS / "lease_writer.py"), root, str(steps), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+
+
+def _wait_started(p, timeout=60):
+    deadline = time.monotonic() + timeout
+    assert p.stdout is not None
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if line.strip() == "STARTED":
+            return
+        if not line and p.poll() is not None:
+            break
+    raise AssertionError(f"writer did not start: {p.stderr.read() if p.stderr else ''}")
+
+
+def _result(p, timeout=120):
+    out, err = p.communicate(timeout=timeout)
+    lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+    assert lines, err[-3000:]
+    return json.loads(lines[-1][7:])
+
+
+def test_two_independent_jobs_on_one_root_never_commit_a_broken_step(root_url):
+    """An old job still saving when its replacement starts (three times over): the second
+    fails fast naming the first, and every committed step loads."""
+    steps = 12 if root_url.startswith("s3://") else 30
+    for _ in range(3):
+        first = _start_writer(root_url, steps)
+        try:
+            _wait_started(first)
+            second = _start_writer(root_url, steps)
+            r2 = _result(second)
+            assert r2["error_type"] == "WriterLeaseError", r2
+            assert f"pid {first.pid}" in r2["error"] and r2["seconds"] < 10
+            r1 = _result(first)
+            assert "error" not in r1, r1
+        finally:
+            multiproc.kill_all([first])
+    root = root_for(root_url)
+    committed = sorted(int(n) for n, ok in root.list().items() if ok)
+    assert committed == [3 * steps - 2, 3 * steps - 1, 3 * steps]
+    for step in committed:
+        got = snapshard.load(root.child(str(step)))
+        assert got["step"] == step and np.all(got["w"] == step)
+
+
+def test_a_killed_writer_is_taken_over_by_the_next_job(root_url):
+    first = _start_writer(root_url, 10_000)
+    try:
+        _wait_started(first)
+        time.sleep(0.5)
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(10)
+    finally:
+        multiproc.kill_all([first])
+    t0 = time.monotonic()
+    second = _start_writer(root_url, 3, "30")
+    r = _result(second)
+    assert "error" not in r, r
+    assert time.monotonic() - t0 < 60  # same host, process gone: no waiting for the timeout
+    root = root_for(root_url)
+    for step in (n for n, ok in root.list().items() if ok):
+        assert snapshard.load(root.child(step))["step"] == int(step)
+
+
+def test_every_process_of_a_job_learns_that_the_root_is_held(tmp_path):
+    holder = WriterLease(root_for(tmp_path / "run").lease_files())
+    holder.acquire()
+    try:
+        procs = multiproc.run("manager_start.py", 2, 1, tmp_path / "run", timeout=90)
+    finally:
+        holder.release()
+    r0, r1 = procs[0].result(), procs[1].result()
+    assert r0["error_type"] == "WriterLeaseError" and f"pid {os.getpid()}" in r0["error"]
+    assert r1["error_type"] == "CoordinationError"
+    assert "WriterLeaseError" in r1["error"] and f"pid {os.getpid()}" in r1["error"]
+    procs = multiproc.run("manager_start.py", 2, 1, tmp_path / "run", timeout=90)
+    assert all(p.result()["ok"] for p in procs)

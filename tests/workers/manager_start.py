@@ -1,0 +1,25 @@
+"""Multi-process worker: start a CheckpointManager on DIR and report what happened.
+
+usage: manager_start.py DIR
+"""
+
+from __future__ import annotations
+
+import sys
+
+from _dist import init, report
+
+
+def main() -> None:
+    pid, _ = init()
+    import snapshard
+
+    try:
+        with snapshard.CheckpointManager(sys.argv[1], timeout_s=30) as m:
+            report(ok=True, steps=m.all_steps(), pid=pid)
+    except Exception as e:
+        report(ok=False, error_type=type(e).__name__, error=str(e), pid=pid)
+
+
+if __name__ == "__main__":
+    main()
