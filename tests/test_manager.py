@@ -111,7 +111,7 @@ def fail_step(monkeypatch, step):
     real = local.LocalFileWriter.write
 
     def write(self, data):
-        if self.path.parent.parent.name == f"{step}{local.STAGING_SUFFIX}":
+        if self.path.parent.parent.name.startswith(f"{step}{local.STAGING_SUFFIX}"):
             raise PermissionError(13, f"Permission denied: {self.path} (injected)")
         real(self, data)
 

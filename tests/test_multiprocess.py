@@ -107,7 +107,8 @@ def test_managed_async_saves_on_two_processes_use_no_barrier(tmp_path):
         # barrier; process 0 reads the reports by listings of their directory (no blocking
         # wait per process), the others wait once for the outcome.
         assert r["at_start"]["barrier"] == 0
-        assert r["at_start"]["get"] == (0 if r["pid"] == 0 else 1)
+        # The outcome of process 0's start-up; and the job token, read by whoever set it second.
+        assert r["at_start"]["get"] <= (1 if r["pid"] == 0 else 2)
         assert r["per_save"]["barrier"] == 0
         assert r["per_save"]["get"] == (0 if r["pid"] == 0 else 1)
 

@@ -151,8 +151,10 @@ def test_a_manager_that_lost_its_lease_commits_nothing(root_url):
     thief.release()
 
 
-def _start_writer(root, steps, *extra):
+def _start_writer(root, steps, *extra, hold=None):
     env = dict(os.environ)
+    if hold is not None:
+        env["SNAPSHARD_TEST_HOLD_UNTIL"] = str(hold)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(multiproc.SRC), str(multiproc.WORKERS), env.get("PYTHONPATH", "")]
     )
@@ -186,25 +188,30 @@ def _result(p, timeout=120):
     return json.loads(lines[-1][7:])
 
 
-def test_two_independent_jobs_on_one_root_never_commit_a_broken_step(root_url):
+def test_two_independent_jobs_on_one_root_never_commit_a_broken_step(root_url, tmp_path):
     """An old job still saving when its replacement starts (three times over): the second
     fails fast naming the first, and every committed step loads."""
     steps = 12 if root_url.startswith("s3://") else 30
-    for _ in range(3):
-        first = _start_writer(root_url, steps)
+    last = 0
+    for i in range(3):
+        hold = tmp_path / f"hold-{i}"  # the first job keeps saving until the second has failed
+        first = _start_writer(root_url, steps, hold=hold)
         try:
             _wait_started(first)
             second = _start_writer(root_url, steps)
             r2 = _result(second)
-            assert r2["error_type"] == "WriterLeaseError", r2
+            hold.touch()
+            assert r2.get("error_type") == "WriterLeaseError", r2
             assert f"pid {first.pid}" in r2["error"] and r2["seconds"] < 10
             r1 = _result(first)
             assert "error" not in r1, r1
+            last = r1["saved"][-1]
         finally:
+            hold.touch()
             multiproc.kill_all([first])
     root = root_for(root_url)
     committed = sorted(int(n) for n, ok in root.list().items() if ok)
-    assert committed == [3 * steps - 2, 3 * steps - 1, 3 * steps]
+    assert committed == [last - 2, last - 1, last]
     for step in committed:
         got = snapshard.load(root.child(str(step)))
         assert got["step"] == step and np.all(got["w"] == step)

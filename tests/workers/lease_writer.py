@@ -7,6 +7,7 @@ the error that stopped it (its type and text).
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -38,6 +39,13 @@ def main() -> None:
             manager.save(step, tree)
             saved.append(step)
             time.sleep(0.1)  # long enough for the second job to start meanwhile
+        hold = os.environ.get("SNAPSHARD_TEST_HOLD_UNTIL")
+        deadline = time.monotonic() + 120
+        while hold and not os.path.exists(hold) and time.monotonic() < deadline:
+            time.sleep(0.05)  # keep the root (and save more) until the test lets go
+            step += 1
+            manager.save(step, {"w": np.full((64, 32), step, np.float32), "step": step})
+            saved.append(step)
         manager.close()
     except Exception as e:
         report(saved=saved, error_type=type(e).__name__, error=str(e))

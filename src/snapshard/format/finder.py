@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
 Box = tuple[np.ndarray, np.ndarray]
 # Reads of one record file closer than this are merged into one.
 _MERGE_GAP = 64 << 10
+# Record reads are small and bound by the store's latency (two requests in a row per record
+# file: directory entries, then segments), and a restore touches hundreds of record files
+# (the writers of replicated arrays are spread over the job): many run at once.
+DEFAULT_THREADS = 64
 
 
 @dataclass
@@ -47,9 +51,9 @@ class ChunkFinder:
 
     storage: Storage
     manifest: Manifest
-    threads: int = 8
+    threads: int = DEFAULT_THREADS
     metadata_bytes: int = 0  # record bytes read so far
-    _holders: dict[tuple[Any, ...], _Holders] = field(default_factory=dict)
+    _holders: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     _meshes: dict[int, Mesh] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # Tables with equal boxes share their box columns, hence one index in the restore.
@@ -100,26 +104,61 @@ class ChunkFinder:
             h = self._holders[key] = _Holders(groups, ChunkIndex(groups.starts, groups.stops))
         return h
 
+    def _mesh_grid(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
+        """For a mesh layout: the process of every mesh position arranged as (pieces of array
+        axis 0, pieces of axis 1, …, the other mesh axes), and each axis's piece length;
+        None for other layouts. Holders of a box are then one block of it, with no per-device
+        rows built."""
+        key = ("grid", leaf.layout, leaf.shape)
+        if key in self._holders:
+            return self._holders[key]
+        d = self.manifest.layouts[leaf.layout] if leaf.layout is not None else {}
+        grid = None
+        if d.get("kind") == "mesh":
+            lay = self._layout(leaf)  # validates the description (and is cheap to build)
+            mesh = self._meshes[d["mesh"]]
+            spec: list[list[str]] = d["spec"]
+            used = [mesh.axes.index(a) for axes in spec for a in axes]
+            rest = [i for i in range(len(mesh.shape)) if i not in used]
+            pieces = [math.prod(mesh.shape[mesh.axes.index(a)] for a in axes) for axes in spec]
+            t = mesh.processes.reshape(mesh.shape).transpose(used + rest)
+            t = t.reshape([*pieces, -1])
+            steps = np.asarray([n // k for n, k in zip(leaf.shape, pieces, strict=True)], np.int64)
+            del lay
+            grid = (t, np.maximum(steps, 1))
+        self._holders[key] = grid
+        return grid
+
     def candidates(self, leaf: ArrayLeaf, boxes: Sequence[Box]) -> np.ndarray:
         """The processes that may have written chunks overlapping `boxes`."""
-        h = self.holders(leaf)
-        g = h.groups
         if leaf.writers is not None and len(leaf.writers) <= 64:
-            procs = np.asarray(leaf.writers, np.int64)
-        else:
-            parts = []
-            for start, stop in boxes:
-                u = h.index.overlapping(start, stop)
-                if len(u) == g.count:
-                    parts = [g.cand_process]
-                    break
-                lo, hi = g.cand_ptr[u], g.cand_ptr[u + 1]
-                parts.extend(
-                    g.cand_process[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)
-                )
-            procs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+            return np.asarray(leaf.writers, np.int64)
+        grid = self._mesh_grid(leaf)
+        if grid is not None:
+            t, steps = grid
+            blocks = [
+                t[tuple(slice(a, b) for a, b in zip((s // steps).tolist(), (-(-e // steps)).tolist(), strict=True))]
+                for s, e in boxes
+            ]  # fmt: skip
+            procs = np.unique(np.concatenate([b.reshape(-1) for b in blocks]))
             if leaf.writers is not None:
                 procs = np.intersect1d(procs, np.asarray(leaf.writers, np.int64))
+            return procs
+        h = self.holders(leaf)
+        g = h.groups
+        parts = []
+        for start, stop in boxes:
+            u = h.index.overlapping(start, stop)
+            if len(u) == g.count:
+                parts = [g.cand_process]
+                break
+            lo, hi = g.cand_ptr[u], g.cand_ptr[u + 1]
+            parts.extend(
+                g.cand_process[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)
+            )
+        procs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        if leaf.writers is not None:
+            procs = np.intersect1d(procs, np.asarray(leaf.writers, np.int64))
         return procs
 
     # ---- fetching records ----------------------------------------------------------------
@@ -208,7 +247,7 @@ class ChunkFinder:
         m = self.manifest
         assert m.processes is not None
         where = f"{self.storage.url}, leaf {leaf.name!r}"
-        base = m.processes.base
+        base, nfiles_of, sizes = self._per_process()
         dt = NAME_TO_DTYPE.get(leaf.dtype)
         if dt is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {leaf.dtype!r}")
@@ -232,7 +271,7 @@ class ChunkFinder:
                 raise SnapshardError(
                     f"{where}: a chunk of process {q} {what}, which this version does not read"
                 )
-            nfiles = len(m.processes.data_sizes[q])
+            nfiles = nfiles_of[q]
             if np.any(r.file[~ref] >= nfiles) or np.any(r.file[ref] >= len(m.refs)):
                 raise CorruptCheckpointError(
                     f"{where}: a record of process {q} names a file it did not write"
@@ -256,15 +295,23 @@ class ChunkFinder:
             t.crc_offset = np.zeros(len(t), np.int64)
         from .validate import check_chunks
 
-        check_chunks(leaf, t, dt.itemsize, self._file_sizes(), where)
+        # An int64 array, not a list: check_chunks takes its length and indexes it, and
+        # np.asarray of it is free where that of a P-long list is O(P) for every leaf.
+        check_chunks(leaf, t, dt.itemsize, cast(list[int], sizes), where)
         t.intern_boxes(self._boxes)
         return t
 
-    def _file_sizes(self) -> list[int]:
-        sizes = self.__dict__.get("_sizes")
-        if sizes is None:
-            sizes = self.__dict__["_sizes"] = [f.size for f in self.manifest.files]
-        return sizes
+    def _per_process(self) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """Each process's first global file number, its data file count, and every data
+        file's size, computed once: per leaf they would cost O(processes) each."""
+        got = self.__dict__.get("_per_process_cache")
+        if got is None:
+            table = self.manifest.processes
+            assert table is not None
+            sizes = np.asarray([f.size for f in self.manifest.files], dtype=np.int64)
+            got = (table.base, [len(s) for s in table.data_sizes], sizes)
+            self.__dict__["_per_process_cache"] = got
+        return got
 
     def full_table(self, leaf: ArrayLeaf) -> ChunkTable:
         """Every chunk of an array (for tools that walk them all)."""

@@ -81,7 +81,13 @@ class Mesh:
         return Mesh(axes, shape, unpack_ints(d.get("processes"), n, where))
 
     def key(self) -> tuple[Any, ...]:
-        return (self.axes, self.shape, self.processes.tobytes())
+        """A hashable identity, made once per mesh: the committer looks it up for every leaf,
+        and remaking it copies and hashes one integer per device each time."""
+        k = self.__dict__.get("_key")
+        if k is None:
+            k = (self.axes, self.shape, self.processes.tobytes())
+            object.__setattr__(self, "_key", k)  # a cache, not a field: frozen stays frozen
+        return k
 
 
 def mesh_layout(

@@ -46,6 +46,7 @@ from ..restore import aligned_empty, is_target_leaf, load
 from ..saving import classify_leaves, finish, prepare
 from ..staging import Box, Snapshot, host_snapshot
 from ..storage import LocalRoot, LocalStorage
+from ..storage.local import STAGING_SUFFIX, move_into_place
 from ..tree import FlatTree, keypath_to_path, path_str
 from ..tree import Path as TreePath
 
@@ -305,7 +306,7 @@ class LocalStore:
         (hlen,) = struct.unpack("<Q", raw[:8])
         files = json.loads(raw[8 : 8 + hlen])
         final = self.step_dir(step) / "own"
-        tmp = final.with_name("own.snapshard-tmp")
+        tmp = final.with_name("own" + STAGING_SUFFIX)
         shutil.rmtree(tmp, ignore_errors=True)
         at = 8 + hlen
         for name, size in files:
@@ -315,8 +316,7 @@ class LocalStore:
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_bytes(raw[at : at + size])
             at += size
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
+        move_into_place(tmp, final, replace=True)
 
     def read_own(self, step: int) -> tuple[dict[str, Any], list[TreePath], int]:
         """This process's own local checkpoint of `step`: entries by path string, paths, bytes read."""

@@ -157,7 +157,9 @@ class CheckpointManager:
     # ---- start-up --------------------------------------------------------------------
     def _start(self, lease_timeout_s: float, takeover: bool) -> None:
         """Process 0 takes the writer lease and removes what crashed saves left; the others
-        wait for its outcome (one rendezvous), so they learn of a failure too."""
+        wait for its outcome (one rendezvous), so they learn of a failure too. The job's
+        token (which names its staging areas) is agreed here, not in the first save."""
+        self._coord.job_token()
         rv = Rendezvous(
             self._coord,
             namespace("manager-start", self._root.url),

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import shutil
-import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from ..errors import CheckpointExistsError, StorageError, UnsupportedLeafError
 from ..planning import overlap_runs, plan_writes
 from ..staging import stage
 from ..storage import Location, is_object_store_url
-from ..storage.local import STAGING_SUFFIX, fsync_dir
+from ..storage.local import STAGING_SUFFIX, fsync_dir, move_into_place
 from ..tree import flatten, path_str
 from .dtypes import safetensors_name
 from .files import INDEX_NAME, SINGLE_NAME, SUFFIX
@@ -310,20 +309,7 @@ def _commit(staging: Path, final: Path, overwrite: bool) -> None:
                 with open(p, "rb") as fh:
                     os.fsync(fh.fileno())
         fsync_dir(staging)
-        if final.exists():
-            if not overwrite:
-                raise CheckpointExistsError(f"{final} appeared during the export")
-            old = final.with_name(final.name + ".snapshard-old" + uuid.uuid4().hex[:8])
-            os.rename(final, old)
-            os.rename(staging, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(staging, final)
-    else:
-        if final.exists() and not overwrite:
-            raise CheckpointExistsError(f"{final} appeared during the export")
-        os.replace(staging, final)
-    fsync_dir(final.parent)
+    move_into_place(staging, final, replace=overwrite)
 
 
 def save(

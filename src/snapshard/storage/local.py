@@ -62,6 +62,39 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(err, os.strerror(err), str(a))
 
 
+def move_into_place(staging: Path, final: Path, *, replace: bool) -> None:
+    """Make `staging` (a file or a directory, its contents already synced) appear at
+    `final` in one step: the atomic local commit of checkpoints, exports and local-tier
+    copies. An existing `final` is replaced whole when `replace` (directories are swapped
+    with renameat2(RENAME_EXCHANGE) where the kernel has it, else moved aside under
+    DELETING_SUFFIX first, so it is never seen half-deleted), else CheckpointExistsError."""
+    if os.path.lexists(final):
+        if not replace:
+            raise CheckpointExistsError(f"{final} appeared while it was being written")
+        if staging.is_dir() and final.is_dir() and not final.is_symlink():
+            if _exchange(staging, final):
+                fsync_dir(final.parent)
+                shutil.rmtree(staging, ignore_errors=True)
+                return
+            old = final.with_name(final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
+            os.rename(final, old)
+            os.rename(staging, final)
+            fsync_dir(final.parent)
+            shutil.rmtree(old, ignore_errors=True)
+            return
+        if final.is_dir() and not final.is_symlink():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    else:
+        try:
+            os.rename(staging, final)
+        except OSError as e:
+            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise CheckpointExistsError(f"{final} appeared while it was being written") from None
+            raise
+    fsync_dir(final.parent)
+
+
 class LocalFileWriter(FileWriter):
     def __init__(self, path: Path):
         self.path = path
@@ -181,25 +214,7 @@ class LocalStorage(Storage):
                     f"a checkpoint already exists at {self.url} (pass overwrite=True to replace it)"
                 )
             self._check_replaceable()
-            if not _exchange(self.staging, self.final):
-                old = self.final.with_name(self.final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
-                os.rename(self.final, old)
-                os.rename(self.staging, self.final)
-                fsync_dir(self.final.parent)
-                shutil.rmtree(old, ignore_errors=True)
-                return
-            fsync_dir(self.final.parent)
-            shutil.rmtree(self.staging, ignore_errors=True)
-            return
-        try:
-            os.rename(self.staging, self.final)
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise CheckpointExistsError(
-                    f"a checkpoint appeared at {self.url} during the save"
-                ) from None
-            raise
-        fsync_dir(self.final.parent)
+        move_into_place(self.staging, self.final, replace=overwrite)
 
     def _check_replaceable(self) -> None:
         if self.final == Path(os.getcwd()) or self.final in Path(os.getcwd()).parents:

@@ -1,0 +1,72 @@
+"""The peer bench's snapshard job (job_snapshard.py: durable save, warm restore, reshard,
+evicted restore of the ~2 GiB state) run alternately with the library of an earlier commit
+and with the working tree, in fresh processes, rounds interleaved: medians and paired ratios.
+
+    python ab_versions.py [--rev 30e3f53] [--rounds 3] [--scale 1.0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+
+from common import ratio_table
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+STEPS = ("save_s", "restore_warm_s", "reshard_warm_s", "restore_evicted_s")
+
+
+def old_src(rev: str, into: str) -> str:
+    data = subprocess.run(["git", "-C", ROOT, "archive", rev, "src"], check=True, capture_output=True).stdout
+    path = os.path.join(into, "src.tar")
+    with open(path, "wb") as f:
+        f.write(data)
+    with tarfile.open(path) as t:
+        t.extractall(into, filter="data")
+    return os.path.join(into, "src")
+
+
+def job(src: str, scale: float, r: int) -> dict:
+    env = dict(os.environ, PYTHONPATH=src)
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "job_snapshard.py"), "--scale", str(scale), "--round", str(r)],
+        env=env, capture_output=True, text=True, check=True, cwd=HERE,
+    )  # fmt: skip
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")][-1]
+    res = json.loads(line[7:])
+    assert res["bit_exact"], "restore was not bit-exact"
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rev", default="30e3f53")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--scale", type=float, default=1.0)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        sources = {args.rev: old_src(args.rev, tmp), "working tree": os.path.join(ROOT, "src")}
+        runs: dict[str, list[dict]] = {k: [] for k in sources}
+        for r in range(args.rounds):
+            order = list(sources) if r % 2 == 0 else list(sources)[::-1]
+            for name in order:
+                runs[name].append(job(sources[name], args.scale, r))
+    old, new = (runs[k] for k in sources)
+    checks = [
+        (f"{step}: working tree / {args.rev}", [n[step] / o[step] for o, n in zip(old, new, strict=True)], "<= 1.0")
+        for step in STEPS
+        if step in old[0]
+    ]  # fmt: skip
+    for name, rs in runs.items():
+        print(name, {s: sorted(x[s] for x in rs) for s in STEPS if s in rs[0]})
+    ratio_table(f"peer-bench state, {args.rounds} interleaved rounds", checks)
+
+
+if __name__ == "__main__":
+    main()
