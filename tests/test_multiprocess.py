@@ -111,3 +111,17 @@ def test_managed_async_saves_on_two_processes_use_no_barrier(tmp_path):
         assert r["at_start"]["get"] <= (1 if r["pid"] == 0 else 2)
         assert r["per_save"]["barrier"] == 0
         assert r["per_save"]["get"] == (0 if r["pid"] == 0 else 1)
+
+
+def test_incremental_managed_saves_on_two_processes(tmp_path):
+    procs = multiproc.run("incremental_procs.py", 2, 4, tmp_path / "run", 5, timeout=180)
+    total = [0] * 5
+    for p in procs:
+        r = p.result()
+        assert r["ok"] and r["steps"] == [4, 5]
+        total = [a + b for a, b in zip(total, r["written"], strict=True)]
+    # step 1 writes everything; later steps only the trained array (64 x 32 f32)
+    assert total[0] == 256 * 64 * 4 + 64 * 32 * 4
+    assert total[1:] == [64 * 32 * 4] * 4
+    names = sorted(p.name for p in (tmp_path / "run").iterdir() if not p.name.startswith("."))
+    assert names == ["1", "4", "5"]

@@ -492,6 +492,11 @@ def _run_task(storage: Storage, task: _Task, dests: list[Dest], verify: bool) ->
     else:
         bufs = _scatter_views(task, dests)
     checked = _verified(verify, t, c)
+    if t.flags is not None and t.flags[c]:  # compressed blocks: snapshard.codecs
+        _read_compressed(storage, task, bufs, checked)
+        if scratch is not None:
+            _copy_from_scratch(task, scratch, dests)
+        return
     crcs: list[int] | None = None
     block = int(t.block[c]) if checked else 0
     if checked and t.crc_offset is not None:
@@ -527,6 +532,20 @@ def _run_task(storage: Storage, task: _Task, dests: list[Dest], verify: bool) ->
             )
     if scratch is not None:
         _copy_from_scratch(task, scratch, dests)
+
+
+def _read_compressed(storage: Storage, task: _Task, bufs: list[memoryview], verify: bool) -> None:
+    from .codecs import codec_of, read_range
+
+    runs, r = task.runs, task.rng
+    t, c = runs.table, runs.chunk
+    assert t.flags is not None and t.crc_offset is not None
+    read_range(
+        storage, runs.file, offset=int(t.offset[c]), nbytes=int(t.nbytes[c]),
+        block=int(t.block[c]), crc_offset=int(t.crc_offset[c]), codec=codec_of(int(t.flags[c])),
+        itemsize=dtype_from_name(runs.leaf.dtype).itemsize, start=r.start, stop=r.stop,
+        buffers=bufs, verify=verify, leaf=runs.leaf.name, chunk=c,
+    )  # fmt: skip
 
 
 def _build(req: Request) -> Any:

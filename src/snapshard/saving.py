@@ -23,14 +23,19 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import per_process
+from . import codecs, per_process
 from .adapters.jax_arrays import mesh_and_spec
 from .adapters.leaves import SaveArray, classify, is_save_leaf
 from .background import BackgroundTask
 from .checksum import block_crcs, crc32c
 from .coordination import Coordinator, default_coordinator
 from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, namespace, write_then_commit
-from .errors import CheckpointExistsError, CoordinationError, CorruptCheckpointError
+from .errors import (
+    CheckpointExistsError,
+    CoordinationError,
+    CorruptCheckpointError,
+    SnapshardError,
+)
 from .format import (
     ArrayLeaf,
     Leaf,
@@ -45,6 +50,7 @@ from .format import (
 )
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
+from .incremental import Increment, check_refs_committed, manifest_refs
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem, stage
 from .storage import FileWriter, Location, Storage, storage_for
@@ -86,6 +92,8 @@ class _Prepared:
     extra: dict[str, Any]
     digests: np.ndarray  # format.records.DIGEST per leaf
     timings: SaveTimings = field(default_factory=SaveTimings)
+    increment: Increment | None = None  # content hashes and references (incremental.py)
+    compression: str | None = None  # per-block codec option (codecs.py)
 
 
 class SaveAdapter(Protocol):
@@ -120,6 +128,10 @@ def prepare(
     snapshot: Snapshot | None = None,
     flat: FlatTree | None = None,
     adapter: SaveAdapter | None = None,
+    base: Location | Storage | None = None,
+    hashes: bool = False,
+    identical: frozenset[int] = frozenset(),
+    compression: str | None = None,
 ) -> _Prepared:
     """The blocking phase: plan, then bring every owned slice to host memory (from
     `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
@@ -132,6 +144,13 @@ def prepare(
     storage = storage_for(location)
     # Staging named after the job: saves of two jobs to one location never share it.
     storage.set_attempt(coord.job_token())
+    if compression is not None:
+        codecs.codec_for(compression, np.dtype(np.float32))  # refuse unknown names now
+        if not codecs.available():
+            raise SnapshardError("compression needs zstd: install snapshard[compress]")
+    increment = None
+    if base is not None or hashes:
+        increment = Increment(base, storage, identical)
     flat = flat or flatten(tree, adapter.is_leaf if adapter else is_save_leaf)
     if adapter is not None:
         n = coord.process_count
@@ -160,7 +179,7 @@ def prepare(
     rv = Rendezvous(coord, namespace("save", storage.url), f"save to {storage.url}", timeout_s)
     return _Prepared(
         storage, rv, leaves, flat.structure, plan, items, overwrite, threads, extra or {},
-        digests, timings,
+        digests, timings, increment, compression,
     )  # fmt: skip
 
 
@@ -251,18 +270,25 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
 
 
 def _write_file(
-    storage: Storage, name: str, items: list[StagedItem]
+    storage: Storage, name: str, items: list[StagedItem], codec_of: Any = None
 ) -> tuple[int, list[tuple[int, tuple[Any, ...]]]]:
-    """Write items back to back into one file; returns its size and the chunk records."""
+    """Write items back to back into one file; returns its size and the chunk records.
+    `codec_of(item)` gives each item's codec (codecs.py; None: nothing compressed)."""
     writer = storage.open_writer(name)
     rows = []
     offset = 0
     try:
         for it in items:
-            row = write_chunk(writer, it.materialize(), it.start, it.stop, 0, offset)
+            codec = codec_of(it) if codec_of is not None else 0
+            if codec:
+                row = codecs.write_chunk(
+                    writer, it.materialize(), it.start, it.stop, 0, offset, codec
+                )
+            else:
+                row = write_chunk(writer, it.materialize(), it.start, it.stop, 0, offset)
             rows.append((it.leaf, row))
             it.release()  # the bytes are in the file now: let the host copy go
-            offset += chunk_span(it.nbytes)
+            offset = codecs.row_end(row)
         size = writer.close()
     except BaseException:
         writer.abort()
@@ -276,19 +302,32 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
     pid = prep.rendezvous.coord.process_index
     nonce = uuid.uuid4().hex[:8]
     prep.storage.prepare_staging()
-    groups = _split_files(prep.items, prep.threads)
+    inc = prep.increment
+    items = prep.items if inc is None else inc.split(prep.items, prep.leaves, prep.threads)
+    groups = _split_files(items, prep.threads)
     names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
+    codec_of = None
+    if prep.compression is not None:
+        option = prep.compression
+        codec_of = lambda it: codecs.codec_for(option, prep.leaves[it.leaf].dtype)  # noqa: E731
     if len(groups) > 1:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
             results = list(
-                pool.map(lambda a: _write_file(prep.storage, *a), zip(names, groups, strict=True))
+                pool.map(
+                    lambda a: _write_file(prep.storage, a[0], a[1], codec_of),
+                    zip(names, groups, strict=True),
+                )
             )
     else:
-        results = [_write_file(prep.storage, n, g) for n, g in zip(names, groups, strict=True)]
+        results = [
+            _write_file(prep.storage, n, g, codec_of) for n, g in zip(names, groups, strict=True)
+        ]
     by_leaf: dict[int, list[tuple[Any, ...]]] = {}
     for j, (_, rows) in enumerate(results):
         for leaf, row in rows:
             by_leaf.setdefault(leaf, []).append((j, *row[1:]))
+    for leaf, row in inc.ref_rows if inc is not None else ():
+        by_leaf.setdefault(leaf, []).append(row)
     ndims = [len(leaf.shape) if isinstance(leaf, SaveArray) else 0 for leaf in prep.leaves]
     written = sum(len(r) for r in by_leaf.values())
     if written != len(prep.items):  # each process checks its records against its own plan
@@ -296,7 +335,11 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
             f"{prep.rendezvous.what}: process {pid} wrote {written} chunks, its plan has {len(prep.items)}"
         )
     segments = {i: records_of(rows, ndims[i]) for i, rows in by_leaf.items()}
-    data = records.encode(pid, ndims, segments, prep.digests)
+    if inc is not None:
+        hashes = inc.segment_hashes(segments)
+        data = records.encode(pid, ndims, segments, prep.digests, hashes, inc.hid)
+    else:
+        data = records.encode(pid, ndims, segments, prep.digests)
     prep.storage.write_bytes(record_file_name(pid, nonce), data)
     own = {i: leaf.value for i, leaf in enumerate(prep.leaves) if isinstance(leaf, PerProcessLeaf)}
     values = b""
@@ -305,7 +348,7 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         values = per_process.encode_file(own, leaf_names)
         prep.storage.write_bytes(values_file_name(pid, nonce), values)
     sizes = [size for size, _ in results]
-    prep.timings.bytes_written = sum(it.nbytes for it in prep.items)
+    prep.timings.bytes_written = sum(it.nbytes for it in items)
     prep.timings.bytes_metadata = sum(sizes) + len(data) - prep.timings.bytes_written
     return {
         "nonce": nonce,
@@ -315,7 +358,21 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         "values_size": len(values),
         "values_crc": crc32c(values),
         "digest": crc32c(prep.digests.tobytes(), crc32c(json.dumps(prep.structure).encode())),
+        **(inc.report() if inc is not None else {}),
+        **(_packed_report(results) if prep.compression is not None else {}),
     }
+
+
+def _packed_report(results: list[tuple[int, list[tuple[int, tuple[Any, ...]]]]]) -> dict[str, Any]:
+    """What compression saved (the commit's size check allows for it) and which codecs."""
+    saved, used = 0, set()
+    for _, rows in results:
+        for _, row in rows:
+            codec = codecs.codec_of(row[1])
+            if codec:
+                used.add(codec)
+                saved += row[3] - (row[6] - row[2])  # nbytes - compressed blocks
+    return {"packed_saved": saved, "codecs": sorted(used)}
 
 
 def _check_agreement(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
@@ -461,11 +518,17 @@ def _commit(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
     )
     # Bytes stored = each array's bytes plus its checksums: the tiling, from the sizes alone.
     planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays else 0
+    planned -= sum(int(r.get("referenced_bytes", 0)) + int(r.get("packed_saved", 0)) for r in reports)
     stored = sum(f.size for f in manifest.files)
     if stored < planned:
         raise CoordinationError(
             f"save to {url}: the data files hold {stored} bytes, the plan {planned}"
         )
+    if prep.increment is not None and prep.increment.base is not None:
+        manifest.refs = manifest_refs(prep.increment.base, reports)
+        manifest.files = manifest.files + check_refs_committed(prep.storage, manifest.refs)
+    used = {int(c) for r in reports for c in [*r.get("codecs", []), *r.get("ref_codecs", [])]}
+    manifest.codecs = [records.CODECS[c] for c in sorted(used)]
     validate_structure(manifest, url)
     _check_staged_files(prep, expected)
     prep.storage.commit(manifest.to_json(), overwrite=prep.overwrite)
@@ -522,12 +585,22 @@ def save(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
     threads: int = 2,
+    base: Location | Storage | None = None,
+    hashes: bool = False,
+    compression: str | None = None,
 ) -> SaveTimings:
     """Save `tree` to `directory`, atomically: the checkpoint appears whole or not at all.
 
     Every process of a multi-process job calls this with the same tree; each writes only the
     slices the shared plan gives it. `mode` is the write mode (see planning.write_plan);
     `threads` the number of data files each process writes in parallel.
+
+    With `base` (a committed checkpoint beside this one), chunks whose bytes equal the
+    base's chunk of the same box are recorded as references to the file holding them
+    instead of being written (see snapshard.incremental); `hashes` records the chunks'
+    content hashes (always done with a base) so that a later save may use this one as base.
+    `compression` ('zstd', 'zstd+shuffle', 'zstd-noshuffle'; default None) compresses each
+    checksum block on its own (see snapshard.codecs).
     """
     storage = storage_for(directory)
     if not overwrite and storage.is_committed():
@@ -542,6 +615,9 @@ def save(
         timeout_s=timeout_s,
         coordinator=coordinator,
         threads=threads,
+        base=base,
+        hashes=hashes,
+        compression=compression,
     )
     return finish(prep)
 
@@ -574,6 +650,9 @@ def save_async(
     threads: int = 2,
     host_budget: int | None = None,
     extra: dict[str, Any] | None = None,
+    base: Location | Storage | None = None,
+    hashes: bool = False,
+    compression: str | None = None,
 ) -> AsyncSave:
     """Start a save and return once every owned slice is on the host.
 
@@ -593,5 +672,8 @@ def save_async(
         copy_host_values=True,
         host_budget=host_budget,
         extra=extra,
+        base=base,
+        hashes=hashes,
+        compression=compression,
     )
     return AsyncSave(prep)

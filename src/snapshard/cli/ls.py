@@ -57,10 +57,14 @@ def _entry(root: CheckpointRoot, name: str, committed: bool) -> dict[str, Any]:
             return {**entry, "format": "snapshard", "state": "unreadable", "error": str(e)}
         finally:
             child.close()
+        from ..manager.references import is_retained
+
+        retained = is_retained(root.child(name))
         return {
             **entry,
             "format": "snapshard",
-            "state": "complete",
+            # retained: no step any more, its files kept for the references of others
+            "state": "retained" if retained else "complete",
             "time_unix": m.created_unix,
             "bytes": m.total_bytes,
             "metrics": m.extra.get("metrics"),

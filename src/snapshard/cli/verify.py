@@ -54,6 +54,8 @@ def _file_size(storage: Storage, name: str, expected: int) -> int | None:
 def file_problem(storage: Storage, m: Manifest) -> dict[str, Any] | None:
     """The first data file whose size differs from the manifest's, with the first chunk hit."""
     for i, f in enumerate(m.files):
+        if not f.name:  # an unused slot of the references (format.refs)
+            continue
         size = _file_size(storage, f.name, f.size)
         if size == f.size:
             continue

@@ -252,9 +252,15 @@ class ChunkFinder:
         if dt is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {leaf.dtype!r}")
         tables = []
+        own = int(base[-1])
         for q, r in parts:
-            if np.any(r.flags):
-                bad = int(r.flags[np.flatnonzero(r.flags)[0]])
+            ref = (r.flags & rec.FLAG_REFERENCE) != 0
+            codec = (r.flags & rec.CODEC_MASK) >> rec.CODEC_SHIFT
+            unknown = (r.flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)) | np.where(
+                codec > max(rec.CODECS), r.flags, 0
+            )
+            if np.any(unknown):
+                bad = int(unknown[np.flatnonzero(unknown)[0]])
                 what = (
                     "refers to another checkpoint"
                     if bad & rec.FLAG_REFERENCE
@@ -266,7 +272,7 @@ class ChunkFinder:
                     f"{where}: a chunk of process {q} {what}, which this version does not read"
                 )
             nfiles = nfiles_of[q]
-            if np.any(r.file < 0) or np.any(r.file >= nfiles):
+            if np.any(r.file[~ref] >= nfiles) or np.any(r.file[ref] >= len(m.refs)):
                 raise CorruptCheckpointError(
                     f"{where}: a record of process {q} names a file it did not write"
                 )
@@ -274,12 +280,13 @@ class ChunkFinder:
                 ChunkTable(
                     r.starts,
                     r.stops,
-                    base[q] + r.file,
+                    np.where(ref, own + r.file, base[q] + r.file),
                     r.offset,
                     r.nbytes,
                     r.block,
                     [],
                     r.crc_offset,
+                    (r.flags & rec.CODEC_MASK) if np.any(codec) else None,
                 )
             )
         t = ChunkTable.concat(tables, len(leaf.shape)).sorted_by_box()

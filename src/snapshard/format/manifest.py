@@ -91,6 +91,8 @@ class ChunkTable:
     crc32c: list[str]  # v1: (C,) hex, 8 digits per block; v2: empty
     # v2: where the chunk's crc32c values (uint32, one per block) lie in its file
     crc_offset: np.ndarray | None = None
+    # v2: the record flags' codec bits per chunk (None: nothing compressed; see codecs.py)
+    flags: np.ndarray | None = None
 
     @staticmethod
     def empty(ndim: int) -> ChunkTable:
@@ -104,6 +106,7 @@ class ChunkTable:
             self.starts[o], self.stops[o], self.file[o], self.offset[o], self.nbytes[o], self.block[o],
             [self.crc32c[i] for i in o.tolist()] if self.crc32c else [],
             None if self.crc_offset is None else self.crc_offset[o],
+            None if self.flags is None else self.flags[o],
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -182,6 +185,11 @@ class ChunkTable:
             None
             if any(t.crc_offset is None for t in tables)
             else np.concatenate([t.crc_offset for t in tables]),
+            None
+            if all(t.flags is None for t in tables)
+            else np.concatenate(
+                [np.zeros(len(t), np.int64) if t.flags is None else t.flags for t in tables]
+            ),
         )
 
 
@@ -505,7 +513,8 @@ class Manifest:
     meshes: list[dict[str, Any]] = field(default_factory=list)
     layouts: list[dict[str, Any]] = field(default_factory=list)
     processes: ProcessTable | None = None
-    refs: list[dict[str, Any]] = field(default_factory=list)
+    refs: list[Any] = field(default_factory=list)  # dicts, or None for an unused slot
+    codecs: list[str] = field(default_factory=list)  # codecs some chunk uses (codecs.py)
     # v2: the format.finder.ChunkFinder that fetches chunk records (set by read_manifest)
     finder: Any = field(default=None, repr=False, compare=False)
 
@@ -539,6 +548,7 @@ class Manifest:
             "layouts": self.layouts,
             "processes": self.processes.to_json(),
             "refs": self.refs,
+            **({"codecs": self.codecs} if self.codecs else {}),
             "extra": self.extra,
         }
         raw = json.dumps(doc, separators=(",", ":")).encode()
@@ -603,11 +613,21 @@ class Manifest:
             return m
         for key in ("meshes", "layouts", "refs"):
             value = doc.get(key, [])
-            if not isinstance(value, list) or not all(isinstance(x, dict) for x in value):
+            if not isinstance(value, list) or not all(
+                isinstance(x, dict) or (x is None and key == "refs") for x in value
+            ):
                 raise CorruptCheckpointError(f"{where}: malformed {key} list")
             setattr(m, key, value)
+        codecs = doc.get("codecs", [])
+        if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
+            raise CorruptCheckpointError(f"{where}: malformed codecs list")
+        m.codecs = codecs
         m.processes = ProcessTable.from_json(doc.get("processes"), process_count, where)
         m.files = m.processes.files()
+        if m.refs:  # referenced files follow the own ones (see format.refs)
+            from .refs import ref_files
+
+            m.files += ref_files(m.refs, where)
         return m
 
 

@@ -45,6 +45,15 @@ FLAG_REFERENCE = 1
 CODEC_SHIFT = 8
 CODEC_MASK = 0xFF << CODEC_SHIFT
 CODECS = {0: "none", 1: "zstd", 2: "zstd+shuffle"}
+# Header flags. With FILE_HASHES every segment is followed by its content hash table: one
+# HASH_SIZE-byte blake2b digest of each chunk's bytes, in record order, then a u32 crc32c of
+# the table continued from the segment's checksum. Readers that do not use the hashes skip
+# them: the directory still points at the records (see docs/format.md).
+FILE_HASHES = 1
+HASH_SIZE = 16
+# Bits 8-15 of the header flags name the hash function (with FILE_HASHES).
+HASH_SHIFT = 8
+HASHES = {1: "xxh3-128", 2: "blake2b-128"}
 
 RECORD_FIXED = np.dtype(
     [
@@ -92,10 +101,16 @@ DIGEST = np.dtype([("description", "<u4"), ("value", "<u4")])
 
 
 def encode(
-    process: int, ndims: list[int], segments: dict[int, np.ndarray], digests: np.ndarray
+    process: int,
+    ndims: list[int],
+    segments: dict[int, np.ndarray],
+    digests: np.ndarray,
+    hashes: dict[int, np.ndarray] | None = None,
+    hash_id: int = 0,
 ) -> bytes:
     """A record file: `segments` maps leaf number to its structured records (record_dtype);
-    `digests` has one DIGEST row per leaf."""
+    `digests` has one DIGEST row per leaf; `hashes`, when given, maps every leaf of
+    `segments` to its chunks' content hashes ((n, HASH_SIZE) uint8, in record order)."""
     n = len(ndims)
     directory = np.zeros(n, DIR_ENTRY)
     parts: list[bytes] = [np.ascontiguousarray(digests, DIGEST).tobytes()]
@@ -107,12 +122,20 @@ def encode(
         if recs.dtype != record_dtype(ndims[leaf]):
             raise ValueError(f"records of leaf {leaf} have the wrong layout")
         raw = recs.tobytes()
-        directory[leaf] = (pos, len(recs), segment_crc(raw, process, leaf))
+        crc = segment_crc(raw, process, leaf)
+        directory[leaf] = (pos, len(recs), crc)
         parts.append(raw)
         pos += len(raw)
         count += len(recs)
+        if hashes is not None:
+            table = np.ascontiguousarray(hashes[leaf], np.uint8).tobytes()
+            if len(table) != HASH_SIZE * len(recs):
+                raise ValueError(f"hashes of leaf {leaf} do not match its records")
+            parts.append(table + struct.pack("<I", crc32c(table, crc)))
+            pos += len(table) + 4
     header = HEADER.pack(
-        RECORD_MAGIC, RECORD_VERSION, process, n, 0, HEADER_SIZE, digest_at,
+        RECORD_MAGIC, RECORD_VERSION, process, n, (FILE_HASHES | hash_id << HASH_SHIFT) if hashes is not None else 0,
+        HEADER_SIZE, digest_at,
         digest_at + n * DIGEST.itemsize, pos, count,
     )  # fmt: skip
     return header + directory.tobytes() + b"".join(parts)
@@ -174,3 +197,24 @@ def decode_segment(
         block=recs["block"].astype(np.int64),
         crc_offset=recs["crc_offset"].astype(np.int64),
     )
+
+
+def header_flags(data: bytes) -> int:
+    """The flags of a record file's header (FILE_HASHES)."""
+    return int(HEADER.unpack_from(data)[4])
+
+
+def decode_hashes(data: bytes | memoryview, entry: np.void, ndim: int, where: str) -> np.ndarray:
+    """The content hashes of one segment ((count, HASH_SIZE) uint8) from the bytes that follow
+    its records, checked against their crc32c (continued from the segment's checksum)."""
+    count = int(entry["count"])
+    table = bytes(data[: HASH_SIZE * count])
+    tail = bytes(data[HASH_SIZE * count : HASH_SIZE * count + 4])
+    if len(tail) != 4 or struct.unpack("<I", tail)[0] != crc32c(table, int(entry["crc"])):
+        raise CorruptCheckpointError(f"{where}: the chunks' content hashes fail their checksum")
+    return np.frombuffer(table, np.uint8).reshape(count, HASH_SIZE)
+
+
+def hash_span(count: int) -> int:
+    """Bytes of a segment's hash table (with FILE_HASHES), after its records."""
+    return HASH_SIZE * count + 4

@@ -101,7 +101,7 @@ def validate_structure(m: Manifest, where: str) -> None:
         )
     sizes = [f.size for f in m.files]
     stored = sum(sizes)
-    if m.total_bytes > min(stored, MAX_BYTES):
+    if m.total_bytes > min(stored, MAX_BYTES) and not m.codecs:  # compressed: per chunk
         raise CorruptCheckpointError(
             f"{where}: the arrays need {m.total_bytes} bytes, the data files hold {stored}"
         )
@@ -172,6 +172,14 @@ def check_chunks(
     if np.any(t.file < 0) or np.any(t.file >= len(file_sizes)):
         raise CorruptCheckpointError(f"{name}: chunk refers to a file not in the manifest")
     ends = t.offset + t.nbytes
+    packed = t.flags is not None and bool(np.any(t.flags))
+    if packed:  # compressed chunks (codecs.py): the blocks end where their table starts
+        assert t.flags is not None and t.crc_offset is not None
+        nblk = -(-t.nbytes // np.maximum(t.block, 1))
+        on = t.flags != 0
+        ends = np.where(on, t.crc_offset, ends)
+        if np.any(on & (t.crc_offset < t.offset)):
+            raise CorruptCheckpointError(f"{name}: a compressed chunk ends before it starts")
     if np.any(t.offset < 0) or np.any(ends > np.asarray(file_sizes, dtype=np.int64)[t.file]):
         i = int(np.flatnonzero((t.offset < 0) | (ends > np.asarray(file_sizes)[t.file]))[0])
         raise CorruptCheckpointError(f"{name}: chunk {i} lies outside its file")
@@ -179,6 +187,8 @@ def check_chunks(
         if np.any(t.block <= 0):
             raise CorruptCheckpointError(f"{name}: a chunk has checksum block size 0")
         crc_end = t.crc_offset + 4 * (-(-t.nbytes // t.block))
+        if packed:
+            crc_end = np.where(on, t.crc_offset + 12 * nblk + 8, crc_end)
         fsz = np.asarray(file_sizes, dtype=np.int64)[t.file]
         bad = (t.crc_offset < 0) | (crc_end > fsz) | ((t.crc_offset < ends) & (crc_end > t.offset))
         if np.any(bad):

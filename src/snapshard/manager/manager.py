@@ -30,7 +30,7 @@ from ..restore import ReadStats, load
 from ..saving import DEFAULT_TIMEOUT_S, SaveTimings, finish, prepare
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import DEFAULT_LEASE_TIMEOUT_S, WriterLease
-from ..tree import flatten
+from ..tree import FlatTree, flatten
 from .local_tier import (
     LocalStore,
     LocalTier,
@@ -52,6 +52,7 @@ from .policies import (
     StepInfo,
     young_daly_interval,
 )
+from .references import References, identical_leaves, is_retained, saved_arrays
 
 log = logging.getLogger("snapshard")
 
@@ -88,6 +89,7 @@ class CheckpointManager:
         local_tier: LocalTier | None = None,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         takeover: bool = False,
+        incremental: bool = False,
     ):
         """`save_interval_steps`, `save_on_steps`: when `should_save` is true (or pass
         `save_policy`). Retention: keep the newest `max_to_keep` steps, or with `best_fn` the
@@ -101,7 +103,9 @@ class CheckpointManager:
         manager starts and gives it up in `close` (see storage/lease.py); a second manager
         on the directory fails with WriterLeaseError naming the holder. A lease whose holder
         stopped its heartbeat for `lease_timeout_s` is taken over; `takeover=True` takes it
-        whatever its state."""
+        whatever its state.
+        `incremental`: every step records its chunks' content hashes and refers to the
+        newest kept step for chunks that did not change (see references.py)."""
         self._root = root_for(directory)
         self._coord = coordinator or default_coordinator()
         self._timeout_s = timeout_s
@@ -135,6 +139,11 @@ class CheckpointManager:
         self._tier_reports: dict[int, TierReport] = {}
         self.last_restore: RestoreReport | None = None
         self._lease: WriterLease | None = None
+        # incremental saves (references.py): steps retained for references, arrays last saved
+        self._incremental = incremental
+        self._references = References(self._root)
+        self._retained: set[str] = set()
+        self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
         self._local = (
             LocalStore(local_tier, self._coord.process_index, self._coord.process_count)
             if local_tier
@@ -182,6 +191,9 @@ class CheckpointManager:
         for name, committed in self._root.list().items():
             if committed and name.isdigit():
                 with self._root.child(name) as storage:
+                    if is_retained(storage):
+                        self._retained.add(name)
+                        continue
                     manifest = read_manifest(storage)
                 steps[int(name)] = StepInfo(
                     int(name), manifest.extra.get("metrics"), manifest.created_unix
@@ -333,6 +345,9 @@ class CheckpointManager:
             assert self._local is not None
             local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
         prep = None
+        incremental: dict[str, Any] = {}
+        if persistent and self._incremental:
+            incremental = self._increment_from(flat)
         if persistent:
             storage = self._root.child(str(step))
             if self._lease is not None:
@@ -348,6 +363,7 @@ class CheckpointManager:
                 extra={"step": step, "metrics": info_metrics},
                 snapshot=snapshot,
                 flat=flat,
+                **incremental,
             )
         report.blocking_s = time.perf_counter() - t0
 
@@ -358,6 +374,8 @@ class CheckpointManager:
                 timings = finish(prep)
                 report.persistent_save_s = timings.total_s - timings.blocking_s
                 report.persistent_bytes = timings.bytes_written
+                if self._incremental:
+                    self._saved_arrays = (step, saved_arrays(flat))
                 self._after_commit(step, info_metrics)
 
         task = BackgroundTask(work, f"save of step {step}")
@@ -378,11 +396,26 @@ class CheckpointManager:
             doomed = self._retention.to_delete(self._steps.values())
             for s in doomed:
                 del self._steps[s]
-        if self._coord.is_leader and doomed:
+        if self._coord.is_leader and (doomed or self._retained):
             if self._lease is not None:
                 self._lease.verify()
-            for s in doomed:
-                self._root.child(str(s)).delete()
+            # Never a file a kept step refers to (steps of an incremental run, even when this
+            # manager is not incremental): see references.py.
+            with self._lock:
+                kept = [str(s) for s in self._steps]
+            self._references.remove([str(s) for s in doomed], kept, self._retained)
+
+    def _increment_from(self, flat: FlatTree) -> dict[str, Any]:
+        """prepare()'s options of an incremental save: the newest kept step as base, and the
+        leaves that are the very jax.Arrays saved in it."""
+        with self._lock:
+            base = max(self._steps) if self._steps else None
+        if base is None:
+            return {"hashes": True}
+        same = frozenset[int]()
+        if self._saved_arrays is not None and self._saved_arrays[0] == base:
+            same = identical_leaves(flat, self._saved_arrays[1])
+        return {"base": self._root.child(str(base)), "hashes": True, "identical": same}
 
     def wait_until_finished(self) -> None:
         """Wait for the save in flight; raise its error (or an earlier one) if any."""

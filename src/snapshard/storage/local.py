@@ -26,6 +26,7 @@ from ..errors import (
     StorageError,
 )
 from ..format.manifest import DATA_DIR, INDEX_DIR, MANIFEST_NAME
+from ..format.refs import check_checkpoint_name, split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
 from .lease import LEASE_DIR, LeaseFiles, LocalLeaseFiles
 
@@ -144,6 +145,7 @@ class LocalStorage(Storage):
         self.staging = self.final.with_name(self.final.name + STAGING_SUFFIX)
         self.url = str(self.final)
         self._fds: dict[str, int] = {}
+        self._siblings: dict[str, LocalStorage] = {}
         self._lock = threading.Lock()
 
     def set_attempt(self, token: str) -> None:
@@ -345,6 +347,10 @@ class LocalStorage(Storage):
             return fd
 
     def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        ref = split_ref_name(name)
+        if ref is not None:  # a file of a referenced checkpoint beside this one
+            self._sibling(ref[0]).read_into(ref[1], offset, buffers)
+            return
         fd = self._fd(name)
         bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
         i = 0
@@ -381,11 +387,23 @@ class LocalStorage(Storage):
             raise StorageError.wrap(e, "deletion of", self.url) from e
         shutil.rmtree(trash, ignore_errors=True)
 
+    def _sibling(self, name: str) -> LocalStorage:
+        """The referenced checkpoint `name` beside this one (its handles cached here)."""
+        with self._lock:
+            sib = self._siblings.get(name)
+            if sib is None:
+                check_checkpoint_name(name, self.url)
+                sib = self._siblings[name] = LocalStorage(self.final.parent / name)
+            return sib
+
     def close(self) -> None:
         with self._lock:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            siblings, self._siblings = list(self._siblings.values()), {}
+        for sib in siblings:
+            sib.close()
 
 
 def _kind(mode: int) -> str:

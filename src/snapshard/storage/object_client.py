@@ -236,6 +236,13 @@ class ObjectClient:
         prefix = f"{self.prefix}/{name}" if self.prefix else name
         return ObjectClient(self.url, _parent=self, _prefix=prefix)
 
+    def sibling(self, name: str) -> ObjectClient:
+        """The client of prefix `name` beside this one (a referenced checkpoint)."""
+        _check_key(name, self.url)
+        parent = self.prefix.rpartition("/")[0]
+        prefix = f"{parent}/{name}" if parent else name
+        return ObjectClient(self.url, _parent=self, _prefix=prefix)
+
     def key(self, rel: str) -> str:
         _check_key(rel, self.url)
         return f"{self.prefix}/{rel}" if self.prefix else rel

@@ -24,6 +24,7 @@ from ..errors import (
     StorageError,
 )
 from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.refs import split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
 from .lease import LEASE_DIR, LeaseFiles
 from .object_client import ObjectClient, RequestStats, TransferConfig
@@ -140,6 +141,10 @@ class ObjectStorage(Storage):
         return data
 
     def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
+        ref = split_ref_name(name)
+        if ref is not None:  # a file of a referenced checkpoint beside this one
+            self.client.sibling(ref[0]).read_into(ref[1], offset, buffers)
+            return
         self.client.read_into(name, offset, buffers)
 
     def delete(self) -> None:
@@ -156,7 +161,8 @@ def _files_of(manifest: bytes, url: str) -> set[str]:
     """The data and index files a manifest names."""
     m = Manifest.from_json(manifest, f"{url}/{MANIFEST_NAME}")
     records = [m.processes.record_name(q) for q in range(len(m.processes))] if m.processes else []
-    return {f.name for f in m.files} | set(m.extra.get("indexes", [])) | set(records)
+    own = {f.name for f in m.files if split_ref_name(f.name) is None and f.name}
+    return own | set(m.extra.get("indexes", [])) | set(records)
 
 
 class ObjectRoot(CheckpointRoot):

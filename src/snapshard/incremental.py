@@ -1,0 +1,350 @@
+"""Incremental saves: chunks equal to the base checkpoint's chunk of the same box are recorded
+as references to the file that holds the bytes instead of being written again.
+
+Equality is proven, never assumed, in one of two ways:
+
+- **content hash**: while a chunk's bytes are on the host, its 128-bit hash (xxh3-128 where
+  the `xxhash` package is installed, else blake2b-128) is computed and compared with the
+  hash the base recorded for the chunk of the same leaf path, dtype and box (record files
+  with the FILE_HASHES flag, see docs/format.md). Both must use the same hash function.
+- **identity** (CheckpointManager only): the leaf is the very same `jax.Array` object the
+  manager saved in the base step, and that step is still committed. jax.Arrays are
+  immutable, so its bytes are those the base holds; nothing is hashed.
+
+References name the checkpoint that really holds the bytes (a base's own reference is copied,
+never chained), always a committed sibling under the same parent.
+
+The list of files a save may refer to follows from the base's manifest alone, so every
+process numbers them alike without talking: the base's used references, then the base's
+own data files. Slots no process used are written as null.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import SnapshardError
+from .format import records as rec
+from .format.manifest import ArrayLeaf, FileEntry, Manifest
+from .format.reading import read_manifest
+from .format.refs import check_checkpoint_name, ref_files, split_ref_name
+from .staging import StagedItem
+from .storage import Location, Storage, storage_for
+
+_xxhash: Any
+try:  # a maintained binding, 30x faster than blake2b here; optional
+    import xxhash as _xxhash
+except ImportError:  # pragma: no cover - depends on the environment
+    _xxhash = None
+
+UNKNOWN_HASH = bytes(rec.HASH_SIZE)  # a chunk whose hash nobody computed (never matches)
+_PARALLEL_BYTES = 8 << 20  # hash in threads above this many bytes
+
+
+def hash_id() -> int:
+    """The hash function this process uses (format.records.HASHES)."""
+    return 1 if _xxhash is not None else 2
+
+
+def chunk_hash(raw: memoryview | bytes, hid: int | None = None) -> bytes:
+    """The 128-bit content hash of a chunk's bytes."""
+    hid = hash_id() if hid is None else hid
+    if hid == 1:
+        if _xxhash is None:
+            raise SnapshardError("xxh3-128 hashes need the xxhash package")
+        return bytes(_xxhash.xxh3_128_digest(raw))
+    if hid == 2:
+        return hashlib.blake2b(raw, digest_size=rec.HASH_SIZE).digest()
+    raise SnapshardError(f"unknown content hash function {hid}")
+
+
+def checkpoint_parent_and_name(location: Location | Storage) -> tuple[str, str]:
+    url = location.url if isinstance(location, Storage) else os.fspath(location)
+    if "://" not in url:
+        url = os.path.abspath(url)
+    url = url.rstrip("/")
+    parent, _, name = url.rpartition("/")
+    return parent, name
+
+
+@dataclass
+class BaseChunk:
+    candidate: int  # index into Base.candidates
+    flags: int
+    offset: int
+    nbytes: int
+    block: int
+    nblocks: int
+    crc_offset: int
+    hash: bytes
+
+
+@dataclass
+class Base:
+    """The base checkpoint of an incremental save, as one process sees it."""
+
+    storage: Storage
+    name: str
+    manifest: Manifest
+    # dicts {"checkpoint", "file", "size"}: what the new checkpoint's refs may name
+    candidates: list[dict[str, Any]] = field(default_factory=list)
+    _file_to_candidate: dict[int, int] = field(default_factory=dict)
+    _records: dict[int, bytes] = field(default_factory=dict)
+    _by_path: dict[Any, Any] = field(default_factory=dict)
+    _file_base: list[int] = field(default_factory=list)  # global number of file 0, per process
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @staticmethod
+    def open(base: Location | Storage, target: Storage) -> Base:
+        storage = storage_for(base)
+        name = check_base_location(storage, target)
+        manifest = read_manifest(storage)
+        if manifest.version < 2 or manifest.processes is None:
+            raise ValueError(f"{storage.url}: the base of an incremental save must be format v2")
+        b = Base(storage, name, manifest)
+        b._by_path = manifest.leaf_by_path()
+        b._file_base = [int(x) for x in manifest.processes.base]
+        own = b._file_base[-1]
+        for k, r in enumerate(manifest.refs):
+            if isinstance(r, dict):
+                b._file_to_candidate[own + k] = len(b.candidates)
+                b.candidates.append(dict(r))
+        for i, f in enumerate(manifest.files[:own]):
+            b._file_to_candidate[i] = len(b.candidates)
+            b.candidates.append({"checkpoint": name, "file": f.name, "size": f.size})
+        return b
+
+    def _record_file(self, q: int) -> bytes:
+        with self._lock:
+            raw = self._records.get(q)
+        if raw is None:
+            from .checksum import crc32c
+
+            table = self.manifest.processes
+            assert table is not None
+            name = table.record_name(q)
+            buf = bytearray(table.record_sizes[q])
+            self.storage.read_into(name, 0, [memoryview(buf)])
+            raw = bytes(buf)
+            if crc32c(raw) != table.record_crcs[q]:
+                raise SnapshardError(f"{self.storage.url}/{name}: record file fails its checksum")
+            with self._lock:
+                self._records[q] = raw
+        return raw
+
+    def chunks(
+        self, path: tuple[Any, ...], dtype: str, shape: tuple[int, ...], boxes: list[Any]
+    ) -> dict[bytes, BaseChunk]:
+        """The base's chunks of leaf `path` with exactly one of `boxes`, keyed by box_key;
+        empty where the base has no such leaf (or another dtype or shape)."""
+        m = self.manifest
+        leaf = self._by_path.get(path)
+        if not isinstance(leaf, ArrayLeaf) or leaf.dtype != dtype or tuple(leaf.shape) != shape:
+            return {}
+        assert m.finder is not None and m.processes is not None
+        a = m.finder.index[id(leaf)]
+        want = {box_key(s, e) for s, e in boxes}
+        procs = m.finder.candidates(leaf, [(np.asarray(s), np.asarray(e)) for s, e in boxes])
+        out: dict[bytes, BaseChunk] = {}
+        ndim = len(shape)
+        for q in procs.tolist():
+            raw = self._record_file(q)
+            where = f"{self.storage.url}, records of process {q}, leaf {a}"
+            flags = rec.header_flags(raw)
+            entry = rec.decode_entries(raw[rec.directory_offset(a) : rec.directory_offset(a + 1)])[
+                0
+            ]
+            off, length = rec.check_entry(entry, ndim, len(raw), where)
+            if not length:
+                continue
+            r = rec.decode_segment(raw[off : off + length], entry, ndim, q, a, where)
+            hashes = None
+            if flags & rec.FILE_HASHES and (flags >> rec.HASH_SHIFT) & 0xFF == hash_id():
+                hashes = rec.decode_hashes(raw[off + length :], entry, ndim, where)
+            nfiles = len(m.processes.data_sizes[q])
+            own = self._file_base[-1]
+            for i in range(len(r)):
+                key = r.starts[i].tobytes() + b"|" + r.stops[i].tobytes()
+                if key not in want:
+                    continue
+                f = int(r.file[i])
+                is_ref = bool(r.flags[i] & rec.FLAG_REFERENCE)
+                g = own + f if is_ref else self._file_base[q] + f
+                if (not is_ref and f >= nfiles) or g not in self._file_to_candidate:
+                    continue  # a malformed record: never refer to it
+                if int(r.flags[i]) & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK):
+                    continue  # flags this version does not know: never refer to them
+                out[key] = BaseChunk(
+                    self._file_to_candidate[g], int(r.flags[i]) & ~rec.FLAG_REFERENCE,
+                    int(r.offset[i]), int(r.nbytes[i]), int(r.block[i]),
+                    -(-int(r.nbytes[i]) // max(int(r.block[i]), 1)), int(r.crc_offset[i]),
+                    bytes(hashes[i]) if hashes is not None else UNKNOWN_HASH,
+                )  # fmt: skip
+        return out
+
+
+def check_base_location(base: Location | Storage, target: Storage) -> str:
+    """The base's name, after checking that it is another checkpoint beside `target`."""
+    parent, name = checkpoint_parent_and_name(base)
+    tparent, tname = checkpoint_parent_and_name(target)
+    url = base.url if isinstance(base, Storage) else os.fspath(base)
+    if parent != tparent or name == tname:
+        raise ValueError(
+            f"the base of an incremental save must be another checkpoint beside it: "
+            f"{url} is not under {tparent}"
+        )
+    return check_checkpoint_name(name, url)
+
+
+def box_key(start: Any, stop: Any) -> bytes:
+    return np.asarray(start, np.int64).tobytes() + b"|" + np.asarray(stop, np.int64).tobytes()
+
+
+@dataclass
+class Increment:
+    """What one process's save needs to record hashes and, given a base, references."""
+
+    base_location: Location | Storage | None
+    target: Storage
+    identical: frozenset[int] = frozenset()  # leaves that are the base step's very arrays
+    hid: int = field(default_factory=hash_id)
+    # filled in by split(): content hash per (leaf, box), references, candidates used
+    hashes: dict[tuple[int, bytes], bytes] = field(default_factory=dict)
+    ref_rows: list[tuple[int, tuple[Any, ...]]] = field(default_factory=list)
+    used: set[int] = field(default_factory=set)
+    referenced_bytes: int = 0
+    _base: Base | None = None
+    ref_codecs: set[int] = field(default_factory=set)  # codecs of the chunks referred to
+
+    def __post_init__(self) -> None:
+        if self.base_location is not None:
+            check_base_location(self.base_location, self.target)
+
+    @property
+    def base(self) -> Base | None:
+        """The base, opened on first use (in the background phase, not the blocking one)."""
+        if self._base is None and self.base_location is not None:
+            self._base = Base.open(self.base_location, self.target)
+        return self._base
+
+    def split(
+        self, items: list[StagedItem], leaves: list[Any], threads: int = 2
+    ) -> list[StagedItem]:
+        """Hash every item (unless identical) and decide which are references; returns the
+        items still to write. Referenced items are released."""
+        lookup: dict[int, dict[bytes, BaseChunk]] = {}
+        if self.base is not None:
+            by_leaf: dict[int, list[Any]] = {}
+            for it in items:
+                by_leaf.setdefault(it.leaf, []).append((it.start, it.stop))
+            for i, boxes in by_leaf.items():
+                leaf = leaves[i]
+                lookup[i] = self.base.chunks(
+                    tuple(leaf.path), leaf.dtype.name, tuple(leaf.shape), boxes
+                )
+
+        def one(it: StagedItem) -> StagedItem | None:
+            key = box_key(it.start, it.stop)
+            found = lookup.get(it.leaf, {}).get(key)
+            if found is not None and found.nbytes != it.nbytes:
+                found = None
+            same = found is not None and it.leaf in self.identical
+            if same:
+                assert found is not None
+                h = found.hash  # exact without hashing: the base saved this very array
+            else:
+                data = it.materialize()
+                h = chunk_hash(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data, self.hid)
+            self.hashes[(it.leaf, key)] = h
+            if found is None or not (same or (h != UNKNOWN_HASH and h == found.hash)):
+                return it
+            row = (
+                found.candidate, rec.FLAG_REFERENCE | found.flags, found.offset, found.nbytes,
+                found.block, found.nblocks, found.crc_offset,
+                [int(x) for x in it.start], [int(x) for x in it.stop],
+            )  # fmt: skip
+            with lock:
+                self.ref_rows.append((it.leaf, row))
+                self.used.add(found.candidate)
+                self.referenced_bytes += it.nbytes
+                if found.flags >> rec.CODEC_SHIFT:
+                    self.ref_codecs.add(found.flags >> rec.CODEC_SHIFT)
+            it.release()
+            return None
+
+        lock = threading.Lock()
+        run: Callable[[StagedItem], StagedItem | None] = one
+        # Items to hash in threads (hashing releases the GIL); the rest cost nothing.
+        heavy = [it for it in items if it.leaf not in self.identical]
+        if threads > 1 and len(heavy) > 1 and sum(it.nbytes for it in heavy) > _PARALLEL_BYTES:
+            from concurrent.futures import ThreadPoolExecutor
+
+            light = [run(it) for it in items if it.leaf in self.identical]
+            with ThreadPoolExecutor(min(threads, len(heavy)), "snapshard-hash") as pool:
+                kept = light + list(pool.map(run, heavy))
+        else:
+            kept = [run(it) for it in items]
+        return [it for it in kept if it is not None]
+
+    def segment_hashes(self, segments: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Per leaf, the hash of each record in the segment's (sorted) order."""
+        out = {}
+        for leaf, recs in segments.items():
+            table = np.zeros((len(recs), rec.HASH_SIZE), np.uint8)
+            for i in range(len(recs)):
+                h = self.hashes.get((leaf, box_key(recs["start"][i], recs["stop"][i])))
+                table[i] = np.frombuffer(h or UNKNOWN_HASH, np.uint8)
+            out[leaf] = table
+        return out
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "refs_used": sorted(self.used),
+            "referenced_bytes": self.referenced_bytes,
+            "ref_codecs": sorted(self.ref_codecs),
+        }
+
+
+def manifest_refs(base: Base | None, reports: list[dict[str, Any]]) -> list[Any]:
+    """The manifest's refs: the base's candidates that some process used, null elsewhere."""
+    if base is None:
+        return []
+    used = {int(i) for r in reports for i in r.get("refs_used", [])}
+    refs: list[Any] = [c if i in used else None for i, c in enumerate(base.candidates)]
+    while refs and refs[-1] is None:
+        refs.pop()
+    return refs
+
+
+def check_refs_committed(storage: Storage, refs: list[Any]) -> list[FileEntry]:
+    """Process 0 at commit: every referenced checkpoint is still committed (a reference to
+    anything else is never committed); returns the referenced files as manifest entries."""
+    files = ref_files(refs, storage.url)
+    names = {split_ref_name(f.name)[0] for f in files if f.name}  # type: ignore[index]
+    for name in sorted(names):
+        if not sibling_storage(storage, name).is_committed():
+            raise SnapshardError(
+                f"save to {storage.url}: referenced checkpoint {name!r} is no longer committed"
+            )
+    return files
+
+
+def sibling_storage(storage: Storage, name: str) -> Storage:
+    """The checkpoint `name` beside `storage` (same parent, same store and options)."""
+    from .storage.local import LocalStorage
+
+    if isinstance(storage, LocalStorage):
+        return LocalStorage(storage.final.parent / name)
+    from .storage.objstore import ObjectStorage
+
+    if isinstance(storage, ObjectStorage):
+        return ObjectStorage(storage.url, client=storage.client.sibling(name))
+    parent, _ = checkpoint_parent_and_name(storage)
+    return storage_for(f"{parent}/{name}")
