@@ -350,6 +350,7 @@ def plan_tasks(
     # read), hence one index.
     indexes: dict[int, ChunkIndex] = {}
     covered: dict[Any, np.ndarray] = {}
+    grid_cache: dict[Any, RunGrid] = {}  # overlaps of arrays with equal boxes are equal
     per_chunk: dict[tuple[int, int], list[tuple[int, RunGrid]]] = {}
     leaves: dict[int, ArrayLeaf] = {}
     for di, d in enumerate(dests):
@@ -367,11 +368,16 @@ def plan_tasks(
             per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
             continue
         itemsize = dtype_from_name(leaf.dtype).itemsize
-        for c in over:
-            os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
-            stored_start, stored_stop = t.storage_box(c)
-            grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
-            per_chunk.setdefault((key, int(c)), []).append((di, grid))
+        box = (id(t.starts), d.start.tobytes(), d.stop.tobytes(), itemsize)
+        for c in over.tolist():
+            gk = (*box, c)
+            grid = grid_cache.get(gk) if t.stores_own_boxes else None
+            if grid is None:
+                os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
+                stored_start, stored_stop = t.storage_box(c)
+                grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
+                grid_cache[gk] = grid
+            per_chunk.setdefault((key, c), []).append((di, grid))
     tasks = []
     for (key, c), grids in per_chunk.items():
         leaf = leaves[key]
