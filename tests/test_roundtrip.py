@@ -311,7 +311,7 @@ def test_unsupported_leaves_are_refused_before_anything_is_written(ckpt):
 def test_both_read_paths_give_the_same_bits(
     ckpt, monkeypatch, pieces, verify, src_spec, dst_spec, dst_mesh
 ):
-    from snapshard import restore
+    from snapshard import read_executor as restore
 
     monkeypatch.setattr(restore, "_MAX_SCATTER_PIECES", pieces)
     x = random_bytes((96, 160), np.float32, seed=11)

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
     from .inspection import ArrayMetadata, ValueMetadata, metadata
     from .manager import BackgroundSaveError, CheckpointManager, LocalTier
     from .per_process import PerProcess
-    from .restore import ReadStats, load
+    from .read_executor import ReadStats
+    from .restore import load
     from .saving import AsyncSave, SaveTimings, save, save_async
 
 __version__ = "0.1.0"
@@ -47,7 +48,7 @@ _LAZY = {
     "CheckpointManager": "manager",
     "LocalTier": "manager",
     "PerProcess": "per_process",
-    "ReadStats": "restore",
+    "ReadStats": "read_executor",
     "load": "restore",
     "AsyncSave": "saving",
     "SaveTimings": "saving",

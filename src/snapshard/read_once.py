@@ -39,8 +39,8 @@ from .coordination.base import Coordinator
 from .coordination.rendezvous import Rendezvous, namespace
 from .dtypes import dtype_from_name
 from .errors import CoordinationError
-from .restore import Expand, ReadDests, ReadStats, Request, request_boxes
-from .restore import execute as execute_all
+from .read_executor import Expand, ReadDests, ReadStats, Request, request_boxes
+from .read_executor import execute as execute_all
 
 DEFAULT_TIMEOUT_S = 600.0
 _READ_AXIS = "snapshard_read"

@@ -9,26 +9,16 @@ from __future__ import annotations
 
 import os
 import re
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from ..errors import CheckpointNotFoundError, SnapshardError
 
 if TYPE_CHECKING:
-    from ..format import Manifest
-    from ..restore import Dest, ReadStats
+    from ..sources import CheckpointSource
     from ..storage import Storage
 
 ORBAX_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
-
-
-class ForeignCheckpoint(Protocol):
-    """A checkpoint of another library, seen through snapshard's restore path."""
-
-    format: str
-    manifest: Manifest
-
-    def read_dests(self, dests: list[Dest], stats: ReadStats) -> None: ...
 
 
 # Where TensorStore can read an Orbax checkpoint from (see interop.orbax.kvstore_spec).
@@ -53,7 +43,7 @@ def local_path(location: str) -> str | None:
     return parsed.path if parsed.scheme == "file" else location
 
 
-def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> ForeignCheckpoint:
+def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> CheckpointSource:
     """The Orbax checkpoint at the storage's location; `not_found` again when there is none."""
     location = storage.url
     local = local_path(location)

@@ -44,7 +44,7 @@ from .orbax_meta import (
 )
 
 if TYPE_CHECKING:
-    from ..restore import Dest, ReadStats
+    from ..read_executor import Dest, ReadStats
 
 FORMAT = "orbax"
 # Decoded chunks and OCDBT b-tree nodes cached by TensorStore: bounded, and enough to keep a

@@ -22,15 +22,15 @@ from ..format import ArrayLeaf, ChunkTable, FileEntry, Leaf, Manifest
 
 # The restore path's own request and buffer types: reads here run exactly the code (and the
 # checksum verification) of a restore.
-from ..restore import (
+from ..read_executor import (
     DEFAULT_MAX_GAP,
     DEFAULT_THREADS,
     Dest,
     ReadStats,
     aligned_empty,
-    open_checkpoint,
     reader_of,
 )
+from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from . import local_path
 

@@ -42,7 +42,8 @@ from ..coordination import Coordinator, SingleProcessCoordinator
 from ..coordination.transfer import PendingExchange, exchange, start_exchange
 from ..errors import CorruptCheckpointError, SnapshardError, StorageError
 from ..format.manifest import ValueLeaf
-from ..restore import aligned_empty, is_target_leaf, load
+from ..read_executor import aligned_empty
+from ..restore import is_target_leaf, load
 from ..saving import classify_leaves, finish, prepare
 from ..staging import Box, Snapshot, host_snapshot
 from ..storage import LocalRoot, LocalStorage
@@ -320,7 +321,7 @@ class LocalStore:
 
     def read_own(self, step: int) -> tuple[dict[str, Any], list[TreePath], int]:
         """This process's own local checkpoint of `step`: entries by path string, paths, bytes read."""
-        from ..restore import ReadStats
+        from ..read_executor import ReadStats
 
         storage = LocalStorage(self.step_dir(step) / "own")
         extra = _read_extra(storage)

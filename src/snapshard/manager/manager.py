@@ -26,7 +26,8 @@ from ..coordination.jax_distributed import preemption_sync_point
 from ..coordination.rendezvous import Rendezvous, namespace
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..format.reading import read_manifest
-from ..restore import ReadStats, load
+from ..read_executor import ReadStats
+from ..restore import load
 from ..saving import DEFAULT_TIMEOUT_S, SaveTimings, finish, prepare
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import DEFAULT_LEASE_TIMEOUT_S, WriterLease

@@ -12,16 +12,16 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..format import FileEntry, Manifest
-from ..read_once import execute as read_once_execute
-from ..restore import (
+from ..read_executor import (
     DEFAULT_MAX_GAP,
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_THREADS,
     ReadStats,
-    is_target_leaf,
     make_request,
     reader_of,
 )
+from ..read_once import execute as read_once_execute
+from ..restore import is_target_leaf
 from ..storage import Location, Storage
 from ..tree import keypath_to_path
 from .dtypes import DTYPES, numpy_dtype

@@ -21,16 +21,16 @@ import torch
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
-from ..restore import (
+from ..read_executor import (
     DEFAULT_MAX_GAP,
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_THREADS,
     Dest,
     ReadStats,
     aligned_empty,
-    open_checkpoint,
 )
 from ..restore import load as _load_numpy
+from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
 from .dtypes import from_numpy, host_view, numpy_dtype

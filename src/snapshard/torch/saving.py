@@ -26,7 +26,7 @@ from ..background import BackgroundTask
 from ..errors import CheckpointExistsError
 from ..format.manifest import Leaf
 from ..planning import WritePlan
-from ..restore import aligned_empty
+from ..read_executor import aligned_empty
 from ..staging import StagedItem
 from ..storage import Location, Storage, storage_for
 from ..tree import Path

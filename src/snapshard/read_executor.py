@@ -1,0 +1,639 @@
+"""The read executor: read exactly the bytes each process needs and build its arrays.
+
+For every target box this process holds (replicated boxes once), the overlapping chunks are
+found through an index, the overlaps become byte runs, runs are coalesced into reads, and
+each read scatters straight into preallocated, aligned host buffers (preadv). With
+verification on (the default), every checksum block a read touches is read whole and
+checked. Buffers become jax.Arrays with make_array_from_single_device_arrays; on the CPU
+backend the first device of a box takes the buffer without a copy.
+
+The internal API of every reader in the package (snapshard.load, Orbax and safetensors
+sources, the torch adapter, read-once): `make_request` says what to build for a leaf,
+`execute` reads and builds requests in memory-bounded batches through a `ReadDests`, and
+`reader_of` is the `ReadDests` of a snapshard checkpoint. Call order: make_request for each
+leaf → execute(requests, reader) → values in request order.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import jax
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from .adapters.jax_arrays import (
+    assemble,
+    key_array,
+    key_dtype_is_prng,
+    local_device_boxes,
+    resolve_target_sharding,
+    to_devices,
+)
+from .checksum import BlockVerifier
+from .dtypes import dtype_from_name
+from .errors import (
+    ChecksumMismatchError,
+    CorruptCheckpointError,
+    TargetMismatchError,
+)
+from .format import ArrayLeaf, ChunkTable, Manifest
+from .format.finder import ChunkFinder, loaded_table
+from .format.validate import coverage_problems
+from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
+from .planning.read_plan import covering_range
+from .storage import Storage
+
+DEFAULT_MEMORY_BUDGET = 4 << 30
+DEFAULT_MAX_GAP = 4096
+DEFAULT_THREADS = 4
+_ALIGN = 64
+
+
+@dataclass
+class ReadStats:
+    """What a load read on this process. bytes_needed counts each box read once (with
+    read-once, this process's share of the replicated leaves); bytes_from_peers counts the
+    bytes of this process's target boxes that other processes read and sent."""
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    bytes_from_peers: int = 0
+    metadata_bytes: int = 0  # chunk records read (v2), beside the manifest
+    reads: int = 0
+    chunks_touched: int = 0
+    read_s: float = 0.0
+    assemble_s: float = 0.0
+    reshard_s: float = 0.0  # read-once: moving the bytes read onto the target shardings
+    total_s: float = 0.0
+
+    @property
+    def read_amplification(self) -> float:
+        return self.bytes_read / self.bytes_needed if self.bytes_needed else 1.0
+
+    def as_dict(self) -> dict[str, float]:
+        d: dict[str, float] = dict(self.__dict__)
+        d["read_amplification"] = self.read_amplification
+        return d
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A uint8 buffer whose data pointer is 64-byte aligned (lets XLA's CPU client alias it)."""
+    raw = np.empty(nbytes + _ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off : off + nbytes]
+
+
+@dataclass
+class Dest:
+    """One host buffer to fill: box [start, stop) of a saved array."""
+
+    leaf: ArrayLeaf
+    start: np.ndarray
+    stop: np.ndarray
+    buf: np.ndarray
+    devices: list[Any] = field(default_factory=list)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.stop - self.start)
+
+
+@dataclass
+class Request:
+    """One leaf to produce. kind: 'numpy', 'scalar', 'jax', 'key' (typed PRNG key)."""
+
+    saved: ArrayLeaf
+    kind: str
+    dtype: np.dtype
+    sharding: Any = None
+    dests: list[Dest] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.buf.nbytes for d in self.dests)
+
+
+def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> Request:
+    """What to build for a saved array leaf given its target leaf (None: NumPy as saved)."""
+    name = saved.name
+    saved_dtype = dtype_from_name(saved.dtype)
+    if target is None:
+        if saved.kind == "prng_key":
+            return request_boxes(Request(saved, "key", saved_dtype), None)
+        kind = "scalar" if saved.kind == "scalar" else "numpy"
+        return request_boxes(Request(saved, kind, saved_dtype), None)
+    if isinstance(target, jax.Array | jax.ShapeDtypeStruct):
+        shape, dtype = tuple(target.shape), target.dtype
+        sharding = (
+            target.sharding if isinstance(target, jax.Array) else getattr(target, "sharding", None)
+        )
+        sharding = resolve_target_sharding(sharding, mesh, leaf=name)
+    elif isinstance(target, np.ndarray | np.generic):
+        shape, dtype, sharding = tuple(np.shape(target)), target.dtype, None
+    else:
+        raise TargetMismatchError(
+            f"{url}: target for leaf {name!r} is a {type(target).__name__}; expected jax.Array, "
+            "jax.ShapeDtypeStruct or np.ndarray"
+        )
+    wants_key = key_dtype_is_prng(dtype)
+    if wants_key and saved.kind != "prng_key":
+        raise TargetMismatchError(
+            f"{url}: leaf {name!r} was saved as {saved.dtype} data, the target asks for PRNG keys"
+        )
+    expected = saved.logical_shape if wants_key else saved.shape
+    if shape != expected:
+        raise TargetMismatchError(
+            f"{url}: leaf {name!r} has shape {expected} in the checkpoint, the target asks for {shape}"
+        )
+    if wants_key:
+        return request_boxes(Request(saved, "key", saved_dtype, sharding), None)
+    out_dtype = np.dtype(dtype)
+    if sharding is None:
+        kind = "scalar" if isinstance(target, np.generic) else "numpy"
+        return request_boxes(Request(saved, kind, out_dtype), None)
+    return request_boxes(Request(saved, "jax", out_dtype, sharding), sharding)
+
+
+def request_boxes(req: Request, sharding: Any) -> Request:
+    shape = req.saved.shape
+    itemsize = dtype_from_name(req.saved.dtype).itemsize
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], list[Any]]]
+    if sharding is None:
+        boxes = [(tuple(0 for _ in shape), shape, [])]
+    else:
+        boxes = local_device_boxes(sharding, shape)
+    for start, stop, devices in boxes:
+        s, e = np.asarray(start, dtype=np.int64), np.asarray(stop, dtype=np.int64)
+        nbytes = math.prod(int(x) for x in e - s) * itemsize
+        req.dests.append(Dest(req.saved, s, e, aligned_empty(nbytes), list(devices)))
+    return req
+
+
+@dataclass
+class _ChunkRuns:
+    """Every run this process needs from one chunk. The per-run arrays, sorted by chunk
+    offset, are built on first use: usually by the reading thread, off the planning path."""
+
+    leaf: ArrayLeaf
+    table: ChunkTable
+    chunk: int
+    file: str
+    file_offset: int  # where the chunk starts in its file
+    grids: list[tuple[int, RunGrid]]  # (dest index, runs) of each overlap
+
+    @cached_property
+    def _sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        expanded = [g.runs() for _, g in self.grids]
+        sizes = [g.count for _, g in self.grids]
+        src = np.concatenate([e[0] for e in expanded])
+        order = np.argsort(src, kind="stable")
+        return (
+            src[order],
+            np.repeat(np.array([g.run_bytes for _, g in self.grids], np.int64), sizes)[order],
+            np.repeat(np.array([di for di, _ in self.grids], np.int64), sizes)[order],
+            np.concatenate([e[1] for e in expanded])[order],
+            np.repeat(np.arange(len(self.grids)), sizes)[order],
+        )
+
+    @property
+    def src(self) -> np.ndarray:  # run offsets in the chunk
+        return self._sorted[0]
+
+    @property
+    def length(self) -> np.ndarray:
+        return self._sorted[1]
+
+    @property
+    def dest(self) -> np.ndarray:  # index into the batch's dest list
+        return self._sorted[2]
+
+    @property
+    def dst(self) -> np.ndarray:  # run offsets in the destination buffer
+        return self._sorted[3]
+
+    @property
+    def overlap(self) -> np.ndarray:  # index into `grids`
+        return self._sorted[4]
+
+
+@dataclass
+class _Task:
+    """One contiguous read of a chunk."""
+
+    runs: _ChunkRuns
+    rng: ReadRange
+
+
+# Overlaps that need this much of the span they cover are read as that one span.
+_DENSE = 0.98
+# A read with more pieces than this goes through one contiguous scratch buffer and strided
+# copies, rather than an iovec per piece (Python cost per piece beats the extra memcpy).
+_MAX_SCATTER_PIECES = 64
+
+
+def _verified(verify: bool, t: ChunkTable, c: int) -> bool:
+    """Chunks with checksum block size 0 have no checksums (tables of other formats)."""
+    return verify and int(t.block[c]) > 0
+
+
+def _covered(
+    index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str, seen: dict[Any, np.ndarray]
+) -> np.ndarray:
+    """The chunks overlapping dest `d`, after checking that they tile its box exactly once
+    (the planner guarantees it for what snapshard writes; a damaged checkpoint may not).
+    Arrays sharing their chunk boxes share the answer (`seen`)."""
+    key = (id(index), d.start.tobytes(), d.stop.tobytes())
+    done = seen.get(key)
+    if done is not None:
+        return done
+    over = seen[key] = _check_cover(index, t, d, exact, url)
+    return over
+
+
+def _check_cover(index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str) -> np.ndarray:
+    over = index.overlapping(d.start, d.stop)
+    if exact >= 0 and len(over) == 1:
+        return over
+    lo = np.maximum(t.starts[over], d.start) - d.start
+    hi = np.minimum(t.stops[over], d.stop) - d.start
+    missing, twice = coverage_problems(d.shape, lo, hi)
+    if missing or twice:
+        box = ", ".join(f"{a}:{b}" for a, b in zip(d.start.tolist(), d.stop.tolist(), strict=True))
+        what = (f"no chunk holds {', '.join(missing)}" if missing
+                else f"more than one chunk holds {', '.join(twice)}")  # fmt: skip
+        raise CorruptCheckpointError(
+            f"{url}: leaf {d.leaf.name!r}, box [{box}]: {what} (relative to the box)"
+        )
+    return over
+
+
+def plan_tasks(
+    manifest: Manifest,
+    dests: list[Dest],
+    tables: dict[int, ChunkTable],
+    verify: bool,
+    max_gap: int,
+    stats: ReadStats,
+    url: str = "",
+) -> list[_Task]:
+    # Arrays with the same chunk boxes share their box columns (interned when the manifest is
+    # read), hence one index.
+    indexes: dict[int, ChunkIndex] = {}
+    covered: dict[Any, np.ndarray] = {}
+    grid_cache: dict[Any, RunGrid] = {}  # overlaps of arrays with equal boxes are equal
+    per_chunk: dict[tuple[int, int], list[tuple[int, RunGrid]]] = {}
+    leaves: dict[int, ArrayLeaf] = {}
+    for di, d in enumerate(dests):
+        leaf = d.leaf
+        t = tables[id(leaf)]
+        key = id(leaf)
+        leaves[key] = leaf
+        index = indexes.get(id(t.starts))
+        if index is None:
+            index = indexes[id(t.starts)] = ChunkIndex(t.starts, t.stops)
+        stats.bytes_needed += d.buf.nbytes
+        exact = index.exact(d.start, d.stop) if t.stores_own_boxes else -1
+        over = _covered(index, t, d, exact, url, covered)
+        if exact >= 0:  # the box is a chunk: one run, the whole of both
+            per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
+            continue
+        itemsize = dtype_from_name(leaf.dtype).itemsize
+        box = (id(t.starts), d.start.tobytes(), d.stop.tobytes(), itemsize)
+        for c in over.tolist():
+            gk = (*box, c)
+            grid = grid_cache.get(gk) if t.stores_own_boxes else None
+            if grid is None:
+                os_, oe = np.maximum(t.starts[c], d.start), np.minimum(t.stops[c], d.stop)
+                stored_start, stored_stop = t.storage_box(c)
+                grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
+                grid_cache[gk] = grid
+            per_chunk.setdefault((key, c), []).append((di, grid))
+    tasks = []
+    for (key, c), grids in per_chunk.items():
+        leaf = leaves[key]
+        t = tables[key]
+        block = int(t.block[c]) if _verified(verify, t, c) else None
+        nbytes = int(t.nbytes[c])
+        if all(g.source_contiguous for _, g in grids):
+            # Each overlap is one byte range of the chunk: coalesce those, not every run.
+            grids.sort(key=lambda dg: dg[1].src_base)
+            ranges = _coalesce_grids([g for _, g in grids], nbytes, block, max_gap)
+            runs = _ChunkRuns(
+                leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids
+            )
+        else:
+            runs = _ChunkRuns(
+                leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids
+            )
+            lo = min(g.src_base for _, g in grids)
+            hi = max(g.src_end for _, g in grids)
+            needed = sum(g.count * g.run_bytes for _, g in grids)
+            whole = covering_range(lo, hi, nbytes, block, sum(g.count for _, g in grids))
+            if needed >= _DENSE * (whole.stop - whole.start):
+                # Interleaved overlaps that fill their span (other targets' columns of the same
+                # rows): one read, no per-run work at all.
+                ranges = [whole]
+            else:
+                ranges = coalesce_runs(runs.src, runs.length, nbytes, block=block, max_gap=max_gap)
+        stats.chunks_touched += 1
+        for r in ranges:
+            stats.bytes_read += r.stop - r.start
+            stats.reads += 1
+            tasks.append(_Task(runs, r))
+    return tasks
+
+
+def _coalesce_grids(
+    grids: list[RunGrid], nbytes: int, block: int | None, max_gap: int
+) -> list[ReadRange]:
+    """Reads of source-contiguous overlaps sorted by offset (their runs, in that order, are
+    the chunk's sorted runs): ranges that touch (with `block`) or nearly do merge."""
+    out: list[ReadRange] = []
+    p = 0
+    for g in grids:
+        r = g.source_range(nbytes, block)
+        r = ReadRange(r.start, r.stop, p, p + g.count)
+        p += g.count
+        if out and r.start <= out[-1].stop + (0 if block else max_gap):
+            last = out[-1]
+            out[-1] = ReadRange(last.start, max(last.stop, r.stop), last.p0, r.p1)
+        else:
+            out.append(r)
+    return out
+
+
+def _scatter_views(task: _Task, dests: list[Dest]) -> list[memoryview]:
+    """The range as iovecs: destination pieces, with scratch for the bytes between them."""
+    runs, r = task.runs, task.rng
+    bufs: list[memoryview] = []
+    gaps: list[tuple[int, int]] = []  # (position in bufs, size)
+    pos = r.start
+    for p in range(r.p0, r.p1):
+        s = int(runs.src[p])
+        if s > pos:
+            gaps.append((len(bufs), s - pos))
+            bufs.append(memoryview(b""))
+        n = int(runs.length[p])
+        off = int(runs.dst[p])
+        bufs.append(dests[int(runs.dest[p])].buf.data[off : off + n])
+        pos = s + n
+    if pos < r.stop:
+        gaps.append((len(bufs), r.stop - pos))
+        bufs.append(memoryview(b""))
+    if gaps:
+        scratch = np.empty(sum(n for _, n in gaps), dtype=np.uint8).data
+        at = 0
+        for i, n in gaps:
+            bufs[i] = scratch[at : at + n]
+            at += n
+    return bufs
+
+
+def _copy_from_scratch(task: _Task, scratch: np.ndarray, dests: list[Dest]) -> None:
+    """Copy the runs of a range read into `scratch` to their destinations: whole overlaps
+    as one strided NumPy copy each, runs of overlaps split across ranges one by one."""
+    runs, r = task.runs, task.rng
+    total = sum(g.count for _, g in runs.grids)
+    if r.p1 - r.p0 == total:  # every overlap of the chunk, whole: no per-run arrays needed
+        ids, counts = list(range(len(runs.grids))), [g.count for _, g in runs.grids]
+    else:
+        inside = runs.overlap[r.p0 : r.p1]
+        unique, n_inside = np.unique(inside, return_counts=True)
+        ids, counts = unique.tolist(), n_inside.tolist()
+    for ov, n in zip(ids, counts, strict=True):
+        di, g = runs.grids[ov]
+        dest = dests[di].buf
+        if n == g.count:
+            src = as_strided(
+                scratch[g.src_base - r.start :],
+                (*g.outer_shape, g.run_bytes),
+                (*g.src_strides, 1),
+                writeable=False,
+            )
+            dst = as_strided(dest[g.dst_base :], (*g.outer_shape, g.run_bytes), (*g.dst_strides, 1))
+            np.copyto(dst, src)
+            continue
+        for p in np.flatnonzero(runs.overlap[r.p0 : r.p1] == ov) + r.p0:
+            a, b, ln = int(runs.src[p]) - r.start, int(runs.dst[p]), int(runs.length[p])
+            dest[b : b + ln] = scratch[a : a + ln]
+
+
+def _run_task(storage: Storage, task: _Task, dests: list[Dest], verify: bool) -> None:
+    runs, r = task.runs, task.rng
+    t, c = runs.table, runs.chunk
+    scratch = None
+    if r.p1 - r.p0 > _MAX_SCATTER_PIECES:
+        scratch = np.empty(r.stop - r.start, dtype=np.uint8)
+        bufs = [scratch.data]
+    else:
+        bufs = _scatter_views(task, dests)
+    checked = _verified(verify, t, c)
+    if t.flags is not None and t.flags[c]:  # compressed blocks: snapshard.codecs
+        _read_compressed(storage, task, bufs, checked)
+        if scratch is not None:
+            _copy_from_scratch(task, scratch, dests)
+        return
+    crcs: list[int] | None = None
+    block = int(t.block[c]) if checked else 0
+    if checked and t.crc_offset is not None:
+        # v2: the checksums of the blocks read lie in the file; right after the chunk's end
+        # they come in the same read.
+        b0, b1 = r.start // block, -(-r.stop // block)
+        crc_at = int(t.crc_offset[c])
+        raw = np.empty(4 * (b1 - b0), np.uint8)
+        if r.stop == int(t.nbytes[c]) and crc_at == int(t.offset[c]) + r.stop:
+            skip = np.empty(4 * b0, np.uint8)
+            storage.read_into(runs.file, runs.file_offset + r.start, [*bufs, skip.data, raw.data])
+        else:
+            storage.read_into(runs.file, runs.file_offset + r.start, bufs)
+            storage.read_into(runs.file, crc_at + 4 * b0, [raw.data])
+        crcs = [0] * b0 + raw.view("<u4").tolist()
+    else:
+        storage.read_into(runs.file, runs.file_offset + r.start, bufs)
+        if checked:
+            crcs = t.block_crcs(c).tolist()
+    if crcs is not None:
+        v = BlockVerifier(crcs, r.start // block, block, r.stop - r.start)
+        for piece in bufs:
+            v.update(piece)
+        if v.mismatch is not None:
+            blk, want, got = v.mismatch
+            raise ChecksumMismatchError(
+                file=f"{storage.url}/{runs.file}",
+                leaf=runs.leaf.name,
+                chunk=runs.chunk,
+                block=blk,
+                expected=want,
+                actual=got,
+            )
+    if scratch is not None:
+        _copy_from_scratch(task, scratch, dests)
+
+
+def _read_compressed(storage: Storage, task: _Task, bufs: list[memoryview], verify: bool) -> None:
+    from .codecs import codec_of, read_range
+
+    runs, r = task.runs, task.rng
+    t, c = runs.table, runs.chunk
+    assert t.flags is not None and t.crc_offset is not None
+    read_range(
+        storage, runs.file, offset=int(t.offset[c]), nbytes=int(t.nbytes[c]),
+        block=int(t.block[c]), crc_offset=int(t.crc_offset[c]), codec=codec_of(int(t.flags[c])),
+        itemsize=dtype_from_name(runs.leaf.dtype).itemsize, start=r.start, stop=r.stop,
+        buffers=bufs, verify=verify, leaf=runs.leaf.name, chunk=c,
+    )  # fmt: skip
+
+
+def _build(req: Request) -> Any:
+    saved_dtype = dtype_from_name(req.saved.dtype)
+
+    def host(d: Dest, dtype: np.dtype) -> np.ndarray:
+        a = d.buf.view(saved_dtype).reshape(d.shape)
+        return a if dtype == saved_dtype else a.astype(dtype)
+
+    if req.kind in ("numpy", "scalar"):
+        a = host(req.dests[0], req.dtype)
+        return a[()] if req.kind == "scalar" else a
+    if req.kind == "key":
+        # Key arrays are small: every process reads all of the key data and builds its part.
+        impl = req.saved.key_impl
+        data = host(req.dests[0], saved_dtype)
+        return key_array(data, impl, req.sharding)
+    per_device: dict[Any, jax.Array] = {}
+    for d in req.dests:
+        per_device.update(zip(d.devices, to_devices(host(d, req.dtype), d.devices), strict=True))
+    return assemble(req.saved.shape, req.sharding, per_device)
+
+
+def chunk_tables(
+    finder: ChunkFinder | None, dests: list[Dest], stats: ReadStats
+) -> dict[int, ChunkTable]:
+    """The chunk table of every leaf the dests belong to: from the manifest (v1, other
+    formats, or a v2 table already fetched), else only the records the dests need (v2)."""
+    tables: dict[int, ChunkTable] = {}
+    wants: dict[int, tuple[ArrayLeaf, list[tuple[np.ndarray, np.ndarray]]]] = {}
+    for d in dests:
+        if id(d.leaf) in tables:
+            continue
+        t = loaded_table(d.leaf) if finder is not None else d.leaf.chunks
+        if t is not None:
+            tables[id(d.leaf)] = t
+        else:
+            wants.setdefault(id(d.leaf), (d.leaf, []))[1].append((d.start, d.stop))
+    if wants:
+        assert finder is not None
+        before = finder.metadata_bytes
+        tables.update(finder.tables(list(wants.values())))
+        stats.metadata_bytes += finder.metadata_bytes - before
+    return tables
+
+
+def _read_dests(
+    storage: Storage,
+    manifest: Manifest,
+    finder: ChunkFinder | None,
+    dests: list[Dest],
+    verify: bool,
+    threads: int,
+    max_gap: int,
+    stats: ReadStats,
+) -> None:
+    tables = chunk_tables(finder, dests, stats)
+    tasks = plan_tasks(manifest, dests, tables, verify, max_gap, stats, storage.url)
+    # Largest reads first keeps the threads busy to the end.
+    tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
+    if threads > 1 and len(tasks) > 1:
+        with ThreadPoolExecutor(
+            min(threads, len(tasks)), thread_name_prefix="snapshard-read"
+        ) as pool:
+            for f in [pool.submit(_run_task, storage, t, dests, verify) for t in tasks]:
+                f.result()
+    else:
+        for t in tasks:
+            _run_task(storage, t, dests, verify)
+
+
+def _batches(reqs: list[Request], budget: int | None) -> list[list[Request]]:
+    if budget is None:
+        return [reqs] if reqs else []
+    out: list[list[Request]] = []
+    cur: list[Request] = []
+    size = 0
+    for r in reqs:
+        if cur and size + r.nbytes > budget:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(r)
+        size += r.nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+# Turns the destination buffers of a batch into the buffers actually read from storage, and
+# the steps that fill the former from the latter once read (in order). Readers of other
+# formats use it for arrays computed from stored ones (snapshard.safetensors transforms).
+Expand = Callable[[list[Dest]], tuple[list[Dest], list[Callable[[], None]]]]
+
+
+# Fills destination buffers from storage (the restore's reads, or another format's reader).
+ReadDests = Callable[[list[Dest]], None]
+
+
+def execute(
+    reqs: list[Request],
+    read: ReadDests,
+    *,
+    memory_budget: int | None,
+    stats: ReadStats,
+    expand: Expand | None = None,
+) -> list[Any]:
+    """Read and build every request, in batches that fit the memory budget (jax.Arrays only).
+
+    Returns the built values in the order of `reqs`.
+    """
+    budget = None if all(r.kind in ("numpy", "scalar") for r in reqs) else memory_budget
+    results: dict[int, Any] = {}
+    for batch in _batches(reqs, budget):
+        t0 = time.perf_counter()
+        dests = [d for r in batch for d in r.dests]
+        steps: list[Callable[[], None]] = []
+        if expand is not None:
+            dests, steps = expand(dests)
+        read(dests)
+        for step in steps:
+            step()
+        t1 = time.perf_counter()
+        for r in batch:
+            results[id(r)] = _build(r)
+            r.dests.clear()
+        stats.read_s += t1 - t0
+        stats.assemble_s += time.perf_counter() - t1
+    return [results[id(r)] for r in reqs]
+
+
+def reader_of(
+    storage: Storage,
+    manifest: Manifest,
+    *,
+    verify: bool,
+    threads: int,
+    max_gap: int,
+    stats: ReadStats,
+) -> ReadDests:
+    """The restore's reads of a snapshard checkpoint (or safetensors files) as a ReadDests."""
+    finder = manifest.finder if manifest.version >= 2 else None
+    if manifest.version >= 2 and finder is None:
+        finder = manifest.finder = ChunkFinder(storage, manifest)
+    return lambda dests: _read_dests(
+        storage, manifest, finder, dests, verify, threads, max_gap, stats
+    )
+
+
