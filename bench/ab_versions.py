@@ -19,7 +19,7 @@ from common import ratio_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-STEPS = ("save_s", "restore_warm_s", "reshard_warm_s", "restore_evicted_s")
+STEPS = ("blocking_s", "save_s", "restore_warm_s", "reshard_warm_s", "restore_evicted_s")
 
 
 def old_src(rev: str, into: str) -> str:
