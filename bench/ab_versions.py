@@ -12,24 +12,13 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 
-from common import ratio_table
+from common import library_at, ratio_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 STEPS = ("blocking_s", "save_s", "restore_warm_s", "reshard_warm_s", "restore_evicted_s")
-
-
-def old_src(rev: str, into: str) -> str:
-    data = subprocess.run(["git", "-C", ROOT, "archive", rev, "src"], check=True, capture_output=True).stdout
-    path = os.path.join(into, "src.tar")
-    with open(path, "wb") as f:
-        f.write(data)
-    with tarfile.open(path) as t:
-        t.extractall(into, filter="data")
-    return os.path.join(into, "src")
 
 
 def job(src: str, scale: float, r: int) -> dict:
@@ -51,7 +40,7 @@ def main() -> None:
     ap.add_argument("--scale", type=float, default=1.0)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        sources = {args.rev: old_src(args.rev, tmp), "working tree": os.path.join(ROOT, "src")}
+        sources = {args.rev: library_at(args.rev, tmp), "working tree": os.path.join(ROOT, "src")}
         runs: dict[str, list[dict]] = {k: [] for k in sources}
         for r in range(args.rounds):
             order = list(sources) if r % 2 == 0 else list(sources)[::-1]

@@ -17,11 +17,10 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 
-from common import free_port
+from common import free_port, library_at
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -79,18 +78,6 @@ def run(src: str, mode: str, ckpt: str, arrays: int) -> list[dict]:
     return out
 
 
-def v1_tree(rev: str, into: str) -> str:
-    data = subprocess.run(
-        ["git", "-C", ROOT, "archive", rev, "src"], check=True, capture_output=True
-    ).stdout
-    path = os.path.join(into, "archive.tar")
-    with open(path, "wb") as f:
-        f.write(data)
-    with tarfile.open(path) as t:
-        t.extractall(into, filter="data")
-    return os.path.join(into, "src")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--arrays", type=int, default=2000)
@@ -98,7 +85,7 @@ def main() -> None:
     ap.add_argument("--v1-rev", default="30e3f53")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        sources = {"v1": v1_tree(args.v1_rev, tmp), "v2": os.path.join(ROOT, "src")}
+        sources = {"v1": library_at(args.v1_rev, tmp), "v2": os.path.join(ROOT, "src")}
         rows = {}
         for name, src in sources.items():
             ckpt = os.path.join(tmp, f"ckpt-{name}")

@@ -375,3 +375,19 @@ def ratio_table(title: str, checks: list[tuple[str, list[float], str]], nd: int 
             m = statistics.median(v)
             met = "yes" if (m >= float(x) if op == ">=" else m <= float(x)) else "NO"
         print(f"| {name} | {spread(v, nd)} | {target} | {met} |")
+
+
+def library_at(rev: str, into: str) -> str:
+    """The library's source tree as of git commit `rev`, extracted under `into` (for
+    benchmarks of one version against another); returns the directory to put on PYTHONPATH."""
+    import subprocess
+    import tarfile
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    data = subprocess.run(["git", "-C", root, "archive", rev, "src"], check=True, capture_output=True).stdout
+    path = os.path.join(into, f"src-{rev}.tar")
+    with open(path, "wb") as f:
+        f.write(data)
+    with tarfile.open(path) as t:
+        t.extractall(into, filter="data")
+    return os.path.join(into, "src")
