@@ -1,6 +1,7 @@
 """Data iterators (Grain) as checkpoint records, and bytes leaves."""
 
 import base64
+import json
 
 import numpy as np
 import pytest
@@ -154,3 +155,24 @@ def test_bytes_leaves_with_the_hooks(ckpt, bytes_hooks):
 def test_bytes_leaves(ckpt):
     snapshard.save(ckpt, {"raw": bytes(range(256))})
     assert snapshard.load(ckpt)["raw"] == bytes(range(256))
+
+
+class OwnStream(OwnIterator):
+    def __next__(self):
+        return self.state
+
+
+def test_an_iterator_leaf_is_saved_per_process_and_restored_into_the_target(ckpt):
+    it = iter(loader())
+    next(it)
+    snapshard.save(ckpt, {"data": it, "step": 1, "own": OwnStream({"pos": 7})})
+    expected = next(it)
+    doc = json.loads((ckpt / "manifest.json").read_bytes())
+    kinds = {tuple(leaf["path"]): leaf["kind"] for leaf in doc["leaves"]}
+    assert kinds[("data",)] == kinds[("own",)] == "per_process"
+    fresh, own = iter(loader()), OwnStream(None)
+    out = snapshard.load(ckpt, {"data": fresh, "step": 0, "own": own})
+    assert out["data"] is fresh and (next(out["data"]) == expected).all()
+    assert out["own"] is own and own.state == {"pos": 7}
+    # Without a target: the record, as each process saved it.
+    assert snapshard.load(ckpt)["own"] == {"iterator": "tree", "state": {"pos": 7}}

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from . import per_process
+from .adapters.iterators import is_data_iterator, restore_iterator
 from .checksum import crc32c
 from .coordination import default_coordinator
 from .errors import (
@@ -39,7 +40,7 @@ def is_target_leaf(x: Any) -> bool:
         x,
         jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float | str
         | bytes | PerProcess,
-    )  # fmt: skip
+    ) or is_data_iterator(x)
 
 
 def _is_python_value(x: Any) -> bool:
@@ -189,6 +190,9 @@ def load(
         reqs: list[tuple[Path, Request]] = []
         own = [saved[p] for p, _ in pairs if isinstance(saved[p], PerProcessLeaf)]
         results.update(per_process_values(storage, manifest, own, resplit))  # type: ignore[arg-type]
+        for path, t in pairs:  # a data iterator in the target moves to its saved position
+            if is_data_iterator(t) and isinstance(saved[path], PerProcessLeaf):
+                results[path] = restore_iterator(t, results[path], leaf=path_str(path))
         for path, t in pairs:
             leaf = saved[path]
             if isinstance(leaf, PerProcessLeaf):

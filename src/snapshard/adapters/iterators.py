@@ -35,6 +35,13 @@ def is_checkpointable_iterator(x: Any) -> bool:
     return callable(getattr(x, "get_state", None)) and callable(getattr(x, "set_state", None))
 
 
+def is_data_iterator(x: Any) -> bool:
+    """Whether a tree leaf is a data iterator saved as its position (one per process): an
+    iterator (`__next__`) with `get_state`/`set_state`. Other objects with those two methods
+    (Flax's RNG streams, for one) stay what they are in the tree."""
+    return callable(getattr(x, "__next__", None)) and is_checkpointable_iterator(x)
+
+
 def _check_tree(x: Any, where: str) -> None:
     if isinstance(x, _PLAIN):
         return

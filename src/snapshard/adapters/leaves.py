@@ -14,13 +14,16 @@ from ..format.manifest import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess
 from ..planning.layout import ArrayLayout
 from ..tree import Path, path_str
+from .iterators import is_data_iterator, iterator_record
 from .jax_arrays import describe_sharding, host_layout, is_prng_key, layout_of
 
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 
 
 def is_save_leaf(x: Any) -> bool:
-    return isinstance(x, (jax.Array, np.ndarray, np.generic, PerProcess, *VALUE_TYPES))
+    return isinstance(
+        x, (jax.Array, np.ndarray, np.generic, PerProcess, *VALUE_TYPES)
+    ) or is_data_iterator(x)
 
 
 @dataclass(eq=False)
@@ -46,6 +49,8 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
     name = path_str(path)
     if isinstance(value, PerProcess):
         return PerProcessLeaf(path, value.value)
+    if is_data_iterator(value):  # a data iterator: its position, per process
+        return PerProcessLeaf(path, iterator_record(value, leaf=name))
     if isinstance(value, VALUE_TYPES) and not isinstance(
         value, np.generic
     ):  # np.float64 is a float
