@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 from _dist import init, report
 
@@ -95,6 +96,10 @@ def save(args) -> None:
         t = snapshard.save(storage, tree, timeout_s=args.timeout, mode=args.mode)
     except Exception as e:
         report(ok=False, error=f"{type(e).__name__}: {e}")
+        if pid == 0:
+            # Process 0 hosts the coordination service: give the others time to read the
+            # outcome before it goes (when it vanishes, JAX's client aborts them).
+            time.sleep(3)
         # Skip jax.distributed's shutdown barrier: with a dead peer it would abort.
         os._exit(3)
     report(ok=True, bytes_written=t.bytes_written, timings=t.as_dict(), requests=requests(storage))
