@@ -25,11 +25,11 @@ from .read_executor import (
     DEFAULT_MAX_GAP,
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_THREADS,
-    ReadDests,
     ReadStats,
     Request,
     make_request,
 )
+from .read_once import execute as execute_read_once
 from .sources import open_checkpoint
 from .storage import Location, Storage, storage_for
 from .tree import Path, keypath_to_path, path_str, unflatten, warn_lost_classes
@@ -120,24 +120,6 @@ def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple
     return pairs, treedef
 
 
-def _execute_read_once(
-    reqs: list[Request],
-    read: ReadDests,
-    memory_budget: int | None,
-    stats: ReadStats,
-    enabled: bool | None,
-    url: str,
-    timeout_s: float,
-) -> list[Any]:
-    """execute, with replicated jax targets read once across the job (see read_once.py)."""
-    from . import read_once
-
-    return read_once.execute(
-        reqs, read, memory_budget=memory_budget, stats=stats, enabled=enabled, location=url,
-        timeout_s=timeout_s,
-    )  # fmt: skip
-
-
 def load(
     directory: Location | Storage,
     target: Any = None,
@@ -209,9 +191,10 @@ def load(
                         f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
                     )
                 reqs.append((path, make_request(leaf, t, url, mesh)))
-        built = _execute_read_once(
-            [r for _, r in reqs], read_dests, memory_budget, stats, read_once, url, timeout_s
-        )
+        built = execute_read_once(
+            [r for _, r in reqs], read_dests, memory_budget=memory_budget, stats=stats,
+            enabled=read_once, location=url, timeout_s=timeout_s,
+        )  # fmt: skip
         results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:
         if owns_storage:
