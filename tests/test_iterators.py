@@ -79,6 +79,16 @@ def test_each_shard_keeps_its_own_position(tmp_path):
     assert expected[0] != expected[1]
 
 
+def test_an_iterator_that_refuses_the_saved_position_names_the_leaf():
+    it = iter(loader(1, 2))
+    next(it)
+    record = iterator_record(it)
+    # Grain checks the sampler (here: another shard) of the state against the loader's.
+    with pytest.raises(snapshard.TargetMismatchError, match=r"leaf 'data': .*refused.*Sampler"):
+        restore_iterator(iter(loader(0, 2)), record, leaf="data")
+    assert take(restore_iterator(iter(loader(1, 2)), record), 1) == take(it, 1)
+
+
 class OwnIterator:
     def __init__(self, state):
         self.state = state

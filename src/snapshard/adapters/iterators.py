@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import SnapshardError, UnsupportedLeafError
+from ..errors import SnapshardError, TargetMismatchError, UnsupportedLeafError
 
 FORMATS = ("json_bytes", "tree", "bytes")
 _PLAIN = (bool, int, float, str, type(None))
@@ -99,6 +99,15 @@ def state_of_record(record: Any, *, leaf: str = "iterator") -> Any:
 
 
 def restore_iterator(iterator: Any, record: Any, *, leaf: str = "iterator") -> Any:
-    """Move `iterator` to the position `record` describes; returns the iterator."""
-    iterator.set_state(state_of_record(record, leaf=leaf))
+    """Move `iterator` to the position `record` describes; returns the iterator. An iterator
+    that refuses the position (Grain checks a DataLoader's sampler and data source against
+    those of the saved state) raises TargetMismatchError naming the leaf."""
+    state = state_of_record(record, leaf=leaf)
+    try:
+        iterator.set_state(state)
+    except (ValueError, KeyError, TypeError) as e:
+        raise TargetMismatchError(
+            f"leaf {leaf!r}: the target's {type(iterator).__name__} refused the saved position "
+            f"({type(e).__name__}: {e})"
+        ) from e
     return iterator
