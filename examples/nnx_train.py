@@ -30,7 +30,6 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import snapshard
-from snapshard.adapters.iterators import iterator_record, restore_iterator
 
 FEATURES, HIDDEN, BATCH, RECORDS = 16, 64, 8, 512
 
@@ -118,25 +117,25 @@ def main(argv: list[str] | None = None) -> int:
             args.dir, save_interval_steps=args.save_every, max_to_keep=2
         ) as mgr,
     ):
+        # The data iterator is a leaf of its own: saved as its position, one per process
+        # (each process reads its own shard), and restored into this process's iterator.
         loader = iter(data_loader())
         start = mgr.latest_step()
         if start is None:
             state, start = init_state(), 0
         else:
             # The target: abstract NNX objects whose shardings are on this mesh.
-            target = {"train": nnx.eval_shape(init_state), "data": iterator_record(loader)}
-            restored = mgr.restore(start, target=target)
-            state = restored["train"]
-            restore_iterator(loader, restored["data"], leaf="data")
+            target = {"train": nnx.eval_shape(init_state), "data": loader}
+            state = mgr.restore(start, target=target)["train"]
             print(f"resumed at step {start} on mesh {args.mesh}")
+        loss = float("nan")  # nothing left to train when resumed at --steps or beyond
         for step in range(start + 1, args.steps + 1):
             batch = jax.device_put(next(loader), batch_sharding)
-            loss = train_step(state["model"], state["opt"], batch["x"], batch["y"])
+            loss = float(train_step(state["model"], state["opt"], batch["x"], batch["y"]))
             if mgr.should_save(step) or step == args.steps:
-                tree = {"train": state, "data": iterator_record(loader)}
-                mgr.save(step, tree, metrics={"loss": float(loss)}, force=True)
+                mgr.save(step, {"train": state, "data": loader}, metrics={"loss": loss}, force=True)
         mgr.wait_until_finished()
-    print(f"step {args.steps} loss {float(loss):.6f} params {digest(state['model'])}")
+    print(f"step {max(start, args.steps)} loss {loss:.6f} params {digest(state['model'])}")
     return 0
 
 
