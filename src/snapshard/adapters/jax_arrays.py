@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -116,23 +117,33 @@ def local_device_boxes(
 
 
 _cpu_sharing_safe: bool | None = None
+_cpu_sharing_lock = threading.Lock()
 
 
-def cpu_devices_can_share(host: np.ndarray) -> bool:
-    """Whether CPU arrays made from `host` on several devices may all alias its memory: true
-    when donating one of them cannot overwrite that memory (XLA's CPU client then gives the
-    output a fresh buffer), checked once per process; JAX arrays are otherwise immutable."""
+def cpu_devices_can_share() -> bool:
+    """Whether CPU arrays made from one host buffer on several devices may all alias it:
+    true when donating one of them cannot overwrite that memory (XLA's CPU client then gives
+    the output a fresh buffer), checked once per process; JAX arrays are otherwise
+    immutable."""
     global _cpu_sharing_safe
+    with _cpu_sharing_lock:
+        if _cpu_sharing_safe is None:
+            with outside_context_mesh(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cpus = jax.local_devices(backend="cpu")[:2]
+                raw = np.zeros(1024 + 16, np.float32)  # 64-byte aligned, so that XLA aliases it
+                buf = raw[(-raw.ctypes.data % 64) // 4 :][:1024]
+                views = [jax.device_put(buf, d) for d in cpus]
+                jax.jit(lambda a: a + 1, donate_argnums=0)(views[-1]).block_until_ready()
+                _cpu_sharing_safe = bool(np.all(buf == 0) and np.all(np.asarray(views[0]) == 0))
+        return _cpu_sharing_safe
+
+
+def start_cpu_sharing_check() -> None:
+    """Run `cpu_devices_can_share`'s check in the background (its first jit costs a fresh
+    process a few tenths of a second): a restore starts it before its reads."""
     if _cpu_sharing_safe is None:
-        with outside_context_mesh(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cpus = jax.local_devices(backend="cpu")[:2]
-            raw = np.zeros(1024 + 16, np.float32)  # 64-byte aligned, so that XLA aliases it
-            buf = raw[(-raw.ctypes.data % 64) // 4 :][:1024]
-            views = [jax.device_put(buf, d) for d in cpus]
-            jax.jit(lambda a: a + 1, donate_argnums=0)(views[-1]).block_until_ready()
-            _cpu_sharing_safe = bool(np.all(buf == 0) and np.all(np.asarray(views[0]) == 0))
-    return _cpu_sharing_safe
+        threading.Thread(target=cpu_devices_can_share, name="snapshard-probe", daemon=True).start()
 
 
 def to_devices(host: np.ndarray, devices: list[Any]) -> list[jax.Array]:
@@ -140,7 +151,7 @@ def to_devices(host: np.ndarray, devices: list[Any]) -> list[jax.Array]:
     `host`'s memory where that is safe (see `cpu_devices_can_share`): a box replicated on
     several devices of this process then costs no copy and no memory beyond the one buffer
     read. Elsewhere the first array is made from `host` and the others are copies of it."""
-    if all(d.platform == "cpu" for d in devices) and cpu_devices_can_share(host):
+    if len(devices) > 1 and all(d.platform == "cpu" for d in devices) and cpu_devices_can_share():
         return [jax.device_put(host, d) for d in devices]
     first = jax.device_put(host, devices[0])
     return [first] + [jax.device_put(first, d) for d in devices[1:]]
