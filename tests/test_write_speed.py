@@ -10,7 +10,7 @@ import pytest
 
 import snapshard
 from snapshard import write_tuning
-from snapshard.adapters.jax_arrays import cpu_devices_can_share
+from snapshard.adapters.jax_arrays import cpu_donation_keeps_memory
 from snapshard.storage import writeback
 from snapshard.write_tuning import WriterCounts
 
@@ -103,7 +103,7 @@ def test_save_chooses_and_reports_its_file_count(tmp_path, monkeypatch):
 
 
 def test_replicas_on_cpu_devices_share_one_buffer_and_survive_donation(tmp_path):
-    assert cpu_devices_can_share()
+    assert cpu_donation_keeps_memory()
     m = mesh(2, 4)
     x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
     snapshard.save(tmp_path / "c", {"w": sharded(x, m, None, "model")})
