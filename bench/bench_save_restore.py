@@ -28,7 +28,7 @@ from collections import defaultdict
 import common as bc
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-JOBS = ("phys", "floor", "snapshard", "orbax", "dcp", "plain")
+JOBS = ("phys", "floor", "snapshard", "fresh", "orbax", "dcp", "plain")
 
 
 def job_command(name: str, r: int, scale: float) -> list[str]:
@@ -231,6 +231,49 @@ def analyze(path: str) -> None:
             list(snap("restore_warm_stats.read_amplification").values()),
             "",
         ),
+        (
+            "fresh-process restore warm / (raw read warm + device_put floor)",
+            ratio(pr("fresh_load_warm", "restore_s"), add(read_warm, floor_same)),
+            "<= 1.2",
+        ),
+        (
+            "fresh-process restore evicted / (raw read evicted + device_put floor)",
+            ratio(pr("fresh_load_evicted", "restore_s"), add(read_ev, floor_same)),
+            "",
+        ),
+        (
+            "fresh process: CheckpointManager.restore s / load s",
+            ratio(pr("fresh_manager_warm", "restore_s"), pr("fresh_load_warm", "restore_s")),
+            "<= 1.05",
+        ),
+        (
+            "first restore after a save / the repeated one (same process)",
+            ratio(snap("restore_warm_s"), snap("restore_repeat_s")),
+            "<= 1.5",
+        ),
+        (
+            "fresh-process restore: Orbax s / snapshard s",
+            ratio(orbax("restore_warm_s"), pr("fresh_load_warm", "restore_s")),
+            ">= 2",
+        ),
+        (
+            "restore warm: DCP (best threads) s / snapshard fresh-process s",
+            ratio(
+                {
+                    k: min(
+                        v
+                        for v in (
+                            pr("dcp_t1", "restore_warm_s").get(k),
+                            pr("dcp_t2", "restore_warm_s").get(k),
+                        )
+                        if v
+                    )
+                    for k in pr("dcp_t1", "restore_warm_s")
+                },
+                pr("fresh_load_warm", "restore_s"),
+            ),
+            ">= 1.5",
+        ),
         ("save: RSS growth (peak - before) / bytes written", list(growth.values()), "<= 1.1"),
         ("save: peak RSS / bytes written (incl. the CPU 'device' state)", list(peak.values()), ""),
     ]
@@ -245,7 +288,7 @@ def analyze(path: str) -> None:
             for k in ("plan_s", "stage_s", "write_s", "commit_s")
         )
         print(f"| save | {parts} |")
-        for step in ("restore_warm", "restore_evicted", "reshard_warm"):
+        for step in ("restore_warm", "restore_repeat", "restore_evicted", "reshard_warm"):
             parts = ", ".join(
                 f"{k} {bc.spread(vals('snapshard', f'{step}_stats.{k}'), 3)}"
                 for k in ("read_s", "assemble_s", "total_s")

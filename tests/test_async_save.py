@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import snapshard
-from snapshard import staging
+from snapshard.adapters import jax_arrays
 from snapshard.storage import local
 
 from conftest import mesh, sharded
@@ -17,7 +17,7 @@ from conftest import mesh, sharded
 
 def test_views_of_cpu_arrays_survive_donation():
     # The zero-copy staging on CPU relies on this; where it fails we copy instead.
-    assert staging.cpu_views_survive_donation()
+    assert jax_arrays.cpu_donation_keeps_memory()
 
 
 def test_donating_arrays_right_after_save_async_returns_keeps_the_saved_values(ckpt, monkeypatch):
@@ -63,7 +63,7 @@ def test_numpy_leaves_are_copied_so_later_changes_do_not_leak_in(ckpt, monkeypat
 
 def test_host_budget_defers_copies_beyond_it(ckpt, monkeypatch):
     # Force the copying path (as on an accelerator) to exercise the budget.
-    monkeypatch.setattr(staging, "_donation_safe", False)
+    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", False)
     m = mesh(2, 4)
     tree = {f"w{i}": sharded(np.full((64, 64), i, np.float32), m, None, "model") for i in range(4)}
     handle = snapshard.save_async(ckpt, tree, host_budget=2 * 64 * 64 * 4)
@@ -75,7 +75,7 @@ def test_host_budget_defers_copies_beyond_it(ckpt, monkeypatch):
 
 
 def test_a_deferred_array_deleted_before_its_copy_fails_with_a_clear_error(ckpt, monkeypatch):
-    monkeypatch.setattr(staging, "_donation_safe", False)
+    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", False)
     gate = threading.Event()
     real_write = local.LocalFileWriter.write
     monkeypatch.setattr(

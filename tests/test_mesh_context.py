@@ -13,8 +13,13 @@ from jax.sharding import PartitionSpec as P
 
 import snapshard
 from snapshard import TargetMismatchError
-from snapshard.adapters.jax_arrays import key_array, outside_context_mesh, resolve_target_sharding
-from snapshard.staging import cpu_views_survive_donation
+from snapshard.adapters import jax_arrays
+from snapshard.adapters.jax_arrays import (
+    cpu_donation_keeps_memory,
+    key_array,
+    outside_context_mesh,
+    resolve_target_sharding,
+)
 
 
 def explicit_mesh() -> jax.sharding.Mesh:
@@ -22,11 +27,9 @@ def explicit_mesh() -> jax.sharding.Mesh:
 
 
 def test_donation_probe_under_set_mesh(monkeypatch):
-    import snapshard.staging as staging
-
-    monkeypatch.setattr(staging, "_donation_safe", None)
+    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", None)
     with jax.set_mesh(explicit_mesh()):
-        assert cpu_views_survive_donation() in (True, False)
+        assert cpu_donation_keeps_memory() in (True, False)
 
 
 def test_save_and_load_inside_set_mesh(ckpt):

@@ -34,6 +34,7 @@ from .adapters.jax_arrays import (
     key_dtype_is_prng,
     local_device_boxes,
     resolve_target_sharding,
+    start_cpu_donation_check,
     to_devices,
 )
 from .checksum import BlockVerifier
@@ -600,6 +601,8 @@ def execute(
     Returns the built values in the order of `reqs`.
     """
     budget = None if all(r.kind in ("numpy", "scalar") for r in reqs) else memory_budget
+    if any(len(d.devices) > 1 for r in reqs for d in r.dests):
+        start_cpu_donation_check()  # overlaps the reads (see to_devices)
     results: dict[int, Any] = {}
     for batch in _batches(reqs, budget):
         t0 = time.perf_counter()

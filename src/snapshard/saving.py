@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import codecs, per_process
+from . import codecs, per_process, write_tuning
 from .adapters.jax_arrays import mesh_and_spec
 from .adapters.leaves import SaveArray, classify, is_save_leaf
 from .background import BackgroundTask
@@ -53,7 +53,7 @@ from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .incremental import Increment, check_refs_committed, manifest_refs
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem, stage
-from .storage import FileWriter, Location, Storage, storage_for
+from .storage import FileWriter, Location, Storage, is_object_store_url, storage_for
 from .tree import FlatTree, Path, flatten
 
 log = logging.getLogger("snapshard")
@@ -74,6 +74,7 @@ class SaveTimings:
     bytes_written: int = 0  # array bytes written by this process
     bytes_metadata: int = 0  # what it wrote beside them: checksums and its chunk records
     bytes_staged: int = 0  # host bytes copied in the blocking phase (0: zero-copy views)
+    data_files: int = 0  # data files this process wrote (in parallel)
 
     def as_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -88,7 +89,7 @@ class _Prepared:
     plan: WritePlan
     items: list[StagedItem]
     overwrite: bool
-    threads: int
+    threads: int | None  # data files per process; None: write_tuning chooses
     extra: dict[str, Any]
     digests: np.ndarray  # format.records.DIGEST per leaf
     timings: SaveTimings = field(default_factory=SaveTimings)
@@ -121,7 +122,7 @@ def prepare(
     mode: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
-    threads: int = 2,
+    threads: int | None = None,
     copy_host_values: bool = False,
     host_budget: int | None = None,
     extra: dict[str, Any] | None = None,
@@ -136,8 +137,10 @@ def prepare(
     """The blocking phase: plan, then bring every owned slice to host memory (from
     `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
     t0 = time.perf_counter()
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a whole number of at least 1, not {threads!r}")
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(f"threads must be None or a whole number of at least 1, not {threads!r}")
     if not isinstance(location, Storage) and not os.fspath(location):
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
@@ -303,8 +306,15 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
     nonce = uuid.uuid4().hex[:8]
     prep.storage.prepare_staging()
     inc = prep.increment
-    items = prep.items if inc is None else inc.split(prep.items, prep.leaves, prep.threads)
-    groups = _split_files(items, prep.threads)
+    tuner = None
+    count = prep.threads
+    if count is None:
+        url = prep.storage.url
+        tuner = write_tuning.counts_for(url, is_object_store_url(url))
+        count = tuner.choose(sum(it.nbytes for it in prep.items))
+    t_data = time.perf_counter()
+    items = prep.items if inc is None else inc.split(prep.items, prep.leaves, count)
+    groups = _split_files(items, count)
     names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
     codec_of = None
     if prep.compression is not None:
@@ -322,6 +332,9 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         results = [
             _write_file(prep.storage, n, g, codec_of) for n, g in zip(names, groups, strict=True)
         ]
+    if tuner is not None:
+        tuner.record(count, sum(it.nbytes for it in items), time.perf_counter() - t_data)
+    prep.timings.data_files = len(groups)
     by_leaf: dict[int, list[tuple[Any, ...]]] = {}
     for j, (_, rows) in enumerate(results):
         for leaf, row in rows:
@@ -584,7 +597,7 @@ def save(
     mode: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
-    threads: int = 2,
+    threads: int | None = None,
     base: Location | Storage | None = None,
     hashes: bool = False,
     compression: str | None = None,
@@ -593,7 +606,9 @@ def save(
 
     Every process of a multi-process job calls this with the same tree; each writes only the
     slices the shared plan gives it. `mode` is the write mode (see planning.write_plan);
-    `threads` the number of data files each process writes in parallel.
+    `threads` the number of data files each process writes in parallel; None (default):
+    chosen per process from the write throughput earlier saves to the same parent location
+    reached (see snapshard.write_tuning).
 
     With `base` (a committed checkpoint beside this one), chunks whose bytes equal the
     base's chunk of the same box are recorded as references to the file holding them
@@ -647,7 +662,7 @@ def save_async(
     mode: str = "auto",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
-    threads: int = 2,
+    threads: int | None = None,
     host_budget: int | None = None,
     extra: dict[str, Any] | None = None,
     base: Location | Storage | None = None,

@@ -3,7 +3,7 @@
 On the CPU backend a NumPy view of a device buffer shares its memory, so staging there costs
 no copy at all, provided that donating the array later cannot overwrite the memory the view
 holds. That holds on the JAX versions we support (the view keeps the buffer alive, and
-donation then falls back to a fresh output buffer); `cpu_views_survive_donation` checks it
+donation then falls back to a fresh output buffer); `cpu_donation_keeps_memory` checks it
 once per process, and where it fails we copy.
 
 On accelerators every owned slice is copied to the host: all copies are started at once
@@ -14,34 +14,15 @@ the caller not to donate or delete those arrays until the save has finished.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 
-from .adapters.jax_arrays import outside_context_mesh
+from .adapters.jax_arrays import cpu_donation_keeps_memory
 from .adapters.leaves import SaveArray
 from .errors import SnapshardError
 from .planning import WritePlan
-
-_donation_safe: bool | None = None
-
-
-def cpu_views_survive_donation() -> bool:
-    """Whether a NumPy view of a CPU array keeps its bytes when the array is donated."""
-    global _donation_safe
-    if _donation_safe is None:
-        # On one device of our own, outside any context mesh of the caller (jax.set_mesh).
-        with outside_context_mesh(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            cpu = jax.local_devices(backend="cpu")[0]
-            x = jax.device_put(np.zeros(1024, np.float32), cpu)
-            view = np.asarray(x)
-            jax.jit(lambda a: a + 1, donate_argnums=0)(x).block_until_ready()
-        _donation_safe = bool(np.all(view == 0))
-    return _donation_safe
 
 
 @dataclass
@@ -78,7 +59,7 @@ Snapshot = dict[int, dict[Box, np.ndarray]]
 
 def _on_host(data: Any) -> np.ndarray | None:
     """The zero-copy host view of a CPU shard where that is safe, else None."""
-    if data.device.platform == "cpu" and cpu_views_survive_donation():
+    if data.device.platform == "cpu" and cpu_donation_keeps_memory():
         return np.asarray(data)
     return None
 

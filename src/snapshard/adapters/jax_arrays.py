@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -114,9 +116,49 @@ def local_device_boxes(
     return [(s, e, sorted(ds, key=lambda d: d.id)) for (s, e), ds in groups.items()]
 
 
+_cpu_donation_safe: bool | None = None
+_cpu_donation_lock = threading.Lock()
+
+
+def cpu_donation_keeps_memory() -> bool:
+    """Whether donating a CPU array leaves alone the memory that others see: a NumPy view of
+    its buffer (zero-copy staging of a save, staging.py) and a host buffer that arrays on
+    several devices alias (replicas of a restore, `to_devices`). XLA's CPU client does not
+    reuse a buffer that something else still references: the output gets a fresh one.
+    Checked once per process, on two devices of our own, outside any context mesh; JAX
+    arrays are otherwise immutable, so this is all that could change the shared bytes."""
+    global _cpu_donation_safe
+    with _cpu_donation_lock:
+        if _cpu_donation_safe is None:
+            with outside_context_mesh(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cpus = jax.local_devices(backend="cpu")[:2]
+                raw = np.zeros(1024 + 16, np.float32)  # 64-byte aligned, so that XLA aliases it
+                buf = raw[(-raw.ctypes.data % 64) // 4 :][:1024]
+                arrays = [jax.device_put(buf, d) for d in cpus]
+                own = jax.device_put(np.zeros(1024, np.float32), cpus[0]) + 0  # XLA's buffer
+                views = [np.asarray(arrays[0]), np.asarray(own)]
+                donate = jax.jit(lambda a: a + 1, donate_argnums=0)
+                donate(arrays[-1]).block_until_ready()
+                donate(own).block_until_ready()
+                _cpu_donation_safe = all(bool(np.all(v == 0)) for v in [buf, *views])
+        return _cpu_donation_safe
+
+
+def start_cpu_donation_check() -> None:
+    """Run `cpu_donation_keeps_memory`'s check in the background (its first jit costs a
+    fresh process a few tenths of a second): a restore starts it before its reads."""
+    if _cpu_donation_safe is None:
+        threading.Thread(target=cpu_donation_keeps_memory, name="snapshard-probe", daemon=True).start()
+
+
 def to_devices(host: np.ndarray, devices: list[Any]) -> list[jax.Array]:
-    """One single-device array per device. The first may share `host`'s memory (CPU); the
-    others are copies of it, so that no two devices alias one buffer."""
+    """One single-device array per device holding `host`'s bytes. On CPU devices they share
+    `host`'s memory where that is safe (see `cpu_donation_keeps_memory`): a box replicated on
+    several devices of this process then costs no copy and no memory beyond the one buffer
+    read. Elsewhere the first array is made from `host` and the others are copies of it."""
+    if len(devices) > 1 and all(d.platform == "cpu" for d in devices) and cpu_donation_keeps_memory():
+        return [jax.device_put(host, d) for d in devices]
     first = jax.device_put(host, devices[0])
     return [first] + [jax.device_put(first, d) for d in devices[1:]]
 

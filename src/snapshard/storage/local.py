@@ -29,6 +29,7 @@ from ..format.manifest import DATA_DIR, INDEX_DIR, MANIFEST_NAME
 from ..format.refs import check_checkpoint_name, split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
 from .lease import LEASE_DIR, LeaseFiles, LocalLeaseFiles
+from .writeback import Writeback
 
 STAGING_SUFFIX = ".snapshard-tmp"
 DELETING_SUFFIX = ".snapshard-deleting"
@@ -103,6 +104,7 @@ class LocalFileWriter(FileWriter):
         except OSError as e:
             raise StorageError.wrap(e, "creation of", path) from e
         self.size = 0
+        self.writeback = Writeback(self.fd)
 
     def write(self, data: memoryview) -> None:
         mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
@@ -111,6 +113,7 @@ class LocalFileWriter(FileWriter):
                 n = os.write(self.fd, mv[:_MAX_IO])
                 mv = mv[n:]
                 self.size += n
+            self.writeback.written(self.size)
         except OSError as e:
             raise StorageError.wrap(e, f"write (at byte {self.size}) of", self.path) from e
 

@@ -1,0 +1,89 @@
+"""Restore in a fresh process, what a restart pays: this process writes a snapshard
+checkpoint of the state (untimed), then starts one fresh process per variant, in an order
+rotated by the round: `snapshard.load` warm, `CheckpointManager.restore` warm, `load` after
+fadvise eviction, and `load` onto the reshard layout, each timed from the call to
+`block_until_ready` (imports and target building outside the time).
+
+usage: python job_fresh.py [--scale S] [--round R]
+       python job_fresh.py --child VARIANT DIR [--scale S]     (one timed restore)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import common as bc
+
+bc.force_cpu_devices(8)
+
+VARIANTS = ("fresh_load_warm", "fresh_manager_warm", "fresh_load_evicted", "fresh_reshard_warm")
+
+
+def child(variant: str, root: str, scale: float) -> None:
+    import jax
+
+    import snapshard
+
+    tree_meta = snapshard.metadata(os.path.join(root, "0"))  # noqa: F841 - warms nothing big
+    reshard = variant == "fresh_reshard_warm"
+    m = bc.mesh(4, 2) if reshard else bc.mesh(2, 4)
+    spec = bc.tree_spec(scale)
+    target = bc.nest(
+        {
+            k: jax.ShapeDtypeStruct(s, bc.np_dtype(dt), sharding=bc.sharding_for(kind, m, reshard))
+            for k, (s, dt, kind) in spec.items()
+        }
+    )
+    if variant == "fresh_load_evicted":
+        bc.evict(root)
+    mngr = snapshard.CheckpointManager(root) if variant == "fresh_manager_warm" else None
+    stats = snapshard.ReadStats()
+    with bc.Meter() as meter:
+        if mngr is not None:
+            out = jax.block_until_ready(mngr.restore(0, target=target))
+        else:
+            out = jax.block_until_ready(
+                snapshard.load(os.path.join(root, "0"), target, stats=stats)
+            )
+    ok = bc.check_restored(bc.flatten(out), scale)
+    if mngr is not None:
+        mngr.close()
+    print("CHILD " + json.dumps({**meter.as_dict("restore"), "stats": stats.as_dict(), "ok": ok}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--round", type=int, default=0)
+    ap.add_argument("--child", nargs=2, metavar=("VARIANT", "DIR"))
+    args = ap.parse_args()
+    if args.child:
+        child(args.child[0], args.child[1], args.scale)
+        return
+    import snapshard
+
+    root = bc.ckpt_dir("fresh")
+    bc.fresh_dir(root)
+    tree = bc.build_tree(list(bc.tree_spec(args.scale)), args.scale, bc.mesh(2, 4))
+    snapshard.save(os.path.join(root, "0"), tree)
+    bc.delete_tree(tree)
+    del tree
+    bc.settle()
+    k = args.round % len(VARIANTS)
+    try:
+        for v in VARIANTS[k:] + VARIANTS[:k]:
+            cmd = [sys.executable, __file__, "--scale", str(args.scale), "--child", v, root]
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+            line = next(x for x in p.stdout.splitlines() if x.startswith("CHILD "))
+            res = json.loads(line[6:])
+            bc.emit(method=v, bytes=bc.payload_bytes(args.scale), bit_exact=res.pop("ok"), **res)
+    finally:
+        bc.remove(root)
+
+
+if __name__ == "__main__":
+    main()
