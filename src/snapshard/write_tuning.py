@@ -5,8 +5,10 @@ writer thread reaches the limit and a second only adds seeks; on another (or an 
 store, where every file is its own stream of requests) two or more are needed. A save with
 `threads=None` asks the `WriterCounts` of its location's parent (the disk, or the bucket a
 manager's steps share) for a count and reports the write throughput it reached with it.
-Each candidate is tried once, then the best recent median is used, and every
-`EXPLORE_EVERY`-th save tries another to follow drift. Saves of under `MIN_BYTES` per
+The first `FIRST_SAVES` saves use the default count (a process that saves once, or a
+manager's first steps, behave as before), then each other candidate is tried once, then the
+best recent median is used, and every `EXPLORE_EVERY`-th save tries another to follow
+drift. Saves of under `MIN_BYTES` per
 process measure nothing useful and keep `DEFAULT_COUNT`. The choice is per process: the
 file count is each process's own (its report lists its files), so no agreement is needed.
 """
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 DEFAULT_COUNT = 2
 MIN_BYTES = 64 << 20
 EXPLORE_EVERY = 8
+FIRST_SAVES = 2  # saves with the default count before another is tried
 _KEEP = 3  # measurements kept per candidate
 
 LOCAL_CANDIDATES = (1, 2)
@@ -39,9 +42,12 @@ class WriterCounts:
         if nbytes < MIN_BYTES:
             return DEFAULT_COUNT if DEFAULT_COUNT in self.candidates else self.candidates[0]
         self.saves += 1
+        first = self.candidates[-1] if DEFAULT_COUNT not in self.candidates else DEFAULT_COUNT
+        if len(self.history.get(first, ())) < FIRST_SAVES:
+            return first
         untried = [n for n in self.candidates if not self.history.get(n)]
         if untried:
-            return untried[-1]
+            return untried[0]
         best = max(self.candidates, key=lambda n: statistics.median(self.history[n]))
         if self.saves % EXPLORE_EVERY == 0:
             others = [n for n in self.candidates if n != best]
