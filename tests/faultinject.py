@@ -175,7 +175,7 @@ class FaultInjector:
 
         def counted(op: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             def call(store: Any, path: Any, *args: Any, **kwargs: Any) -> Any:
-                detail = path if isinstance(path, str) else kwargs.get("prefix") or "(listing)"
+                detail = path if isinstance(path, str) else ", ".join(path)
                 if injector._hit(op, detail):
                     raise GenericError(f"{INJECTED}: {injector.fired}")
                 return fn(store, path, *args, **kwargs)
