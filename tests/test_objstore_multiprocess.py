@@ -1,5 +1,6 @@
 """Two real processes save to the local S3 server; restores on other topologies are bit-exact;
-a save whose committing process is killed before the marker never becomes visible."""
+a save whose committing process is killed before the marker never becomes visible; a failed
+upload on one process fails the save everywhere, commits nothing, and the job run again saves."""
 
 from __future__ import annotations
 
@@ -60,3 +61,16 @@ def test_a_save_killed_before_its_marker_is_never_committed_and_is_cleaned(base)
     assert "manifest.json" in left and "COMMITTED" not in left
     root.remove_incomplete("ckpt")
     assert root.list() == {}
+
+
+def test_a_failed_upload_on_one_process_fails_the_save_everywhere(base):
+    ckpt = f"{base}/ckpt"
+    args = ("save_restore.py", 2, 4, "save", ckpt, "--fail-in-write", 1, "--timeout", 60)
+    procs = multiproc.run(*args, timeout=90, check=False)
+    assert [p.returncode for p in procs] == [3, 3]
+    own, seen = procs[1].result()["error"], procs[0].result()["error"]
+    assert own.startswith(f"StorageError: {ckpt}: upload of 'data/") and "injected fault" in own
+    assert "process 1 failed: StorageError" in seen
+    assert ObjectRoot(base).list().get("ckpt") is not True
+    assert all(p.result()["ok"] for p in multiproc.run(*args[:5], timeout=90))
+    assert ObjectRoot(base).list() == {"ckpt": True}

@@ -1,4 +1,5 @@
-"""A local-tier copy that fails verification is skipped for the next copy, never retried."""
+"""A local-tier copy that fails verification is skipped for the next copy, never retried;
+local copies are built into the target by the restore builder."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import logging
 import jax
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 import snapshard
+from snapshard.adapters.jax_arrays import slices_to_box
 from snapshard.manager import LocalTier
+from snapshard.manager.local_tier import box_key, build_from_local
 
 from conftest import mesh, sharded
 
@@ -50,3 +54,39 @@ def test_a_corrupt_local_copy_falls_back_to_the_persistent_tier(tmp_path, caplog
         assert "failed verification" in caplog.text
         assert not (tmp_path / "local" / "process-00000" / "3" / "own").exists()
         assert set(m.tier_reports()[3].as_dict()) >= {"blocking_s", "local_bytes"}
+
+
+def test_local_entries_are_built_by_the_restore_builder():
+    """Device shards, typed keys and host arrays come back as `load` builds them: onto the
+    target's sharding and dtype, a host array onto a sharding too."""
+    m = mesh(2, 2)
+    w = np.arange(32, dtype=np.float32).reshape(8, 4)
+    target = sharded(np.zeros((8, 4), np.float16), m, "data", "model")
+    shards = {
+        box_key(slices_to_box(s.index, (8, 4))): w[s.index] for s in target.addressable_shards
+    }
+    out = build_from_local({"shards": shards}, target, ("w",), "here")
+    assert out.sharding == target.sharding and out.dtype == np.float16
+    assert np.array_equal(np.asarray(out), w.astype(np.float16))
+
+    keys = jax.random.split(jax.random.key(7), 4)
+    data = np.asarray(jax.random.key_data(keys))
+    kt = jax.device_put(keys, NamedSharding(m, PartitionSpec("data")))
+    kshards = {
+        box_key(slices_to_box((*s.index[:1], slice(None)), data.shape)): data[s.index[:1]]
+        for s in kt.addressable_shards
+    }
+    impl = str(jax.random.key_impl(keys))
+    got = build_from_local({"shards": kshards, "key_impl": impl}, kt, ("k",), "here")
+    assert got.sharding == kt.sharding
+    assert np.array_equal(np.asarray(jax.random.key_data(got)), data)
+
+    host = np.arange(6, dtype=np.int64)
+    onto = sharded(np.zeros(6, np.int64), m, "data")
+    placed = build_from_local({"value": host}, onto, ("h",), "here")
+    assert placed.sharding == onto.sharding and np.array_equal(np.asarray(placed), host)
+    assert (
+        build_from_local({"value": host}, np.zeros(6, np.float32), ("h",), "here").dtype
+        == np.float32
+    )
+    assert build_from_local({"value": 5}, 0, ("n",), "here") == 5

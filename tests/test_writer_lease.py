@@ -96,6 +96,26 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path, caplog):
     lease.release()
 
 
+def test_a_lease_this_process_gave_up_but_could_not_remove_is_stale(tmp_path, monkeypatch):
+    files = LocalLeaseFiles(tmp_path)
+    first = WriterLease(files, timeout_s=30)
+    first.acquire()
+    def fail(self, name):
+        raise OSError(5, "Input/output error")
+
+    with monkeypatch.context() as m:  # the removal fails: the document stays behind
+        m.setattr(LocalLeaseFiles, "remove", fail)
+        first.release()
+    assert files.names() == ["00000001.json"]
+    second = WriterLease(files, timeout_s=30)
+    second.acquire()  # its holder is this process, which no longer holds it
+    assert second.generation == 2
+    third = WriterLease(files, timeout_s=30)
+    with pytest.raises(WriterLeaseError, match=f"pid {os.getpid()}"):
+        third.acquire()  # a lease this process does hold is refused as ever
+    second.release()
+
+
 def test_a_holder_elsewhere_is_live_while_its_heartbeat_moves(tmp_path):
     files = LocalLeaseFiles(tmp_path)
     doc = _fake_holder(files, 1, "elsewhere", 1, 0.0, 1.5)

@@ -4,7 +4,7 @@ read executor (read_executor.py) over the checkpoint's source (sources.py)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -14,12 +14,13 @@ from . import per_process
 from .adapters.iterators import is_data_iterator, restore_iterator
 from .checksum import crc32c
 from .coordination import default_coordinator
+from .dtypes import dtype_from_name
 from .errors import (
     CorruptCheckpointError,
     TargetMismatchError,
 )
 from .format import Manifest, ValueLeaf
-from .format.manifest import PerProcessLeaf, values_file_name
+from .format.manifest import ArrayLeaf, PerProcessLeaf, values_file_name
 from .per_process import PerProcess, Resplit
 from .read_executor import (
     DEFAULT_MAX_GAP,
@@ -29,6 +30,7 @@ from .read_executor import (
     Request,
     make_request,
 )
+from .read_executor import _build as build_request
 from .read_once import execute as execute_read_once
 from .sources import open_checkpoint
 from .storage import Location, Storage, storage_for
@@ -95,6 +97,30 @@ def per_process_values(
             else resplit(leaf.name, got, me, n)
         )
     return out
+
+
+def build_from_host(
+    saved: ArrayLeaf,
+    target: Any,
+    boxes: Mapping[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray],
+    url: str,
+    mesh: Any = None,
+) -> Any:
+    """`target`'s leaf of the saved array `saved`, built as `load` builds it (the target's
+    sharding, shape and dtype checked against `saved`) from host data instead of storage:
+    `boxes` maps boxes (start, stop) of the saved array to their values, and covers the
+    boxes this process holds for the target."""
+    req = make_request(saved, target, url, mesh)
+    dtype = dtype_from_name(saved.dtype)
+    for d in req.dests:
+        buf = d.buf.view(dtype).reshape(d.shape)
+        for (start, stop), values in boxes.items():
+            lo, hi = np.maximum(d.start, start), np.minimum(d.stop, stop)
+            if np.all(hi > lo):  # the overlap of the box and the buffer
+                into = tuple(map(slice, lo - d.start, hi - d.start))
+                src = tuple(map(slice, lo - np.asarray(start), hi - np.asarray(start)))
+                buf[into] = np.asarray(values, dtype=dtype)[src]
+    return build_request(req)
 
 
 def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple[Path, Any]], Any]:

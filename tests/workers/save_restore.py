@@ -74,16 +74,19 @@ def save(args) -> None:
         "keys": jax.jit(lambda k: k, out_shardings=NamedSharding(mesh, P(("data", "model"))))(keys),
         "step": 17,
     }
-    if args.kill_in_write == pid or args.fail_in_write == pid:
-        real = local.LocalFileWriter.write
+    if args.kill_in_write == pid:
 
         def write(self, data):
-            if args.kill_in_write == pid:
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise OSError(5, f"injected failure on process {pid}")
+            os.kill(os.getpid(), signal.SIGKILL)
 
         local.LocalFileWriter.write = write
-        del real
+    if args.fail_in_write == pid:  # the first data write below the storage layer fails
+        import pytest
+
+        from faultinject import FaultInjector
+
+        injector = FaultInjector().install(pytest.MonkeyPatch())
+        injector.arm("s3.upload_part" if "://" in args.ckpt else "write", 0)
     if args.kill_before_commit == pid:
         from snapshard.storage import objstore
 

@@ -36,14 +36,15 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..adapters.jax_arrays import layout_of, outside_context_mesh, slices_to_box
+from ..adapters.jax_arrays import layout_of
 from ..adapters.leaves import SaveArray
 from ..coordination import Coordinator, SingleProcessCoordinator
 from ..coordination.transfer import PendingExchange, exchange, start_exchange
+from ..dtypes import dtype_name
 from ..errors import CorruptCheckpointError, SnapshardError, StorageError
-from ..format.manifest import ValueLeaf
+from ..format.manifest import ArrayLeaf, ValueLeaf
 from ..read_executor import aligned_empty
-from ..restore import is_target_leaf, load
+from ..restore import build_from_host, is_target_leaf, load
 from ..saving import classify_leaves, finish, prepare
 from ..staging import Box, Snapshot, host_snapshot
 from ..storage import LocalRoot, LocalStorage
@@ -342,50 +343,37 @@ def _read_extra(storage: LocalStorage) -> dict[str, Any]:
         return read_manifest(storage).extra
 
 
-def build_from_local(entry: dict[str, Any], target: Any, name: str) -> Any:
-    """A restore-target leaf built from this process's local entry of it."""
-    from ..adapters.jax_arrays import assemble, key_dtype_is_prng, to_devices
+def parse_box_key(key: str) -> Box:
+    """The inverse of box_key."""
+    pairs = [tuple(int(x) for x in part.split(":")) for part in key.split(",")] if key else []
+    return tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
 
+
+def build_from_local(entry: dict[str, Any], target: Any, path: TreePath, where: str) -> Any:
+    """A restore-target leaf built from this process's local entry of it, by the builder
+    `load` uses (restore.build_from_host): the target's sharding, shape and dtype."""
     if "value" in entry:
         v = entry["value"]
-        if isinstance(target, np.ndarray | np.generic) and isinstance(v, np.ndarray | np.generic):
-            return (
-                np.asarray(v).astype(target.dtype, copy=False)
-                if isinstance(target, np.ndarray)
-                else v
-            )
-        return v
-    shards: dict[str, np.ndarray] = entry["shards"]
-    shape = tuple(target.shape)
-    sharding = target.sharding
-    if key_dtype_is_prng(target.dtype):
-        k = next(iter(shards.values())).shape[-1]
-        if isinstance(sharding, jax.sharding.NamedSharding):
-            spec = (*sharding.spec, *([None] * (len(shape) + 1 - len(sharding.spec))))
-            data_sharding: Any = jax.sharding.NamedSharding(
-                sharding.mesh, jax.sharding.PartitionSpec(*spec)
-            )
-        else:
-            data_sharding = sharding
-        data = build_from_local(
-            {"shards": shards},
-            jax.ShapeDtypeStruct((*shape, k), np.uint32, sharding=data_sharding),
-            name,
-        )
-        impl = entry["key_impl"]
-        with outside_context_mesh():  # our jit must not see the caller's mesh context
-            wrap = jax.jit(lambda d: jax.random.wrap_key_data(d, impl=impl), out_shardings=sharding)
-            return wrap(data)
-    per_device: dict[Any, jax.Array] = {}
-    groups: dict[str, list[Any]] = {}
-    for d, idx in sharding.addressable_devices_indices_map(shape).items():
-        groups.setdefault(box_key(slices_to_box(idx, shape)), []).append(d)
-    for key, devices in groups.items():
-        host = shards[key]
-        if host.dtype != np.dtype(target.dtype):
-            host = host.astype(target.dtype)
-        per_device.update(zip(devices, to_devices(host, devices), strict=True))
-    return assemble(shape, sharding, per_device)
+        if not isinstance(v, np.ndarray | np.generic):
+            return v  # a Python value
+        a = np.asarray(v)
+        kind, key_impl, shape = ("scalar" if isinstance(v, np.generic) else "array"), None, a.shape
+        boxes = {((0,) * a.ndim, a.shape): a}
+    else:
+        boxes = {parse_box_key(k): a for k, a in entry["shards"].items()}
+        a = next(iter(boxes.values()))
+        key_impl = entry.get("key_impl")
+        kind = "prng_key" if key_impl is not None else "array"
+        # The saved layout is the target's (their fingerprints match); keys add the data axis.
+        shape = (*target.shape, a.shape[-1]) if key_impl is not None else tuple(target.shape)
+    saved = ArrayLeaf(path, kind, dtype_name(a.dtype), tuple(shape), key_impl=key_impl)
+    return build_from_host(saved, target, boxes, where)
+
+
+def target_leaves(target: Any) -> tuple[list[tuple[TreePath, Any]], Any]:
+    """The (path, leaf) pairs of a restore target, and its treedef."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+    return [(keypath_to_path(kp), t) for kp, t in flat], treedef
 
 
 # ---- the protocol: save, agree on a step, restore -----------------------------------------
@@ -469,8 +457,7 @@ def agree_on_step(
 ) -> tuple[int | None, list[dict[str, list[int]]]]:
     """The step to restore from the local tier, the same on every process (or None), and
     what every process holds."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
-    fps = {path_str(keypath_to_path(kp)): target_fingerprint(t) for kp, t in flat}
+    fps = {path_str(p): target_fingerprint(t) for p, t in target_leaves(target)[0]}
     mine = {str(s): v for s, v in store.holdings(fps).items()}
     held: list[dict[str, list[int]]] = exchange_all(coord, prefix, mine, timeout_s)
     n = coord.process_count
@@ -515,15 +502,14 @@ def restore_local(
             received += got.nbytes
         pairs = rest
     entries, _, bytes_read = store.read_own(step)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+    where = str(store.step_dir(step) / "own")
+    wanted, treedef = target_leaves(target)
     leaves = []
-    for kp, t in flat:
-        name = path_str(keypath_to_path(kp))
+    for path, t in wanted:
+        name = path_str(path)
         if name not in entries:
-            raise CorruptCheckpointError(
-                f"{store.step_dir(step) / 'own'}: the local copy has no leaf {name!r}"
-            )
-        leaves.append(build_from_local(entries[name], t, name))
+            raise CorruptCheckpointError(f"{where}: the local copy has no leaf {name!r}")
+        leaves.append(build_from_local(entries[name], t, path, where))
     report = RestoreReport(
         tier="peer" if me in missing else "local",
         step=step,

@@ -153,7 +153,12 @@ class CheckpointManager:
         if self._local is not None:
             self._local.retain(self._local.tier.max_to_keep)
         self._start(lease_timeout_s, takeover)
-        self._steps: dict[int, StepInfo] = self._scan()
+        try:
+            self._steps: dict[int, StepInfo] = self._scan()
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
 
     # ---- start-up --------------------------------------------------------------------
     def _start(self, lease_timeout_s: float, takeover: bool) -> None:

@@ -11,6 +11,8 @@ generation's, so heartbeats cannot undo a take-over.
 A lease is stale when its holder stopped beating: on the same host, when its process is
 gone or its last beat (by the host's clock) is older than `timeout_s`; from another host,
 when its beat counter does not change for `timeout_s` of watching (no clocks compared).
+A document of this very process that none of its leases holds any more (its removal
+failed) is stale at once.
 A fresh lease held by a live process fails at once (same host) or within one heartbeat
 (another host), with a WriterLeaseError naming the holder. `takeover=True` takes the
 lease whatever its state (for a scheduler that knows the old job is gone).
@@ -44,6 +46,11 @@ log = logging.getLogger("snapshard")
 LEASE_DIR = ".snapshard-writer"
 DEFAULT_LEASE_TIMEOUT_S = 30.0
 _NAME = re.compile(r"^(\d{8})\.json$")
+# Tokens of the leases this process holds now. A document naming this process with another
+# token is stale: its writer gave the lease up (or never finished taking it) but could not
+# remove the document.
+_held: set[str] = set()
+_held_lock = threading.Lock()
 
 
 class LeaseFiles(ABC):
@@ -117,7 +124,8 @@ class LocalLeaseFiles(LeaseFiles):
             except FileExistsError:
                 return False
             finally:
-                tmp.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):  # a leftover temporary file is harmless
+                    tmp.unlink(missing_ok=True)
         except OSError as e:
             raise StorageError.wrap(e, "creation of the writer lease", self.dir / name) from e
         return True
@@ -129,8 +137,10 @@ class LocalLeaseFiles(LeaseFiles):
             raise StorageError.wrap(e, "heartbeat of the writer lease", self.dir / name) from e
 
     def remove(self, name: str) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            (self.dir / name).unlink()
+        try:
+            (self.dir / name).unlink(missing_ok=True)
+        except OSError as e:
+            raise StorageError.wrap(e, "removal of the writer lease", self.dir / name) from e
         with contextlib.suppress(OSError):  # not empty: another lease is there
             self.dir.rmdir()
 
@@ -233,8 +243,9 @@ class WriterLease:
                 self._check_stale(top, other)
             if self.files.create(self._name(top + 1), self._encode()):
                 self._won(top + 1, other)
-                for g in gens:
-                    self.files.remove(self._name(g))
+                with contextlib.suppress(OSError):  # older documents never hold the lease
+                    for g in gens:
+                        self.files.remove(self._name(g))
                 return
         raise WriterLeaseError(f"{self.files.where}: could not take the writer lease (contended)")
 
@@ -251,7 +262,11 @@ class WriterLease:
         timeout = float(other.get("timeout_s") or self.timeout_s)
         if other.get("host") == _this_host() and isinstance(other.get("pid"), int):
             beat_age = time.time() - float(other.get("beat_unix") or 0)
-            if _pid_alive(other["pid"]) and beat_age <= timeout:
+            if other["pid"] == os.getpid():
+                with _held_lock:
+                    if other.get("token") in _held:
+                        raise refuse
+            elif _pid_alive(other["pid"]) and beat_age <= timeout:
                 raise refuse
             log.warning("%s: taking over the stale writer lease of %s", self.files.where, holder)
             return
@@ -276,6 +291,8 @@ class WriterLease:
     def _won(self, gen: int, previous: dict[str, Any] | None) -> None:
         self.generation = gen
         self.lost = None
+        with _held_lock:
+            _held.add(self.token)
         if previous:
             self.doc["took_over"] = {k: previous.get(k) for k in ("host", "pid", "started")}
         self._stop.clear()
@@ -286,7 +303,9 @@ class WriterLease:
             name="snapshard-lease",
         )
         self._thread.start()
-        self._finalizer = weakref.finalize(self, _release, self.files, self._name(gen), self._stop)
+        self._finalizer = weakref.finalize(
+            self, _release, self.files, self._name(gen), self._stop, self.token
+        )
 
     # ---- holding -----------------------------------------------------------------------
     def beat(self) -> None:
@@ -334,9 +353,11 @@ class WriterLease:
             self._finalizer.detach()
             self._finalizer = None
         if self.generation is not None:
+            # Only this writer's own document is removed; a newer one (a take-over) stays.
             with contextlib.suppress(OSError):
-                if self._generations()[-1:] == [self.generation]:
-                    self.files.remove(self._name(self.generation))
+                self.files.remove(self._name(self.generation))
+            with _held_lock:
+                _held.discard(self.token)
             self.generation = None
 
 
@@ -359,7 +380,9 @@ def _beat(ref: weakref.ref[WriterLease], stop: threading.Event) -> None:
         del lease
 
 
-def _release(files: LeaseFiles, name: str, stop: threading.Event) -> None:
+def _release(files: LeaseFiles, name: str, stop: threading.Event, token: str) -> None:
     stop.set()
     with contextlib.suppress(Exception):
         files.remove(name)
+    with _held_lock:
+        _held.discard(token)

@@ -254,7 +254,12 @@ class LocalStorage(Storage):
                 f"{self.url}: file name {name!r} does not name a file of the checkpoint"
             )
         where = base / name
-        dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            if isinstance(e, FileNotFoundError | NotADirectoryError):
+                raise
+            raise StorageError.wrap(e, "open of", base) from e
         try:
             if len(parts) == 2:
                 try:
@@ -432,7 +437,7 @@ class LocalRoot(CheckpointRoot):
         out: dict[str, bool] = {}
         if not self.path.is_dir():
             return out
-        for entry in os.scandir(self.path):
+        for entry in self._entries():
             if not entry.is_dir() or entry.name == LEASE_DIR:
                 continue
             name = entry.name
@@ -445,6 +450,12 @@ class LocalRoot(CheckpointRoot):
                 out[name] = _is_regular(Path(entry.path) / MANIFEST_NAME)
         return out
 
+    def _entries(self) -> Sequence[os.DirEntry[str]]:
+        try:
+            return list(os.scandir(self.path)) if self.path.is_dir() else []
+        except OSError as e:
+            raise StorageError.wrap(e, "listing of", self.path) from e
+
     def child(self, name: str) -> Storage:
         return LocalStorage(self.path / name)
 
@@ -454,7 +465,7 @@ class LocalRoot(CheckpointRoot):
     def remove_incomplete(self, name: str) -> None:
         if name == LEASE_DIR:
             return
-        for entry in os.scandir(self.path) if self.path.is_dir() else ():
+        for entry in self._entries():
             if entry.name.startswith(name) and entry.name[len(name) :].startswith(
                 (STAGING_SUFFIX, DELETING_SUFFIX)
             ):
