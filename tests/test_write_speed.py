@@ -127,3 +127,23 @@ def test_replicas_on_cpu_devices_share_one_buffer_and_survive_donation(tmp_path)
     assert np.all(np.asarray(donated) == -1)
     np.testing.assert_array_equal(np.asarray(shard[0]), x[index_of[key]])  # the other copy kept its bytes
     np.testing.assert_array_equal(np.asarray(w), x)
+
+
+def test_a_failing_writeback_is_a_storage_error_naming_the_file(tmp_path, monkeypatch):
+    import ctypes
+    import errno
+
+    from snapshard.errors import StorageError
+    from snapshard.storage.local import LocalFileWriter
+
+    def failing(fd, offset, nbytes, flags):
+        ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(writeback, "WINDOW", 1 << 12)
+    monkeypatch.setattr(writeback, "_SYNC_FILE_RANGE", failing)
+    w = LocalFileWriter(tmp_path / "data.bin")
+    w.writeback.enabled = True
+    with pytest.raises(StorageError, match=r"data\.bin"):
+        w.write(memoryview(bytes(1 << 13)))
+    w.abort()
