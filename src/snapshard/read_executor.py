@@ -492,7 +492,9 @@ def _read_compressed(storage: Storage, task: _Task, bufs: list[memoryview], veri
     )  # fmt: skip
 
 
-def _build(req: Request) -> Any:
+def build(req: Request) -> Any:
+    """The value a request asks for (NumPy, scalar, typed keys or a jax.Array) from its
+    filled host buffers."""
     saved_dtype = dtype_from_name(req.saved.dtype)
 
     def host(d: Dest, dtype: np.dtype) -> np.ndarray:
@@ -615,7 +617,7 @@ def execute(
             step()
         t1 = time.perf_counter()
         for r in batch:
-            results[id(r)] = _build(r)
+            results[id(r)] = build(r)
             r.dests.clear()
         stats.read_s += t1 - t0
         stats.assemble_s += time.perf_counter() - t1

@@ -30,7 +30,7 @@ from .read_executor import (
     Request,
     make_request,
 )
-from .read_executor import _build as build_request
+from .read_executor import build as build_request
 from .read_once import execute as execute_read_once
 from .sources import open_checkpoint
 from .storage import Location, Storage, storage_for

@@ -318,7 +318,8 @@ def _path_from_json(p: Any, where: str) -> Path:
     return tuple(p)
 
 
-def _int(x: Any, lo: int, hi: int, what: str, where: str) -> int:
+def bounded_int(x: Any, lo: int, hi: int, what: str, where: str) -> int:
+    """`x` if it is an int in [lo, hi], else a CorruptCheckpointError naming `what`."""
     if isinstance(x, bool) or not isinstance(x, int) or not lo <= x <= hi:
         raise CorruptCheckpointError(f"{where}: malformed {what} {str(x)[:100]}")
     return x
@@ -396,13 +397,13 @@ def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
             raise CorruptCheckpointError(f"{where}: malformed chunk list")
         leaf.chunks = ChunkTable.from_rows(rows, len(shape), where)
         return leaf
-    leaf.layout = _int(d.get("layout"), 0, 1 << 31, "layout number", where)
-    leaf.chunk_count = _int(d.get("chunk_count"), 0, MAX_BYTES, "chunk count", where)
+    leaf.layout = bounded_int(d.get("layout"), 0, 1 << 31, "layout number", where)
+    leaf.chunk_count = bounded_int(d.get("chunk_count"), 0, MAX_BYTES, "chunk count", where)
     writers = d.get("writers")
     if writers is not None:
         if not isinstance(writers, list) or len(writers) > MAX_PROCESSES:
             raise CorruptCheckpointError(f"{where}: malformed writer list")
-        leaf.writers = tuple(_int(w, 0, MAX_PROCESSES, "writer", where) for w in writers)
+        leaf.writers = tuple(bounded_int(w, 0, MAX_PROCESSES, "writer", where) for w in writers)
     return leaf
 
 
@@ -481,15 +482,15 @@ class ProcessTable:
         for s in sizes:
             if not isinstance(s, list) or len(s) > MAX_FILES_PER_PROCESS:
                 raise CorruptCheckpointError(f"{where}: malformed data file sizes")
-            data_sizes.append([_int(x, 0, MAX_BYTES, "file size", where) for x in s])
-        record_sizes = [_int(x, 0, MAX_BYTES, "record file size", where) for x in rsizes]
+            data_sizes.append([bounded_int(x, 0, MAX_BYTES, "file size", where) for x in s])
+        record_sizes = [bounded_int(x, 0, MAX_BYTES, "record file size", where) for x in rsizes]
         table = ProcessTable(nonces, data_sizes, record_sizes, record_crcs)
         if "values_sizes" in d:
             vsizes, vcrcs = d.get("values_sizes"), d.get("values_crc32c")
             if not (isinstance(vsizes, list) and len(vsizes) == count and isinstance(vcrcs, str)
                     and len(vcrcs) == 8 * count):  # fmt: skip
                 raise CorruptCheckpointError(f"{where}: malformed per-process value table")
-            table.values_sizes = [_int(x, 0, MAX_BYTES, "values file size", where) for x in vsizes]
+            table.values_sizes = [bounded_int(x, 0, MAX_BYTES, "values file size", where) for x in vsizes]
             try:
                 table.values_crcs = [int(vcrcs[8 * q : 8 * q + 8], 16) for q in range(count)]
             except ValueError:
@@ -583,7 +584,7 @@ class Manifest:
         structure = doc.get("tree")
         if not isinstance(structure, dict):
             raise CorruptCheckpointError(f"{where}: manifest lacks the tree structure")
-        process_count = _int(doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where)
+        process_count = bounded_int(doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where)
         extra = doc.get("extra") or {}
         if not isinstance(extra, dict):
             raise CorruptCheckpointError(f"{where}: malformed extra")
@@ -607,7 +608,7 @@ class Manifest:
                     raise CorruptCheckpointError(f"{where}: malformed file entry {str(f)[:200]}")
                 name = check_file_name(f.get("name"), where)
                 m.files.append(
-                    FileEntry(name, _int(f.get("size"), 0, MAX_BYTES, "file size", where))
+                    FileEntry(name, bounded_int(f.get("size"), 0, MAX_BYTES, "file size", where))
                 )
             _interned(m.leaves)
             return m

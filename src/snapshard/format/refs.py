@@ -46,7 +46,7 @@ def split_ref_name(name: str) -> tuple[str, str] | None:
 def ref_files(refs: list[Any], where: str) -> list[FileEntry]:
     """The referenced files as manifest file entries (a null slot: an empty placeholder that
     no chunk can lie in)."""
-    from .manifest import MAX_BYTES, _int
+    from .manifest import MAX_BYTES, bounded_int
 
     out = []
     for r in refs:
@@ -59,7 +59,7 @@ def ref_files(refs: list[Any], where: str) -> list[FileEntry]:
         file = check_file_name(r.get("file"), where)
         if not file.startswith("data/"):
             raise CorruptCheckpointError(f"{where}: a reference names {file!r}, not a data file")
-        out.append(FileEntry(ref_name(cp, file), _int(r.get("size"), 0, MAX_BYTES, "size", where)))
+        out.append(FileEntry(ref_name(cp, file), bounded_int(r.get("size"), 0, MAX_BYTES, "size", where)))
     return out
 
 
