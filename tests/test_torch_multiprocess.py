@@ -55,3 +55,26 @@ def test_a_rank_that_never_reports_is_named(tmp_path):
     res = done[0].result()
     assert res["error"] is not None and "process(es) [1] did not report" in res["error"]
     assert not res["exists"]  # nothing became visible
+
+
+def test_manager_saves_fsdp_state_async_keeps_two_and_restores_the_newest(tmp_path):
+    ranks = multiproc.run("torch_job.py", 2, 1, "managed", str(tmp_path), timeout=150, env=ENV)
+    res = [p.result() for p in ranks]
+    # torch.distributed's store coordinates (not a single-process coordinator per rank).
+    assert {r["coordinator"] for r in res} == {"TorchStoreCoordinator"}
+    assert all(r["steps"] == [4, 6] for r in res)  # every 2 steps, the newest 2 kept
+    assert all(r["timings"] == [2, 4, 6] for r in res)
+    # on disk: only the kept steps (plus the writer lease), nothing half-written
+    steps = sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())
+    assert steps == ["4", "6"]
+    saved = res[0]["saved"]
+    assert sorted(saved) == ["2", "4", "6"]
+    assert saved["4"] != saved["6"]
+    # A fresh job: both ranks restore step 6 into a new model and optimizer, bit-exact.
+    restored = multiproc.run(
+        "torch_job.py", 2, 1, "managed-restore", str(tmp_path), timeout=150, env=ENV
+    )
+    for p in restored:
+        r = p.result()
+        assert r["steps"] == [4, 6] and r["latest"] == 6 and r["tier"] == "persistent"
+        assert r["restored"] == saved["6"], p.process_id

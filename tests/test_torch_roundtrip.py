@@ -155,6 +155,58 @@ def test_async_save_snapshots_before_returning_and_reuses_buffers(tmp_path):
     assert torch.equal(st.load(tmp_path / "b")["w"], before + 1.0)
 
 
+def test_manager_with_torch_state_async_retention_and_in_place_restore(tmp_path):
+    w = torch.zeros(8, 4)
+    with st.CheckpointManager(tmp_path, save_interval_steps=3, max_to_keep=2) as mgr:
+        for step in range(10):
+            w.add_(1.0)  # in place while the previous step's save may still write
+            mgr.save(step, {"w": w, "step": step})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [6, 9]
+    target = {"w": torch.full((8, 4), -1.0), "step": -1}
+    with st.CheckpointManager(tmp_path) as mgr:
+        out = mgr.restore(6, target)
+    assert out is target and out["step"] == 6 and torch.equal(target["w"], torch.full((8, 4), 7.0))
+    # the same steps as the JAX manager's: it reads them too
+    with snapshard.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [6, 9]
+        assert np.array_equal(mgr.restore()["w"], np.full((8, 4), 10.0, np.float32))
+
+
+def test_manager_with_torch_state_raises_a_background_failure_naming_the_step(
+    tmp_path, monkeypatch
+):
+    from snapshard import saving
+
+    real = saving.finish
+    calls = []
+
+    def failing(prep):
+        calls.append(prep)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(prep)
+
+    monkeypatch.setattr(saving, "finish", failing)
+    mgr = st.CheckpointManager(tmp_path)
+    w = torch.ones(16)
+    mgr.save(1, {"w": w})
+    mgr.save(2, {"w": w})
+    with pytest.raises(snapshard.BackgroundSaveError, match="step 2 failed: OSError: disk full"):
+        mgr.save(3, {"w": w})
+    mgr.save(4, {"w": w})  # raised once; the manager goes on
+    mgr.close()
+    assert mgr.all_steps() == [1, 4]
+    assert st.saving._buffers.cached_bytes() == w.nbytes  # buffers back in the pool
+
+
+def test_manager_refuses_the_local_tier_for_torch_state(tmp_path):
+    from snapshard.manager import LocalTier
+
+    with pytest.raises(ValueError, match="local tier is not available for torch"):
+        st.CheckpointManager(tmp_path, local_tier=LocalTier(str(tmp_path / "local")))
+
+
 def _store_coords(n, timeout=30):
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=timeout))
