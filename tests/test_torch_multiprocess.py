@@ -3,6 +3,8 @@ and loaded onto another, bit-exact (gloo on CPU; each run bounded in time)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
@@ -78,3 +80,36 @@ def test_manager_saves_fsdp_state_async_keeps_two_and_restores_the_newest(tmp_pa
         r = p.result()
         assert r["steps"] == [4, 6] and r["latest"] == 6 and r["tier"] == "persistent"
         assert r["restored"] == saved["6"], p.process_id
+
+
+def test_convert_a_dcp_checkpoint_of_fsdp_state_bit_exact(tmp_path, capsys):
+    import torch
+
+    import snapshard.torch as st
+    from snapshard.cli import main
+    from workers.torch_job import digests
+
+    saved = multiproc.run("torch_job.py", 2, 1, "dcp-save", str(tmp_path), timeout=150, env=ENV)
+    want = saved[0].result()["saved"]
+    src, dst = tmp_path / "dcp", tmp_path / "converted"
+    # Without --trust-pickle: refused, saying why, and nothing written.
+    assert main(["convert", str(src), str(dst)]) == 2
+    err = capsys.readouterr().err
+    assert "--trust-pickle" in err and "pickle" in err and "runs any code" in err
+    assert not dst.exists()
+    assert main(["convert", str(src), str(dst), "--trust-pickle", "--json", "--chunk-mb", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source_format"] == "dcp" and doc["format"] == "snapshard"
+    # The same names (the state dict's paths), dtypes, shapes and bytes.
+    got = digests(st.load(dst))
+    assert got == want
+    assert {"model/up.weight", "optim/state/up.weight/exp_avg", "half"} <= set(got)
+    assert got["half"].startswith("torch.bfloat16:(7,)")
+    # ...from a checkpoint both ranks wrote shards of
+    assert sorted(p.name for p in src.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # and loadable in place into a torch target
+    target = {"half": torch.zeros(7, dtype=torch.bfloat16), "step": 0}
+    st.load(dst, target)
+    assert target["step"] == 2 and torch.equal(
+        target["half"], torch.linspace(-3, 3, 7, dtype=torch.bfloat16)
+    )

@@ -9,6 +9,8 @@
     torch_job.py managed DIR  every rank: train 7 steps with FSDP2 + Adam, saving through
                               snapshard.torch.CheckpointManager (async, every 2 steps, keep 2)
     torch_job.py managed-restore DIR   a fresh model restores the manager's newest step
+    torch_job.py dcp-save DIR every rank: FSDP2 + Adam state (and a bf16 tensor) saved
+                              with torch.distributed.checkpoint.save
 
 Reports, per saved state, the sha256 of every entry's full value: the test compares them.
 """
@@ -203,6 +205,20 @@ def main() -> None:
     kinds = ["1d", "2d"] if world == 4 else ["1d"]
     if cmd in ("managed", "managed-restore"):
         result = managed(cmd, root, rank, world)
+    elif cmd == "dcp-save":
+        import torch.distributed.checkpoint as dcp
+
+        model, opt = build("1d", world)
+        train(model, opt, 2, seed=rank)
+        msd, osd = get_state_dict(model, opt)
+        state = {
+            "model": msd,
+            "optim": osd,
+            "half": torch.linspace(-3, 3, 7, dtype=torch.bfloat16),
+            "step": 2,
+        }
+        dcp.save(state, checkpoint_id=os.path.join(root, "dcp"))
+        result["saved"] = digests(state)
     elif cmd == "save":
         for kind in kinds:
             model, opt = build(kind, world)
