@@ -200,6 +200,60 @@ def test_manager_with_torch_state_raises_a_background_failure_naming_the_step(
     assert st.saving._buffers.cached_bytes() == w.nbytes  # buffers back in the pool
 
 
+def test_manager_with_torch_state_saves_incrementally(tmp_path):
+    frozen, trained = torch.randn(256, 64), torch.randn(256, 64)
+    with st.CheckpointManager(tmp_path, incremental=True, max_to_keep=2) as mgr:
+        for step in range(4):
+            trained.add_(1.0)
+            mgr.save(step, {"frozen": frozen, "trained": trained})
+        mgr.wait_until_finished()
+        written = {s: t.bytes_written for s, t in mgr.save_timings().items()}
+        # after the first step only the tensor that changed is written again
+        assert written[0] == 2 * trained.nbytes
+        assert all(written[s] == trained.nbytes for s in (1, 2, 3))
+        target = {"frozen": torch.zeros(256, 64), "trained": torch.zeros(256, 64)}
+        mgr.restore(None, target)
+    assert torch.equal(target["frozen"], frozen) and torch.equal(target["trained"], trained)
+
+
+def test_dcp_checkpoint_converts_in_one_process(tmp_path, capsys):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from snapshard.cli import main
+
+    big = torch.randn(300, 40)
+    state = {
+        "model": {"w": big, "half": torch.arange(5, dtype=torch.bfloat16)},
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "names": ["w", "half"]}],
+        "step": 7,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    dst = tmp_path / "out"
+    assert main(["convert", str(tmp_path / "dcp"), str(dst), "--to", "safetensors"]) == 2
+    assert "converts to snapshard only" in capsys.readouterr().err
+    with pytest.raises(st.dcp.PickleRefusedError, match="pickle"):
+        st.dcp.convert_dcp(str(tmp_path / "dcp"), dst)
+    # small pieces: the 48000-byte tensor is written as chunks of 50 rows (8000 bytes)
+    manifest = st.convert_dcp(str(tmp_path / "dcp"), dst, trust_pickle=True, chunk_bytes=8000)
+    chunks = {leaf.name: leaf.chunks for leaf in manifest.arrays}
+    assert len(chunks["model/w"]) == 6 and set(chunks["model/w"].nbytes) == {8000}
+    assert len(chunks["empty"]) == 0
+    out = st.load(dst)
+    assert _bits(out["model"]["w"]) == _bits(big)
+    assert out["model"]["half"].dtype == torch.bfloat16
+    assert torch.equal(out["model"]["half"], state["model"]["half"])
+    assert out["scalar"].shape == () and out["scalar"].item() == 3.5
+    assert out["empty"].shape == (0, 4)
+    assert out["groups"] == [{"lr": 0.1, "betas": (0.9, 0.99), "names": ["w", "half"]}]
+    assert out["step"] == 7
+
+
 def test_manager_refuses_the_local_tier_for_torch_state(tmp_path):
     from snapshard.manager import LocalTier
 

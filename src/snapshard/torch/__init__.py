@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..inspection import metadata
 from .coordination import TorchStoreCoordinator, default_coordinator
+from .dcp import convert_dcp
 from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
 from .leaves import dtensor_layout
 from .loading import load
@@ -28,6 +29,7 @@ __all__ = [
     "ShardSpec",
     "TensorLayout",
     "TorchStoreCoordinator",
+    "convert_dcp",
     "default_coordinator",
     "dtensor_layout",
     "expand_submesh",
