@@ -254,6 +254,13 @@ def test_dcp_checkpoint_converts_in_one_process(tmp_path, capsys):
     assert out["step"] == 7
 
 
+def test_the_jax_manager_points_torch_state_to_the_torch_one(tmp_path):
+    with snapshard.CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(snapshard.UnsupportedLeafError, match=r"snapshard\.torch \(save"):
+            mgr.save(0, {"w": torch.ones(3)})
+        assert mgr.all_steps() == []
+
+
 def test_manager_refuses_the_local_tier_for_torch_state(tmp_path):
     from snapshard.manager import LocalTier
 
