@@ -6,7 +6,10 @@ flight first waits for that one. After a commit the retention policies run and o
 deleted in the background by process 0 (never the newest committed step). A manager that
 starts removes what crashed saves left behind (process 0, then one barrier), and never lists
 incomplete steps. A background failure is logged when it happens and raised, naming the
-step, by the next `save`, `wait_until_finished` or `close` (once).
+step, by the next `save`, `wait_until_finished` or `close` (once). What depends on the
+arrays (which values are leaves, the default coordinator, a save's blocking phase, load,
+preemption) comes from a `Framework` (framework.py): JAX's by default, PyTorch's from
+snapshard.torch.
 """
 
 from __future__ import annotations
