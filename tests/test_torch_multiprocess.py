@@ -3,6 +3,8 @@ and loaded onto another, bit-exact (gloo on CPU; each run bounded in time)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
@@ -55,3 +57,59 @@ def test_a_rank_that_never_reports_is_named(tmp_path):
     res = done[0].result()
     assert res["error"] is not None and "process(es) [1] did not report" in res["error"]
     assert not res["exists"]  # nothing became visible
+
+
+def test_manager_saves_fsdp_state_async_keeps_two_and_restores_the_newest(tmp_path):
+    ranks = multiproc.run("torch_job.py", 2, 1, "managed", str(tmp_path), timeout=150, env=ENV)
+    res = [p.result() for p in ranks]
+    # torch.distributed's store coordinates (not a single-process coordinator per rank).
+    assert {r["coordinator"] for r in res} == {"TorchStoreCoordinator"}
+    assert all(r["steps"] == [4, 6] for r in res)  # every 2 steps, the newest 2 kept
+    assert all(r["timings"] == [2, 4, 6] for r in res)
+    # on disk: only the kept steps (plus the writer lease), nothing half-written
+    steps = sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit())
+    assert steps == ["4", "6"]
+    saved = res[0]["saved"]
+    assert sorted(saved) == ["2", "4", "6"]
+    assert saved["4"] != saved["6"]
+    # A fresh job: both ranks restore step 6 into a new model and optimizer, bit-exact.
+    restored = multiproc.run(
+        "torch_job.py", 2, 1, "managed-restore", str(tmp_path), timeout=150, env=ENV
+    )
+    for p in restored:
+        r = p.result()
+        assert r["steps"] == [4, 6] and r["latest"] == 6 and r["tier"] == "persistent"
+        assert r["restored"] == saved["6"], p.process_id
+
+
+def test_convert_a_dcp_checkpoint_of_fsdp_state_bit_exact(tmp_path, capsys):
+    import torch
+
+    import snapshard.torch as st
+    from snapshard.cli import main
+    from workers.torch_job import digests
+
+    saved = multiproc.run("torch_job.py", 2, 1, "dcp-save", str(tmp_path), timeout=150, env=ENV)
+    want = saved[0].result()["saved"]
+    src, dst = tmp_path / "dcp", tmp_path / "converted"
+    # Without --trust-pickle: refused, saying why, and nothing written.
+    assert main(["convert", str(src), str(dst)]) == 2
+    err = capsys.readouterr().err
+    assert "--trust-pickle" in err and "pickle" in err and "runs any code" in err
+    assert not dst.exists()
+    assert main(["convert", str(src), str(dst), "--trust-pickle", "--json", "--chunk-mb", "1"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["source_format"] == "dcp" and doc["format"] == "snapshard"
+    # The same names (the state dict's paths), dtypes, shapes and bytes.
+    got = digests(st.load(dst))
+    assert got == want
+    assert {"model/up.weight", "optim/state/up.weight/exp_avg", "half"} <= set(got)
+    assert got["half"].startswith("torch.bfloat16:(7,)")
+    # ...from a checkpoint both ranks wrote shards of
+    assert sorted(p.name for p in src.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    # and loadable in place into a torch target
+    target = {"half": torch.zeros(7, dtype=torch.bfloat16), "step": 0}
+    st.load(dst, target)
+    assert target["step"] == 2 and torch.equal(
+        target["half"], torch.linspace(-3, 3, 7, dtype=torch.bfloat16)
+    )

@@ -155,6 +155,119 @@ def test_async_save_snapshots_before_returning_and_reuses_buffers(tmp_path):
     assert torch.equal(st.load(tmp_path / "b")["w"], before + 1.0)
 
 
+def test_manager_with_torch_state_async_retention_and_in_place_restore(tmp_path):
+    w = torch.zeros(8, 4)
+    with st.CheckpointManager(tmp_path, save_interval_steps=3, max_to_keep=2) as mgr:
+        for step in range(10):
+            w.add_(1.0)  # in place while the previous step's save may still write
+            mgr.save(step, {"w": w, "step": step})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [6, 9]
+    target = {"w": torch.full((8, 4), -1.0), "step": -1}
+    with st.CheckpointManager(tmp_path) as mgr:
+        out = mgr.restore(6, target)
+    assert out is target and out["step"] == 6 and torch.equal(target["w"], torch.full((8, 4), 7.0))
+    # the same steps as the JAX manager's: it reads them too
+    with snapshard.CheckpointManager(tmp_path) as mgr:
+        assert mgr.all_steps() == [6, 9]
+        assert np.array_equal(mgr.restore()["w"], np.full((8, 4), 10.0, np.float32))
+
+
+def test_manager_with_torch_state_raises_a_background_failure_naming_the_step(
+    tmp_path, monkeypatch
+):
+    from snapshard import saving
+
+    real = saving.finish
+    calls = []
+
+    def failing(prep):
+        calls.append(prep)
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return real(prep)
+
+    monkeypatch.setattr(saving, "finish", failing)
+    mgr = st.CheckpointManager(tmp_path)
+    w = torch.ones(16)
+    mgr.save(1, {"w": w})
+    mgr.save(2, {"w": w})
+    with pytest.raises(snapshard.BackgroundSaveError, match="step 2 failed: OSError: disk full"):
+        mgr.save(3, {"w": w})
+    mgr.save(4, {"w": w})  # raised once; the manager goes on
+    mgr.close()
+    assert mgr.all_steps() == [1, 4]
+    assert st.saving._buffers.cached_bytes() == w.nbytes  # buffers back in the pool
+
+
+def test_manager_with_torch_state_saves_incrementally(tmp_path):
+    frozen, trained = torch.randn(256, 64), torch.randn(256, 64)
+    with st.CheckpointManager(tmp_path, incremental=True, max_to_keep=2) as mgr:
+        for step in range(4):
+            trained.add_(1.0)
+            mgr.save(step, {"frozen": frozen, "trained": trained})
+        mgr.wait_until_finished()
+        written = {s: t.bytes_written for s, t in mgr.save_timings().items()}
+        # after the first step only the tensor that changed is written again
+        assert written[0] == 2 * trained.nbytes
+        assert all(written[s] == trained.nbytes for s in (1, 2, 3))
+        target = {"frozen": torch.zeros(256, 64), "trained": torch.zeros(256, 64)}
+        mgr.restore(None, target)
+    assert torch.equal(target["frozen"], frozen) and torch.equal(target["trained"], trained)
+
+
+def test_dcp_checkpoint_converts_in_one_process(tmp_path, capsys):
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from snapshard.cli import main
+
+    big = torch.randn(300, 40)
+    state = {
+        "model": {"w": big, "half": torch.arange(5, dtype=torch.bfloat16)},
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "groups": [{"lr": 0.1, "betas": (0.9, 0.99), "names": ["w", "half"]}],
+        "step": 7,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    dst = tmp_path / "out"
+    assert main(["convert", str(tmp_path / "dcp"), str(dst), "--to", "safetensors"]) == 2
+    assert "converts to snapshard only" in capsys.readouterr().err
+    with pytest.raises(st.dcp.PickleRefusedError, match="pickle"):
+        st.dcp.convert_dcp(str(tmp_path / "dcp"), dst)
+    # small pieces: the 48000-byte tensor is written as chunks of 50 rows (8000 bytes)
+    manifest = st.convert_dcp(str(tmp_path / "dcp"), dst, trust_pickle=True, chunk_bytes=8000)
+    chunks = {leaf.name: leaf.chunks for leaf in manifest.arrays}
+    assert len(chunks["model/w"]) == 6 and set(chunks["model/w"].nbytes) == {8000}
+    assert len(chunks["empty"]) == 0
+    out = st.load(dst)
+    assert _bits(out["model"]["w"]) == _bits(big)
+    assert out["model"]["half"].dtype == torch.bfloat16
+    assert torch.equal(out["model"]["half"], state["model"]["half"])
+    assert out["scalar"].shape == () and out["scalar"].item() == 3.5
+    assert out["empty"].shape == (0, 4)
+    assert out["groups"] == [{"lr": 0.1, "betas": (0.9, 0.99), "names": ["w", "half"]}]
+    assert out["step"] == 7
+
+
+def test_the_jax_manager_points_torch_state_to_the_torch_one(tmp_path):
+    with snapshard.CheckpointManager(tmp_path, async_save=False) as mgr:
+        with pytest.raises(snapshard.UnsupportedLeafError, match=r"snapshard\.torch \(save"):
+            mgr.save(0, {"w": torch.ones(3)})
+        assert mgr.all_steps() == []
+
+
+def test_manager_refuses_the_local_tier_for_torch_state(tmp_path):
+    from snapshard.manager import LocalTier
+
+    with pytest.raises(ValueError, match="local tier is not available for torch"):
+        st.CheckpointManager(tmp_path, local_tier=LocalTier(str(tmp_path / "local")))
+
+
 def _store_coords(n, timeout=30):
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=timeout))

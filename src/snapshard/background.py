@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -28,6 +29,10 @@ class BackgroundTask(Generic[T]):
         self._thread.start()
 
     def _run(self) -> None:
+        # Give the GIL back at once: the starting thread waits in start() until this one
+        # runs, and would otherwise wait a whole switch interval (5 ms) more to take it back
+        # from a task that computes; that wait is in the caller's blocking phase.
+        time.sleep(0)
         try:
             self._result = self._fn()
         except BaseException as e:

@@ -14,6 +14,7 @@ the caller not to donate or delete those arrays until the save has finished.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,22 @@ def _rel(arr: SaveArray, row: int, start: np.ndarray, stop: np.ndarray) -> tuple
     return tuple(slice(int(a), int(b)) for a, b in zip(start - origin, stop - origin, strict=True))
 
 
+def planned_items(
+    arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int
+) -> Iterator[tuple[StagedItem, int, SaveArray, int]]:
+    """This process's items of `plan` that hold bytes, in plan order: the item (nothing
+    staged yet), the index of its array in `arrays`, the array, and the layout row the
+    item is cut from. Every framework's staging walks this."""
+    for a, k in plan.items_of(process):
+        leaf_index, arr = arrays[a]
+        p = plan.arrays[a]
+        nbytes = int(p.nbytes[k])
+        if nbytes == 0:
+            continue
+        item = StagedItem(leaf_index, arr.name, p.starts[k], p.stops[k], nbytes)
+        yield item, a, arr, int(p.source_row[k])
+
+
 def stage(
     arrays: list[tuple[int, SaveArray]],
     plan: WritePlan,
@@ -122,15 +139,9 @@ def stage(
     copying: list[tuple[StagedItem, Any]] = []
     used = 0
     shard_maps: dict[int, dict[Any, Any]] = {}
-    for a, k in plan.items_of(process):
-        leaf_index, arr = arrays[a]
-        p = plan.arrays[a]
-        nbytes = int(p.nbytes[k])
-        if nbytes == 0:
-            continue
-        row = int(p.source_row[k])
-        rel = _rel(arr, row, p.starts[k], p.stops[k])
-        item = StagedItem(leaf_index, arr.name, p.starts[k], p.stops[k], nbytes)
+    for item, a, arr, row in planned_items(arrays, plan, process):
+        leaf_index, nbytes = item.leaf, item.nbytes
+        rel = _rel(arr, row, item.start, item.stop)
         items.append(item)
         if arr.devices is None:  # a host value: the caller may change it once we return
             item.host = (

@@ -104,9 +104,14 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
         try:
             children = _one_level(node)
         except ValueError:
+            kind = f"{type(node).__module__}.{type(node).__qualname__}"
+            hint = (
+                " here: torch state is saved with snapshard.torch (save, load, CheckpointManager)"
+                if kind.startswith("torch.")
+                else ""
+            )
             raise UnsupportedLeafError(
-                f"leaf {path_str(path)!r}: values of type {type(node).__module__}."
-                f"{type(node).__qualname__} cannot be saved"
+                f"leaf {path_str(path)!r}: values of type {kind} cannot be saved{hint}"
             ) from None
         keys_out: list[PathKey] = []
         kids: list[JsonNode] = []

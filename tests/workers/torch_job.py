@@ -6,6 +6,11 @@
     torch_job.py dies DIR     rank 1 leaves without saving; rank 0's save must fail naming it
     torch_job.py load DIR     every rank: FSDP2 (and FSDP2 x TP with 4 ranks) over this world
                               size, load each saved state into it
+    torch_job.py managed DIR  every rank: train 7 steps with FSDP2 + Adam, saving through
+                              snapshard.torch.CheckpointManager (async, every 2 steps, keep 2)
+    torch_job.py managed-restore DIR   a fresh model restores the manager's newest step
+    torch_job.py dcp-save DIR every rank: FSDP2 + Adam state (and a bf16 tensor) saved
+                              with torch.distributed.checkpoint.save
 
 Reports, per saved state, the sha256 of every entry's full value: the test compares them.
 """
@@ -133,6 +138,42 @@ def plan_digest(state) -> str:
     return h.hexdigest()[:16]
 
 
+def managed(cmd: str, root: str, rank: int, world: int) -> dict[str, object]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import snapshard.torch as st
+
+    out: dict[str, object] = {}
+    model, opt = build("1d", world)
+    mgr = st.CheckpointManager(root, save_interval_steps=2, max_to_keep=2, timeout_s=60)
+    out["coordinator"] = type(mgr._coord).__name__
+    if cmd == "managed":
+        saved = {}
+        for step in range(1, 8):
+            train(model, opt, 1, seed=1000 * rank + step)
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd, "step": step}
+            if mgr.save(step, state, metrics={"step": step}):
+                saved[step] = digests(state)
+        mgr.wait_until_finished()
+        out["saved"] = saved
+        out["steps"] = mgr.all_steps()
+        out["timings"] = sorted(mgr.save_timings())
+    else:
+        train(model, opt, 1, seed=7)  # other values, same structure (Adam's state exists)
+        msd, osd = get_state_dict(model, opt)
+        target = {"model": msd, "optim": osd, "step": 0}
+        out["steps"] = mgr.all_steps()
+        out["latest"] = mgr.latest_step()
+        assert mgr.restore(None, target) is target
+        set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        msd, osd = get_state_dict(model, opt)
+        out["restored"] = digests({"model": msd, "optim": osd, "step": target["step"]})
+        out["tier"] = mgr.last_restore.tier if mgr.last_restore else None
+    mgr.close()
+    return out
+
+
 def main() -> None:
     cmd, root = sys.argv[1], sys.argv[2]
     rank = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
@@ -162,7 +203,23 @@ def main() -> None:
             )
         os._exit(0)
     kinds = ["1d", "2d"] if world == 4 else ["1d"]
-    if cmd == "save":
+    if cmd in ("managed", "managed-restore"):
+        result = managed(cmd, root, rank, world)
+    elif cmd == "dcp-save":
+        import torch.distributed.checkpoint as dcp
+
+        model, opt = build("1d", world)
+        train(model, opt, 2, seed=rank)
+        msd, osd = get_state_dict(model, opt)
+        state = {
+            "model": msd,
+            "optim": osd,
+            "half": torch.linspace(-3, 3, 7, dtype=torch.bfloat16),
+            "step": 2,
+        }
+        dcp.save(state, checkpoint_id=os.path.join(root, "dcp"))
+        result["saved"] = digests(state)
+    elif cmd == "save":
         for kind in kinds:
             model, opt = build(kind, world)
             train(model, opt, 2, seed=rank)

@@ -1,6 +1,7 @@
 """`snapshard convert SRC DST --to snapshard|safetensors`: rewrite a checkpoint in another format.
 
-Sources: snapshard and Orbax checkpoints, safetensors files. To snapshard, arrays are
+Sources: snapshard and Orbax checkpoints, safetensors files, and PyTorch DCP checkpoints
+(to snapshard only, with --trust-pickle: DCP's metadata is a pickle; see torch/dcp.py). To snapshard, arrays are
 streamed chunk by chunk (each source chunk cut into slabs of at most --chunk-mb), so memory
 holds one slab, and the new checkpoint appears atomically when complete. To safetensors,
 each array is read and written in slabs of whole rows of at most --chunk-mb (at least one
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointExistsError, SnapshardError
-from ..format import ArrayLeaf
+from ..format import MANIFEST_NAME, ArrayLeaf
 from ..interop import local_path
 from ..interop.reader import CheckpointReader, chunk_slabs
 from ..interop.writer import CheckpointWriter
@@ -36,10 +37,18 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "convert", parents=[common], help="convert a checkpoint to snapshard or safetensors"
     )
-    p.add_argument("src", help="a snapshard or Orbax checkpoint, or a safetensors file")
+    p.add_argument(
+        "src", help="a snapshard, Orbax or PyTorch DCP checkpoint, or a safetensors file"
+    )
     p.add_argument("dst", help="where to write (must not exist unless --overwrite)")
     p.add_argument("--to", choices=FORMATS, default="snapshard", help="format to write")
     p.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    p.add_argument(
+        "--trust-pickle",
+        action="store_true",
+        help="let torch unpickle a DCP checkpoint's .metadata (runs code the file names: "
+        "only for checkpoints from a source you trust); needed to convert DCP checkpoints",
+    )
     add_memory_option(p, "--chunk-mb", "largest chunk written, and data held in memory")
     st = p.add_argument_group(
         "to safetensors", "the same rules as snapshard.safetensors.save (see docs/safetensors.md)"
@@ -235,8 +244,65 @@ def run(args: argparse.Namespace, out: Output) -> int:
         raise _exists_error(e) from None
 
 
+def _is_dcp(location: str) -> bool:
+    local = local_path(location)
+    return (
+        local is not None
+        and os.path.isdir(local)
+        and os.path.isfile(os.path.join(local, ".metadata"))
+        and not os.path.isfile(os.path.join(local, MANIFEST_NAME))
+    )
+
+
+def _run_dcp(args: argparse.Namespace, out: Output) -> int:
+    """A DCP checkpoint, read through torch's own reader (see snapshard.torch.dcp)."""
+    src = local_path(args.src)
+    assert src is not None
+    if args.to != "snapshard":
+        raise SnapshardError(f"{args.src}: a DCP checkpoint converts to snapshard only (--to)")
+    try:
+        from ..torch.dcp import DcpCheckpoint, refusal
+    except ImportError as e:
+        raise SnapshardError(
+            f"{args.src} is a PyTorch DCP checkpoint; converting it needs torch: install "
+            f"snapshard[torch] ({e})"
+        ) from None
+    if not args.trust_pickle:
+        raise refusal(args.src)
+    with storage_for(args.dst) as dst:
+        check_destination(os.path.abspath(src), dst.url)
+        destination = dst.url
+    ckpt = DcpCheckpoint(src, trust_pickle=True)
+    with out.progress(ckpt.tensor_bytes, "convert") as bar:
+        written = ckpt.write_snapshard(
+            args.dst, overwrite=args.overwrite, chunk_bytes=args.chunk_bytes, progress=bar.update
+        )
+    doc: dict[str, Any] = {
+        "source": os.path.abspath(src),
+        "source_format": "dcp",
+        "format": "snapshard",
+        "leaves": ckpt.entries,
+        "arrays": ckpt.tensors,
+        "bytes": ckpt.tensor_bytes,
+        "destination": destination,
+        "chunks": sum(len(a.chunks) for a in written.arrays),
+        "files": len(written.files),
+        "skipped": [],
+    }
+    out.result(
+        doc,
+        lambda: (
+            f"{doc['source']} (dcp) -> {doc['destination']} (snapshard): {doc['arrays']} "
+            f"arrays, {human_bytes(doc['bytes'])}"
+        ),
+    )
+    return 0
+
+
 def _run(args: argparse.Namespace, out: Output) -> int:
     chunk_bytes = args.chunk_bytes
+    if _is_dcp(args.src):
+        return _run_dcp(args, out)
     with open_checkpoint(args.src, "convert") as reader:
         if args.to == "snapshard":
             with storage_for(args.dst) as dst:

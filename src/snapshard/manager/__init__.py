@@ -1,5 +1,6 @@
 """Numbered steps with save and retention policies."""
 
+from .framework import JAX, Framework, StartedSave
 from .local_tier import LocalTier
 from .manager import BackgroundSaveError, CheckpointManager
 from .policies import (
@@ -18,11 +19,13 @@ from .policies import (
 )
 
 __all__ = [
+    "JAX",
     "AnyOf",
     "AtSteps",
     "BackgroundSaveError",
     "CheckpointManager",
     "EveryNSteps",
+    "Framework",
     "KeepAll",
     "KeepBest",
     "KeepEvery",
@@ -31,6 +34,7 @@ __all__ = [
     "Retention",
     "RetentionPolicy",
     "SavePolicy",
+    "StartedSave",
     "StepInfo",
     "young_daly_interval",
 ]

@@ -6,7 +6,10 @@ flight first waits for that one. After a commit the retention policies run and o
 deleted in the background by process 0 (never the newest committed step). A manager that
 starts removes what crashed saves left behind (process 0, then one barrier), and never lists
 incomplete steps. A background failure is logged when it happens and raised, naming the
-step, by the next `save`, `wait_until_finished` or `close` (once).
+step, by the next `save`, `wait_until_finished` or `close` (once). What depends on the
+arrays (which values are leaves, the default coordinator, a save's blocking phase, load,
+preemption) comes from a `Framework` (framework.py): JAX's by default, PyTorch's from
+snapshard.torch.
 """
 
 from __future__ import annotations
@@ -19,19 +22,17 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-from ..adapters.leaves import is_save_leaf
 from ..background import BackgroundTask
-from ..coordination import Coordinator, default_coordinator
-from ..coordination.jax_distributed import preemption_sync_point
+from ..coordination import Coordinator
 from ..coordination.rendezvous import Rendezvous, namespace
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..format.reading import read_manifest
 from ..read_executor import ReadStats
-from ..restore import load
-from ..saving import DEFAULT_TIMEOUT_S, SaveTimings, finish, prepare
+from ..saving import DEFAULT_TIMEOUT_S, SaveTimings
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import DEFAULT_LEASE_TIMEOUT_S, WriterLease
 from ..tree import FlatTree, flatten
+from .framework import JAX, Framework, StartedSave
 from .local_tier import (
     LocalStore,
     LocalTier,
@@ -91,6 +92,7 @@ class CheckpointManager:
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
         takeover: bool = False,
         incremental: bool = False,
+        framework: Framework = JAX,
     ):
         """`save_interval_steps`, `save_on_steps`: when `should_save` is true (or pass
         `save_policy`). Retention: keep the newest `max_to_keep` steps, or with `best_fn` the
@@ -106,9 +108,14 @@ class CheckpointManager:
         stopped its heartbeat for `lease_timeout_s` is taken over; `takeover=True` takes it
         whatever its state.
         `incremental`: every step records its chunks' content hashes and refers to the
-        newest kept step for chunks that did not change (see references.py)."""
+        newest kept step for chunks that did not change (see references.py).
+        `framework`: whose arrays the trees hold (see framework.py); `snapshard.torch`'s
+        CheckpointManager passes PyTorch's."""
+        if local_tier is not None and not framework.local_tier:
+            raise ValueError(f"the local tier is not available for {framework.name} state")
+        self._framework = framework
         self._root = root_for(directory)
-        self._coord = coordinator or default_coordinator()
+        self._coord = coordinator or framework.coordinator()
         self._timeout_s = timeout_s
         self._write_mode = write_mode
         self._host_budget = host_budget
@@ -275,11 +282,12 @@ class CheckpointManager:
     def reached_preemption(self, step: int) -> bool:
         """True when the job is being preempted and this step should save and exit.
 
-        Uses JAX's preemption sync point (all processes agree on the step) when the
-        preemption service runs; otherwise a SIGTERM seen by this process or
+        Uses the framework's preemption sync point (JAX's: all processes agree on the step)
+        when the preemption service runs; otherwise a SIGTERM seen by this process or
         `notify_preemption()`."""
+        sync_point = self._framework.preemption_sync_point
         try:
-            if preemption_sync_point(step):
+            if sync_point is not None and sync_point(step):
                 return True
         except RuntimeError:
             pass
@@ -343,14 +351,14 @@ class CheckpointManager:
             return False
         t0 = time.perf_counter()
         info_metrics = dict(metrics) if metrics is not None else None
-        flat = flatten(tree, is_save_leaf)
+        flat = flatten(tree, self._framework.is_leaf)
         report = TierReport()
         local_work = None
         snapshot = None
         if local:
             assert self._local is not None
             local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
-        prep = None
+        started: StartedSave | None = None
         incremental: dict[str, Any] = {}
         if persistent and self._incremental:
             incremental = self._increment_from(flat)
@@ -358,13 +366,12 @@ class CheckpointManager:
             storage = self._root.child(str(step))
             if self._lease is not None:
                 storage.commit_guard = self._lease.verify
-            prep = prepare(
+            started = self._framework.start_save(
                 storage,
                 tree,
                 mode=self._write_mode,
                 timeout_s=self._timeout_s,
                 coordinator=self._coord,
-                copy_host_values=True,
                 host_budget=None if snapshot is not None else self._host_budget,
                 extra={"step": step, "metrics": info_metrics},
                 snapshot=snapshot,
@@ -376,11 +383,11 @@ class CheckpointManager:
         def work() -> None:
             if local_work is not None:
                 local_work()
-            if prep is not None:
-                timings = finish(prep)
+            if started is not None:
+                timings = started.finish()
                 report.persistent_save_s = timings.total_s - timings.blocking_s
                 report.persistent_bytes = timings.bytes_written
-                if self._incremental:
+                if self._incremental and self._framework.immutable_arrays:
                     self._saved_arrays = (step, saved_arrays(flat))
                 self._after_commit(step, info_metrics)
 
@@ -388,8 +395,8 @@ class CheckpointManager:
         with self._lock:
             self._inflight = (step, task)
             self._tier_reports[step] = report
-            if prep is not None:
-                self._timings[step] = prep.timings
+            if started is not None:
+                self._timings[step] = started.timings
         if not self._async:
             self._wait_inflight()
             self._raise_pending()
@@ -420,6 +427,7 @@ class CheckpointManager:
             return {"hashes": True}
         same = frozenset[int]()
         if self._saved_arrays is not None and self._saved_arrays[0] == base:
+            # only set for frameworks with immutable arrays (JAX)
             same = identical_leaves(flat, self._saved_arrays[1])
         return {"base": self._root.child(str(base)), "hashes": True, "identical": same}
 
@@ -474,7 +482,9 @@ class CheckpointManager:
                 f"step {step} is not a committed step of {self._root.url}"
             )
         stats = load_options.pop("stats", None) or ReadStats()
-        out = load(self._root.child(str(step)), target, stats=stats, **load_options)
+        out = self._framework.load(
+            self._root.child(str(step)), target, stats=stats, **load_options
+        )
         self.last_restore = RestoreReport(
             tier="persistent",
             step=step,

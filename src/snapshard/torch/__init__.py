@@ -4,6 +4,7 @@
     job = snapshard.torch.save_async(path, state_dict) # returns once owned bytes are on host
     snapshard.torch.load(path, target_state_dict)     # in place, onto any mesh / world size
     snapshard.torch.metadata(path)                    # shapes, dtypes, saved placements
+    snapshard.torch.CheckpointManager(directory)      # numbered steps, policies, retention
 
 Same planner, format and storage as the JAX side: a checkpoint written by one is read by
 the other. Needs the `torch` extra. See docs/torch.md.
@@ -13,17 +14,22 @@ from __future__ import annotations
 
 from ..inspection import metadata
 from .coordination import TorchStoreCoordinator, default_coordinator
+from .dcp import convert_dcp
 from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
 from .leaves import dtensor_layout
 from .loading import load
+from .manager import TORCH, CheckpointManager
 from .saving import AsyncSave, HostBuffers, save, save_async
 
 __all__ = [
+    "TORCH",
     "AsyncSave",
+    "CheckpointManager",
     "HostBuffers",
     "ShardSpec",
     "TensorLayout",
     "TorchStoreCoordinator",
+    "convert_dcp",
     "default_coordinator",
     "dtensor_layout",
     "expand_submesh",

@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -48,19 +49,29 @@ class TensorLayout:
 
     layout: ArrayLayout
     local_starts: np.ndarray  # (rows, ndim)
+    # per rank, its rows and local shape (layouts are cached and shared: computed once)
+    _memo: dict[tuple[str, int], Any] = field(default_factory=dict, repr=False)
 
     def rows_of(self, rank: int) -> np.ndarray:
-        return np.flatnonzero(self.layout.process_ids == rank)
+        rows = self._memo.get(("rows", rank))
+        if rows is None:
+            rows = np.flatnonzero(self.layout.process_ids == rank)
+            rows.setflags(write=False)
+            self._memo[("rows", rank)] = rows
+        return rows
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """The shape of `rank`'s local tensor (its rows' boxes put side by side)."""
-        rows = self.rows_of(rank)
-        if len(rows) == 0:
-            return ()
-        lay = self.layout
-        ext = lay.stops[rows] - lay.starts[rows]
-        ends = self.local_starts[rows] + ext
-        return tuple(int(x) for x in ends.max(axis=0))
+        shape = self._memo.get(("shape", rank))
+        if shape is None:
+            rows = self.rows_of(rank)
+            shape = ()
+            if len(rows):
+                lay = self.layout
+                ends = self.local_starts[rows] + (lay.stops[rows] - lay.starts[rows])
+                shape = tuple(int(x) for x in ends.max(axis=0))
+            self._memo[("shape", rank)] = shape
+        return shape
 
 
 def _take(runs: Runs, lo: int, hi: int) -> Runs:

@@ -88,18 +88,31 @@ def dtensor_layout(value: Any, itemsize: int, leaf: str = "?") -> TensorLayout:
     return tensor_layout(tuple(value.shape), itemsize, ranks, specs)
 
 
+_described: dict[int, tuple[Any, dict[Any, dict[str, Any]]]] = {}
+
+
 def describe(value: Any) -> dict[str, Any]:
-    """A JSON description of where a leaf lived, for people and `metadata` (never read back)."""
+    """A JSON description of where a leaf lived, for people and `metadata` (never read back).
+    Cached per mesh and placements; the same dict is shared, and nobody changes it."""
     if not is_dtensor(value):
         return {"type": "torch.Tensor", "device": value.device.type}
     mesh = value.device_mesh
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    return {
-        "type": "DTensor",
-        "mesh": {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)},
-        "placements": [str(p) for p in value.placements],
-        "device": mesh.device_type,
-    }
+    hit = _described.get(id(mesh))
+    if hit is None or hit[0] is not mesh:
+        if len(_described) > 256:
+            _described.clear()
+        hit = _described[id(mesh)] = (mesh, {})
+    placements = tuple(value.placements)
+    desc = hit[1].get(placements)
+    if desc is None:
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        desc = hit[1][placements] = {
+            "type": "DTensor",
+            "mesh": {str(n): int(s) for n, s in zip(names, mesh.shape, strict=True)},
+            "placements": [str(p) for p in placements],
+            "device": mesh.device_type,
+        }
+    return desc
 
 
 @dataclass(eq=False)

@@ -25,9 +25,10 @@ from ..adapters.leaves import SaveArray
 from ..background import BackgroundTask
 from ..errors import CheckpointExistsError
 from ..format.manifest import Leaf
+from ..manager.framework import StartedSave
 from ..planning import WritePlan
 from ..read_executor import aligned_empty
-from ..staging import StagedItem
+from ..staging import StagedItem, planned_items
 from ..storage import Location, Storage, storage_for
 from ..tree import Path
 from . import leaves as _leaves
@@ -98,80 +99,84 @@ class TorchAdapter:
         items: list[StagedItem] = []
         used = 0
         streams: dict[torch.device, Any] = {}
-        for a, k in plan.items_of(process):
-            leaf_index, arr = arrays[a]
-            p = plan.arrays[a]
-            nbytes = int(p.nbytes[k])
-            if nbytes == 0:
-                continue
-            row = int(p.source_row[k])
-            item = StagedItem(leaf_index, arr.name, p.starts[k], p.stops[k], nbytes)
+        for item, _, arr, row in planned_items(arrays, plan, process):
             items.append(item)
-            rel = _leaves.row_slices(arr, row, p.starts[k], p.stops[k])
+            rel = _leaves.row_slices(arr, row, item.start, item.stop)
             src = arr.source
-            if not isinstance(src, _leaves.TorchSource):  # a NumPy leaf
-                view = np.asarray(src)[rel]
-                if copy:
-                    buf, _ = self._buffer(nbytes, False)
-                    dst = buf.view(view.dtype).reshape(view.shape)
-                    np.copyto(dst, view)
-                    view, used = dst, used + nbytes
-                item.host = view
-                continue
-            local = src.local[rel] if rel else src.local
-            shape = tuple(local.shape)
-            if local.device.type == "cpu":
+            if isinstance(src, _leaves.TorchSource):
+                local = src.local[rel] if rel else src.local
+                if local.device.type != "cpu":
+                    item.host = self._to_pinned(local, item.nbytes, arr.dtype, streams)
+                    used += item.nbytes
+                    continue
                 view = host_view(local)
-                if copy:
-                    buf, _ = self._buffer(nbytes, False)
-                    dst = buf.view(view.dtype).reshape(shape)
-                    np.copyto(dst, view)
-                    view, used = dst, used + nbytes
-                item.host = view
-                continue
-            # A device tensor: a non-blocking copy into pinned memory on a side stream.
-            buf, pinned = self._buffer(nbytes, True)
-            assert pinned is not None
-            dev = local.device
-            if dev not in streams:
-                s = torch.cuda.Stream(device=dev)
-                s.wait_stream(torch.cuda.current_stream(dev))
-                streams[dev] = s
-            with torch.cuda.stream(streams[dev]):
-                pinned.view(local.dtype).view(shape).copy_(local.detach(), non_blocking=True)
-            item.host = buf.view(arr.dtype).reshape(shape)
-            used += nbytes
+            else:  # a NumPy leaf
+                view = np.asarray(src)[rel]
+            if copy:
+                dst = self._buffer(item.nbytes, False)[0].view(view.dtype).reshape(view.shape)
+                np.copyto(dst, view)
+                view, used = dst, used + item.nbytes
+            item.host = view
         for s in streams.values():
             s.synchronize()
         return items, used
 
+    def _to_pinned(
+        self, local: torch.Tensor, nbytes: int, dtype: np.dtype, streams: dict[torch.device, Any]
+    ) -> np.ndarray:
+        """A non-blocking copy of a device tensor into a pinned buffer, on a side stream that
+        first waits for the current one (the caller synchronises the streams)."""
+        buf, pinned = self._buffer(nbytes, True)
+        assert pinned is not None
+        dev = local.device
+        if dev not in streams:
+            s = torch.cuda.Stream(device=dev)
+            s.wait_stream(torch.cuda.current_stream(dev))
+            streams[dev] = s
+        shape = tuple(local.shape)
+        with torch.cuda.stream(streams[dev]):
+            pinned.view(local.dtype).view(shape).copy_(local.detach(), non_blocking=True)
+        return buf.view(dtype).reshape(shape)
 
-def _prepare(
+
+def start_save(
     directory: Location | Storage,
     state_dict: Any,
     *,
-    overwrite: bool,
-    mode: str,
-    timeout_s: float,
-    coordinator: Any,
-    threads: int,
-    asynchronous: bool,
-    extra: dict[str, Any] | None,
-) -> tuple[Any, TorchAdapter]:
-    adapter = TorchAdapter(_buffers if asynchronous else None)
+    asynchronous: bool = True,
+    buffers: HostBuffers | None = None,
+    coordinator: Any = None,
+    host_budget: int | None = None,
+    snapshot: Any = None,
+    **options: Any,
+) -> StartedSave:
+    """The blocking phase of a save of a torch state dict (`options`: saving.prepare's).
+
+    Asynchronous (the default): every byte this rank writes is copied into host buffers
+    (from `buffers`, the process's pool by default) before returning, and the buffers go
+    back to the pool when the background phase, `finish()`, ends, however it ends.
+    Synchronous: CPU tensors are staged as views of their memory, so the caller must not
+    change them before `finish()` returns. `host_budget` and `snapshot` are taken for the
+    manager's sake and unused: every owned byte is copied in the blocking phase."""
+    del host_budget, snapshot
+    adapter = TorchAdapter((buffers or _buffers) if asynchronous else None)
     prep = _saving.prepare(
         directory,
         state_dict,
-        overwrite=overwrite,
-        mode=mode,
-        timeout_s=timeout_s,
         coordinator=coordinator or default_coordinator(),
-        threads=threads,
         copy_host_values=asynchronous,
-        extra=extra,
         adapter=adapter,
+        **options,
     )
-    return prep, adapter
+
+    def finish() -> _saving.SaveTimings:
+        try:
+            return _saving.finish(prep)
+        finally:
+            if adapter.buffers is not None:
+                adapter.buffers.give_back(adapter.taken)
+
+    return StartedSave(prep.timings, finish)
 
 
 def save(
@@ -192,35 +197,35 @@ def save(
         raise CheckpointExistsError(
             f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
         )
-    prep, _ = _prepare(
+    started = start_save(
         storage,
         state_dict,
+        asynchronous=False,
         overwrite=overwrite,
         mode=mode,
         timeout_s=timeout_s,
         coordinator=coordinator,
         threads=threads,
-        asynchronous=False,
-        extra=None,
     )
-    return _saving.finish(prep)
+    return started.finish()
 
 
 class AsyncSave(_saving.AsyncSave):
-    """A torch save whose background phase runs; its host buffers go back for reuse when it
-    ends (whether it succeeded or not)."""
+    """A torch save whose background phase runs: `wait()` returns its timings or raises.
+    Its host buffers go back for reuse when it ends (whether it succeeded or not)."""
 
-    def __init__(self, prep: Any, adapter: TorchAdapter):
-        self._prep = prep
+    def __init__(self, started: StartedSave, url: str):
+        self._started = started
+        self._url = url
+        BackgroundTask.__init__(self, started.finish, f"save to {url}")
 
-        def run() -> _saving.SaveTimings:
-            try:
-                return _saving.finish(prep)
-            finally:
-                if adapter.buffers is not None:
-                    adapter.buffers.give_back(adapter.taken)
+    @property
+    def location(self) -> str:
+        return self._url
 
-        BackgroundTask.__init__(self, run, f"save to {prep.storage.url}")
+    @property
+    def timings(self) -> _saving.SaveTimings:
+        return self._started.timings
 
 
 def save_async(
@@ -236,15 +241,15 @@ def save_async(
 ) -> AsyncSave:
     """Start a save; returns once every byte this rank writes is copied to host memory, so
     the caller may step the optimizer at once. `wait()` returns the timings or raises."""
-    prep, adapter = _prepare(
-        directory,
+    storage = storage_for(directory)
+    started = start_save(
+        storage,
         state_dict,
         overwrite=overwrite,
         mode=mode,
         timeout_s=timeout_s,
         coordinator=coordinator,
         threads=threads,
-        asynchronous=True,
         extra=extra,
     )
-    return AsyncSave(prep, adapter)
+    return AsyncSave(started, storage.url)

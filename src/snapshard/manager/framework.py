@@ -1,0 +1,83 @@
+"""What the CheckpointManager asks of a framework: the seam between its policies and the arrays.
+
+The manager's policies, retention, lifecycle, asynchronous saves and commit protocol do not
+depend on the arrays being jax.Arrays or torch tensors; only five things do, and a
+`Framework` names them:
+
+- `is_leaf`: which values of a tree are leaves (flattening);
+- `coordinator`: how processes agree when no coordinator is passed (jax.distributed's
+  coordination service, or torch.distributed's store);
+- `start_save`: the blocking phase of a save into one step's storage, returning a
+  `StartedSave` whose `finish()` the manager runs in the background;
+- `load`: restoring a step into a target (or without one);
+- `preemption_sync_point`: a framework's agreement on the step to save at when the job is
+  preempted, or None where there is none (then each process decides from SIGTERM or
+  `notify_preemption`).
+
+Two flags say what the framework supports: the node-local tier (`local_tier`, built on
+jax.Array snapshots and collectives) and the identity shortcut of incremental saves
+(`immutable_arrays`: a leaf that is the very array object saved last time holds the same
+bytes, true of jax.Arrays, not of tensors that the optimizer updates in place).
+
+`JAX` is the default; `snapshard.torch.TORCH` is PyTorch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..adapters.leaves import is_save_leaf
+from ..coordination import Coordinator, default_coordinator
+from ..coordination.jax_distributed import preemption_sync_point
+from ..restore import load
+from ..saving import SaveTimings, finish, prepare
+from ..storage import Storage
+from ..tree import FlatTree
+
+
+@dataclass(frozen=True)
+class StartedSave:
+    """A save past its blocking phase: its timings so far, and the background phase (write,
+    report, commit), which returns the final timings or raises."""
+
+    timings: SaveTimings
+    finish: Callable[[], SaveTimings]
+
+
+@dataclass(frozen=True)
+class Framework:
+    """The framework-specific operations of a CheckpointManager (see the module docstring).
+
+    `start_save(storage, tree, *, flat, coordinator, mode, timeout_s, host_budget, extra,
+    snapshot, **incremental)` must snapshot every byte the save writes before returning
+    (the caller goes on training); `incremental` holds `base`, `hashes` and `identical`
+    when the manager saves incrementally. `load(storage, target, **options)` takes at least
+    `stats` (a ReadStats) among its options."""
+
+    name: str
+    is_leaf: Callable[[Any], bool]
+    coordinator: Callable[[], Coordinator]
+    start_save: Callable[..., StartedSave]
+    load: Callable[..., Any]
+    preemption_sync_point: Callable[[int], bool] | None = None
+    local_tier: bool = False
+    immutable_arrays: bool = False
+
+
+def _jax_start_save(storage: Storage, tree: Any, *, flat: FlatTree, **options: Any) -> StartedSave:
+    prep = prepare(storage, tree, flat=flat, copy_host_values=True, **options)
+    return StartedSave(prep.timings, lambda: finish(prep))
+
+
+JAX = Framework(
+    name="jax",
+    is_leaf=is_save_leaf,
+    coordinator=default_coordinator,
+    start_save=_jax_start_save,
+    load=load,
+    preemption_sync_point=preemption_sync_point,
+    local_tier=True,
+    immutable_arrays=True,
+)

@@ -1,0 +1,42 @@
+"""snapshard's CheckpointManager for torch state: the same manager, with PyTorch's operations.
+
+`TORCH` is the manager's Framework for torch state dicts (see manager/framework.py): leaves
+are tensors, DTensors, NumPy arrays and Python values; processes coordinate through
+torch.distributed's store when it runs several ranks; saves are staged into reused host
+buffers (torch/saving.py) and restored in place (torch/loading.py). Steps on disk are the
+same as the JAX manager's, so either manager reads the other's directory.
+
+There is no preemption service in torch.distributed: `reached_preemption` is true once this
+rank saw SIGTERM (`handle_sigterm=True`) or `notify_preemption()` was called. Schedulers and
+torchrun signal every rank; where only some are, agree on it with a collective first. The
+node-local tier is JAX's only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..manager.framework import Framework
+from ..manager.manager import CheckpointManager as _CheckpointManager
+from ..storage import CheckpointRoot, Location
+from .coordination import default_coordinator
+from .leaves import is_leaf
+from .loading import load
+from .saving import start_save
+
+TORCH = Framework(
+    name="torch",
+    is_leaf=is_leaf,
+    coordinator=default_coordinator,
+    start_save=start_save,
+    load=load,
+)
+
+
+class CheckpointManager(_CheckpointManager):
+    """snapshard.CheckpointManager for torch state dicts: `save(step, state_dict)` on every
+    rank, `restore(step, target_state_dict)` in place. Options as snapshard's manager's
+    (all but `local_tier`)."""
+
+    def __init__(self, directory: Location | CheckpointRoot, **options: Any) -> None:
+        super().__init__(directory, framework=TORCH, **options)
