@@ -134,7 +134,7 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
         if is_dtensor(value):
             tl = dtensor_layout(value, dt.itemsize, name)
             local = value.to_local()  # type: ignore[attr-defined]
-            rank = _rank()
+            rank = this_rank()
             want = tl.local_shape(rank)
             if len(tl.rows_of(rank)) and tuple(local.shape) != want:
                 raise UnsupportedLeafError(
@@ -157,7 +157,8 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
     )
 
 
-def _rank() -> int:
+def this_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -34,7 +34,7 @@ from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
 from .dtypes import from_numpy, host_view, numpy_dtype
-from .leaves import _rank, dtensor_layout, is_dtensor, is_leaf
+from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
 
 
 class _Fill:
@@ -56,7 +56,7 @@ def _regions(target: Any) -> list[tuple[np.ndarray, np.ndarray, Any, tuple[slice
         lay = tl.layout
         local = target.to_local()  # type: ignore[attr-defined]
         out = []
-        for row in tl.rows_of(_rank()):
+        for row in tl.rows_of(this_rank()):
             s, e = lay.starts[row], lay.stops[row]
             o = tl.local_starts[row]
             out.append(

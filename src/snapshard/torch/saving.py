@@ -187,7 +187,7 @@ def save(
     mode: str = "auto",
     timeout_s: float = _saving.DEFAULT_TIMEOUT_S,
     coordinator: Any = None,
-    threads: int = 2,
+    threads: int | None = None,
 ) -> _saving.SaveTimings:
     """Save a torch state dict atomically; every rank calls it with its own state dict of
     the same structure. Leaves: tensors (taken to be equal on every rank), DTensors (each
@@ -236,7 +236,7 @@ def save_async(
     mode: str = "auto",
     timeout_s: float = _saving.DEFAULT_TIMEOUT_S,
     coordinator: Any = None,
-    threads: int = 2,
+    threads: int | None = None,
     extra: dict[str, Any] | None = None,
 ) -> AsyncSave:
     """Start a save; returns once every byte this rank writes is copied to host memory, so
