@@ -85,3 +85,52 @@ def test_torch_linear_weights_evaluated_in_jax(tmp_path):
     want = lin(torch.from_numpy(x)).detach().numpy()
     got = np.asarray(jnp.asarray(x) @ jnp.asarray(arrays["weight"]).T + arrays["bias"])
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_transforms_map_jax_names_onto_torch_ones_with_transposes_and_casts(tmp_path):
+    from snapshard.errors import TargetMismatchError
+    from snapshard.safetensors import surgery as S
+
+    k = np.arange(12, dtype=np.float32).reshape(3, 4)
+    snapshard.save(tmp_path / "c", {"params": {"dense": {"kernel": k, "bias": k[0]}}, "step": 3})
+    jax_to_torch = S.chain(
+        S.transpose(r"params/.*/kernel"),
+        S.rename(r"params/(\w+)/kernel", r"\1.weight"),
+        S.rename(r"params/(\w+)/bias", r"\1.bias"),
+    )
+    target = {
+        "dense.weight": torch.zeros(4, 3, dtype=torch.bfloat16),
+        "dense.bias": torch.zeros(4),
+        "step": 0,
+    }
+    out = st.load(tmp_path / "c", target, transform=jax_to_torch)
+    assert out is target and out["step"] == 3
+    assert torch.equal(target["dense.weight"], torch.from_numpy(k.T.copy()).to(torch.bfloat16))
+    assert torch.equal(target["dense.bias"], torch.from_numpy(k[0].copy()))
+    # transposed twice is the saved layout again
+    twice = S.chain(jax_to_torch, S.transpose(r"dense\.weight"))
+    plain = {"dense.weight": torch.zeros(3, 4)}
+    st.load(tmp_path / "c", plain, transform=twice)
+    assert torch.equal(plain["dense.weight"], torch.from_numpy(k))
+    with pytest.raises(TargetMismatchError, match=r"shape \(4, 3\) in the checkpoint \(transposed\)"):
+        st.load(tmp_path / "c", {"dense.weight": torch.zeros(3, 4)}, transform=jax_to_torch)
+    flat = S.chain(jax_to_torch, S.reshape(r"dense\.weight", [12]))
+    with pytest.raises(TargetMismatchError, match="rename, transpose and cast"):
+        st.load(tmp_path / "c", {"dense.weight": torch.zeros(12)}, transform=flat)
+    with pytest.raises(ValueError, match="needs a target"):
+        st.load(tmp_path / "c", transform=jax_to_torch)
+
+
+def test_the_jax_trained_mlp_example_gives_the_same_outputs_in_torch(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, "examples", "jax_to_torch.py"), str(tmp_path)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    diff = float(p.stdout.split(":")[-1])
+    assert diff < 1e-5

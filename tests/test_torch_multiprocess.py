@@ -113,3 +113,26 @@ def test_convert_a_dcp_checkpoint_of_fsdp_state_bit_exact(tmp_path, capsys):
     assert target["step"] == 2 and torch.equal(
         target["half"], torch.linspace(-3, 3, 7, dtype=torch.bfloat16)
     )
+
+
+def test_a_jax_checkpoint_into_sharded_dtensors_through_renames_and_transposes(tmp_path):
+    import numpy as np
+
+    import snapshard
+
+    kernel = np.arange(35, dtype=np.float32).reshape(5, 7)  # JAX's (in, out)
+    bias = np.linspace(-1, 1, 7, dtype=np.float32)
+    tree = {"params": {"rows": {"kernel": kernel, "bias": bias}, "cols": {"kernel": kernel + 100}}}
+    snapshard.save(tmp_path / "jax", tree)
+    ranks = multiproc.run("torch_job.py", 2, 1, "transposed", str(tmp_path), timeout=120, env=ENV)
+    got = sorted((p.result() for p in ranks), key=lambda r: r["rank"])
+    want_rows, want_cols = kernel.T, (kernel + 100).T
+    for r in got:
+        k = r["rank"]
+        rows = np.array_split(np.arange(7), 2)[k]
+        cols = np.array_split(np.arange(5), 2)[k]
+        np.testing.assert_array_equal(np.array(r["rows.weight"]), want_rows[rows])
+        np.testing.assert_array_equal(np.array(r["cols.weight"]), want_cols[:, cols])
+        np.testing.assert_array_equal(np.array(r["rows.bias"]), bias)
+        # it asked for its own boxes only: its shard of each kernel (transposed), the bias
+        assert r["bytes_needed"] == 4 * (5 * len(rows) + 7 * len(cols) + 7)

@@ -11,6 +11,9 @@
     torch_job.py managed-restore DIR   a fresh model restores the manager's newest step
     torch_job.py dcp-save DIR every rank: FSDP2 + Adam state (and a bf16 tensor) saved
                               with torch.distributed.checkpoint.save
+    torch_job.py transposed DIR  every rank: DTensors sharded by rows and by columns filled
+                              from DIR/jax (JAX names, (in, out) kernels) through renames
+                              and transposes; reports its local shards
 
 Reports, per saved state, the sha256 of every entry's full value: the test compares them.
 """
@@ -203,6 +206,37 @@ def main() -> None:
             )
         os._exit(0)
     kinds = ["1d", "2d"] if world == 4 else ["1d"]
+    if cmd == "transposed":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        import snapshard
+        from snapshard.safetensors import surgery as S
+
+        mesh = init_device_mesh("cpu", (world,))
+        zeros = torch.zeros(7, 5)  # torch's (out, in) of a (5, 7) kernel
+        target = {
+            "rows.weight": distribute_tensor(zeros, mesh, [Shard(0)]),
+            "cols.weight": distribute_tensor(zeros.clone(), mesh, [Shard(1)]),
+            "rows.bias": torch.zeros(7),
+        }
+        stats = snapshard.ReadStats()
+        st.load(
+            os.path.join(root, "jax"),
+            target,
+            stats=stats,
+            transform=S.chain(
+                S.transpose(r"params/.*/kernel"),
+                S.rename(r"params/(\w+)/kernel", r"\1.weight"),
+                S.rename(r"params/(\w+)/bias", r"\1.bias"),
+            ),
+        )
+        result = {k: v.to_local().tolist() if hasattr(v, "to_local") else v.tolist() for k, v in target.items()}
+        result["bytes_needed"] = stats.bytes_needed
+        dist.barrier()
+        report(rank=rank, **result)
+        dist.destroy_process_group()
+        return
     if cmd in ("managed", "managed-restore"):
         result = managed(cmd, root, rank, world)
     elif cmd == "dcp-save":

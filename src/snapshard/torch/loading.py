@@ -30,6 +30,8 @@ from ..read_executor import (
     aligned_empty,
 )
 from ..restore import load as _load_numpy
+from ..safetensors.surgery import Transform
+from ..safetensors.virtual import Derived, Stored, VArray
 from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
@@ -72,10 +74,15 @@ def _regions(target: Any) -> list[tuple[np.ndarray, np.ndarray, Any, tuple[slice
     return [(np.zeros(nd, np.int64), shape, target, tuple(slice(0, int(n)) for n in shape))]
 
 
-def _fills(leaf: ArrayLeaf, target: Any) -> list[_Fill]:
+def _fills(leaf: ArrayLeaf, target: Any, perm: tuple[int, ...] | None = None) -> list[_Fill]:
+    """The reads that fill `target` from `leaf`; with `perm`, the target is the saved array
+    transposed by it (target axis i is saved axis perm[i])."""
     saved_dt = dtype_from_name(leaf.dtype)
     out = []
     for start, stop, local, slc in _regions(target):
+        if perm is not None:  # the box of the saved array that holds this region
+            inv = np.argsort(perm)
+            start, stop = start[inv], stop[inv]
         shape = tuple(int(b - a) for a, b in zip(start, stop, strict=True))
         nbytes = math.prod(shape) * saved_dt.itemsize
         if nbytes == 0:
@@ -87,7 +94,7 @@ def _fills(leaf: ArrayLeaf, target: Any) -> list[_Fill]:
         else:
             want = region.dtype
             direct = region.flags.c_contiguous and want == saved_dt and region.flags.writeable
-        if direct:
+        if direct and perm is None:
             flat = host_view(region) if isinstance(region, torch.Tensor) else region
             out.append(_Fill(Dest(leaf, start, stop, flat.reshape(-1).view(np.uint8)), None))
             continue
@@ -97,6 +104,8 @@ def _fills(leaf: ArrayLeaf, target: Any) -> list[_Fill]:
             buf: np.ndarray = buf, region: Any = region, shape: Any = shape, want: Any = want
         ) -> None:
             data = buf.view(saved_dt).reshape(shape)
+            if perm is not None:
+                data = data.transpose(perm)
             if data.dtype != want:
                 data = data.astype(want)
             if isinstance(region, np.ndarray):
@@ -109,6 +118,43 @@ def _fills(leaf: ArrayLeaf, target: Any) -> list[_Fill]:
                 region.copy_(t)
 
         out.append(_Fill(Dest(leaf, start, stop, buf), step))
+    return out
+
+
+def _resolve(x: VArray, name: str, url: str) -> tuple[str, tuple[int, ...] | None]:
+    """(saved leaf name, permutation or None) of a transform's result: a saved array,
+    renamed, transposed and/or cast (the target's dtype decides the cast)."""
+    perm: tuple[int, ...] | None = None
+    while isinstance(x, Derived) and x.kind in ("transpose", "cast") and x.child is not None:
+        if x.kind == "transpose":
+            perm = x.perm if perm is None else tuple(x.perm[p] for p in perm)
+        x = x.child
+    if not isinstance(x, Stored):
+        raise TargetMismatchError(
+            f"{url}: target leaf {name!r}: loading a snapshard checkpoint into torch takes "
+            "rename, transpose and cast transforms; fuse, split, stack and reshape work when "
+            "loading safetensors files (snapshard.safetensors.load)"
+        )
+    return x.name, perm
+
+
+def _transformed(
+    saved: dict[Path, Any], transform: Transform, url: str
+) -> dict[str, tuple[Any, tuple[int, ...] | None]]:
+    """Target name -> (saved leaf, permutation) through `transform` (snapshard.safetensors
+    .surgery) applied to the saved arrays, which it sees under their names."""
+    by_name = {leaf.name: leaf for leaf in saved.values()}
+    arrays = {
+        leaf.name: Stored(leaf.shape, dtype_from_name(leaf.dtype), leaf.name)
+        for leaf in saved.values()
+        if isinstance(leaf, ArrayLeaf)
+    }
+    out: dict[str, tuple[Any, tuple[int, ...] | None]] = {
+        leaf.name: (leaf, None) for leaf in saved.values() if isinstance(leaf, ValueLeaf)
+    }
+    for name, x in transform(arrays).items():
+        source, perm = _resolve(x, name, url)
+        out[name] = (by_name[source], perm)
     return out
 
 
@@ -168,15 +214,23 @@ def load(
     threads: int = DEFAULT_THREADS,
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
     max_gap: int = DEFAULT_MAX_GAP,
+    transform: Transform | None = None,
 ) -> Any:
     """Restore a checkpoint into `target` (a state dict of tensors, DTensors, NumPy arrays
     and Python values), in place, and return it. Without a target: the whole checkpoint as
     CPU tensors (NumPy arrays for dtypes torch lacks) and Python values.
 
+    `transform` maps the saved names to the target's with the surgery transforms of
+    snapshard.safetensors (`rename`, `transpose`, `cast`, `chain`), e.g. a JAX model's
+    `params/dense/kernel` onto torch's `dense.weight`, transposed; each rank still reads
+    only the boxes its shards hold.
+
     Any checkpoint snapshard reads works: one saved from JAX, from torch on another mesh or
     world size, or by Orbax. `memory_budget` bounds the host bytes of buffers held at once
     (regions read in place need none)."""
     if target is None:
+        if transform is not None:
+            raise ValueError("transform= needs a target: the state dict whose names it maps onto")
         return _to_torch(
             _load_numpy(
                 directory,
@@ -198,8 +252,13 @@ def load(
         flat = flatten(target, is_leaf)
         values: dict[Path, Any] = {}
         fills: list[_Fill] = []
+        mapped = _transformed(saved, transform, url) if transform is not None else None
         for path, t in zip(flat.paths, flat.leaves, strict=True):
-            leaf = saved.get(path)
+            perm = None
+            if mapped is not None:
+                leaf, perm = mapped.get(path_str(path), (None, None))
+            else:
+                leaf = saved.get(path)
             if leaf is None:
                 below = [p for p in saved if p[: len(path)] == path]
                 near = sorted(path_str(p) for p in saved if p[:-1] == path[:-1])[:5]
@@ -229,12 +288,14 @@ def load(
                 raise TargetMismatchError(
                     f"{url}: leaf {leaf.name!r} is a saved array, the target has {type(t).__name__}"
                 )
-            if tuple(t.shape) != leaf.shape:
+            shape = leaf.shape if perm is None else tuple(leaf.shape[p] for p in perm)
+            if tuple(t.shape) != shape:
                 raise TargetMismatchError(
-                    f"{url}: leaf {leaf.name!r} has shape {leaf.shape} in the checkpoint, the "
-                    f"target asks for {tuple(t.shape)}"
+                    f"{url}: leaf {leaf.name!r} has shape {shape} in the checkpoint"
+                    + (" (transposed)" if perm is not None else "")
+                    + f", the target asks for {tuple(t.shape)}"
                 )
-            fills.extend(_fills(leaf, t))
+            fills.extend(_fills(leaf, t, perm))
         with torch.no_grad():
             for batch in _batches(fills, memory_budget):
                 t0 = time.perf_counter()
