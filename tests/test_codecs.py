@@ -4,6 +4,7 @@ they touch, checksums of every uncompressed block, and codecs with incremental s
 from __future__ import annotations
 
 import json
+import threading
 
 import jax
 import ml_dtypes
@@ -138,13 +139,14 @@ def small_groups(monkeypatch):
     monkeypatch.setattr(codecs, "_GROUP", 8192)
     monkeypatch.setattr(codecs, "_threads", lambda: 2)
     threads = set()
-    real = codecs._unpack_block
+    for name in ("_unpack_block", "_unpack_whole"):  # where blocks are decompressed
+        real = getattr(codecs, name)
 
-    def unpack(*a, **kw):
-        threads.add(__import__("threading").current_thread().name)
-        return real(*a, **kw)
+        def unpack(*a, real=real, **kw):
+            threads.add(threading.current_thread().name)
+            return real(*a, **kw)
 
-    monkeypatch.setattr(codecs, "_unpack_block", unpack)
+        monkeypatch.setattr(codecs, name, unpack)
     return threads
 
 

@@ -244,8 +244,8 @@ def write_chunk(
     offsets = [0]
     crcs: list[int] = []
     for packed, sums in _in_parallel(_groups(0, nblocks, block), n, pack):
+        writer.write(memoryview(b"".join(packed)))  # one write per group, not per block
         for z in packed:
-            writer.write(memoryview(z))
             offsets.append(offsets[-1] + len(z))
         crcs.extend(sums)
     tail = np.asarray(offsets, "<u8").tobytes() + np.asarray(crcs, "<u4").tobytes()
@@ -352,6 +352,12 @@ def read_range(
     if np.any(np.diff(ends) < 0) or offset + int(ends[-1]) > crc_offset:
         raise CorruptCheckpointError(f"{where}: malformed compressed block offsets")
     out = _Output(buffers)
+    ol = [int(x) for x in ends.tolist()]
+    cl = [int(x) for x in crcs.tolist()] if verify else None
+    # Blocks wholly inside [start, stop) (relative to b0) take the fast path with zstd alone.
+    full0, full1 = -(-start // block) - b0, (stop // block if stop < nbytes else nblocks) - b0
+    if codec != ZSTD or not hasattr(_backend(), "ZstdDecompressor"):
+        full0 = full1 = 0
     # Windows of blocks whose compressed bytes are at most WINDOW (at least one block).
     k = 0
     while k < b1 - b0:
@@ -366,19 +372,86 @@ def read_range(
             window = packed[lo : int(ends[e])]
 
         def unpack(g0: int, g1: int, window: np.ndarray = window, lo: int = lo) -> None:
-            for j in range(g0, g1):
+            j = g0
+            while j < g1:
+                if full0 <= j < full1:
+                    j = _unpack_whole(window.data, lo, ol, cl, j, min(g1, full1), b0, out,
+                                      nbytes=nbytes, block=block, start=start, where=where,
+                                      leaf=leaf, chunk=chunk)  # fmt: skip
+                    if j >= min(g1, full1):
+                        continue
                 _unpack_block(
-                    window[int(ends[j]) - lo : int(ends[j + 1]) - lo].data, b0 + j, out,
+                    window[ol[j] - lo : ol[j + 1] - lo].data, b0 + j, out,
                     nbytes=nbytes, block=block, codec=codec, itemsize=itemsize, start=start,
-                    stop=stop, crc=int(crcs[j]) if verify else None, where=where, leaf=leaf,
+                    stop=stop, crc=cl[j] if cl is not None else None, where=where, leaf=leaf,
                     chunk=chunk,
                 )  # fmt: skip
+                j += 1
 
         size = min(stop, (b0 + e) * block) - max(start, (b0 + k) * block)
         for _ in _in_parallel(_groups(k, e, block), size, unpack):
             pass
         k = e
     return read
+
+
+def _unpack_whole(
+    window: memoryview,
+    lo: int,
+    ends: list[int],
+    crcs: list[int] | None,
+    j: int,
+    stop_j: int,
+    b0: int,
+    out: _Output,
+    *,
+    nbytes: int,
+    block: int,
+    start: int,
+    where: str,
+    leaf: str,
+    chunk: int,
+) -> int:
+    """Codec 1, blocks j.. (of b0..) wholly inside the read and inside one output buffer, in
+    a tight loop: decompress, check the size and the checksum, copy into place. Returns the
+    first block it left (stop_j, or one that spans two buffers: the caller's)."""
+    import zstandard
+
+    d = getattr(_local, "d", None)
+    if d is None:
+        d = _local.d = zstandard.ZstdDecompressor()
+    at = (b0 + j) * block - start
+    i = bisect.bisect_right(out.ends, at)
+    buf, base, end = out.bufs[i], out.ends[i] - len(out.bufs[i]), out.ends[i]
+    while j < stop_j:
+        b = b0 + j
+        size = min(block, nbytes - b * block)
+        if at + size > end:
+            break
+        z = window[ends[j] - lo : ends[j + 1] - lo]
+        try:
+            if zstandard.frame_content_size(z) != size:
+                raise ValueError("the frame does not hold the block's size")
+            plain = d.decompress(z)
+        except Exception as e:  # the backend's own error types
+            raise CorruptCheckpointError(
+                f"{where}: leaf {leaf!r}, chunk {chunk}: block {b} does not decompress ({e})"
+            ) from None
+        if len(plain) != size:
+            raise CorruptCheckpointError(
+                f"{where}: leaf {leaf!r}, chunk {chunk}: block {b} decompresses to "
+                f"{len(plain)} bytes, not {size}"
+            )
+        if crcs is not None:
+            actual = crc32c(plain)
+            if actual != crcs[j]:
+                raise ChecksumMismatchError(
+                    file=where, leaf=leaf, chunk=chunk, block=b, expected=crcs[j], actual=actual
+                )
+        buf[at - base : at - base + size] = plain
+        at += size
+        j += 1
+    return j
 
 
 def _unpack_block(
