@@ -176,8 +176,8 @@ def _in_parallel(
 def _scratch(name: str, n: int, keep: int) -> np.ndarray:
     """n bytes of this thread's scratch `name`, reused by its next call rather than fresh
     memory (and its page faults) each time. Kept only up to `keep` bytes and only by the
-    library's own threads (readers end with their load); a caller's thread would hold it
-    for good."""
+    library's own threads (readers end with their load; codec threads keep a block at most);
+    a caller's thread would hold it for good."""
     buf = getattr(_local, name, None)
     if buf is not None and len(buf) >= n:
         return buf[:n]
@@ -190,8 +190,9 @@ def _scratch(name: str, n: int, keep: int) -> np.ndarray:
 def codec_for(compression: str | None, dtype: np.dtype) -> int:
     """The codec of a chunk of `dtype` under a save's `compression` option: 'zstd' (or
     'zstd-noshuffle') compresses the bytes as they are; 'zstd+shuffle' byte-shuffles types
-    wider than a byte first. The shuffle saved 0.3-0.4% more bytes on trained-like
-    floating-point state for 10-70% more time (design.md, "Compression"): not the default."""
+    wider than a byte first. None (the default of `save`) compresses nothing. The shuffle
+    saved 0.3-0.4% more bytes on trained-like floating-point state for 10-70% more time
+    (design.md, "Compression"), so 'zstd' does not shuffle."""
     if compression is None:
         return NONE
     if compression in ("zstd", "zstd-noshuffle"):
