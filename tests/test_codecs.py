@@ -213,3 +213,20 @@ def test_a_block_of_the_wrong_size_is_refused():
     assert codecs._decompress_into(memoryview(z), out.data) > 4000
     out = np.empty(6000, np.uint8)
     assert codecs._decompress_into(memoryview(z), out.data) == 5000
+
+
+def test_frames_without_their_size_in_the_header_read_back(tmp_path, monkeypatch):
+    """Other zstd writers may leave the content size out of a frame's header."""
+    import zstandard
+
+    plain = zstandard.ZstdCompressor(level=1, write_content_size=False)
+    monkeypatch.setattr(codecs, "_compress", lambda data, level: plain.compress(data))
+    x = (np.arange(1 << 18, dtype=np.float32) % 101).reshape(512, 512)
+    snapshard.save(tmp_path / "c", {"x": x}, compression="zstd")
+    monkeypatch.undo()
+    assert np.array_equal(snapshard.load(tmp_path / "c")["x"], x)
+    from snapshard.interop.reader import open_reader
+
+    reader = open_reader(tmp_path / "c")
+    box = reader.read_box(reader.manifest.arrays[0], (7, 3), (300, 500))
+    assert np.array_equal(box, x[7:300, 3:500])

@@ -350,7 +350,7 @@ def read_range(
             storage.read_into(name, at, [crcs.view(np.uint8).data])
             read += crcs.nbytes
     ends = offs.astype(np.int64)
-    if np.any(np.diff(ends) < 0) or offset + int(ends[-1]) > crc_offset:
+    if ends[0] < 0 or np.any(np.diff(ends) < 0) or offset + int(ends[-1]) > crc_offset:
         raise CorruptCheckpointError(f"{where}: malformed compressed block offsets")
     out = _Output(buffers)
     ol = [int(x) for x in ends.tolist()]
@@ -431,9 +431,10 @@ def _unpack_whole(
             break
         z = window[ends[j] - lo : ends[j + 1] - lo]
         try:
-            if zstandard.frame_content_size(z) != size:
-                raise ValueError("the frame does not hold the block's size")
-            plain = d.decompress(z)
+            declared = zstandard.frame_content_size(z)  # -1: not in the frame header
+            if declared not in (-1, size):
+                raise ValueError(f"the frame declares {declared} bytes")
+            plain = d.decompress(z, max_output_size=size)
         except Exception as e:  # the backend's own error types
             raise CorruptCheckpointError(
                 f"{where}: leaf {leaf!r}, chunk {chunk}: block {b} does not decompress ({e})"
