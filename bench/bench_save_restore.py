@@ -247,9 +247,19 @@ def analyze(path: str) -> None:
             "<= 1.05",
         ),
         (
-            "first restore after a save / the repeated one (same process)",
+            "first restore after a save (source alive) / the repeated one (same process)",
+            ratio(snap("restore_alive_s"), snap("restore_repeat_s")),
+            "<= 1.5",
+        ),
+        (
+            "first restore after a save, source deleted / the repeated one",
             ratio(snap("restore_warm_s"), snap("restore_repeat_s")),
             "<= 1.5",
+        ),
+        (
+            "a fresh process that first touches freed memory / fresh-process restore warm",
+            ratio(pr("fresh_first", "restore_s"), pr("fresh_load_warm", "restore_s")),
+            "",
         ),
         (
             "fresh-process restore: Orbax s / snapshard s",
@@ -288,7 +298,13 @@ def analyze(path: str) -> None:
             for k in ("plan_s", "stage_s", "write_s", "commit_s")
         )
         print(f"| save | {parts} |")
-        for step in ("restore_warm", "restore_repeat", "restore_evicted", "reshard_warm"):
+        for step in (
+            "restore_alive",
+            "restore_warm",
+            "restore_repeat",
+            "restore_evicted",
+            "reshard_warm",
+        ):
             parts = ", ".join(
                 f"{k} {bc.spread(vals('snapshard', f'{step}_stats.{k}'), 3)}"
                 for k in ("read_s", "assemble_s", "total_s")

@@ -1,7 +1,7 @@
 """snapshard, the same steps as the Orbax job: durable save (`snapshard.save`, synchronous:
 data files, index and manifest fsync'd, renamed into place) -> restore into the save sharding
-(warm, the saved tree still alive) -> the same restore again -> restore onto mesh (4, 2)
-P('model', None) (warm) -> evict -> restore (evicted).
+(warm, the saved tree still alive) -> delete the tree -> the same restore (warm) and again
+-> restore onto mesh (4, 2) P('model', None) (warm) -> evict -> restore (evicted).
 Every restore verifies checksums (the default) and reports snapshard.ReadStats.
 
 usage: python job_snapshard.py [--scale S] [--round R] [--no-evicted] [--profile]
@@ -49,12 +49,13 @@ def run(tree, path, scale, record, evicted, profile=False):
             "reshard_warm": bc.abstract(tree, scale, reshard_mesh, True),
         }
         ok = True
-        # The first restore runs while the saved tree is still alive, as right after a save
-        # in a training process (its memory is fresh); the repeat reuses what it freed.
-        steps = ["restore_warm", "restore_repeat", "reshard_warm"]
+        # restore_alive runs while the saved tree is still alive, as right after a save in a
+        # training process: its memory is fresh. Then, as in the Orbax job, the source is
+        # deleted and the restores reuse memory the process freed.
+        steps = ["restore_alive", "restore_warm", "restore_repeat", "reshard_warm"]
         steps += ["restore_evicted"] if evicted else []
         for step in steps:
-            if step == "reshard_warm":
+            if step == "restore_warm":
                 bc.delete_tree(tree)  # not needed any more: keep the peak RSS down
             target = targets["reshard_warm" if step == "reshard_warm" else "restore_warm"]
             if step == "restore_evicted":
