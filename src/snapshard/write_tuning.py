@@ -7,10 +7,11 @@ store, where every file is its own stream of requests) two or more are needed. A
 manager's steps share) for a count and reports the write throughput it reached with it.
 The first `FIRST_SAVES` saves use the default count (a process that saves once, or a
 manager's first steps, behave as before), then each other candidate is tried once, then the
-best recent median is used, and every `EXPLORE_EVERY`-th save tries another to follow
-drift. Saves of under `MIN_BYTES` per
-process measure nothing useful and keep `DEFAULT_COUNT`. The choice is per process: the
-file count is each process's own (its report lists its files), so no agreement is needed.
+one with the best recent median is used (the default unless another is `MARGIN` faster:
+noise must not make the choice flap), and every `EXPLORE_EVERY`-th save tries another to
+follow drift. Saves of under `MIN_BYTES` per process measure nothing useful and keep
+`DEFAULT_COUNT`. The choice is per process: the file count is each process's own (its
+report lists its files), so no agreement is needed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ DEFAULT_COUNT = 2
 MIN_BYTES = 64 << 20
 EXPLORE_EVERY = 8
 FIRST_SAVES = 2  # saves with the default count before another is tried
+MARGIN = 1.1  # another count is used only when its median throughput is this much higher
 _KEEP = 3  # measurements kept per candidate
 
 LOCAL_CANDIDATES = (1, 2)
@@ -48,7 +50,10 @@ class WriterCounts:
         untried = [n for n in self.candidates if not self.history.get(n)]
         if untried:
             return untried[0]
-        best = max(self.candidates, key=lambda n: statistics.median(self.history[n]))
+        rate = {n: statistics.median(self.history[n]) for n in self.candidates}
+        best = max(self.candidates, key=lambda n: rate[n])
+        if rate[best] < MARGIN * rate[first]:
+            best = first  # noise would make the choice flap: leave the default only for a clear win
         if self.saves % EXPLORE_EVERY == 0:
             others = [n for n in self.candidates if n != best]
             return others[(self.saves // EXPLORE_EVERY) % len(others)] if others else best
