@@ -29,7 +29,6 @@ def child(variant: str, root: str, scale: float) -> None:
 
     import snapshard
 
-    tree_meta = snapshard.metadata(os.path.join(root, "0"))  # noqa: F841 - warms nothing big
     reshard = variant == "fresh_reshard_warm"
     m = bc.mesh(4, 2) if reshard else bc.mesh(2, 4)
     spec = bc.tree_spec(scale)

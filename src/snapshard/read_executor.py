@@ -603,7 +603,7 @@ def execute(
     Returns the built values in the order of `reqs`.
     """
     budget = None if all(r.kind in ("numpy", "scalar") for r in reqs) else memory_budget
-    if any(len(d.devices) > 1 for r in reqs for d in r.dests):
+    if any(len(d.devices) > 1 and d.devices[0].platform == "cpu" for r in reqs for d in r.dests):
         start_cpu_donation_check()  # overlaps the reads (see to_devices)
     results: dict[int, Any] = {}
     for batch in _batches(reqs, budget):

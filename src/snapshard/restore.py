@@ -123,6 +123,22 @@ def build_from_host(
     return build_request(req)
 
 
+def missing_target_leaf(url: str, path: Path, saved: Mapping[Path, Any]) -> TargetMismatchError:
+    """The error for a target leaf at `path` that the checkpoint (leaves `saved`) lacks: it
+    names the subtree saved there, or the leaves saved beside it."""
+    below = [p for p in saved if p[: len(path)] == path]
+    if below:
+        return TargetMismatchError(
+            f"{url}: the target has a leaf at {path_str(path)!r}, the checkpoint has a subtree there "
+            f"({len(below)} leaves, e.g. {path_str(below[0])!r})"
+        )
+    near = sorted(path_str(p) for p in saved if p[:-1] == path[:-1])[:5]
+    return TargetMismatchError(
+        f"{url}: leaf {path_str(path)!r} of the target is not in the checkpoint"
+        + (f" (saved leaves beside it: {', '.join(near)})" if near else "")
+    )
+
+
 def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple[Path, Any]], Any]:
     """(path, target leaf) pairs of the target, and its treedef."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
@@ -131,17 +147,7 @@ def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple
     for keypath, t in flat:
         path = keypath_to_path(keypath)
         if path not in saved:
-            below = [p for p in saved if p[: len(path)] == path]
-            if below:
-                raise TargetMismatchError(
-                    f"{url}: the target has a leaf at {path_str(path)!r}, the checkpoint has a subtree there "
-                    f"({len(below)} leaves, e.g. {path_str(below[0])!r})"
-                )
-            near = sorted(path_str(p) for p in saved if p[:-1] == path[:-1])[:5]
-            raise TargetMismatchError(
-                f"{url}: leaf {path_str(path)!r} of the target is not in the checkpoint"
-                + (f" (saved leaves beside it: {', '.join(near)})" if near else "")
-            )
+            raise missing_target_leaf(url, path, saved)
         pairs.append((path, t))
     return pairs, treedef
 

@@ -332,8 +332,9 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         results = [
             _write_file(prep.storage, n, g, codec_of) for n, g in zip(names, groups, strict=True)
         ]
+    data_bytes = sum(it.nbytes for it in items)
     if tuner is not None:
-        tuner.record(count, sum(it.nbytes for it in items), time.perf_counter() - t_data)
+        tuner.record(count, data_bytes, time.perf_counter() - t_data)
     prep.timings.data_files = len(groups)
     by_leaf: dict[int, list[tuple[Any, ...]]] = {}
     for j, (_, rows) in enumerate(results):
@@ -361,7 +362,7 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         values = per_process.encode_file(own, leaf_names)
         prep.storage.write_bytes(values_file_name(pid, nonce), values)
     sizes = [size for size, _ in results]
-    prep.timings.bytes_written = sum(it.nbytes for it in items)
+    prep.timings.bytes_written = data_bytes
     prep.timings.bytes_metadata = sum(sizes) + len(data) - prep.timings.bytes_written
     return {
         "nonce": nonce,
@@ -589,6 +590,15 @@ def finish(prep: _Prepared) -> SaveTimings:
     return prep.timings
 
 
+def refuse_existing(storage: Storage, overwrite: bool) -> None:
+    """A synchronous save's early refusal of an existing checkpoint, before any work (the
+    commit checks again, atomically)."""
+    if not overwrite and storage.is_committed():
+        raise CheckpointExistsError(
+            f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
+        )
+
+
 def save(
     directory: Location | Storage,
     tree: Any,
@@ -618,10 +628,7 @@ def save(
     checksum block on its own (see snapshard.codecs).
     """
     storage = storage_for(directory)
-    if not overwrite and storage.is_committed():
-        raise CheckpointExistsError(
-            f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
-        )
+    refuse_existing(storage, overwrite)
     prep = prepare(
         storage,
         tree,

@@ -40,11 +40,15 @@ class WriterCounts:
     history: dict[int, list[float]] = field(default_factory=dict)
     saves: int = 0
 
+    @property
+    def default(self) -> int:
+        return DEFAULT_COUNT if DEFAULT_COUNT in self.candidates else self.candidates[0]
+
     def choose(self, nbytes: int) -> int:
+        first = self.default
         if nbytes < MIN_BYTES:
-            return DEFAULT_COUNT if DEFAULT_COUNT in self.candidates else self.candidates[0]
+            return first
         self.saves += 1
-        first = self.candidates[-1] if DEFAULT_COUNT not in self.candidates else DEFAULT_COUNT
         if len(self.history.get(first, ())) < FIRST_SAVES:
             return first
         untried = [n for n in self.candidates if not self.history.get(n)]

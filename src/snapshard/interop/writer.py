@@ -15,7 +15,7 @@ import numpy as np
 
 from ..checksum import crc32c
 from ..dtypes import dtype_from_name, little_endian
-from ..errors import CheckpointExistsError, SnapshardError
+from ..errors import SnapshardError
 from ..format import (
     ArrayLeaf,
     ChunkTable,
@@ -30,7 +30,7 @@ from ..format import (
     validate_coverage,
     validate_structure,
 )
-from ..saving import chunk_span, records_of, write_chunk
+from ..saving import chunk_span, records_of, refuse_existing, write_chunk
 from ..storage import FileWriter, Location, Storage, storage_for
 from ..tree import JsonNode, Path
 
@@ -50,10 +50,7 @@ class CheckpointWriter:
     ):
         self.storage = storage_for(location)
         self.url = self.storage.url
-        if not overwrite and self.storage.is_committed():
-            raise CheckpointExistsError(
-                f"a checkpoint already exists at {self.url} (pass overwrite to replace it)"
-            )
+        refuse_existing(self.storage, overwrite)
         self.overwrite, self.file_bytes, self.extra = overwrite, file_bytes, extra or {}
         self.nonce = uuid.uuid4().hex[:8]
         self.leaves: list[Leaf] = []

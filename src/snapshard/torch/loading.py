@@ -30,6 +30,7 @@ from ..read_executor import (
     aligned_empty,
 )
 from ..restore import load as _load_numpy
+from ..restore import missing_target_leaf
 from ..safetensors.surgery import Transform
 from ..safetensors.virtual import Derived, Stored, VArray
 from ..sources import open_checkpoint
@@ -260,21 +261,7 @@ def load(
             else:
                 leaf = saved.get(path)
             if leaf is None:
-                below = [p for p in saved if p[: len(path)] == path]
-                near = sorted(path_str(p) for p in saved if p[:-1] == path[:-1])[:5]
-                raise TargetMismatchError(
-                    f"{url}: leaf {path_str(path)!r} of the target is not in the checkpoint"
-                    + (
-                        f" (the checkpoint has a subtree there: {len(below)} leaves)"
-                        if below
-                        else ""
-                    )
-                    + (
-                        f" (saved leaves beside it: {', '.join(near)})"
-                        if near and not below
-                        else ""
-                    )
-                )
+                raise missing_target_leaf(url, path, saved)
             is_array = isinstance(t, torch.Tensor | np.ndarray)
             if isinstance(leaf, ValueLeaf):
                 if is_array:

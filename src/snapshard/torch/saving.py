@@ -23,7 +23,6 @@ import torch
 from .. import saving as _saving
 from ..adapters.leaves import SaveArray
 from ..background import BackgroundTask
-from ..errors import CheckpointExistsError
 from ..format.manifest import Leaf
 from ..manager.framework import StartedSave
 from ..planning import WritePlan
@@ -193,10 +192,7 @@ def save(
     the same structure. Leaves: tensors (taken to be equal on every rank), DTensors (each
     rank writes only the boxes the shared plan gives it), NumPy arrays, Python values."""
     storage = storage_for(directory)
-    if not overwrite and storage.is_committed():
-        raise CheckpointExistsError(
-            f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
-        )
+    _saving.refuse_existing(storage, overwrite)
     started = start_save(
         storage,
         state_dict,
