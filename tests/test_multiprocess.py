@@ -118,6 +118,17 @@ def test_managed_async_saves_on_two_processes_use_no_barrier(tmp_path):
         assert r["per_save"]["get"] == (0 if r["pid"] == 0 else 1)
 
 
+def test_without_the_preemption_service_processes_agree_on_the_step_through_the_store(
+    tmp_path,
+):
+    # Only process 1 is preempted, at step 3, once process 0 has checked step 3: both save
+    # at step 4, and it restores.
+    procs = multiproc.run("preempt_jax.py", 2, 2, tmp_path / "run", timeout=120)
+    for p in procs:
+        r = p.result()
+        assert r["agreed"] == 4 and r["steps"] == [4] and r["ok"], r
+
+
 def test_incremental_managed_saves_on_two_processes(tmp_path):
     procs = multiproc.run("incremental_procs.py", 2, 4, tmp_path / "run", 5, timeout=180)
     total = [0] * 5

@@ -82,6 +82,23 @@ def test_manager_saves_fsdp_state_async_keeps_two_and_restores_the_newest(tmp_pa
         assert r["restored"] == saved["6"], p.process_id
 
 
+def test_ranks_signalled_at_different_steps_save_at_one_agreed_step(tmp_path):
+    from workers.torch_job import SIGNALLED_AT
+
+    ranks = multiproc.run("torch_job.py", 2, 1, "preempt", str(tmp_path), timeout=120, env=ENV)
+    res = sorted((p.result() for p in ranks), key=lambda r: r["rank"])
+    # Only rank 1 got SIGTERM, at step 3, and it publishes late (rank 0 has checked step 3
+    # by then): both ranks save at the step after it.
+    assert [r["agreed"] for r in res] == [SIGNALLED_AT + 1] * 2
+    assert all(r["steps"] == [SIGNALLED_AT + 1] for r in res)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == [
+        str(SIGNALLED_AT + 1)
+    ]
+    assert res[0]["saved"] == res[1]["saved"]
+    for r in res:  # restored bit-exact into a fresh model and optimizer
+        assert r["restored"] == r["saved"], r["rank"]
+
+
 def test_convert_a_dcp_checkpoint_of_fsdp_state_bit_exact(tmp_path, capsys):
     import torch
 

@@ -9,6 +9,9 @@
     torch_job.py managed DIR  every rank: train 7 steps with FSDP2 + Adam, saving through
                               snapshard.torch.CheckpointManager (async, every 2 steps, keep 2)
     torch_job.py managed-restore DIR   a fresh model restores the manager's newest step
+    torch_job.py preempt DIR  every rank: train with FSDP2 + Adam and an all_reduce each step;
+                              rank 1 gets SIGTERM at step 3; every rank saves when
+                              reached_preemption says so, then restores that step
     torch_job.py dcp-save DIR every rank: FSDP2 + Adam state (and a bf16 tensor) saved
                               with torch.distributed.checkpoint.save
     torch_job.py transposed DIR  every rank: DTensors sharded by rows and by columns filled
@@ -177,6 +180,50 @@ def managed(cmd: str, root: str, rank: int, world: int) -> dict[str, object]:
     return out
 
 
+SIGNALLED_AT = 3
+
+
+def preempt(root: str, rank: int, world: int) -> dict[str, object]:
+    import signal
+    import time
+
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import snapshard.torch as st
+
+    model, opt = build("1d", world)
+    mgr = st.CheckpointManager(root, save_interval_steps=1000, handle_sigterm=True, timeout_s=30)
+    out: dict[str, object] = {"agreed": None}
+    for step in range(1, 30):
+        train(model, opt, 1, seed=1000 * rank + step)
+        dist.all_reduce(torch.ones(1))  # the ranks stay in step
+        if rank == 1 and step == SIGNALLED_AT:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.3)  # rank 0 has checked this step already, finding nothing
+        if mgr.should_save(step) or mgr.reached_preemption(step):
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd, "step": step}
+            assert mgr.save(step, state, force=True)
+            out["agreed"] = step
+            out["saved"] = digests(state)
+            break
+    mgr.wait_until_finished()
+    out["steps"] = mgr.all_steps()
+    if out["agreed"] is not None:
+        model, opt = build("1d", world)
+        train(model, opt, 1, seed=7)  # other values, same structure
+        msd, osd = get_state_dict(model, opt)
+        target = {"model": msd, "optim": osd, "step": 0}
+        mgr.restore(out["agreed"], target)
+        set_state_dict(
+            model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"]
+        )
+        msd, osd = get_state_dict(model, opt)
+        out["restored"] = digests({"model": msd, "optim": osd, "step": target["step"]})
+    mgr.close()
+    return out
+
+
 def main() -> None:
     cmd, root = sys.argv[1], sys.argv[2]
     rank = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
@@ -239,6 +286,8 @@ def main() -> None:
         return
     if cmd in ("managed", "managed-restore"):
         result = managed(cmd, root, rank, world)
+    elif cmd == "preempt":
+        result = preempt(root, rank, world)
     elif cmd == "dcp-save":
         import torch.distributed.checkpoint as dcp
 

@@ -132,11 +132,11 @@ def distributed_is_initialized() -> bool:
     return distributed.global_state.client is not None
 
 
-def preemption_sync_point(step: int) -> bool:
-    """JAX's preemption sync point, or False where the preemption service is not running."""
+def preemption_sync_point(step: int) -> bool | None:
+    """JAX's preemption sync point, or None where the preemption service is not running."""
     from jax._src import distributed
     from jax.experimental import multihost_utils
 
     if distributed.global_state.preemption_sync_manager is None:
-        return False
+        return None
     return bool(multihost_utils.reached_preemption_sync_point(step))

@@ -11,8 +11,10 @@ depend on the arrays being jax.Arrays or torch tensors; only five things do, and
   `StartedSave` whose `finish()` the manager runs in the background;
 - `load`: restoring a step into a target (or without one);
 - `preemption_sync_point`: a framework's agreement on the step to save at when the job is
-  preempted, or None where there is none (then each process decides from SIGTERM or
-  `notify_preemption`).
+  preempted (True at that step on every process), returning None while its service does
+  not run; or None where there is none. Without one, the processes of a multi-process job
+  agree through the coordinator (coordination/preemption.py), a single process decides
+  from SIGTERM or `notify_preemption`.
 
 Two flags say what the framework supports: the node-local tier (`local_tier`, built on
 jax.Array snapshots and collectives) and the identity shortcut of incremental saves
@@ -61,7 +63,7 @@ class Framework:
     coordinator: Callable[[], Coordinator]
     start_save: Callable[..., StartedSave]
     load: Callable[..., Any]
-    preemption_sync_point: Callable[[int], bool] | None = None
+    preemption_sync_point: Callable[[int], bool | None] | None = None
     local_tier: bool = False
     immutable_arrays: bool = False
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from ..background import BackgroundTask
 from ..coordination import Coordinator
+from ..coordination.preemption import PreemptionAgreement
 from ..coordination.rendezvous import Rendezvous, namespace
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..format.reading import read_manifest
@@ -98,9 +99,10 @@ class CheckpointManager:
         `save_policy`). Retention: keep the newest `max_to_keep` steps, or with `best_fn` the
         `max_to_keep` best by `best_fn(metrics)` (`best_mode` 'max'/'min'; steps without
         metrics are kept), plus every step divisible by `keep_period` (or pass `retention`).
-        `handle_sigterm`: a SIGTERM makes `reached_preemption` true (single-process jobs;
-        multi-process jobs use JAX's preemption service). `local_tier`: also keep each
-        process's shards on node-local storage and on peers (see local_tier.py).
+        `handle_sigterm`: a SIGTERM makes `reached_preemption` true, on every process at
+        one step (see there; where JAX's preemption service runs, leave SIGTERM to it).
+        `local_tier`: also keep each process's shards on node-local storage and on peers
+        (see local_tier.py).
 
         One writer per directory: process 0 takes the directory's writer lease when the
         manager starts and gives it up in `close` (see storage/lease.py); a second manager
@@ -141,6 +143,12 @@ class CheckpointManager:
         self._error: BaseException | None = None
         self._timings: dict[int, SaveTimings] = {}
         self._preempted = threading.Event()
+        # Every process names the key alike: the n-th manager on this directory in the job.
+        self._preemption = (
+            PreemptionAgreement(self._coord, namespace("preemption", self._root.url))
+            if self._coord.process_count > 1
+            else None
+        )
         self._old_sigterm: Any = None
         if handle_sigterm:
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -280,17 +288,35 @@ class CheckpointManager:
         self._preempted.set()
 
     def reached_preemption(self, step: int) -> bool:
-        """True when the job is being preempted and this step should save and exit.
+        """True when the job is being preempted and this step should save
+        (`save(step, tree, force=True)`) and exit. Call it on every process at every step.
 
-        Uses the framework's preemption sync point (JAX's: all processes agree on the step)
-        when the preemption service runs; otherwise a SIGTERM seen by this process or
-        `notify_preemption()`."""
+        A single process: true once it saw SIGTERM (`handle_sigterm=True`) or
+        `notify_preemption()` was called. Several processes: where the framework's
+        preemption sync service runs (JAX's, on by default with jax.distributed), its sync
+        point decides, at one step on every process; the service catches SIGTERM on any
+        process, so leave SIGTERM to it (no `handle_sigterm`, whose handler would replace the
+        service's), and `notify_preemption()` there makes this process's answer true alone.
+        Otherwise (torch.distributed; JAX with the service off) the processes agree through
+        the coordinator (coordination/preemption.py): a process that saw the signal
+        publishes the step it is at, and every process answers true at its first step past
+        the first step published. That is the same step on every process when they run in
+        step (a collective between one call and the next); a process that finds the
+        published step only once it is already past it raises CoordinationError.
+        Cost there: one lookup in the coordinator's store (the c10d store, or JAX's
+        coordination service) per call on every process until a step is published, none
+        after."""
+        synced: bool | None = None
         sync_point = self._framework.preemption_sync_point
-        try:
-            if sync_point is not None and sync_point(step):
-                return True
-        except RuntimeError:
-            pass
+        if sync_point is not None:
+            try:
+                synced = sync_point(step)
+            except RuntimeError:
+                synced = None
+        if synced:
+            return True
+        if synced is None and self._preemption is not None:
+            return self._preemption.reached(step, self._preempted.is_set())
         return self._preempted.is_set()
 
     # ---- saving ----------------------------------------------------------------------

@@ -6,10 +6,12 @@ torch.distributed's store when it runs several ranks; saves are staged into reus
 buffers (torch/saving.py) and restored in place (torch/loading.py). Steps on disk are the
 same as the JAX manager's, so either manager reads the other's directory.
 
-There is no preemption service in torch.distributed: `reached_preemption` is true once this
-rank saw SIGTERM (`handle_sigterm=True`) or `notify_preemption()` was called. Schedulers and
-torchrun signal every rank; where only some are, agree on it with a collective first. The
-node-local tier is JAX's only.
+torch.distributed has no preemption service: `reached_preemption(step)` is true on every
+rank at one step, agreed through the store. A rank that saw SIGTERM (`handle_sigterm=True`)
+or `notify_preemption()` publishes the step it is at, and every rank answers true at its
+first step past it (coordination/preemption.py); this needs the ranks to run in step, a
+collective between one call and the next, as synchronous training does. In a one-rank job
+it is true at once. The node-local tier is JAX's only.
 """
 
 from __future__ import annotations
