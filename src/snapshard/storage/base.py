@@ -37,6 +37,11 @@ class Storage(ABC):
     # Called by `commit` before anything becomes visible (a CheckpointManager checks its
     # writer lease there); raising aborts the commit.
     commit_guard: Callable[[], None] | None = None
+    # Verified reads larger than this are split into pieces of about this size, each checked
+    # right after it lands, while it is still in the CPU's cache (local files, where a
+    # request costs a system call). None: one request per range (object stores, where each
+    # costs a round trip).
+    read_piece_bytes: int | None = None
 
     def _check_guard(self) -> None:
         if self.commit_guard is not None:

@@ -140,6 +140,11 @@ def _is_regular(path: Path) -> bool:
 
 
 class LocalStorage(Storage):
+    """A checkpoint directory on a POSIX filesystem, staged in a sibling directory and
+    committed by rename."""
+
+    read_piece_bytes = 256 << 10
+
     def __init__(self, path: str | os.PathLike[str]):
         text = os.fspath(path)
         if not text:
