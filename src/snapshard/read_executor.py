@@ -17,6 +17,7 @@ leaf → execute(requests, reader) → values in request order.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -52,7 +53,6 @@ from .planning.read_plan import covering_range
 from .storage import Storage
 
 DEFAULT_MEMORY_BUDGET = 4 << 30
-DEFAULT_MAX_GAP = 4096
 DEFAULT_THREADS = 4
 _ALIGN = 64
 
@@ -497,12 +497,27 @@ def _read_verified(storage: Storage, task: _Task, bufs: list[memoryview]) -> Non
             )
 
 
+_scratch = threading.local()
+_SCRATCH_REUSE_BYTES = 64 << 20
+
+
+def _scratch_buffer(nbytes: int) -> np.ndarray:
+    """A read thread's scratch buffer of `nbytes`, reused from task to task (fresh memory
+    costs a page fault per page; on a VM, much more) up to _SCRATCH_REUSE_BYTES."""
+    if nbytes > _SCRATCH_REUSE_BYTES:
+        return np.empty(nbytes, dtype=np.uint8)
+    buf: np.ndarray | None = getattr(_scratch, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _scratch.buf = np.empty(nbytes, dtype=np.uint8)
+    return buf[:nbytes]
+
+
 def _run_task(storage: Storage, task: _Task, dests: list[Dest], verify: bool) -> None:
     runs, r = task.runs, task.rng
     t, c = runs.table, runs.chunk
     scratch = None
     if r.p1 - r.p0 > _MAX_SCATTER_PIECES:
-        scratch = np.empty(r.stop - r.start, dtype=np.uint8)
+        scratch = _scratch_buffer(r.stop - r.start)
         bufs = [scratch.data]
     else:
         bufs = _scatter_views(task, dests)
@@ -587,11 +602,12 @@ def _read_dests(
     dests: list[Dest],
     verify: bool,
     threads: int,
-    max_gap: int,
+    max_gap: int | None,
     stats: ReadStats,
 ) -> None:
     tables = chunk_tables(finder, dests, stats)
-    tasks = plan_tasks(manifest, dests, tables, verify, max_gap, stats, storage.url)
+    gap = storage.read_gap_bytes if max_gap is None else max_gap
+    tasks = plan_tasks(manifest, dests, tables, verify, gap, stats, storage.url)
     # Largest reads first keeps the threads busy to the end.
     tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
     if threads > 1 and len(tasks) > 1:
@@ -672,7 +688,7 @@ def reader_of(
     *,
     verify: bool,
     threads: int,
-    max_gap: int,
+    max_gap: int | None,
     stats: ReadStats,
 ) -> ReadDests:
     """The restore's reads of a snapshard checkpoint (or safetensors files) as a ReadDests."""

@@ -23,7 +23,6 @@ from .format import Manifest, ValueLeaf
 from .format.manifest import ArrayLeaf, PerProcessLeaf, values_file_name
 from .per_process import PerProcess, Resplit
 from .read_executor import (
-    DEFAULT_MAX_GAP,
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_THREADS,
     ReadStats,
@@ -160,7 +159,7 @@ def load(
     stats: ReadStats | None = None,
     threads: int = DEFAULT_THREADS,
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int | None = None,
     resplit: Resplit | None = None,
     mesh: Any = None,
     read_once: bool | None = None,
@@ -175,7 +174,9 @@ def load(
     read; a differing dtype is cast on the host. Leaves saved as snapshard.PerProcess come
     back as each process's own value (`resplit` re-splits them onto another process count).
     `memory_budget` bounds the host bytes held
-    at once while building jax.Arrays. A checkpoint written by Orbax is read the same way,
+    at once while building jax.Arrays. Byte runs of a chunk closer than `max_gap` bytes are
+    read as one (default: the storage's `read_gap_bytes`, 64 KiB on local files, 4 KiB on
+    object stores). A checkpoint written by Orbax is read the same way,
     through TensorStore (see docs/migrating-from-orbax.md). Target shardings on an
     AbstractMesh (eval_shape under jax.set_mesh) are placed on `mesh`, or else on the mesh
     in context.

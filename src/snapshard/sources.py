@@ -36,7 +36,7 @@ class SnapshardSource:
     manifest: Manifest
     verify: bool
     threads: int
-    max_gap: int
+    max_gap: int | None
     format: str = "snapshard"
 
     def read_dests(self, dests: list[Dest], stats: ReadStats) -> None:
@@ -46,7 +46,7 @@ class SnapshardSource:
         )(dests)  # fmt: skip
 
 
-def open_source(storage: Storage, verify: bool, threads: int, max_gap: int) -> CheckpointSource:
+def open_source(storage: Storage, verify: bool, threads: int, max_gap: int | None) -> CheckpointSource:
     """The checkpoint at `storage`: snapshard's, else one of another library (Orbax)."""
     try:
         return SnapshardSource(storage, read_manifest(storage), verify, threads, max_gap)
@@ -57,7 +57,7 @@ def open_source(storage: Storage, verify: bool, threads: int, max_gap: int) -> C
 
 
 def open_checkpoint(
-    storage: Storage, verify: bool, threads: int, max_gap: int, stats: ReadStats
+    storage: Storage, verify: bool, threads: int, max_gap: int | None, stats: ReadStats
 ) -> tuple[Manifest, ReadDests]:
     """The checkpoint's manifest and the reader that fills buffers from it into `stats`."""
     source = open_source(storage, verify, threads, max_gap)

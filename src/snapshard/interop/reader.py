@@ -23,7 +23,6 @@ from ..format import ArrayLeaf, ChunkTable, FileEntry, Leaf, Manifest
 # The restore path's own request and buffer types: reads here run exactly the code (and the
 # checksum verification) of a restore.
 from ..read_executor import (
-    DEFAULT_MAX_GAP,
     DEFAULT_THREADS,
     Dest,
     ReadStats,
@@ -94,7 +93,7 @@ def open_reader(
     storage = storage_for(location)
     stats = ReadStats()
     try:
-        manifest, read_dests = open_checkpoint(storage, verify, threads, DEFAULT_MAX_GAP, stats)
+        manifest, read_dests = open_checkpoint(storage, verify, threads, None, stats)
     except BaseException:
         storage.close()
         raise
@@ -135,7 +134,7 @@ def _safetensors_reader(location: str) -> CheckpointReader:
         manifest,
         verify=False,
         threads=DEFAULT_THREADS,
-        max_gap=DEFAULT_MAX_GAP,
+        max_gap=None,
         stats=stats,
     )
     owned = files.storage if files.owns_storage else None

@@ -13,7 +13,6 @@ import numpy as np
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..format import FileEntry, Manifest
 from ..read_executor import (
-    DEFAULT_MAX_GAP,
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_THREADS,
     ReadStats,
@@ -88,7 +87,7 @@ def load(
     stats: ReadStats | None = None,
     threads: int = DEFAULT_THREADS,
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int | None = None,
     read_once: bool | None = None,
     timeout_s: float = 600.0,
 ) -> Any:

@@ -42,6 +42,10 @@ class Storage(ABC):
     # request costs a system call). None: one request per range (object stores, where each
     # costs a round trip).
     read_piece_bytes: int | None = None
+    # Reads of one chunk whose byte runs are closer than this merge into one read, the bytes
+    # between them read and dropped (the default of `max_gap` in every load): a request
+    # here costs about as much as reading this many bytes more.
+    read_gap_bytes: int = 4096
 
     def _check_guard(self) -> None:
         if self.commit_guard is not None:

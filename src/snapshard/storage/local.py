@@ -144,6 +144,7 @@ class LocalStorage(Storage):
     committed by rename."""
 
     read_piece_bytes = 256 << 10
+    read_gap_bytes = 64 << 10
 
     def __init__(self, path: str | os.PathLike[str]):
         text = os.fspath(path)

@@ -22,7 +22,6 @@ from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
 from ..read_executor import (
-    DEFAULT_MAX_GAP,
     DEFAULT_MEMORY_BUDGET,
     DEFAULT_THREADS,
     Dest,
@@ -214,7 +213,7 @@ def load(
     stats: ReadStats | None = None,
     threads: int = DEFAULT_THREADS,
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
-    max_gap: int = DEFAULT_MAX_GAP,
+    max_gap: int | None = None,
     transform: Transform | None = None,
 ) -> Any:
     """Restore a checkpoint into `target` (a state dict of tensors, DTensors, NumPy arrays
@@ -228,7 +227,7 @@ def load(
 
     Any checkpoint snapshard reads works: one saved from JAX, from torch on another mesh or
     world size, or by Orbax. `memory_budget` bounds the host bytes of buffers held at once
-    (regions read in place need none)."""
+    (regions read in place need none); `max_gap` as in snapshard.load."""
     if target is None:
         if transform is not None:
             raise ValueError("transform= needs a target: the state dict whose names it maps onto")
