@@ -36,7 +36,7 @@ def raw_write(d: str, nbytes: int, threads: int, buf: np.ndarray) -> None:
         t.start()
     for t in ts:
         t.join()
-    bc.fsync_dir(d)
+    bc.fsync_path(d)
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ from common import (  # noqa: E402
     emit,
     evict,
     force_cpu_devices,
-    fsync_dir,
+    fsync_path,
     remove,
     settle,
     spread,
@@ -219,7 +219,7 @@ class Libraries:
             ext = [ZStandard()] if codec else None
             writer = dcp.FileSystemWriter(where, thread_count=2, sync_files=True, _extensions=ext)
             dcp.save(torch_sd, storage_writer=writer)
-            fsync_dir(where)  # DCP does not sync the directory
+            fsync_path(where)  # DCP does not sync the directory
 
     def restore(self, lib: str, codec: str | None, where: str, target: Any, torch_sd: Any) -> Any:
         import jax

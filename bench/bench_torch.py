@@ -362,18 +362,10 @@ def _subset(sd: dict, names: tuple[str, ...]) -> dict:
     return {k: sd[k] for k in names}
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _dcp_save(sd: dict, path: str, threads: int = 1) -> None:
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, thread_count=threads))
     if dist.get_rank() == 0:
-        bc.fsync_dir(path)
+        bc.fsync_path(path)
 
 
 def _dcp_load(sd: dict, path: str) -> int:
@@ -415,7 +407,7 @@ def _async_done(fut: Any, path: str) -> None:
     """Wait for a DCP async_save (a Future, or an AsyncSaveResponse); fsync its directory."""
     getattr(fut, "upload_completion", fut).result()
     if dist.get_rank() == 0:
-        bc.fsync_dir(path)
+        bc.fsync_path(path)
 
 
 def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> dict[str, Any]:
@@ -449,8 +441,8 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
             torch.save(tensors, f)
         else:
             st.save_file(tensors, f)
-        _fsync_file(f)
-        bc.fsync_dir(path)
+        bc.fsync_path(f)
+        bc.fsync_path(path)
 
     def local_load(sd: dict, path: str, fmt: str) -> int:
         f = os.path.join(path, f"rank{rank}.{fmt}")

@@ -278,7 +278,8 @@ def emit(**kw: object) -> None:
 
 
 # ---------------------------------------------------------------- files
-def fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a directory."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -35,7 +35,7 @@ def run(variant, sd, path, record, evicted):
     try:
         with bc.Meter() as m:
             dcp.save(sd, storage_writer=dcp.FileSystemWriter(path, thread_count=int(variant[1:])))
-            bc.fsync_dir(path)
+            bc.fsync_path(path)
         res.update(m.as_dict("save"))
         res["disk_B"], res["disk_files"] = bc.du_bytes(path)
         ok = True

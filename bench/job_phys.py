@@ -63,7 +63,7 @@ def main() -> None:
                 bc.settle()
                 with bc.Meter() as m:
                     write_file(f1, nbytes, buf)
-                    bc.fsync_dir(d)
+                    bc.fsync_path(d)
                 bc.emit(method="raw_write_1thread", bytes=nbytes, **m.as_dict("op"))
             elif mode == "write2":
                 paths = [os.path.join(d, f"p{i}") for i in range(2)]
@@ -77,7 +77,7 @@ def main() -> None:
                         t.start()
                     for t in ts:
                         t.join()
-                    bc.fsync_dir(d)
+                    bc.fsync_path(d)
                 bc.emit(method="raw_write_2threads", bytes=nbytes, **m.as_dict("op"))
                 for p in paths:
                     os.unlink(p)

@@ -34,14 +34,6 @@ def to_torch(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(raw(a)).view(torch.bfloat16) if a.dtype == BF16 else torch.from_numpy(a)
 
 
-def fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save(variant, tree, sd, path):
     os.makedirs(path)
     if variant == "npsave":
@@ -52,9 +44,9 @@ def save(variant, tree, sd, path):
                 os.fsync(f.fileno())
     else:
         save_file(sd, os.path.join(path, "model.safetensors"))
-        fsync_file(os.path.join(path, "model.safetensors"))
-    bc.fsync_dir(path)
-    bc.fsync_dir(os.path.dirname(path))
+        bc.fsync_path(os.path.join(path, "model.safetensors"))
+    bc.fsync_path(path)
+    bc.fsync_path(os.path.dirname(path))
 
 
 def load(variant, tree, path):
