@@ -139,6 +139,21 @@ def _is_regular(path: Path) -> bool:
         return False
 
 
+def _read_fd(fd: int, path: Path) -> bytes:
+    """All of the open file `fd` (closed after), a StorageError naming `path` if it fails."""
+    try:
+        parts: list[bytes] = []
+        while True:
+            b = os.read(fd, 1 << 20)
+            if not b:
+                return b"".join(parts)
+            parts.append(b)
+    except OSError as e:
+        raise StorageError.wrap(e, "read of", path) from e
+    finally:
+        os.close(fd)
+
+
 class LocalStorage(Storage):
     """A checkpoint directory on a POSIX filesystem, staged in a sibling directory and
     committed by rename."""
@@ -319,17 +334,7 @@ class LocalStorage(Storage):
             fd = self._open(base, name)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.url}: file {name!r} is missing") from None
-        try:
-            parts: list[bytes] = []
-            while True:
-                b = os.read(fd, 1 << 20)
-                if not b:
-                    return b"".join(parts)
-                parts.append(b)
-        except OSError as e:
-            raise StorageError.wrap(e, "read of", base / name) from e
-        finally:
-            os.close(fd)
+        return _read_fd(fd, base / name)
 
     def read_manifest(self) -> bytes:
         try:
@@ -344,8 +349,7 @@ class LocalStorage(Storage):
             raise CheckpointNotFoundError(f"no checkpoint at {self.url}: {why}") from None
         except NotADirectoryError:
             raise CheckpointNotFoundError(f"no checkpoint at {self.url}: it is a file") from None
-        os.close(fd)
-        return self._read_whole(self.final, MANIFEST_NAME)
+        return _read_fd(fd, self.final / MANIFEST_NAME)
 
     def _fd(self, name: str) -> int:
         with self._lock:
