@@ -1,7 +1,8 @@
 """Restore in a fresh process, what a restart pays: this process writes a snapshard
 checkpoint of the state (untimed), then starts one fresh process per variant, in an order
-rotated by the round, twice each: `snapshard.load` warm, `CheckpointManager.restore` warm,
-`load` after fadvise eviction, and `load` onto the reshard layout, each timed from the call
+rotated by the round (reversed in odd rounds), twice each: `snapshard.load` warm,
+`CheckpointManager.restore` warm, `load` after fadvise eviction, and `load` onto the
+reshard layout, each timed from the call
 to `block_until_ready` (imports and target building outside the time), after one untimed
 `fresh_first` restore (see below).
 
@@ -78,7 +79,12 @@ def main() -> None:
     # hypervisor takes freed guest memory back and faults it in again on first touch
     # (seconds for 2 GiB, whatever touches it). One untimed restore first gives every
     # timed variant the same start; its time is reported on its own (fresh_first).
-    order = ["fresh_first", *VARIANTS[k:], *VARIANTS[:k], *VARIANTS[k:], *VARIANTS[:k]]
+    # Which process follows which matters too (the memory the one before freed may or may
+    # not have been taken back yet), so odd rounds run the variants in reverse order.
+    turn = [*VARIANTS[k:], *VARIANTS[:k]]
+    if args.round % 2:
+        turn.reverse()
+    order = ["fresh_first", *turn, *turn]
     try:
         for v in order:
             mode = "fresh_load_warm" if v == "fresh_first" else v
