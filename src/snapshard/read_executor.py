@@ -502,8 +502,9 @@ _SCRATCH_REUSE_BYTES = 64 << 20
 
 
 def _scratch_buffer(nbytes: int) -> np.ndarray:
-    """A read thread's scratch buffer of `nbytes`, reused from task to task (fresh memory
-    costs a page fault per page; on a VM, much more) up to _SCRATCH_REUSE_BYTES."""
+    """A read thread's scratch buffer of `nbytes`, reused from task to task within one read
+    (fresh memory costs a page fault per page; on a VM, much more) up to
+    _SCRATCH_REUSE_BYTES."""
     if nbytes > _SCRATCH_REUSE_BYTES:
         return np.empty(nbytes, dtype=np.uint8)
     buf: np.ndarray | None = getattr(_scratch, "buf", None)
@@ -617,8 +618,11 @@ def _read_dests(
             for f in [pool.submit(_run_task, storage, t, dests, verify) for t in tasks]:
                 f.result()
     else:
-        for t in tasks:
-            _run_task(storage, t, dests, verify)
+        try:
+            for t in tasks:
+                _run_task(storage, t, dests, verify)
+        finally:  # the pool's threads end with the pool; this one lives on
+            _scratch.__dict__.pop("buf", None)
 
 
 def _batches(reqs: list[Request], budget: int | None) -> list[list[Request]]:
