@@ -1,6 +1,9 @@
 """Test set-up: 8 simulated CPU devices, before JAX is imported anywhere."""
 
 import os
+import threading
+from collections.abc import Callable
+from typing import Any
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -39,3 +42,21 @@ def chunk_of(ckpt, path: tuple, chunk: int = 0) -> tuple[str, int, int]:
         leaf = next(a for a in m.arrays if a.path == tuple(path))
         t = leaf.chunks
         return m.files[int(t.file[chunk])].name, int(t.offset[chunk]), int(t.nbytes[chunk])
+
+
+def run_bounded(fn: Callable[[], Any], seconds: float) -> tuple[Any, BaseException | None]:
+    """fn() in a thread: (its value, None) or (None, what it raised). Fails the test
+    (instead of hanging it) if fn does not return within `seconds`."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:
+            box["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"call did not return within {seconds:g} s"
+    return box.get("value"), box.get("error")

@@ -16,7 +16,6 @@ A fault-free run records every call the scenario makes below the storage layer; 
 from __future__ import annotations
 
 import shutil
-import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from faultinject import INJECTED, FaultInjector
 from snapshard.errors import SnapshardError
 from snapshard.storage import root_for
 
-from conftest import mesh, sharded
+from conftest import mesh, run_bounded, sharded
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,19 +51,7 @@ def assert_is(out: Any, seed: int) -> None:
 
 def bounded(fn: Callable[[], Any]) -> BaseException | None:
     """Run fn in a thread; the exception it raised (None if none). Fails on a hang."""
-    box: dict[str, BaseException] = {}
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(STEP_TIMEOUT_S)
-    assert not t.is_alive(), f"did not return within {STEP_TIMEOUT_S} s"
-    return box.get("error")
+    return run_bounded(fn, STEP_TIMEOUT_S)[1]
 
 
 def committed(base: str) -> set[str]:

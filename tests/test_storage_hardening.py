@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 
 import jax
 import numpy as np
@@ -17,26 +16,17 @@ from snapshard.errors import CorruptCheckpointError, DeletedArrayError, StorageE
 from snapshard.storage import local
 from snapshard.storage.local import LocalStorage
 
+from conftest import run_bounded
+
 pytestmark = pytest.mark.timeout(60)
 
 
 def bounded(fn, seconds=10.0):
     """fn() in a thread; fails the test (instead of hanging it) if it does not return."""
-    box: dict[str, object] = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:
-            box["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), f"call did not return within {seconds} s"
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
+    value, error = run_bounded(fn, seconds)
+    if error is not None:
+        raise error
+    return value
 
 
 @pytest.fixture
