@@ -10,23 +10,17 @@ exact value) and, when the run ends, the example's exit code; the example's own 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 from _dist import report
-from train_kill import install_kill
+from train_kill import install_kill, load_example
 
 
 def main() -> None:
     directory, steps, every = sys.argv[1], sys.argv[2], sys.argv[3]
     if len(sys.argv) > 4:
         install_kill(sys.argv[4], int(sys.argv[5]))
-    path = Path(__file__).resolve().parents[2] / "examples" / "nnx_train.py"
-    spec = importlib.util.spec_from_file_location("nnx_train", path)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("nnx_train")
     step = example.train_step
 
     def logged_step(*args):

@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from _dist import report
 
@@ -52,15 +53,21 @@ def install_kill(point: str, at: int) -> None:
     local.LocalStorage.commit = commit
 
 
+def load_example(name: str) -> Any:
+    """examples/<name>.py as a module."""
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     directory, steps, every = sys.argv[1], sys.argv[2], sys.argv[3]
     if len(sys.argv) > 4:
         install_kill(sys.argv[4], int(sys.argv[5]))
-    demo_path = Path(__file__).resolve().parents[2] / "examples" / "demo.py"
-    spec = importlib.util.spec_from_file_location("demo", demo_path)
-    assert spec is not None and spec.loader is not None
-    demo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(demo)
+    demo = load_example("demo")
     digest = demo.main(["--dir", directory, "--steps", steps, "--every", every, "--keep", "2"])
     report(digest=digest)
 
