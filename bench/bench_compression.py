@@ -391,6 +391,12 @@ def analyze(rows: list[dict[str, Any]]) -> None:
             sel = [r for r in runs if r["state"] == state and r["storage"] == storage]
             if not sel:
                 continue
+
+            def by_round(lib: str, codec: str | None, sel=sel) -> dict:
+                """The rows of one variant on this state and storage, by round."""
+                want = codec or "none"
+                return {r["round"]: r for r in sel if r["lib"] == lib and r["codec"] == want}
+
             raw = sel[0]["raw_bytes"]
             times = (
                 ("restore_warm_s", "restore_evicted_s") if storage == "local" else ("restore_s",)
@@ -401,14 +407,10 @@ def analyze(rows: list[dict[str, Any]]) -> None:
             print("| " + " | ".join(head) + " |")
             print("|" + "---|" * len(head))
             for lib, codec in VARIANTS:
-                mine = {
-                    r["round"]: r
-                    for r in sel
-                    if r["lib"] == lib and r["codec"] == (codec or "none")
-                }
+                mine = by_round(lib, codec)
                 if not mine:
                     continue
-                plain = {r["round"]: r for r in sel if r["lib"] == lib and r["codec"] == "none"}
+                plain = by_round(lib, None)
 
                 def ratio(key: str, mine=mine, plain=plain, codec=codec) -> str:
                     v = [mine[k][key] / plain[k][key] for k in mine if k in plain]
@@ -422,16 +424,12 @@ def analyze(rows: list[dict[str, Any]]) -> None:
                          ratio("save_s"), *[ratio(t) for t in times],
                          ("yes" if all(exact) else "NO") if exact else ""]  # fmt: skip
                 print("| " + " | ".join(cells) + " |")
-            base = {r["round"]: r for r in sel if r["lib"] == "snapshard" and r["codec"] == "none"}
+            base = by_round("snapshard", None)
             print(f"\nagainst snapshard none ({storage}): time ratios, paired by round\n")
             print("| variant | save | " + " | ".join(t[:-2] for t in times) + " |")
             print("|---|---|" + "---|" * len(times))
             for lib, codec in VARIANTS:
-                mine = {
-                    r["round"]: r
-                    for r in sel
-                    if r["lib"] == lib and r["codec"] == (codec or "none")
-                }
+                mine = by_round(lib, codec)
                 if not mine or (lib == "snapshard" and codec is None):
                     continue
                 cells = [spread([mine[k][key] / base[k][key] for k in mine if k in base])
