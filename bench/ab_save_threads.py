@@ -22,6 +22,7 @@ bc.force_cpu_devices(8)
 
 import snapshard  # noqa: E402
 from job_phys import PIECE, write_file  # noqa: E402
+from snapshard import SaveOptions  # noqa: E402
 
 
 def raw_write(d: str, nbytes: int, threads: int, buf: np.ndarray) -> None:
@@ -66,7 +67,7 @@ def main() -> None:
                     if c.startswith("raw"):
                         raw_write(path, nbytes, threads, buf)
                     else:
-                        snapshard.save(path, tree, threads=threads)
+                        snapshard.save(path, tree, options=SaveOptions(writers=threads))
                 times[c].append(m.wall)
                 bc.emit(method=c, rep=rep, bytes=nbytes, **m.as_dict("op"))
                 bc.remove(path)

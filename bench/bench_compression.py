@@ -55,6 +55,7 @@ from common import (  # noqa: E402
     settle,
     spread,
 )
+from snapshard import SaveOptions  # noqa: E402
 
 STATES = ("peer-bench", "trained")
 TRAINED: dict[str, Any] = {}  # how the trained state came about (written beside it)
@@ -209,7 +210,7 @@ class Libraries:
         if lib == "snapshard":
             import snapshard
 
-            snapshard.save(where, tree, compression=codec)
+            snapshard.save(where, tree, options=SaveOptions(compression=codec))
         elif lib == "orbax":
             self._orbax(where, codec).save(where, args=self.ocp.args.PyTreeSave(tree))
         else:

@@ -42,7 +42,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import snapshard  # noqa: E402
-from snapshard import codecs  # noqa: E402
+from snapshard import SaveOptions, codecs  # noqa: E402
 
 
 def frozen_state(scale: float, m) -> dict:
@@ -179,7 +179,7 @@ def bench_compression(args) -> list[tuple[str, float, str]]:
             fresh_dir(os.path.dirname(d))
             settle()
             t0 = time.perf_counter()
-            snapshard.save(d, state, compression=option, overwrite=True)
+            snapshard.save(d, state, options=SaveOptions(compression=option), overwrite=True)
             save_s = time.perf_counter() - t0
             size, _ = du_bytes(d)
             evict(d)

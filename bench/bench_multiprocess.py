@@ -34,6 +34,7 @@ import time
 from collections import Counter, defaultdict
 
 import common as bc
+from snapshard import SaveOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROCS, DEVICES = 4, 2
@@ -193,7 +194,7 @@ def worker() -> None:
         sync("go")
         counting.take()
         with bc.Meter() as m:
-            t = snapshard.save(path, tree, mode=mode, coordinator=coord)
+            t = snapshard.save(path, tree, options=SaveOptions(mode=mode), coordinator=coord)
         calls = counting.take()
         if record:
             emit(

@@ -27,6 +27,7 @@ import sys
 import time
 
 import common as bc
+from snapshard import ReadOptions
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROCS, DEVICES = 4, 2
@@ -103,7 +104,7 @@ def worker(args: argparse.Namespace) -> None:
                     sync(f"{where}-{cache}-{r}-{once}")
                     stats = snapshard.ReadStats()
                     t0 = time.perf_counter()
-                    out = snapshard.load(loc, target, stats=stats, read_once=once)
+                    out = snapshard.load(loc, target, stats=stats, options=ReadOptions(read_once=once))
                     jax.block_until_ready(out)
                     dt = time.perf_counter() - t0
                     ok = True

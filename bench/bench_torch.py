@@ -77,6 +77,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 import common as bc
+from snapshard import ReadOptions
 
 warnings.filterwarnings("ignore")
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -379,7 +380,7 @@ def _sst_load(sd: dict, path: str, verify: bool = True) -> int:
     from snapshard.read_executor import ReadStats
 
     stats = ReadStats()
-    sst.load(path, sd, stats=stats, verify=verify)
+    sst.load(path, sd, stats=stats, options=ReadOptions(verify=verify))
     return stats.bytes_read
 
 

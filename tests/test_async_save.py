@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import snapshard
+from snapshard import SaveOptions
 from snapshard.adapters import jax_arrays
 from snapshard.storage import local
 
@@ -66,7 +67,7 @@ def test_host_budget_defers_copies_beyond_it(ckpt, monkeypatch):
     monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", False)
     m = mesh(2, 4)
     tree = {f"w{i}": sharded(np.full((64, 64), i, np.float32), m, None, "model") for i in range(4)}
-    handle = snapshard.save_async(ckpt, tree, host_budget=2 * 64 * 64 * 4)
+    handle = snapshard.save_async(ckpt, tree, options=SaveOptions(host_budget=2 * 64 * 64 * 4))
     t = handle.wait(60)
     assert 0 < t.bytes_staged <= 2 * 64 * 64 * 4
     out = snapshard.load(ckpt)
@@ -84,7 +85,7 @@ def test_a_deferred_array_deleted_before_its_copy_fails_with_a_clear_error(ckpt,
     m = mesh(2, 4)
     a = sharded(np.ones((64, 64), np.float32), m, None, "model")
     b = sharded(np.ones((64, 64), np.float32), m, None, "model")
-    handle = snapshard.save_async(ckpt, {"a": a, "b": b}, host_budget=64 * 64 * 4, threads=1)
+    handle = snapshard.save_async(ckpt, {"a": a, "b": b}, options=SaveOptions(host_budget=64 * 64 * 4, writers=1))
     b.delete()
     a.delete()
     gate.set()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import snapshard
+from snapshard import ReadOptions, SaveOptions
 from snapshard.storage import local
 
 from conftest import chunk_of
@@ -57,7 +58,7 @@ def test_a_save_failing_midway_leaves_nothing_and_damages_nothing(ckpt, tmp_path
     monkeypatch.setattr(local.LocalFileWriter, "write", failing_write)
     big = {"a": np.ones((512, 1024), np.float32), "b": np.ones((512, 1024), np.float32)}
     with pytest.raises(OSError, match="injected"):
-        snapshard.save(ckpt, big, threads=1)
+        snapshard.save(ckpt, big, options=SaveOptions(writers=1))
     monkeypatch.undo()
     assert not ckpt.exists()
     assert not any(p.name.startswith("ckpt") for p in tmp_path.iterdir())
@@ -94,7 +95,7 @@ def test_flipped_byte_names_the_leaf(ckpt):
         snapshard.load(ckpt)
     assert name in str(e.value)
     # Without verification the flipped value comes back (and nothing else breaks).
-    out = snapshard.load(ckpt, verify=False)
+    out = snapshard.load(ckpt, options=ReadOptions(verify=False))
     assert not np.array_equal(out["params"]["w"], np.arange(4096, dtype=np.float32))
 
 

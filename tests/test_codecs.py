@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import snapshard
-from snapshard import codecs
+from snapshard import ReadOptions, SaveOptions, codecs
 from snapshard.errors import CorruptCheckpointError
 from snapshard.storage import LocalStorage
 
@@ -45,17 +45,17 @@ def same(a, b):
 @pytest.mark.parametrize("option", ["zstd", "zstd+shuffle", "zstd-noshuffle"])
 def test_round_trips_are_bit_exact(tmp_path, option):
     s = state()
-    snapshard.save(tmp_path / "c", s, compression=option)
+    snapshard.save(tmp_path / "c", s, options=SaveOptions(compression=option))
     doc = json.loads((tmp_path / "c" / "manifest.json").read_bytes())
     assert doc["codecs"]
     same(snapshard.load(tmp_path / "c"), s)
-    same(snapshard.load(tmp_path / "c", verify=False), s)
+    same(snapshard.load(tmp_path / "c", options=ReadOptions(verify=False)), s)
 
 
 def test_compressible_state_takes_fewer_bytes(tmp_path):
     s = {"ids": np.arange(1 << 20, dtype=np.int64) % 977}
     snapshard.save(tmp_path / "p", s)
-    snapshard.save(tmp_path / "c", s, compression="zstd")
+    snapshard.save(tmp_path / "c", s, options=SaveOptions(compression="zstd"))
     size = lambda d: sum(f.stat().st_size for f in (d / "data").iterdir())  # noqa: E731
     assert size(tmp_path / "c") < size(tmp_path / "p") / 4
     same(snapshard.load(tmp_path / "c"), s)
@@ -98,7 +98,7 @@ def test_partial_restore_reads_only_the_blocks_it_needs(tmp_path, monkeypatch, r
     from snapshard.interop.reader import open_reader
 
     x = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512) % 1013 * 0.5
-    snapshard.save(tmp_path / "c", {"x": x}, compression="zstd")
+    snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     counted = count_data_reads(monkeypatch)
     reader = open_reader(tmp_path / "c")
     leaf = reader.manifest.arrays[0]
@@ -112,7 +112,7 @@ def test_partial_restore_reads_only_the_blocks_it_needs(tmp_path, monkeypatch, r
 
 def test_a_damaged_block_fails_its_checksum_or_decompression(tmp_path):
     x = (np.arange(1 << 18, dtype=np.float32) % 101).reshape(512, 512)
-    snapshard.save(tmp_path / "c", {"x": x}, compression="zstd")
+    snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     f = next((tmp_path / "c" / "data").iterdir())
     raw = bytearray(f.read_bytes())
     raw[50] ^= 0x40
@@ -123,8 +123,8 @@ def test_a_damaged_block_fails_its_checksum_or_decompression(tmp_path):
 
 def test_incremental_saves_refer_to_compressed_chunks(tmp_path):
     s = state()
-    snapshard.save(tmp_path / "1", s, compression="zstd", hashes=True)
-    t = snapshard.save(tmp_path / "2", s, compression="zstd", base=tmp_path / "1")
+    snapshard.save(tmp_path / "1", s, options=SaveOptions(compression="zstd", hashes=True))
+    t = snapshard.save(tmp_path / "2", s, options=SaveOptions(compression="zstd"), base=tmp_path / "1")
     assert t.bytes_written == 0
     same(snapshard.load(tmp_path / "2"), s)
     part = snapshard.load(tmp_path / "2", {"m": jax.ShapeDtypeStruct((300, 257), np.float32)})
@@ -156,9 +156,9 @@ def test_large_chunk_paths_are_bit_exact(tmp_path, monkeypatch, small_groups, op
     monkeypatch.setattr(codecs, "WINDOW", window)
     s = state()
     s["big"] = (np.random.default_rng(3).standard_normal((700, 1000)) * 0.02).astype(np.float32)
-    snapshard.save(tmp_path / "c", s, compression=option)
+    snapshard.save(tmp_path / "c", s, options=SaveOptions(compression=option))
     same(snapshard.load(tmp_path / "c"), s)
-    same(snapshard.load(tmp_path / "c", verify=False), s)
+    same(snapshard.load(tmp_path / "c", options=ReadOptions(verify=False)), s)
     assert any(t.startswith("snapshard-codec") for t in small_groups)
     # strided targets (column bands: many pieces per read) and partial rows
     from snapshard.interop.reader import open_reader
@@ -172,7 +172,7 @@ def test_large_chunk_paths_are_bit_exact(tmp_path, monkeypatch, small_groups, op
 
 def test_a_whole_chunk_is_one_read(tmp_path, monkeypatch):
     x = (np.arange(1 << 20, dtype=np.float32) % 1013).reshape(1024, 1024)
-    snapshard.save(tmp_path / "c", {"x": x}, compression="zstd")
+    snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     data = next((tmp_path / "c" / "data").iterdir())
     calls = []
     real = LocalStorage.read_into
@@ -192,7 +192,7 @@ def test_a_whole_chunk_is_one_read(tmp_path, monkeypatch):
 def test_damage_is_found_in_the_codec_threads(tmp_path, monkeypatch, small_groups, window):
     monkeypatch.setattr(codecs, "WINDOW", window)
     x = (np.arange(1 << 19, dtype=np.float32) % 101).reshape(1024, 512)
-    snapshard.save(tmp_path / "c", {"x": x}, compression="zstd")
+    snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     f = next((tmp_path / "c" / "data").iterdir())
     good = f.read_bytes()
     crc_at = len(good) - 12 * (-(-x.nbytes // snapshard.format.checksum_block(x.nbytes))) - 8
@@ -222,7 +222,7 @@ def test_frames_without_their_size_in_the_header_read_back(tmp_path, monkeypatch
     plain = zstandard.ZstdCompressor(level=1, write_content_size=False)
     monkeypatch.setattr(codecs, "_compress", lambda data, level: plain.compress(data))
     x = (np.arange(1 << 18, dtype=np.float32) % 101).reshape(512, 512)
-    snapshard.save(tmp_path / "c", {"x": x}, compression="zstd")
+    snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     monkeypatch.undo()
     assert np.array_equal(snapshard.load(tmp_path / "c")["x"], x)
     from snapshard.interop.reader import open_reader

@@ -13,6 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from snapshard import SaveOptions
+
 # ---- the independent reader -----------------------------------------------------------
 
 
@@ -154,9 +156,9 @@ def test_the_reader_follows_references_and_decompresses_blocks(tmp_path):
     frozen = {"w": rng.standard_normal((300, 70), dtype=np.float32),
               "ids": np.arange(50_000, dtype=np.int64) % 7}  # fmt: skip
     one = {**frozen, "t": np.zeros(5)}
-    snapshard.save(tmp_path / "1", one, hashes=True, compression="zstd+shuffle")
+    snapshard.save(tmp_path / "1", one, options=SaveOptions(hashes=True, compression="zstd+shuffle"))
     two = {**frozen, "t": np.ones(5)}
-    snapshard.save(tmp_path / "2", two, base=tmp_path / "1", compression="zstd")
+    snapshard.save(tmp_path / "2", two, base=tmp_path / "1", options=SaveOptions(compression="zstd"))
     snapshard.save(tmp_path / "3", {**frozen, "t": np.ones(5)}, base=tmp_path / "2")
     got = read_checkpoint(tmp_path / "3")
     assert got["w"].tobytes() == frozen["w"].tobytes()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import snapshard
-from snapshard import CheckpointManager, incremental
+from snapshard import CheckpointManager, SaveOptions, incremental
 from snapshard.cli import main as cli_main
 from snapshard.errors import SnapshardError
 from snapshard.format import records as rec
@@ -61,7 +61,7 @@ def assert_same(out, expected):
 
 
 def test_save_with_base_refers_to_unchanged_chunks(tmp_path):
-    snapshard.save(tmp_path / "1", tree(1), hashes=True)
+    snapshard.save(tmp_path / "1", tree(1), options=SaveOptions(hashes=True))
     t = snapshard.save(tmp_path / "2", tree(2), base=tmp_path / "1")
     assert t.bytes_written == 32 * 8 * 4  # only the adapter
     t = snapshard.save(tmp_path / "3", tree(3), base=tmp_path / "2")
@@ -79,7 +79,7 @@ def test_save_with_base_refers_to_unchanged_chunks(tmp_path):
 
 
 def test_changed_bytes_are_written_and_partial_restores_cross_references(tmp_path):
-    snapshard.save(tmp_path / "a", tree(1), hashes=True)
+    snapshard.save(tmp_path / "a", tree(1), options=SaveOptions(hashes=True))
     t2 = tree(2)
     t2["frozen"]["emb"] = t2["frozen"]["emb"].copy()
     t2["frozen"]["emb"][100, 3] += 1.0  # one element: the hash differs
@@ -102,7 +102,7 @@ def test_base_without_hashes_refers_to_nothing(tmp_path):
 
 
 def test_other_shape_or_dtype_is_never_referred_to(tmp_path):
-    snapshard.save(tmp_path / "a", {"x": np.zeros((8, 8), np.float32)}, hashes=True)
+    snapshard.save(tmp_path / "a", {"x": np.zeros((8, 8), np.float32)}, options=SaveOptions(hashes=True))
     t = snapshard.save(tmp_path / "b", {"x": np.zeros((8, 8), np.int32)}, base=tmp_path / "a")
     assert t.bytes_written == 256
     t = snapshard.save(tmp_path / "c", {"x": np.zeros((4, 16), np.float32)}, base=tmp_path / "a")
@@ -111,7 +111,7 @@ def test_other_shape_or_dtype_is_never_referred_to(tmp_path):
 
 def test_base_must_be_a_sibling(tmp_path):
     (tmp_path / "x").mkdir()
-    snapshard.save(tmp_path / "x" / "a", tree(1), hashes=True)
+    snapshard.save(tmp_path / "x" / "a", tree(1), options=SaveOptions(hashes=True))
     with pytest.raises(ValueError, match="beside it"):
         snapshard.save(tmp_path / "b", tree(1), base=tmp_path / "x" / "a")
 
@@ -120,7 +120,7 @@ def test_sharded_jax_arrays_refer_box_by_box(tmp_path):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
     sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
     x = jax.device_put(np.arange(64 * 64, dtype=np.float32).reshape(64, 64), sh)
-    snapshard.save(tmp_path / "1", {"x": x}, hashes=True)
+    snapshard.save(tmp_path / "1", {"x": x}, options=SaveOptions(hashes=True))
     y = x.at[0, 0].set(-1.0)  # one of four boxes changes
     t = snapshard.save(tmp_path / "2", {"x": y}, base=tmp_path / "1")
     assert t.bytes_written == 32 * 32 * 4
@@ -322,7 +322,7 @@ def test_ls_shows_retained_steps_and_verify_skips_unused_slots(tmp_path):
     # a slot no chunk uses is null: w (file 0 of 4, alone) changes, emb (file 1) does not
     t = tree(5)
     t["frozen"]["w"] = t["frozen"]["w"] + 1
-    snapshard.save(tmp_path / "x4", tree(4), hashes=True)
+    snapshard.save(tmp_path / "x4", tree(4), options=SaveOptions(hashes=True))
     snapshard.save(tmp_path / "x5", t, base=tmp_path / "x4")
     refs = manifest(tmp_path / "x5")["refs"]
     assert refs[0] is None and refs[1]["checkpoint"] == "x4"
@@ -332,8 +332,8 @@ def test_ls_shows_retained_steps_and_verify_skips_unused_slots(tmp_path):
 
 def test_compressed_incremental_round_trip_on_object_stores(store_root):
     s = tree(1)
-    snapshard.save(f"{store_root}/1", s, hashes=True, compression="zstd")
-    t = snapshard.save(f"{store_root}/2", tree(2), base=f"{store_root}/1", compression="zstd")
+    snapshard.save(f"{store_root}/1", s, options=SaveOptions(hashes=True, compression="zstd"))
+    t = snapshard.save(f"{store_root}/2", tree(2), base=f"{store_root}/1", options=SaveOptions(compression="zstd"))
     assert t.bytes_written == 32 * 8 * 4
     assert_same(snapshard.load(f"{store_root}/2"), tree(2))
     part = snapshard.load(

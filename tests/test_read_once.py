@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import multiproc
 import snapshard
+from snapshard import ReadOptions
 from snapshard.read_once import leaf_plan
 
 from conftest import mesh, sharded
@@ -124,7 +125,7 @@ def test_single_process_reads_each_byte_once_without_peers(ckpt):
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, P()))}
     for read_once in (True, False):
         stats = snapshard.ReadStats()
-        out = snapshard.load(ckpt, target, stats=stats, read_once=read_once)
+        out = snapshard.load(ckpt, target, stats=stats, options=ReadOptions(read_once=read_once))
         assert stats.bytes_read <= 1.05 * x.nbytes and stats.bytes_from_peers == 0
         assert len(out["x"].addressable_shards) == 8
         for s in out["x"].addressable_shards:

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import snapshard
+from snapshard import ReadOptions
 from snapshard.dtypes import NAME_TO_DTYPE
 
 from conftest import mesh, sharded
@@ -321,7 +322,7 @@ def test_both_read_paths_give_the_same_bits(
         x.shape, x.dtype, sharding=NamedSharding(mesh(*dst_mesh, names=names), P(*dst_spec))
     )
     stats = snapshard.ReadStats()
-    out = snapshard.load(ckpt, {"x": target}, verify=verify, stats=stats, max_gap=0)
+    out = snapshard.load(ckpt, {"x": target}, options=ReadOptions(verify=verify, max_gap=0), stats=stats)
     assert same_bits(np.asarray(out["x"]), x)
     if not verify:
         assert stats.bytes_read == stats.bytes_needed

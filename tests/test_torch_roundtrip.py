@@ -16,6 +16,7 @@ import torch.distributed as dist  # noqa: E402
 
 import snapshard  # noqa: E402
 import snapshard.torch as st  # noqa: E402
+from snapshard import ReadOptions  # noqa: E402
 from snapshard.coordination.rendezvous import Rendezvous  # noqa: E402
 from snapshard.errors import CoordinationError, TargetMismatchError  # noqa: E402
 from snapshard.torch.dtypes import TO_NUMPY, from_numpy, host_view  # noqa: E402
@@ -118,7 +119,7 @@ def test_a_small_memory_budget_reads_in_batches(tmp_path):
     state = {f"w{i}": torch.randn(16, 16) for i in range(5)}
     st.save(tmp_path / "c", state)
     target = {k: torch.zeros(16, 16, dtype=torch.float64) for k in state}  # cast: buffered
-    st.load(tmp_path / "c", target, memory_budget=1024)
+    st.load(tmp_path / "c", target, options=ReadOptions(memory_budget=1024))
     for k, v in state.items():
         assert torch.equal(target[k], v.double())
 

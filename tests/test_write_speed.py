@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import snapshard
-from snapshard import write_tuning
+from snapshard import SaveOptions, write_tuning
 from snapshard.adapters.jax_arrays import cpu_donation_keeps_memory
 from snapshard.storage import writeback
 from snapshard.write_tuning import WriterCounts
@@ -101,9 +101,9 @@ def test_save_chooses_and_reports_its_file_count(tmp_path, monkeypatch):
     assert counts[:first] == [2] * first and counts[first] == 1  # the default, then the other
     tuner = write_tuning.counts_for(str(tmp_path / "0"), False)
     assert set(tuner.history) == {1, 2}
-    assert snapshard.save(tmp_path / "fixed", tree, threads=3).data_files == 3
-    with pytest.raises(ValueError, match="threads"):
-        snapshard.save(tmp_path / "bad", tree, threads=0)
+    assert snapshard.save(tmp_path / "fixed", tree, options=SaveOptions(writers=3)).data_files == 3
+    with pytest.raises(ValueError, match="writers"):
+        snapshard.save(tmp_path / "bad", tree, options=SaveOptions(writers=0))
 
 
 def test_replicas_on_cpu_devices_share_one_buffer_and_survive_donation(tmp_path):

@@ -3,6 +3,8 @@
     snapshard.save(path, tree)                 # every process, same tree; atomic
     tree = snapshard.load(path, target)        # onto any mesh / process count, or NumPy
     snapshard.metadata(path)                   # shapes, dtypes, shardings; no data read
+    snapshard.save(path, tree, snapshard.SaveOptions(compression="zstd"))  # how to write
+    snapshard.load(path, target, snapshard.ReadOptions(threads=8))        # how to read
 
 Names are imported on first use, so that the pure parts (snapshard.planning,
 snapshard.format) can be imported without JAX.
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from .adapters.targets import abstract_target
     from .inspection import ArrayMetadata, ValueMetadata, metadata
     from .manager import BackgroundSaveError, CheckpointManager, LocalTier
+    from .options import ReadOptions, SaveOptions
     from .per_process import PerProcess
     from .read_executor import ReadStats
     from .restore import load
@@ -47,6 +50,8 @@ _LAZY = {
     "BackgroundSaveError": "manager",
     "CheckpointManager": "manager",
     "LocalTier": "manager",
+    "ReadOptions": "options",
+    "SaveOptions": "options",
     "PerProcess": "per_process",
     "ReadStats": "read_executor",
     "load": "restore",
@@ -78,7 +83,9 @@ __all__ = [
     "DeletedArrayError",
     "LocalTier",
     "PerProcess",
+    "ReadOptions",
     "ReadStats",
+    "SaveOptions",
     "SaveTimings",
     "SnapshardError",
     "StorageError",

@@ -48,12 +48,11 @@ from .errors import (
 from .format import ArrayLeaf, ChunkTable, Manifest
 from .format.finder import ChunkFinder, loaded_table
 from .format.validate import coverage_problems
+from .options import ReadOptions
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
 from .planning.read_plan import covering_range
 from .storage import Storage
 
-DEFAULT_MEMORY_BUDGET = 4 << 30
-DEFAULT_THREADS = 4
 _ALIGN = 64
 
 
@@ -687,20 +686,15 @@ def execute(
 
 
 def reader_of(
-    storage: Storage,
-    manifest: Manifest,
-    *,
-    verify: bool,
-    threads: int,
-    max_gap: int | None,
-    stats: ReadStats,
+    storage: Storage, manifest: Manifest, options: ReadOptions, stats: ReadStats
 ) -> ReadDests:
-    """The restore's reads of a snapshard checkpoint (or safetensors files) as a ReadDests."""
+    """The restore's reads of a snapshard checkpoint (or safetensors files) as a ReadDests
+    (`options`: verify, threads, max_gap)."""
     finder = manifest.finder if manifest.version >= 2 else None
     if manifest.version >= 2 and finder is None:
         finder = manifest.finder = ChunkFinder(storage, manifest)
     return lambda dests: _read_dests(
-        storage, manifest, finder, dests, verify, threads, max_gap, stats
+        storage, manifest, finder, dests, options.verify, options.threads, options.max_gap, stats
     )
 
 

@@ -36,13 +36,12 @@ from jax.sharding import PartitionSpec as P
 from .adapters.jax_arrays import slices_to_box
 from .coordination import default_coordinator
 from .coordination.base import Coordinator
-from .coordination.rendezvous import Rendezvous, namespace
+from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, namespace
 from .dtypes import dtype_from_name
 from .errors import CoordinationError
 from .read_executor import Expand, ReadDests, ReadStats, Request, request_boxes
 from .read_executor import execute as execute_all
 
-DEFAULT_TIMEOUT_S = 600.0
 _READ_AXIS = "snapshard_read"
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

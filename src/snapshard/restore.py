@@ -21,14 +21,9 @@ from .errors import (
 )
 from .format import Manifest, ValueLeaf
 from .format.manifest import ArrayLeaf, PerProcessLeaf, values_file_name
+from .options import ReadOptions
 from .per_process import PerProcess, Resplit
-from .read_executor import (
-    DEFAULT_MEMORY_BUDGET,
-    DEFAULT_THREADS,
-    ReadStats,
-    Request,
-    make_request,
-)
+from .read_executor import ReadStats, Request, make_request
 from .read_executor import build as build_request
 from .read_once import execute as execute_read_once
 from .sources import open_checkpoint
@@ -154,16 +149,11 @@ def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple
 def load(
     directory: Location | Storage,
     target: Any = None,
+    options: ReadOptions = ReadOptions(),
     *,
-    verify: bool = True,
     stats: ReadStats | None = None,
-    threads: int = DEFAULT_THREADS,
-    memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
-    max_gap: int | None = None,
     resplit: Resplit | None = None,
     mesh: Any = None,
-    read_once: bool | None = None,
-    timeout_s: float = 600.0,
 ) -> Any:
     """Restore a checkpoint.
 
@@ -173,27 +163,22 @@ def load(
     np.ndarray or ShapeDtypeStruct without sharding (NumPy). Leaves the target omits are not
     read; a differing dtype is cast on the host. Leaves saved as snapshard.PerProcess come
     back as each process's own value (`resplit` re-splits them onto another process count).
-    `memory_budget` bounds the host bytes held
-    at once while building jax.Arrays. Byte runs of a chunk closer than `max_gap` bytes are
-    read as one (default: the storage's `read_gap_bytes`, 64 KiB on local files, 4 KiB on
-    object stores). A checkpoint written by Orbax is read the same way,
-    through TensorStore (see docs/migrating-from-orbax.md). Target shardings on an
-    AbstractMesh (eval_shape under jax.set_mesh) are placed on `mesh`, or else on the mesh
-    in context.
+    A checkpoint written by Orbax is read the same way, through TensorStore (see
+    docs/migrating-from-orbax.md). Target shardings on an AbstractMesh (eval_shape under
+    jax.set_mesh) are placed on `mesh`, or else on the mesh in context.
 
-    `read_once` (multi-process jobs): a jax target replicated across processes is read from
-    storage once across the job, each process reading a share, and the copies travel over
-    the job's collectives; `read_once=False` makes every holder read its boxes itself. The
-    default (None) is on for object stores and off for filesystems, where moving the bytes
-    between processes measured slower than reading them again.
-    `timeout_s` bounds how long a process waits for the others' reads to finish then.
+    `options` (snapshard.ReadOptions): checksums, read threads, the host-memory budget,
+    and read-once restores of replicated targets in multi-process jobs. `stats`, when
+    given, is filled with what the restore read and how long it took.
     """
+    if not isinstance(options, ReadOptions):
+        raise TypeError(f"options must be a snapshard.ReadOptions, not {type(options).__name__}")
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
     owns_storage = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        manifest, read_dests = open_checkpoint(storage, verify, threads, max_gap, stats)
+        manifest, read_dests = open_checkpoint(storage, options, stats)
         url = storage.url
         if target is None:
             pairs = [(leaf.path, None) for leaf in manifest.leaves]
@@ -225,8 +210,8 @@ def load(
                     )
                 reqs.append((path, make_request(leaf, t, url, mesh)))
         built = execute_read_once(
-            [r for _, r in reqs], read_dests, memory_budget=memory_budget, stats=stats,
-            enabled=read_once, location=url, timeout_s=timeout_s,
+            [r for _, r in reqs], read_dests, memory_budget=options.memory_budget, stats=stats,
+            enabled=options.read_once, location=url, timeout_s=options.timeout_s,
         )  # fmt: skip
         results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:

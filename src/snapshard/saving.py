@@ -29,7 +29,7 @@ from .adapters.leaves import SaveArray, classify, is_save_leaf
 from .background import BackgroundTask
 from .checksum import block_crcs, crc32c
 from .coordination import Coordinator, default_coordinator
-from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, namespace, write_then_commit
+from .coordination.rendezvous import Rendezvous, namespace, write_then_commit
 from .errors import (
     CheckpointExistsError,
     CoordinationError,
@@ -51,6 +51,7 @@ from .format import (
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .incremental import Increment, check_refs_committed, manifest_refs
+from .options import SaveOptions
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem, stage
 from .storage import FileWriter, Location, Storage, is_object_store_url, storage_for
@@ -71,8 +72,9 @@ class SaveTimings:
     commit_s: float = 0.0  # waiting for the others, merge, validate, commit (process 0)
     blocking_s: float = 0.0
     total_s: float = 0.0
-    bytes_written: int = 0  # array bytes written by this process
-    bytes_metadata: int = 0  # what it wrote beside them: checksums and its chunk records
+    bytes_written: int = 0  # array bytes written by this process (before compression)
+    bytes_metadata: int = 0  # what it wrote beside them: checksum tables, chunk records
+    bytes_stored: int = 0  # all it put on storage: data files (compressed), records, values
     bytes_staged: int = 0  # host bytes copied in the blocking phase (0: zero-copy views)
     data_files: int = 0  # data files this process wrote (in parallel)
 
@@ -89,12 +91,11 @@ class _Prepared:
     plan: WritePlan
     items: list[StagedItem]
     overwrite: bool
-    threads: int | None  # data files per process; None: write_tuning chooses
+    options: SaveOptions
     extra: dict[str, Any]
     digests: np.ndarray  # format.records.DIGEST per leaf
     timings: SaveTimings = field(default_factory=SaveTimings)
     increment: Increment | None = None  # content hashes and references (incremental.py)
-    compression: str | None = None  # per-block codec option (codecs.py)
 
 
 class SaveAdapter(Protocol):
@@ -117,42 +118,33 @@ def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray
 def prepare(
     location: Location | Storage,
     tree: Any,
+    options: SaveOptions = SaveOptions(),
     *,
     overwrite: bool = False,
-    mode: str = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
-    threads: int | None = None,
     copy_host_values: bool = False,
-    host_budget: int | None = None,
     extra: dict[str, Any] | None = None,
     snapshot: Snapshot | None = None,
     flat: FlatTree | None = None,
     adapter: SaveAdapter | None = None,
     base: Location | Storage | None = None,
-    hashes: bool = False,
     identical: frozenset[int] = frozenset(),
-    compression: str | None = None,
 ) -> _Prepared:
     """The blocking phase: plan, then bring every owned slice to host memory (from
     `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
     t0 = time.perf_counter()
-    if threads is not None and (
-        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
-    ):
-        raise ValueError(f"threads must be None or a whole number of at least 1, not {threads!r}")
+    if not isinstance(options, SaveOptions):
+        raise TypeError(f"options must be a snapshard.SaveOptions, not {type(options).__name__}")
     if not isinstance(location, Storage) and not os.fspath(location):
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
     # Staging named after the job: saves of two jobs to one location never share it.
     storage.set_attempt(coord.job_token())
-    if compression is not None:
-        codecs.codec_for(compression, np.dtype(np.float32))  # refuse unknown names now
-        if not codecs.available():
-            raise SnapshardError("compression needs zstd: install snapshard[compress]")
+    if options.compression is not None and not codecs.available():
+        raise SnapshardError("compression needs zstd: install snapshard[compress]")
     increment = None
-    if base is not None or hashes:
+    if base is not None or options.hashes:
         increment = Increment(base, storage, identical)
     flat = flat or flatten(tree, adapter.is_leaf if adapter else is_save_leaf)
     if adapter is not None:
@@ -161,7 +153,9 @@ def prepare(
     else:
         leaves = classify_leaves(flat, coord.process_count)
     arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
-    plan = plan_writes([a.layout for _, a in arrays], mode, num_processes=coord.process_count)
+    plan = plan_writes(
+        [a.layout for _, a in arrays], options.mode, num_processes=coord.process_count
+    )
     t1 = time.perf_counter()
     if adapter is not None:
         items, copied = adapter.stage(arrays, plan, coord.process_index, copy=copy_host_values)
@@ -170,7 +164,7 @@ def prepare(
             arrays,
             plan,
             coord.process_index,
-            budget=host_budget,
+            budget=options.host_budget,
             copy_host_values=copy_host_values,
             snapshot=snapshot,
         )
@@ -179,10 +173,12 @@ def prepare(
     t2 = time.perf_counter()
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
     # The namespace is taken here, in program order, the same on every process.
-    rv = Rendezvous(coord, namespace("save", storage.url), f"save to {storage.url}", timeout_s)
+    rv = Rendezvous(
+        coord, namespace("save", storage.url), f"save to {storage.url}", options.timeout_s
+    )
     return _Prepared(
-        storage, rv, leaves, flat.structure, plan, items, overwrite, threads, extra or {},
-        digests, timings, increment, compression,
+        storage, rv, leaves, flat.structure, plan, items, overwrite, options, extra or {},
+        digests, timings, increment,
     )  # fmt: skip
 
 
@@ -307,7 +303,7 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
     prep.storage.prepare_staging()
     inc = prep.increment
     tuner = None
-    count = prep.threads
+    count = prep.options.writers
     if count is None:
         url = prep.storage.url
         tuner = write_tuning.counts_for(url, is_object_store_url(url))
@@ -317,8 +313,8 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
     groups = _split_files(items, count)
     names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
     codec_of = None
-    if prep.compression is not None:
-        option = prep.compression
+    if prep.options.compression is not None:
+        option = prep.options.compression
         codec_of = lambda it: codecs.codec_for(option, prep.leaves[it.leaf].dtype)  # noqa: E731
     if len(groups) > 1:
         with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
@@ -363,7 +359,9 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         prep.storage.write_bytes(values_file_name(pid, nonce), values)
     sizes = [size for size, _ in results]
     prep.timings.bytes_written = data_bytes
-    prep.timings.bytes_metadata = sum(sizes) + len(data) - prep.timings.bytes_written
+    tables = sum(codecs.row_end(row) - row[6] for _, rows in results for _, row in rows)
+    prep.timings.bytes_metadata = tables + len(data)
+    prep.timings.bytes_stored = sum(sizes) + len(data) + len(values)
     return {
         "nonce": nonce,
         "sizes": sizes,
@@ -373,7 +371,7 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         "values_crc": crc32c(values),
         "digest": crc32c(prep.digests.tobytes(), crc32c(json.dumps(prep.structure).encode())),
         **(inc.report() if inc is not None else {}),
-        **(_packed_report(results) if prep.compression is not None else {}),
+        **(_packed_report(results) if prep.options.compression is not None else {}),
     }
 
 
@@ -602,45 +600,26 @@ def refuse_existing(storage: Storage, overwrite: bool) -> None:
 def save(
     directory: Location | Storage,
     tree: Any,
+    options: SaveOptions = SaveOptions(),
     *,
     overwrite: bool = False,
-    mode: str = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
-    threads: int | None = None,
     base: Location | Storage | None = None,
-    hashes: bool = False,
-    compression: str | None = None,
 ) -> SaveTimings:
     """Save `tree` to `directory`, atomically: the checkpoint appears whole or not at all.
 
     Every process of a multi-process job calls this with the same tree; each writes only the
-    slices the shared plan gives it. `mode` is the write mode (see planning.write_plan);
-    `threads` the number of data files each process writes in parallel; None (default):
-    chosen per process from the write throughput earlier saves to the same parent location
-    reached (see snapshard.write_tuning).
+    slices the shared plan gives it (`options`: the write mode, writers, compression; see
+    snapshard.SaveOptions). An existing checkpoint there is an error unless `overwrite`.
 
     With `base` (a committed checkpoint beside this one), chunks whose bytes equal the
     base's chunk of the same box are recorded as references to the file holding them
-    instead of being written (see snapshard.incremental); `hashes` records the chunks'
-    content hashes (always done with a base) so that a later save may use this one as base.
-    `compression` ('zstd', 'zstd+shuffle', 'zstd-noshuffle'; default None) compresses each
-    checksum block on its own (see snapshard.codecs).
+    instead of being written (see snapshard.incremental); such a save records the chunks'
+    content hashes, so that a later save may use it as base in turn.
     """
     storage = storage_for(directory)
     refuse_existing(storage, overwrite)
-    prep = prepare(
-        storage,
-        tree,
-        overwrite=overwrite,
-        mode=mode,
-        timeout_s=timeout_s,
-        coordinator=coordinator,
-        threads=threads,
-        base=base,
-        hashes=hashes,
-        compression=compression,
-    )
+    prep = prepare(storage, tree, options, overwrite=overwrite, coordinator=coordinator, base=base)
     return finish(prep)
 
 
@@ -664,38 +643,23 @@ class AsyncSave(BackgroundTask[SaveTimings]):
 def save_async(
     directory: Location | Storage,
     tree: Any,
+    options: SaveOptions = SaveOptions(),
     *,
     overwrite: bool = False,
-    mode: str = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
-    threads: int | None = None,
-    host_budget: int | None = None,
-    extra: dict[str, Any] | None = None,
     base: Location | Storage | None = None,
-    hashes: bool = False,
-    compression: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> AsyncSave:
     """Start a save and return once every owned slice is on the host.
 
     The caller may then change or donate its arrays (see staging.py for the rule when
-    `host_budget` is smaller than the bytes this process owns). Writing, syncing, merging,
-    validating and committing run in the background. An existing checkpoint at the location
-    is detected at commit, without blocking here.
+    `options.host_budget` is smaller than the bytes this process owns). Writing, syncing,
+    merging, validating and committing run in the background. An existing checkpoint at the
+    location is detected at commit, without blocking here. `extra`: JSON values stored in
+    the manifest beside the tree (the manager keeps its step and metrics there).
     """
     prep = prepare(
-        directory,
-        tree,
-        overwrite=overwrite,
-        mode=mode,
-        timeout_s=timeout_s,
-        coordinator=coordinator,
-        threads=threads,
-        copy_host_values=True,
-        host_budget=host_budget,
-        extra=extra,
-        base=base,
-        hashes=hashes,
-        compression=compression,
-    )
+        directory, tree, options, overwrite=overwrite, coordinator=coordinator,
+        copy_host_values=True, extra=extra, base=base,
+    )  # fmt: skip
     return AsyncSave(prep)

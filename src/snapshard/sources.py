@@ -15,6 +15,7 @@ from typing import Protocol
 from .errors import CheckpointNotFoundError
 from .format import Manifest
 from .format.reading import read_manifest
+from .options import ReadOptions
 from .read_executor import Dest, ReadDests, ReadStats, reader_of
 from .storage import Storage
 
@@ -34,22 +35,17 @@ class SnapshardSource:
 
     storage: Storage
     manifest: Manifest
-    verify: bool
-    threads: int
-    max_gap: int | None
+    options: ReadOptions
     format: str = "snapshard"
 
     def read_dests(self, dests: list[Dest], stats: ReadStats) -> None:
-        reader_of(
-            self.storage, self.manifest, verify=self.verify, threads=self.threads,
-            max_gap=self.max_gap, stats=stats,
-        )(dests)  # fmt: skip
+        reader_of(self.storage, self.manifest, self.options, stats)(dests)
 
 
-def open_source(storage: Storage, verify: bool, threads: int, max_gap: int | None) -> CheckpointSource:
+def open_source(storage: Storage, options: ReadOptions) -> CheckpointSource:
     """The checkpoint at `storage`: snapshard's, else one of another library (Orbax)."""
     try:
-        return SnapshardSource(storage, read_manifest(storage), verify, threads, max_gap)
+        return SnapshardSource(storage, read_manifest(storage), options)
     except CheckpointNotFoundError as e:
         from .interop import open_foreign
 
@@ -57,8 +53,8 @@ def open_source(storage: Storage, verify: bool, threads: int, max_gap: int | Non
 
 
 def open_checkpoint(
-    storage: Storage, verify: bool, threads: int, max_gap: int | None, stats: ReadStats
+    storage: Storage, options: ReadOptions, stats: ReadStats
 ) -> tuple[Manifest, ReadDests]:
     """The checkpoint's manifest and the reader that fills buffers from it into `stats`."""
-    source = open_source(storage, verify, threads, max_gap)
+    source = open_source(storage, options)
     return source.manifest, lambda dests: source.read_dests(dests, stats)

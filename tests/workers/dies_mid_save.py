@@ -15,6 +15,8 @@ import time
 
 from _dist import init, report
 
+from snapshard import SaveOptions
+
 
 def main() -> None:
     directory, victim, timeout_s = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
@@ -34,7 +36,7 @@ def main() -> None:
     )
     if victim < 0:
         for i in range(3):
-            snapshard.save(f"{directory}/{i}", {"w": w}, timeout_s=timeout_s)
+            snapshard.save(f"{directory}/{i}", {"w": w}, options=SaveOptions(timeout_s=timeout_s))
         coord = default_coordinator()
         coord.barrier("snapshard-test/saved", 30)
         time.sleep(0.5)  # the last reader of each outcome deletes the save's keys
@@ -56,7 +58,7 @@ def main() -> None:
         del real_commit, real_write
     t0 = time.monotonic()
     try:
-        snapshard.save(directory, {"w": w}, timeout_s=timeout_s)
+        snapshard.save(directory, {"w": w}, options=SaveOptions(timeout_s=timeout_s))
         report(ok=True, pid=pid)
     except Exception as e:
         report(

@@ -9,13 +9,15 @@ import sys
 
 from _dist import init, report
 
+from snapshard import ReadOptions, SaveOptions
+
 
 def main() -> None:
     pid, _ = init()
     import snapshard
 
     try:
-        with snapshard.CheckpointManager(sys.argv[1], timeout_s=30) as m:
+        with snapshard.CheckpointManager(sys.argv[1], save_options=SaveOptions(timeout_s=30), read_options=ReadOptions(timeout_s=30)) as m:
             report(ok=True, steps=m.all_steps(), pid=pid)
     except Exception as e:
         report(ok=False, error_type=type(e).__name__, error=str(e), pid=pid)

@@ -14,6 +14,8 @@ import sys
 
 from _dist import init, report
 
+from snapshard import SaveOptions
+
 
 def main() -> None:
     mode, ckpt = sys.argv[1], sys.argv[2]
@@ -47,7 +49,7 @@ def main() -> None:
     elif mode == "key":
         tree["key"] = jax.random.key(pid)
     try:
-        snapshard.save(ckpt, tree, timeout_s=60)
+        snapshard.save(ckpt, tree, options=SaveOptions(timeout_s=60))
     except snapshard.SnapshardError as e:
         report(error=type(e).__name__, message=str(e))
         return

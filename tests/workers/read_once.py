@@ -110,9 +110,10 @@ def restore(args) -> None:
 
         local.LocalStorage.read_into = read_into
     stats = snapshard.ReadStats()
-    opts = {"read_once": not args.no_read_once, "timeout_s": args.timeout, "stats": stats}
-    if args.budget:
-        opts["memory_budget"] = args.budget
+    budget = {"memory_budget": args.budget} if args.budget else {}
+    options = snapshard.ReadOptions(
+        read_once=not args.no_read_once, timeout_s=args.timeout, **budget
+    )
     t0 = time.perf_counter()
     # An ambient mesh must not matter: read-once passes its shardings explicitly.
     ambient = jax.set_mesh(Mesh(devs.reshape(-1), ("other",)))
@@ -120,14 +121,14 @@ def restore(args) -> None:
         if args.safetensors:
             import snapshard.safetensors
 
-            out = snapshard.safetensors.load(args.ckpt, target, **opts)
+            out = snapshard.safetensors.load(args.ckpt, target, options, stats=stats)
         elif args.manager:
             with snapshard.CheckpointManager(args.ckpt) as mgr:
-                out = mgr.restore(5, target, **opts)
+                out = mgr.restore(5, target, options, stats=stats)
                 peers = mgr.last_restore.bytes_from_peers
                 assert peers == stats.bytes_from_peers, (peers, stats.bytes_from_peers)
         else:
-            out = snapshard.load(args.ckpt, target, **opts)
+            out = snapshard.load(args.ckpt, target, options, stats=stats)
     except Exception as e:
         report(ok=False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         # Process 0 hosts the coordination service: it stays until every process has seen

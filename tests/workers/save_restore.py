@@ -17,6 +17,8 @@ import time
 
 from _dist import init, report
 
+from snapshard import SaveOptions
+
 
 def storage_for(location):
     from snapshard.storage import storage_for as make
@@ -96,7 +98,7 @@ def save(args) -> None:
         objstore.ObjectStorage._write_marker = die  # after the manifest, before the marker
     storage = storage_for(args.ckpt)
     try:
-        t = snapshard.save(storage, tree, timeout_s=args.timeout, mode=args.mode)
+        t = snapshard.save(storage, tree, options=SaveOptions(timeout_s=args.timeout, mode=args.mode))
     except Exception as e:
         report(ok=False, error=f"{type(e).__name__}: {e}")
         if pid == 0:

@@ -10,6 +10,8 @@ import sys
 
 from _dist import init, report
 
+from snapshard import ReadOptions, SaveOptions
+
 
 def state(step, mesh):
     import jax
@@ -47,7 +49,7 @@ def main() -> None:
         steps, every = int(sys.argv[4]), int(sys.argv[5])
         tier = snapshard.LocalTier(local, interval=1, max_to_keep=3, replicas=1)
         with snapshard.CheckpointManager(
-            persistent, save_interval_steps=every, local_tier=tier, timeout_s=60
+            persistent, save_interval_steps=every, local_tier=tier, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60)
         ) as m:
             for step in range(1, steps + 1):
                 m.save(step, state(step, mesh))
@@ -59,7 +61,7 @@ def main() -> None:
         return
     tier = snapshard.LocalTier(local, interval=1, max_to_keep=3, replicas=1)
     m = snapshard.CheckpointManager(
-        persistent, save_interval_steps=1000, local_tier=tier, timeout_s=60
+        persistent, save_interval_steps=1000, local_tier=tier, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60)
     )
     proto = state(0, mesh)
     target = jax.tree_util.tree_map(

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from snapshard import ReadOptions, SaveOptions
 from workers._dist import report
 
 
@@ -151,7 +152,7 @@ def managed(cmd: str, root: str, rank: int, world: int) -> dict[str, object]:
 
     out: dict[str, object] = {}
     model, opt = build("1d", world)
-    mgr = st.CheckpointManager(root, save_interval_steps=2, max_to_keep=2, timeout_s=60)
+    mgr = st.CheckpointManager(root, save_interval_steps=2, max_to_keep=2, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60))
     out["coordinator"] = type(mgr._coord).__name__
     if cmd == "managed":
         saved = {}
@@ -192,7 +193,7 @@ def preempt(root: str, rank: int, world: int) -> dict[str, object]:
     import snapshard.torch as st
 
     model, opt = build("1d", world)
-    mgr = st.CheckpointManager(root, save_interval_steps=1000, handle_sigterm=True, timeout_s=30)
+    mgr = st.CheckpointManager(root, save_interval_steps=1000, handle_sigterm=True, save_options=SaveOptions(timeout_s=30), read_options=ReadOptions(timeout_s=30))
     out: dict[str, object] = {"agreed": None}
     for step in range(1, 30):
         train(model, opt, 1, seed=1000 * rank + step)
@@ -245,7 +246,7 @@ def main() -> None:
         if rank == 1:
             os._exit(0)
         try:
-            st.save(os.path.join(root, "never"), {"w": torch.zeros(4)}, timeout_s=3)
+            st.save(os.path.join(root, "never"), {"w": torch.zeros(4)}, options=SaveOptions(timeout_s=3))
             report(error=None)
         except Exception as e:
             report(
@@ -312,8 +313,8 @@ def main() -> None:
                 state["strided"] = strided(world, zeros=False)
             result[kind] = digests(state)
             result[f"{kind}-plan"] = plan_digest(state)
-            st.save(os.path.join(root, kind), state, timeout_s=60)
-            job = st.save_async(os.path.join(root, f"{kind}-async"), state, timeout_s=60)
+            st.save(os.path.join(root, kind), state, options=SaveOptions(timeout_s=60))
+            job = st.save_async(os.path.join(root, f"{kind}-async"), state, options=SaveOptions(timeout_s=60))
             train(model, opt, 1, seed=100 + rank)  # in place, while the save writes
             job.wait()
             result[f"{kind}-after"] = digests(state)

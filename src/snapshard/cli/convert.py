@@ -26,7 +26,7 @@ from ..interop import local_path
 from ..interop.reader import CheckpointReader, chunk_slabs
 from ..interop.writer import CheckpointWriter
 from ..storage import storage_for
-from .ls import open_checkpoint
+from .ls import open_for_command
 from .options import add_memory_option, megabytes
 from .output import Output, human_bytes
 
@@ -303,7 +303,7 @@ def _run(args: argparse.Namespace, out: Output) -> int:
     chunk_bytes = args.chunk_bytes
     if _is_dcp(args.src):
         return _run_dcp(args, out)
-    with open_checkpoint(args.src, "convert") as reader:
+    with open_for_command(args.src, "convert") as reader:
         if args.to == "snapshard":
             with storage_for(args.dst) as dst:
                 check_destination(reader.url, dst.url)

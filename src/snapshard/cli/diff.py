@@ -16,7 +16,7 @@ import numpy as np
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf, Leaf, ValueLeaf
 from ..interop.reader import CheckpointReader, slabs
-from .ls import open_checkpoint
+from .ls import open_for_command
 from .options import add_memory_option
 from .output import Output, Progress, json_value
 
@@ -160,7 +160,7 @@ def render(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     buffer_bytes = args.buffer_bytes
-    with open_checkpoint(args.a, "diff") as a, open_checkpoint(args.b, "diff") as b:
+    with open_for_command(args.a, "diff") as a, open_for_command(args.b, "diff") as b:
         doc = diff(a, b, args.values, out, buffer_bytes)
     out.result(doc, lambda: render(doc))
     return 0 if doc["identical"] else 1

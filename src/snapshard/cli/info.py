@@ -7,7 +7,7 @@ from typing import Any
 
 from ..format import ArrayLeaf, Leaf, Manifest
 from ..interop.reader import CheckpointReader
-from .ls import open_checkpoint
+from .ls import open_for_command
 from .output import (
     Output,
     describe_sharding,
@@ -98,7 +98,7 @@ def render(doc: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
-    with open_checkpoint(args.path, "info") as reader:
+    with open_for_command(args.path, "info") as reader:
         doc = checkpoint_doc(reader)
     out.result(doc, lambda: render(doc))
     return 0

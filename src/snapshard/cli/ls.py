@@ -149,11 +149,11 @@ def run(args: argparse.Namespace, out: Output) -> int:
     return 0
 
 
-def open_checkpoint(location: str, command: str, **kwargs: Any) -> CheckpointReader:
+def open_for_command(location: str, command: str) -> CheckpointReader:
     """open_reader, but a directory of checkpoints (a run) is told apart from a missing
     checkpoint: the error names its newest step and the command to run on it."""
     try:
-        return open_reader(location, **kwargs)
+        return open_reader(location)
     except CheckpointNotFoundError as e:
         hint = _run_hint(location, command)
         if hint is None:

@@ -22,7 +22,7 @@ from ..format import MANIFEST_NAME, Manifest, validate_coverage
 from ..format.finder import check_record_files
 from ..interop.reader import CheckpointReader, chunk_slabs
 from ..storage import LocalStorage, Storage
-from .ls import open_checkpoint
+from .ls import open_for_command
 from .options import add_memory_option
 from .output import Output, human_bytes
 
@@ -171,7 +171,7 @@ def render(doc: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace, out: Output) -> int:
     try:
-        reader = open_checkpoint(args.path, "verify", verify=True)
+        reader = open_for_command(args.path, "verify")
     except CorruptCheckpointError as e:  # a damaged manifest is a finding, not bad input
         problem = {"message": str(e), "file": MANIFEST_NAME, "leaf": None, "chunk": None}
         doc = {"path": args.path, "ok": False, "problem": problem}

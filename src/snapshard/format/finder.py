@@ -36,7 +36,7 @@ _MERGE_GAP = 64 << 10
 # Record reads are small and bound by the store's latency (two requests in a row per record
 # file: directory entries, then segments), and a restore touches hundreds of record files
 # (the writers of replicated arrays are spread over the job): many run at once.
-DEFAULT_THREADS = 64
+RECORD_READ_THREADS = 64
 
 
 @dataclass
@@ -51,7 +51,7 @@ class ChunkFinder:
 
     storage: Storage
     manifest: Manifest
-    threads: int = DEFAULT_THREADS
+    threads: int = RECORD_READ_THREADS
     metadata_bytes: int = 0  # record bytes read so far
     _holders: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     _meshes: dict[int, Mesh] = field(default_factory=dict)

@@ -22,13 +22,8 @@ from ..format import ArrayLeaf, ChunkTable, FileEntry, Leaf, Manifest
 
 # The restore path's own request and buffer types: reads here run exactly the code (and the
 # checksum verification) of a restore.
-from ..read_executor import (
-    DEFAULT_THREADS,
-    Dest,
-    ReadStats,
-    aligned_empty,
-    reader_of,
-)
+from ..options import ReadOptions
+from ..read_executor import Dest, ReadStats, aligned_empty, reader_of
 from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from . import local_path
@@ -84,16 +79,14 @@ def is_safetensors(location: Location) -> bool:
     return len(head) == 9 and head[8:] == b"{" and int.from_bytes(head[:8], "little") > 1
 
 
-def open_reader(
-    location: Location, *, verify: bool = True, threads: int = DEFAULT_THREADS
-) -> CheckpointReader:
+def open_reader(location: Location, options: ReadOptions = ReadOptions()) -> CheckpointReader:
     """Open the checkpoint at `location`: snapshard, Orbax or a safetensors file."""
     if is_safetensors(location):
         return _safetensors_reader(os.fspath(location))
     storage = storage_for(location)
     stats = ReadStats()
     try:
-        manifest, read_dests = open_checkpoint(storage, verify, threads, None, stats)
+        manifest, read_dests = open_checkpoint(storage, options, stats)
     except BaseException:
         storage.close()
         raise
@@ -129,14 +122,7 @@ def _safetensors_reader(location: str) -> CheckpointReader:
         extra={"format": "safetensors"},
     )
     stats = ReadStats()
-    read = reader_of(
-        files.storage,
-        manifest,
-        verify=False,
-        threads=DEFAULT_THREADS,
-        max_gap=None,
-        stats=stats,
-    )
+    read = reader_of(files.storage, manifest, ReadOptions(verify=False), stats)
     owned = files.storage if files.owns_storage else None
     return CheckpointReader(location, "safetensors", manifest, read, owned, stats)
 

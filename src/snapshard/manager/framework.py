@@ -33,6 +33,7 @@ from typing import Any
 from ..adapters.leaves import is_save_leaf
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.jax_distributed import preemption_sync_point
+from ..options import SaveOptions
 from ..restore import load
 from ..saving import SaveTimings, finish, prepare
 from ..storage import Storage
@@ -52,11 +53,12 @@ class StartedSave:
 class Framework:
     """The framework-specific operations of a CheckpointManager (see the module docstring).
 
-    `start_save(storage, tree, *, flat, coordinator, mode, timeout_s, host_budget, extra,
-    snapshot, **incremental)` must snapshot every byte the save writes before returning
-    (the caller goes on training); `incremental` holds `base`, `hashes` and `identical`
-    when the manager saves incrementally. `load(storage, target, **options)` takes at least
-    `stats` (a ReadStats) among its options."""
+    `start_save(storage, tree, options, *, flat, coordinator, extra, snapshot, base,
+    identical)` (options: a SaveOptions) must snapshot every byte the save writes before
+    returning (the caller goes on training); `base` and `identical` are those of an
+    incremental save (saving.prepare). `load(storage, target, options, *, stats, **args)`
+    takes a ReadOptions and fills the ReadStats `stats`; `args` are the framework's own
+    keywords that the manager's `restore` passes through."""
 
     name: str
     is_leaf: Callable[[Any], bool]
@@ -68,8 +70,10 @@ class Framework:
     immutable_arrays: bool = False
 
 
-def _jax_start_save(storage: Storage, tree: Any, *, flat: FlatTree, **options: Any) -> StartedSave:
-    prep = prepare(storage, tree, flat=flat, copy_host_values=True, **options)
+def _jax_start_save(
+    storage: Storage, tree: Any, options: SaveOptions, *, flat: FlatTree, **prepare_args: Any
+) -> StartedSave:
+    prep = prepare(storage, tree, options, flat=flat, copy_host_values=True, **prepare_args)
     return StartedSave(prep.timings, lambda: finish(prep))
 
 

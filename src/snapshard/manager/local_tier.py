@@ -43,6 +43,7 @@ from ..coordination.transfer import PendingExchange, exchange, start_exchange
 from ..dtypes import dtype_name
 from ..errors import CorruptCheckpointError, SnapshardError, StorageError
 from ..format.manifest import ArrayLeaf, ValueLeaf
+from ..options import SaveOptions
 from ..read_executor import aligned_empty
 from ..restore import build_from_host, is_target_leaf, load
 from ..saving import classify_leaves, finish, prepare
@@ -55,6 +56,8 @@ from ..tree import Path as TreePath
 log = logging.getLogger("snapshard")
 
 _SINGLE = SingleProcessCoordinator()
+# A node-local copy is small and written beside training: one file, one thread.
+_ONE_WRITER = SaveOptions(writers=1)
 
 
 @dataclass
@@ -244,10 +247,10 @@ class LocalStore:
         prep = prepare(
             storage,
             tree,
+            _ONE_WRITER,
             overwrite=True,
             coordinator=_SINGLE,
             extra={**extra, "owner": owner},
-            threads=1,
         )
         return finish(prep).bytes_written
 

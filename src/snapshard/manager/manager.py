@@ -19,6 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -28,8 +29,9 @@ from ..coordination.preemption import PreemptionAgreement
 from ..coordination.rendezvous import Rendezvous, namespace
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..format.reading import read_manifest
+from ..options import ReadOptions, SaveOptions
 from ..read_executor import ReadStats
-from ..saving import DEFAULT_TIMEOUT_S, SaveTimings
+from ..saving import SaveTimings
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import DEFAULT_LEASE_TIMEOUT_S, WriterLease
 from ..tree import FlatTree, flatten
@@ -85,9 +87,8 @@ class CheckpointManager:
         save_policy: SavePolicy | None = None,
         retention: Sequence[RetentionPolicy] | None = None,
         coordinator: Coordinator | None = None,
-        timeout_s: float = DEFAULT_TIMEOUT_S,
-        write_mode: str = "auto",
-        host_budget: int | None = None,
+        save_options: SaveOptions = SaveOptions(),
+        read_options: ReadOptions = ReadOptions(),
         handle_sigterm: bool = False,
         local_tier: LocalTier | None = None,
         lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
@@ -99,6 +100,9 @@ class CheckpointManager:
         `save_policy`). Retention: keep the newest `max_to_keep` steps, or with `best_fn` the
         `max_to_keep` best by `best_fn(metrics)` (`best_mode` 'max'/'min'; steps without
         metrics are kept), plus every step divisible by `keep_period` (or pass `retention`).
+        `save_options`: how every step is written (snapshard.SaveOptions; its `timeout_s`
+        also bounds the start-up rendezvous); `read_options`: how `restore` reads, unless
+        it is given its own (its `timeout_s` also bounds the agreement on the tier).
         `handle_sigterm`: a SIGTERM makes `reached_preemption` true, on every process at
         one step (see there; where JAX's preemption service runs, leave SIGTERM to it).
         `local_tier`: also keep each process's shards on node-local storage and on peers
@@ -118,9 +122,12 @@ class CheckpointManager:
         self._framework = framework
         self._root = root_for(directory)
         self._coord = coordinator or framework.coordinator()
-        self._timeout_s = timeout_s
-        self._write_mode = write_mode
-        self._host_budget = host_budget
+        if not isinstance(save_options, SaveOptions):
+            raise TypeError(f"save_options must be a snapshard.SaveOptions, not {save_options!r}")
+        if not isinstance(read_options, ReadOptions):
+            raise TypeError(f"read_options must be a snapshard.ReadOptions, not {read_options!r}")
+        self._save_options = save_options
+        self._read_options = read_options
         self._async = async_save
         self._save_policy = save_policy or AnyOf(
             (EveryNSteps(save_interval_steps), AtSteps(frozenset(save_on_steps)))
@@ -185,7 +192,7 @@ class CheckpointManager:
             self._coord,
             namespace("manager-start", self._root.url),
             f"checkpoint manager start on {self._root.url}",
-            self._timeout_s,
+            self._save_options.timeout_s,
         )
         rv.start_clock()
         if not self._coord.is_leader:
@@ -385,20 +392,22 @@ class CheckpointManager:
             assert self._local is not None
             local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
         started: StartedSave | None = None
-        incremental: dict[str, Any] = {}
-        if persistent and self._incremental:
-            incremental = self._increment_from(flat)
         if persistent:
+            options = self._save_options
+            if snapshot is not None:  # the local tier staged every byte already
+                options = replace(options, host_budget=None)
+            incremental: dict[str, Any] = {}
+            if self._incremental:
+                options = replace(options, hashes=True)
+                incremental = self._increment_from(flat)
             storage = self._root.child(str(step))
             if self._lease is not None:
                 storage.commit_guard = self._lease.verify
             started = self._framework.start_save(
                 storage,
                 tree,
-                mode=self._write_mode,
-                timeout_s=self._timeout_s,
+                options,
                 coordinator=self._coord,
-                host_budget=None if snapshot is not None else self._host_budget,
                 extra={"step": step, "metrics": info_metrics},
                 snapshot=snapshot,
                 flat=flat,
@@ -445,25 +454,36 @@ class CheckpointManager:
             self._references.remove([str(s) for s in doomed], kept, self._retained)
 
     def _increment_from(self, flat: FlatTree) -> dict[str, Any]:
-        """prepare()'s options of an incremental save: the newest kept step as base, and the
+        """prepare()'s arguments of an incremental save: the newest kept step as base, and the
         leaves that are the very jax.Arrays saved in it."""
         with self._lock:
             base = max(self._steps) if self._steps else None
         if base is None:
-            return {"hashes": True}
+            return {}
         same = frozenset[int]()
         if self._saved_arrays is not None and self._saved_arrays[0] == base:
             # only set for frameworks with immutable arrays (JAX)
             same = identical_leaves(flat, self._saved_arrays[1])
-        return {"base": self._root.child(str(base)), "hashes": True, "identical": same}
+        return {"base": self._root.child(str(base)), "identical": same}
 
     def wait_until_finished(self) -> None:
         """Wait for the save in flight; raise its error (or an earlier one) if any."""
         self._wait_inflight()
         self._raise_pending()
 
-    def restore(self, step: int | None = None, target: Any = None, **load_options: Any) -> Any:
-        """Restore `step` (default: the newest restorable) with snapshard.load's semantics.
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        options: ReadOptions | None = None,
+        *,
+        stats: ReadStats | None = None,
+        **load_args: Any,
+    ) -> Any:
+        """Restore `step` (default: the newest restorable) with snapshard.load's semantics
+        (snapshard.torch.load's for torch state): `options` (default: the manager's
+        `read_options`), `stats`, and the framework's own keywords in `load_args` (`mesh`,
+        `resplit`; torch: `transform`).
 
         With a local tier and a target, all processes first agree (one exchange of what each
         holds) on the newest step that the local tier and the peers' copies can restore
@@ -482,7 +502,7 @@ class CheckpointManager:
                 target,
                 step,
                 self.latest_step(),
-                self._timeout_s,
+                (options or self._read_options).timeout_s,
             )
             if report.tier:
                 report.seconds = time.perf_counter() - t0
@@ -507,10 +527,11 @@ class CheckpointManager:
             raise CheckpointNotFoundError(
                 f"step {step} is not a committed step of {self._root.url}"
             )
-        stats = load_options.pop("stats", None) or ReadStats()
+        stats = stats if stats is not None else ReadStats()
         out = self._framework.load(
-            self._root.child(str(step)), target, stats=stats, **load_options
-        )
+            self._root.child(str(step)), target, options or self._read_options, stats=stats,
+            **load_args,
+        )  # fmt: skip
         self.last_restore = RestoreReport(
             tier="persistent",
             step=step,

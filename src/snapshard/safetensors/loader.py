@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -12,9 +13,8 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..format import FileEntry, Manifest
+from ..options import ReadOptions
 from ..read_executor import (
-    DEFAULT_MEMORY_BUDGET,
-    DEFAULT_THREADS,
     ReadStats,
     make_request,
     reader_of,
@@ -82,14 +82,10 @@ def arrays(location: Location | Storage, transform: Transform | None = None) -> 
 def load(
     location: Location | Storage,
     target: Any = None,
+    options: ReadOptions = ReadOptions(),
     *,
     transform: Transform | None = None,
     stats: ReadStats | None = None,
-    threads: int = DEFAULT_THREADS,
-    memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
-    max_gap: int | None = None,
-    read_once: bool | None = None,
-    timeout_s: float = 600.0,
 ) -> Any:
     """Load safetensors tensors: a file, a directory, or a `model.safetensors.index.json`.
 
@@ -97,9 +93,10 @@ def load(
     Otherwise a pytree whose leaves name tensors by their path joined with '.', and say what
     to build (as in snapshard.load): a ShapeDtypeStruct with a sharding gives a jax.Array on
     it, read by each process for its own shards only; an np.ndarray or a ShapeDtypeStruct
-    without sharding gives NumPy. A differing dtype is cast on the host. `read_once` and
-    `timeout_s` as in snapshard.load: tensors replicated across processes are read once
-    across the job and sent to the other holders.
+    without sharding gives NumPy. A differing dtype is cast on the host. `options` as in
+    snapshard.load, but for `verify`: safetensors files carry no checksums. With read-once
+    on, tensors replicated across processes are read once across the job and sent to the
+    other holders.
     """
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
@@ -132,12 +129,11 @@ def load(
                 FileEntry(n, h.data_end) for n, h in zip(files.names, files.headers, strict=True)
             ],
         )
-        read = reader_of(
-            files.storage, manifest, verify=False, threads=threads, max_gap=max_gap, stats=stats
-        )
+        read = reader_of(files.storage, manifest, replace(options, verify=False), stats)
         built = read_once_execute(
-            reqs, read, memory_budget=memory_budget, stats=stats, expand=planner.expand,
-            enabled=read_once, location=url, timeout_s=timeout_s,
+            reqs, read, memory_budget=options.memory_budget, stats=stats,
+            expand=planner.expand, enabled=options.read_once, location=url,
+            timeout_s=options.timeout_s,
         )  # fmt: skip
     finally:
         files.close()

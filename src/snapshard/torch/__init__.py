@@ -13,6 +13,7 @@ the other. Needs the `torch` extra. See docs/torch.md.
 from __future__ import annotations
 
 from ..inspection import metadata
+from ..options import ReadOptions, SaveOptions
 from .coordination import TorchStoreCoordinator, default_coordinator
 from .dcp import convert_dcp
 from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
@@ -26,6 +27,8 @@ __all__ = [
     "AsyncSave",
     "CheckpointManager",
     "HostBuffers",
+    "ReadOptions",
+    "SaveOptions",
     "ShardSpec",
     "TensorLayout",
     "TorchStoreCoordinator",

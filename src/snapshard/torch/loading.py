@@ -21,13 +21,8 @@ import torch
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
-from ..read_executor import (
-    DEFAULT_MEMORY_BUDGET,
-    DEFAULT_THREADS,
-    Dest,
-    ReadStats,
-    aligned_empty,
-)
+from ..options import ReadOptions
+from ..read_executor import Dest, ReadStats, aligned_empty
 from ..restore import load as _load_numpy
 from ..restore import missing_target_leaf
 from ..safetensors.surgery import Transform
@@ -208,12 +203,9 @@ def _to_torch(tree: Any) -> Any:
 def load(
     directory: Location | Storage,
     target: Any = None,
+    options: ReadOptions = ReadOptions(),
     *,
-    verify: bool = True,
     stats: ReadStats | None = None,
-    threads: int = DEFAULT_THREADS,
-    memory_budget: int | None = DEFAULT_MEMORY_BUDGET,
-    max_gap: int | None = None,
     transform: Transform | None = None,
 ) -> Any:
     """Restore a checkpoint into `target` (a state dict of tensors, DTensors, NumPy arrays
@@ -226,27 +218,19 @@ def load(
     only the boxes its shards hold.
 
     Any checkpoint snapshard reads works: one saved from JAX, from torch on another mesh or
-    world size, or by Orbax. `memory_budget` bounds the host bytes of buffers held at once
-    (regions read in place need none); `max_gap` as in snapshard.load."""
+    world size, or by Orbax. `options` as in snapshard.load; `options.memory_budget` bounds
+    the host bytes of buffers held at once (regions read in place need none), and
+    `options.read_once` does not apply: every rank reads its own boxes."""
     if target is None:
         if transform is not None:
             raise ValueError("transform= needs a target: the state dict whose names it maps onto")
-        return _to_torch(
-            _load_numpy(
-                directory,
-                verify=verify,
-                stats=stats,
-                threads=threads,
-                memory_budget=memory_budget,
-                max_gap=max_gap,
-            )
-        )
+        return _to_torch(_load_numpy(directory, options=options, stats=stats))
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
     owns = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        manifest, read = open_checkpoint(storage, verify, threads, max_gap, stats)
+        manifest, read = open_checkpoint(storage, options, stats)
         url = storage.url
         saved = manifest.leaf_by_path()
         flat = flatten(target, is_leaf)
@@ -283,7 +267,7 @@ def load(
                 )
             fills.extend(_fills(leaf, t, perm))
         with torch.no_grad():
-            for batch in _batches(fills, memory_budget):
+            for batch in _batches(fills, options.memory_budget):
                 t0 = time.perf_counter()
                 read([f.dest for f in batch])
                 t1 = time.perf_counter()

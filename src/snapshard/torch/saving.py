@@ -25,6 +25,7 @@ from ..adapters.leaves import SaveArray
 from ..background import BackgroundTask
 from ..format.manifest import Leaf
 from ..manager.framework import StartedSave
+from ..options import SaveOptions
 from ..planning import WritePlan
 from ..read_executor import aligned_empty
 from ..staging import StagedItem, planned_items
@@ -141,31 +142,33 @@ class TorchAdapter:
 def start_save(
     directory: Location | Storage,
     state_dict: Any,
+    options: SaveOptions = SaveOptions(),
     *,
     asynchronous: bool = True,
     buffers: HostBuffers | None = None,
     coordinator: Any = None,
-    host_budget: int | None = None,
     snapshot: Any = None,
-    **options: Any,
+    **prepare_args: Any,
 ) -> StartedSave:
-    """The blocking phase of a save of a torch state dict (`options`: saving.prepare's).
+    """The blocking phase of a save of a torch state dict (`prepare_args`: the keywords of
+    saving.prepare).
 
     Asynchronous (the default): every byte this rank writes is copied into host buffers
-    (from `buffers`, the process's pool by default) before returning, and the buffers go
-    back to the pool when the background phase, `finish()`, ends, however it ends.
-    Synchronous: CPU tensors are staged as views of their memory, so the caller must not
-    change them before `finish()` returns. `host_budget` and `snapshot` are taken for the
-    manager's sake and unused: every owned byte is copied in the blocking phase."""
-    del host_budget, snapshot
+    (from `buffers`, the process's pool by default) before returning, whatever
+    `options.host_budget` says, and the buffers go back to the pool when the background
+    phase, `finish()`, ends, however it ends. Synchronous: CPU tensors are staged as views
+    of their memory, so the caller must not change them before `finish()` returns.
+    `snapshot` is taken for the manager's sake and unused."""
+    del snapshot
     adapter = TorchAdapter((buffers or _buffers) if asynchronous else None)
     prep = _saving.prepare(
         directory,
         state_dict,
+        options,
         coordinator=coordinator or default_coordinator(),
         copy_host_values=asynchronous,
         adapter=adapter,
-        **options,
+        **prepare_args,
     )
 
     def finish() -> _saving.SaveTimings:
@@ -181,28 +184,22 @@ def start_save(
 def save(
     directory: Location | Storage,
     state_dict: Any,
+    options: SaveOptions = SaveOptions(),
     *,
     overwrite: bool = False,
-    mode: str = "auto",
-    timeout_s: float = _saving.DEFAULT_TIMEOUT_S,
     coordinator: Any = None,
-    threads: int | None = None,
+    base: Location | Storage | None = None,
 ) -> _saving.SaveTimings:
     """Save a torch state dict atomically; every rank calls it with its own state dict of
     the same structure. Leaves: tensors (taken to be equal on every rank), DTensors (each
-    rank writes only the boxes the shared plan gives it), NumPy arrays, Python values."""
+    rank writes only the boxes the shared plan gives it), NumPy arrays, Python values.
+    `options`, `overwrite` and `base` as in snapshard.save."""
     storage = storage_for(directory)
     _saving.refuse_existing(storage, overwrite)
     started = start_save(
-        storage,
-        state_dict,
-        asynchronous=False,
-        overwrite=overwrite,
-        mode=mode,
-        timeout_s=timeout_s,
-        coordinator=coordinator,
-        threads=threads,
-    )
+        storage, state_dict, options, asynchronous=False, overwrite=overwrite,
+        coordinator=coordinator, base=base,
+    )  # fmt: skip
     return started.finish()
 
 
@@ -227,25 +224,18 @@ class AsyncSave(_saving.AsyncSave):
 def save_async(
     directory: Location | Storage,
     state_dict: Any,
+    options: SaveOptions = SaveOptions(),
     *,
     overwrite: bool = False,
-    mode: str = "auto",
-    timeout_s: float = _saving.DEFAULT_TIMEOUT_S,
     coordinator: Any = None,
-    threads: int | None = None,
+    base: Location | Storage | None = None,
     extra: dict[str, Any] | None = None,
 ) -> AsyncSave:
     """Start a save; returns once every byte this rank writes is copied to host memory, so
     the caller may step the optimizer at once. `wait()` returns the timings or raises."""
     storage = storage_for(directory)
     started = start_save(
-        storage,
-        state_dict,
-        overwrite=overwrite,
-        mode=mode,
-        timeout_s=timeout_s,
-        coordinator=coordinator,
-        threads=threads,
-        extra=extra,
-    )
+        storage, state_dict, options, overwrite=overwrite, coordinator=coordinator,
+        base=base, extra=extra,
+    )  # fmt: skip
     return AsyncSave(started, storage.url)

@@ -1,0 +1,123 @@
+"""The options of a save and of a restore: one object each, shared by every entry point.
+
+`SaveOptions` is taken by snapshard.save and save_async, by snapshard.torch's, and by the
+CheckpointManager (for every step it saves); `ReadOptions` by snapshard.load,
+snapshard.torch.load, the manager's restore and the safetensors loader. Each field has one
+meaning wherever it is passed, and is checked once, when the object is made:
+
+    opts = snapshard.SaveOptions(compression="zstd", writers=2)
+    snapshard.save(path, tree, opts)
+    mgr = snapshard.CheckpointManager(root, save_options=opts)
+
+What belongs to one call rather than to a policy (the target, `overwrite`, the base of an
+incremental save, the `ReadStats` to fill) stays a keyword of that call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .coordination.rendezvous import DEFAULT_TIMEOUT_S
+from .planning import MODES
+
+# Read threads per process. Local reads are page-cache copies bound by memory bandwidth;
+# object-store reads are bound by latency, and each thread keeps one request in flight.
+DEFAULT_READ_THREADS = 4
+# Host bytes of read buffers held at once while building jax.Arrays.
+DEFAULT_MEMORY_BUDGET = 4 << 30
+COMPRESSIONS = (None, "zstd", "zstd+shuffle", "zstd-noshuffle")
+
+
+def _whole(name: str, value: object, least: int, none_ok: bool) -> None:
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        allowed = "None or " if none_ok else ""
+        raise ValueError(
+            f"{name} must be {allowed}a whole number of at least {least}, not {value!r}"
+        )
+
+
+def _seconds(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a save is written.
+
+    mode: the write mode, which process writes which replica's bytes: 'auto' (default),
+        'single_replica', 'replica_parallel' or 'balanced' (see planning/write_plan.py).
+    writers: data files each process writes in parallel, one thread each. None (default):
+        chosen per process from the write throughput that earlier saves to the same parent
+        location reached (see write_tuning.py).
+    compression: None (default), 'zstd', 'zstd+shuffle' or 'zstd-noshuffle'; each checksum
+        block is compressed on its own, so reads stay random-access (see codecs.py).
+    hashes: record each chunk's content hash, so that a later save may use this checkpoint
+        as the base of an incremental save (a save with a base always records them).
+    host_budget: asynchronous saves only: the host bytes of staged copies held at once;
+        None (default) stages every owned byte before returning (see staging.py for what a
+        smaller budget asks of the caller). snapshard.torch always stages every byte.
+    timeout_s: how long process 0 waits for every process to report its files written,
+        and every process for the outcome of the commit.
+    """
+
+    mode: str = "auto"
+    writers: int | None = None
+    compression: str | None = None
+    hashes: bool = False
+    host_budget: int | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown write mode {self.mode!r}; expected one of {', '.join(MODES)}")
+        _whole("writers", self.writers, 1, none_ok=True)
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(
+                f"unknown compression {self.compression!r}; expected one of "
+                f"{', '.join(map(repr, COMPRESSIONS))}"
+            )
+        if not isinstance(self.hashes, bool):
+            raise ValueError(f"hashes must be True or False, not {self.hashes!r}")
+        _whole("host_budget", self.host_budget, 0, none_ok=True)
+        _seconds("timeout_s", self.timeout_s)
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    """How a restore reads.
+
+    verify: check every byte read against the checksums saved with it (default True).
+    threads: read threads per process (default 4).
+    memory_budget: host bytes of read buffers held at once while building jax.Arrays
+        (default 4 GiB; None: no bound). NumPy and torch targets are read in place.
+    max_gap: byte runs of a chunk closer than this are read as one request. None
+        (default): the storage's `read_gap_bytes`, 64 KiB on local files, 4 KiB on object
+        stores.
+    read_once: multi-process JAX restores: a target replicated across processes is read
+        from storage once across the job, each process reading a share, and the copies
+        travel over the job's collectives. None (default): on for object stores, off for
+        filesystems, where moving the bytes between processes measured slower than reading
+        them again; False: every holder reads its own boxes.
+    timeout_s: how long a process waits for the others during a restore (read-once reads,
+        the manager's agreement on which tier serves).
+    """
+
+    verify: bool = True
+    threads: int = DEFAULT_READ_THREADS
+    memory_budget: int | None = DEFAULT_MEMORY_BUDGET
+    max_gap: int | None = None
+    read_once: bool | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.verify, bool):
+            raise ValueError(f"verify must be True or False, not {self.verify!r}")
+        _whole("threads", self.threads, 1, none_ok=False)
+        _whole("memory_budget", self.memory_budget, 1, none_ok=True)
+        _whole("max_gap", self.max_gap, 0, none_ok=True)
+        if self.read_once is not None and not isinstance(self.read_once, bool):
+            raise ValueError(f"read_once must be None, True or False, not {self.read_once!r}")
+        _seconds("timeout_s", self.timeout_s)
