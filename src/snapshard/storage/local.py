@@ -154,6 +154,9 @@ def _read_fd(fd: int, path: Path) -> bytes:
         os.close(fd)
 
 
+_FADV_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
+
+
 class LocalStorage(Storage):
     """A checkpoint directory on a POSIX filesystem, staged in a sibling directory and
     committed by rename."""
@@ -361,6 +364,11 @@ class LocalStorage(Storage):
                     raise CorruptCheckpointError(
                         f"{self.url}: data file {name!r} is missing"
                     ) from None
+                if _FADV_SEQUENTIAL is not None:
+                    # Restores read data files in long ranges, front to back: a larger
+                    # readahead window. Evicted 2 GiB restores: 1.21 s against 1.39 s
+                    # (median of 8 paired rounds; design.md, "Restore, step by step").
+                    os.posix_fadvise(fd, 0, 0, _FADV_SEQUENTIAL)
                 self._fds[name] = fd
             return fd
 
