@@ -12,7 +12,12 @@ alternated between rounds, each behind a barrier (not counted); a restore's time
 slowest process's, its bytes the sum over processes. The first restore of each mode in a
 job also compiles the resharding program; the first round is reported apart.
 
-usage: python bench/bench_read_once.py [--mb 512] [--rounds 5] [--out FILE.jsonl]
+With `--framework torch`: the same state as torch DTensors over 4 gloo ranks, saved
+Shard(0) and restored onto Replicate() (every rank holds every tensor whole), through
+snapshard.torch.
+
+usage: python bench/bench_read_once.py [--mb 512] [--rounds 5] [--framework jax|torch]
+                                       [--out FILE.jsonl]
 """
 
 from __future__ import annotations
@@ -57,6 +62,43 @@ def _host(i: int, rows: int):
     return (np.arange(rows * COLS, dtype=np.float32).reshape(rows, COLS) + i * 0.5) * 1e-3
 
 
+def _measure(args, pid: int, n: int, unique: int, save, restore, sync, put, get) -> None:
+    """The rounds of one worker, JAX's or torch's: per storage, save, then per round both
+    modes in alternating order, each behind `sync`; process 0 emits the job's row.
+    `restore(loc, once, check)` returns (seconds, ReadStats, bit-exact)."""
+    storages = [("local", os.path.join(args.dir, "ckpt"))]
+    if args.s3:
+        storages.append(("s3", args.s3))
+    for where, loc in storages:
+        sync(f"save-{where}")
+        save(loc)
+        variants = [("warm", False)] if where == "s3" else [("warm", False), ("evicted", True)]
+        for cache, evict in variants:
+            for r in range(args.rounds):
+                modes = [True, False] if r % 2 == 0 else [False, True]
+                for once in modes:
+                    if evict and pid == 0:
+                        bc.evict(loc)
+                    sync(f"{where}-{cache}-{r}-{once}")
+                    dt, stats, ok = restore(loc, once, r == 0)
+                    key = f"bench_ro/res/{where}/{cache}/{r}/{once}"
+                    mine = {"s": dt, "read": stats.bytes_read, "peers": stats.bytes_from_peers,
+                            "reshard_s": stats.reshard_s, "ok": bool(ok)}  # fmt: skip
+                    put(f"{key}/{pid}", json.dumps(mine))
+                    if pid == 0:
+                        got = [json.loads(get(f"{key}/{q}")) for q in range(n)]
+                        bc.emit(
+                            framework=args.framework, storage=where, cache=cache, round=r,
+                            read_once=once, unique=unique,
+                            seconds=max(g["s"] for g in got),
+                            bytes_read=sum(g["read"] for g in got),
+                            bytes_from_peers=sum(g["peers"] for g in got),
+                            reshard_s=max(g["reshard_s"] for g in got),
+                            ok=all(g["ok"] for g in got),
+                        )  # fmt: skip
+    sync("done")
+
+
 def worker(args: argparse.Namespace) -> None:
     pid, n = _init()
     import gc
@@ -80,10 +122,6 @@ def worker(args: argparse.Namespace) -> None:
         for k, v in refs.items()
     }
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=target_s) for k, v in refs.items()}
-    unique = sum(v.nbytes for v in refs.values())
-    storages = [("local", os.path.join(args.dir, "ckpt"))]
-    if args.s3:
-        storages.append(("s3", args.s3))
     seq = 0
 
     def sync(name: str) -> None:
@@ -91,46 +129,74 @@ def worker(args: argparse.Namespace) -> None:
         seq += 1
         coord.barrier(f"bench_ro/{seq}/{name}", 600)
 
-    for where, loc in storages:
-        sync(f"save-{where}")
-        snapshard.save(loc, tree, overwrite=True)
-        variants = [("warm", False)] if where == "s3" else [("warm", False), ("evicted", True)]
-        for cache, evict in variants:
-            for r in range(args.rounds):
-                modes = [True, False] if r % 2 == 0 else [False, True]
-                for once in modes:
-                    if evict and pid == 0:
-                        bc.evict(loc)
-                    sync(f"{where}-{cache}-{r}-{once}")
-                    stats = snapshard.ReadStats()
-                    t0 = time.perf_counter()
-                    out = snapshard.load(loc, target, stats=stats, options=ReadOptions(read_once=once))
-                    jax.block_until_ready(out)
-                    dt = time.perf_counter() - t0
-                    ok = True
-                    if r == 0:
-                        for k, x in out.items():
-                            ok &= x.sharding == target_s
-                            for s in x.addressable_shards:
-                                ok &= np.asarray(s.data).tobytes() == refs[k][s.index].tobytes()
-                    del out
-                    gc.collect()
-                    key = f"bench_ro/res/{where}/{cache}/{r}/{once}"
-                    mine = {"s": dt, "read": stats.bytes_read, "peers": stats.bytes_from_peers,
-                            "reshard_s": stats.reshard_s, "ok": bool(ok)}  # fmt: skip
-                    coord.set(f"{key}/{pid}", json.dumps(mine))
-                    if pid == 0:
-                        got = [json.loads(coord.get(f"{key}/{q}", 600)) for q in range(n)]
-                        bc.emit(
-                            storage=where, cache=cache, round=r, read_once=once, unique=unique,
-                            seconds=max(g["s"] for g in got),
-                            bytes_read=sum(g["read"] for g in got),
-                            bytes_from_peers=sum(g["peers"] for g in got),
-                            reshard_s=max(g["reshard_s"] for g in got),
-                            ok=all(g["ok"] for g in got),
-                        )  # fmt: skip
-    sync("done")
+    def restore(loc: str, once: bool, check: bool):
+        stats = snapshard.ReadStats()
+        t0 = time.perf_counter()
+        out = snapshard.load(loc, target, ReadOptions(read_once=once), stats=stats)
+        jax.block_until_ready(out)
+        dt = time.perf_counter() - t0
+        ok = True
+        if check:
+            for k, x in out.items():
+                ok &= x.sharding == target_s
+                for s in x.addressable_shards:
+                    ok &= np.asarray(s.data).tobytes() == refs[k][s.index].tobytes()
+        del out
+        gc.collect()
+        return dt, stats, ok
+
+    _measure(
+        args, pid, n, sum(v.nbytes for v in refs.values()),
+        lambda loc: snapshard.save(loc, tree, overwrite=True), restore, sync,
+        coord.set, lambda key: coord.get(key, 600),
+    )  # fmt: skip
     os._exit(0)
+
+
+def torch_worker(args: argparse.Namespace) -> None:
+    """The same state as torch DTensors: saved Shard(0) over the 4 ranks, restored onto
+    Replicate() (every rank holds every tensor whole: 4x the unique bytes without
+    read-once)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import snapshard
+    import snapshard.torch as st
+
+    pid = int(os.environ["BENCH_RO_PID"])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_RO_PORT']}", rank=pid,
+        world_size=PROCS, timeout=timedelta(seconds=600),
+    )  # fmt: skip
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (PROCS,))
+    rows = _rows(args.mb)
+    refs = {f"w{i}": torch.from_numpy(_host(i, rows)) for i in range(N_ARRAYS)}
+    saved = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in refs.items()}
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate()]) for k, v in refs.items()}
+    store = dist.distributed_c10d._get_default_store()
+
+    def restore(loc: str, once: bool, check: bool):
+        for t in target.values():
+            t.to_local().zero_()
+        stats = snapshard.ReadStats()
+        t0 = time.perf_counter()
+        st.load(loc, target, ReadOptions(read_once=once), stats=stats)
+        dt = time.perf_counter() - t0
+        ok = not check or all(torch.equal(target[k].to_local(), refs[k]) for k in refs)
+        return dt, stats, ok
+
+    _measure(
+        args, pid, PROCS, sum(v.numel() * 4 for v in refs.values()),
+        lambda loc: st.save(loc, saved, overwrite=True), restore,
+        lambda name: dist.barrier(), lambda k, v: store.set(k, v),
+        lambda key: store.get(key).decode(),
+    )  # fmt: skip
+    dist.destroy_process_group()
 
 
 # ================================================================ driver side
@@ -140,11 +206,12 @@ def run_job(args: argparse.Namespace, out: str) -> list[dict]:
     for pid in range(PROCS):
         env = dict(os.environ)
         env.update(
-            BENCH_RO_PID=str(pid), BENCH_RO_PORT=str(port), JAX_PLATFORMS="cpu",
+            BENCH_RO_PID=str(pid), BENCH_RO_PORT=str(port), JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
             XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
         )  # fmt: skip
         cmd = [sys.executable, os.path.join(HERE, "bench_read_once.py"), "--worker",
-               "--mb", str(args.mb), "--rounds", str(args.rounds), "--dir", args.dir]  # fmt: skip
+               "--mb", str(args.mb), "--rounds", str(args.rounds), "--dir", args.dir,
+               "--framework", args.framework]  # fmt: skip
         if args.s3:
             cmd += ["--s3", args.s3]
         procs.append(
@@ -211,9 +278,10 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(bc.bench_dir(), "read_once"))
     ap.add_argument("--timeout", type=float, default=3000)
     ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--framework", choices=("jax", "torch"), default="jax")
     args = ap.parse_args()
     if args.worker:
-        worker(args)
+        (torch_worker if args.framework == "torch" else worker)(args)
         return
     if args.analyze:
         with open(args.analyze) as f:
@@ -229,7 +297,8 @@ def main() -> None:
     out = args.out or os.path.join(HERE, "results", f"read_once-{stamp}.jsonl")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     rows = run_job(args, out)
-    print(f"{len(rows)} restores; {args.mb} MiB state, {PROCS} processes x {DEVICES} devices")
+    shape = f"{PROCS} ranks" if args.framework == "torch" else f"{PROCS} processes x {DEVICES} devices"
+    print(f"{len(rows)} restores ({args.framework}); {args.mb} MiB state, {shape}")
     report(rows)
     bc.remove(args.dir)
 

@@ -96,11 +96,11 @@ class ReadOptions:
     max_gap: byte runs of a chunk closer than this are read as one request. None
         (default): the storage's `read_gap_bytes`, 64 KiB on local files, 4 KiB on object
         stores.
-    read_once: multi-process JAX restores: a target replicated across processes is read
-        from storage once across the job, each process reading a share, and the copies
-        travel over the job's collectives. None (default): on for object stores, off for
-        filesystems, where moving the bytes between processes measured slower than reading
-        them again; False: every holder reads its own boxes.
+    read_once: multi-process restores (JAX and torch): a target replicated across
+        processes is read from storage once across the job, each process reading a share,
+        and the copies travel over the job's collectives. None (default): on for object
+        stores, off for filesystems, where moving the bytes between processes measured
+        slower than reading them again; False: every holder reads its own boxes.
     timeout_s: how long a process waits for the others during a restore (read-once reads,
         the manager's agreement on which tier serves).
     """

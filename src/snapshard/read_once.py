@@ -36,9 +36,8 @@ from jax.sharding import PartitionSpec as P
 from .adapters.jax_arrays import slices_to_box
 from .coordination import default_coordinator
 from .coordination.base import Coordinator
-from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, namespace
+from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, all_succeeded, namespace
 from .dtypes import dtype_from_name
-from .errors import CoordinationError
 from .read_executor import Expand, ReadDests, ReadStats, Request, request_boxes
 from .read_executor import execute as execute_all
 
@@ -227,33 +226,6 @@ def _batches(items: list[int], cost: dict[int, int], budget: int | None) -> list
     return out
 
 
-def _agree(rv: Rendezvous, batch: int, error: BaseException | None) -> None:
-    """Every process learns whether every read of `batch` succeeded; raises on all of them,
-    naming the failing process, when one did not. Process 0 gathers the reports and
-    publishes the outcome; the last process to read it deletes the batch's keys."""
-    coord = rv.coord
-    me = coord.process_index
-    step = Rendezvous(coord, f"{rv.prefix}/read/{batch}", rv.what, rv.timeout_s)
-    step.start_clock()
-    if me != 0:
-        step.report(f"ok/{me}", error)
-        step.await_outcome()  # raises the outcome's error, naming the failing process
-        if error is not None:  # (the outcome always reports it; never reached)
-            raise error
-        return
-    failure: CoordinationError | None = None
-    if error is not None:
-        failure = CoordinationError(f"{rv.what}: process 0 failed: {type(error).__name__}: {error}")
-    else:
-        try:
-            step.gather("ok")
-        except CoordinationError as e:
-            failure = e
-    step.publish_outcome(failure)
-    if failure is not None:
-        raise failure from error
-
-
 def default_on(location: str, enabled: bool | None) -> bool:
     """Read-once unless asked otherwise, by default only on object stores: there every
     byte read costs a request and egress, while on a local or shared filesystem of this
@@ -311,7 +283,7 @@ def execute(
                 )  # fmt: skip
             except Exception as e:
                 error = e
-        _agree(rv, k, error)
+        all_succeeded(rv, f"read/{k}", error)
         t0 = time.perf_counter()
         outs = _reshard(tuple(once[i].target for i in batch))(*arrays)
         del arrays

@@ -183,3 +183,32 @@ def write_then_commit(
     else:
         rv.await_outcome()
     return mine
+
+
+def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> None:
+    """Every process learns whether every process's part of `step` succeeded (`error`: this
+    process's failure, or None); raises on all of them, naming the failing process, when
+    one did not. Process 0 gathers the reports and publishes the outcome. A step of reads
+    before the processes exchange what they read (read-once restores) uses it, so that a
+    failed read fails every process in bounded time instead of leaving them waiting."""
+    coord = rv.coord
+    me = coord.process_index
+    sub = Rendezvous(coord, f"{rv.prefix}/{step}", rv.what, rv.timeout_s)
+    sub.start_clock()
+    if me != 0:
+        sub.report(f"ok/{me}", error)
+        sub.await_outcome()  # raises the outcome's error, naming the failing process
+        if error is not None:  # (the outcome always reports it; never reached)
+            raise error
+        return
+    failure: CoordinationError | None = None
+    if error is not None:
+        failure = CoordinationError(f"{rv.what}: process 0 failed: {type(error).__name__}: {error}")
+    else:
+        try:
+            sub.gather("ok")
+        except CoordinationError as e:
+            failure = e
+    sub.publish_outcome(failure)
+    if failure is not None:
+        raise failure from error

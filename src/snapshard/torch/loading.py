@@ -18,11 +18,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
 from ..options import ReadOptions
 from ..read_executor import Dest, ReadStats, aligned_empty
+from ..read_once import default_on
 from ..restore import load as _load_numpy
 from ..restore import missing_target_leaf
 from ..safetensors.surgery import Transform
@@ -30,15 +32,23 @@ from ..safetensors.virtual import Derived, Stored, VArray
 from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
+from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype
 from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
+from .read_once import ReadOncePlan
+from .read_once import plan as plan_read_once
 
 
 class _Fill:
-    """One region of a target leaf and the buffer it is read into (None steps: read in place)."""
+    """One region of a target leaf and the buffer it is read into (None steps: read in place).
+    `start`, `stop`: the region's box in the target's coordinates; `region`: its view of
+    the target."""
 
-    def __init__(self, dest: Dest, step: Callable[[], None] | None):
+    def __init__(
+        self, dest: Dest, step: Callable[[], None] | None, start: Any, stop: Any, region: Any
+    ):
         self.dest, self.step = dest, step
+        self.start, self.stop, self.region = start, stop, region
 
     @property
     def buffered(self) -> int:
@@ -74,7 +84,8 @@ def _fills(leaf: ArrayLeaf, target: Any, perm: tuple[int, ...] | None = None) ->
     transposed by it (target axis i is saved axis perm[i])."""
     saved_dt = dtype_from_name(leaf.dtype)
     out = []
-    for start, stop, local, slc in _regions(target):
+    for target_start, target_stop, local, slc in _regions(target):
+        start, stop = target_start, target_stop
         if perm is not None:  # the box of the saved array that holds this region
             inv = np.argsort(perm)
             start, stop = start[inv], stop[inv]
@@ -91,7 +102,8 @@ def _fills(leaf: ArrayLeaf, target: Any, perm: tuple[int, ...] | None = None) ->
             direct = region.flags.c_contiguous and want == saved_dt and region.flags.writeable
         if direct and perm is None:
             flat = host_view(region) if isinstance(region, torch.Tensor) else region
-            out.append(_Fill(Dest(leaf, start, stop, flat.reshape(-1).view(np.uint8)), None))
+            dest = Dest(leaf, start, stop, flat.reshape(-1).view(np.uint8))
+            out.append(_Fill(dest, None, target_start, target_stop, region))
             continue
         buf = aligned_empty(nbytes)
 
@@ -112,7 +124,7 @@ def _fills(leaf: ArrayLeaf, target: Any, perm: tuple[int, ...] | None = None) ->
                 assert t is not None
                 region.copy_(t)
 
-        out.append(_Fill(Dest(leaf, start, stop, buf), step))
+        out.append(_Fill(Dest(leaf, start, stop, buf), step, target_start, target_stop, region))
     return out
 
 
@@ -151,6 +163,20 @@ def _transformed(
         source, perm = _resolve(x, name, url)
         out[name] = (by_name[source], perm)
     return out
+
+
+def _read_once(
+    arrays: list[tuple[Any, list[_Fill]]], options: ReadOptions, url: str
+) -> tuple[ReadOncePlan | None, Rendezvous | None]:
+    """The read-once plan of a load (torch/read_once.py) and its rendezvous, or None."""
+    coord = default_coordinator()
+    if coord.process_count == 1 or not default_on(url, options.read_once):
+        return None, None
+    once = plan_read_once([t for t, _ in arrays], coord.process_index, coord.process_count)
+    if once is None:
+        return None, None
+    # Taken here, in program order, the same on every rank.
+    return once, Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
 
 
 def _batches(fills: list[_Fill], budget: int | None) -> list[list[_Fill]]:
@@ -219,8 +245,9 @@ def load(
 
     Any checkpoint snapshard reads works: one saved from JAX, from torch on another mesh or
     world size, or by Orbax. `options` as in snapshard.load; `options.memory_budget` bounds
-    the host bytes of buffers held at once (regions read in place need none), and
-    `options.read_once` does not apply: every rank reads its own boxes."""
+    the host bytes of buffers held at once (regions read in place need none), and with
+    `options.read_once` a box several ranks hold is read by one and broadcast to the
+    others (torch/read_once.py)."""
     if target is None:
         if transform is not None:
             raise ValueError("transform= needs a target: the state dict whose names it maps onto")
@@ -235,7 +262,7 @@ def load(
         saved = manifest.leaf_by_path()
         flat = flatten(target, is_leaf)
         values: dict[Path, Any] = {}
-        fills: list[_Fill] = []
+        arrays: list[tuple[Any, list[_Fill]]] = []  # target leaf, its fills
         mapped = _transformed(saved, transform, url) if transform is not None else None
         for path, t in zip(flat.paths, flat.leaves, strict=True):
             perm = None
@@ -265,17 +292,35 @@ def load(
                     + (" (transposed)" if perm is not None else "")
                     + f", the target asks for {tuple(t.shape)}"
                 )
-            fills.extend(_fills(leaf, t, perm))
+            arrays.append((t, _fills(leaf, t, perm)))
+        fills = [f for _, fs in arrays for f in fs]
+        once, rv = _read_once(arrays, options, url)
+        if once is not None:
+            fills = [
+                f for i, (_, fs) in enumerate(arrays) for f in fs
+                if once.keeps(i, f.start, f.stop, f.region)
+            ]  # fmt: skip
+        error: Exception | None = None
         with torch.no_grad():
-            for batch in _batches(fills, options.memory_budget):
+            try:
+                for batch in _batches(fills, options.memory_budget):
+                    t0 = time.perf_counter()
+                    read([f.dest for f in batch])
+                    t1 = time.perf_counter()
+                    for f in batch:
+                        if f.step is not None:
+                            f.step()
+                    stats.read_s += t1 - t0
+                    stats.assemble_s += time.perf_counter() - t1
+            except Exception as e:
+                if once is None:
+                    raise
+                error = e
+            if once is not None:
+                assert rv is not None
                 t0 = time.perf_counter()
-                read([f.dest for f in batch])
-                t1 = time.perf_counter()
-                for f in batch:
-                    if f.step is not None:
-                        f.step()
-                stats.read_s += t1 - t0
-                stats.assemble_s += time.perf_counter() - t1
+                stats.bytes_from_peers += once.share(rv, error)
+                stats.reshard_s += time.perf_counter() - t0
     finally:
         if owns:
             storage.close()

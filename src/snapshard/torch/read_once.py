@@ -1,0 +1,154 @@
+"""Read-once restores for torch: a box that several ranks hold is read from storage by one of
+them and broadcast to the others over torch.distributed.
+
+Call order, on every rank, with the same target:
+
+1. `plan(targets, rank, world)`: pure, no communication. The target tensors' layouts (a
+   DTensor's from its mesh and placements, a plain tensor held whole by every rank) go
+   through the write planner's byte-balanced assignment (`planning.plan_balanced`): the
+   rank that would write a box is the one that reads it. The result tells this rank which
+   of its boxes it reads and which it receives.
+2. The restore reads only the boxes this rank reads (`ReadOncePlan.reads`).
+3. `ReadOncePlan.share(coordinator, rendezvous, error)`: every rank reports whether its
+   reads succeeded (one rendezvous through the coordinator's store, bounded by its
+   timeout): a failed read fails every rank, naming the rank. Then, for every box held by
+   several ranks, in one order on every rank, its reader broadcasts the box to the group
+   of its holders. Groups are made once per holder set, in the same order on every rank,
+   and kept for the process's life (a job restores onto a few layouts).
+
+Read-once is the default where `ReadOptions.read_once` says so (object stores); NumPy
+targets are always read by each rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..adapters.jax_arrays import host_layout
+from ..coordination.rendezvous import Rendezvous, all_succeeded
+from ..planning import ArrayLayout
+from ..planning.write_plan import plan_balanced
+from .leaves import dtensor_layout, is_dtensor
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def box_key(start: Any, stop: Any) -> Box:
+    return tuple(int(x) for x in start), tuple(int(x) for x in stop)
+
+
+@dataclass(frozen=True)
+class SharedBox:
+    """A box of target leaf `leaf` held by `holders` (ascending ranks), read by `reader`."""
+
+    leaf: int
+    box: Box
+    reader: int
+    holders: tuple[int, ...]
+
+
+@dataclass
+class ReadOncePlan:
+    """Which boxes this rank reads and which it receives (see the module docstring)."""
+
+    rank: int
+    leaves: frozenset[int]  # the target leaves planned (torch tensors)
+    # (leaf, box) this rank reads from storage; the boxes it holds that are missing here
+    # come from a peer.
+    reads: set[tuple[int, Box]]
+    shared: list[SharedBox]  # every box with several holders, in the one order of all ranks
+    _regions: dict[tuple[int, Box], torch.Tensor] = field(default_factory=dict)
+
+    def keeps(self, leaf: int, start: Any, stop: Any, region: Any) -> bool:
+        """Whether this rank reads its region [start, stop) of target leaf `leaf` itself
+        (False: a peer sends it); remembers the region of a planned leaf, read or not."""
+        if leaf not in self.leaves:
+            return True
+        key = (leaf, box_key(start, stop))
+        self._regions[key] = region
+        return key in self.reads
+
+    def share(self, rv: Rendezvous, error: BaseException | None) -> int:
+        """Steps 3 (agreement, then broadcasts); returns the bytes this rank received."""
+        all_succeeded(rv, "read", error)
+        groups = _groups(sorted({s.holders for s in self.shared}), rv.coord.process_count)
+        received = 0
+        pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        for s in self.shared:
+            region = self._regions.get((s.leaf, s.box))
+            if region is None:  # not a holder of this box
+                continue
+            buf = region if region.is_contiguous() else region.contiguous()
+            # bytes, whatever the dtype: every backend broadcasts uint8
+            work = torch.distributed.broadcast(
+                buf.reshape(-1).view(torch.uint8), src=s.reader, group=groups[s.holders],
+                async_op=True,
+            )  # fmt: skip
+            pending.append((work, buf, region))
+            if s.reader != self.rank:
+                received += buf.numel() * buf.element_size()
+        for work, buf, region in pending:
+            work.wait()
+            if buf is not region:  # a strided region went through a contiguous copy
+                region.copy_(buf)
+        return received
+
+
+# Process groups of holder sets, made once (torch.distributed.new_group is collective).
+_group_cache: dict[tuple[int, ...], Any] = {}
+
+
+def _groups(holder_sets: list[tuple[int, ...]], world: int) -> dict[tuple[int, ...], Any]:
+    out: dict[tuple[int, ...], Any] = {}
+    for ranks in holder_sets:  # the same sorted order on every rank
+        if len(ranks) == world:
+            out[ranks] = None  # the default group
+            continue
+        if ranks not in _group_cache:
+            _group_cache[ranks] = torch.distributed.new_group(list(ranks))
+        out[ranks] = _group_cache[ranks]
+    return out
+
+
+def target_layout(target: Any, world: int) -> ArrayLayout | None:
+    """The layout of a torch target leaf over the ranks; None for what is never shared."""
+    if not isinstance(target, torch.Tensor):
+        return None
+    shape = tuple(int(s) for s in target.shape)
+    if is_dtensor(target):
+        return dtensor_layout(target, target.element_size()).layout
+    return host_layout(shape, target.element_size(), world)
+
+
+def plan(targets: list[Any], rank: int, world: int) -> ReadOncePlan | None:
+    """Step 1; None when no box of the targets has several holders."""
+    leaves, layouts = [], []
+    for i, t in enumerate(targets):
+        la = target_layout(t, world)
+        if la is not None and la.nbytes > 0:
+            leaves.append(i)
+            layouts.append(la)
+    if not layouts:
+        return None
+    plans, _, _ = plan_balanced(layouts, world)
+    reads: set[tuple[int, Box]] = set()
+    shared: list[SharedBox] = []
+    for i, p in zip(leaves, plans, strict=True):
+        g = p.groups
+        for u in range(g.count):
+            if g.nbytes[u] == 0:
+                continue
+            box = box_key(g.starts[u], g.stops[u])
+            holders = tuple(sorted(int(x) for x in g.cand_process[g.cand_ptr[u] : g.cand_ptr[u + 1]]))
+            reader = int(p.writer[u])
+            if reader == rank:
+                reads.add((i, box))
+            if len(holders) > 1:
+                shared.append(SharedBox(i, box, reader, holders))
+    if not shared:
+        return None
+    return ReadOncePlan(rank, frozenset(leaves), reads, shared)
+

@@ -1,0 +1,79 @@
+"""Read-once restores of torch state across 4 real ranks (gloo on CPU): a box held by
+several ranks is read from storage once and broadcast to its other holders."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("torch")
+
+import multiproc
+
+ENV = {"OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_replicated_boxes_are_read_once_and_broadcast(tmp_path):
+    ranks = [p.result() for p in multiproc.run("torch_read_once.py", 4, 1, str(tmp_path), timeout=150, env=ENV)]
+    unique = ranks[0]["unique"]
+    for mode in ("True", "False", "manager"):
+        for r in ranks:
+            assert all(r[mode]["equal"].values()), (mode, r["rank"], r[mode]["equal"])
+    on = [r["True"] for r in ranks]
+    off = [r["False"] for r in ranks]
+    # Checksums of the blocks read come on top of the array bytes: a few bytes per chunk.
+    assert unique <= sum(x["bytes_read"] for x in on) <= 1.05 * unique
+    assert sum(x["bytes_from_peers"] for x in on) > 0
+    # Each rank read a share: the byte-balanced plan spreads the boxes over the holders.
+    assert max(x["bytes_read"] for x in on) < 0.5 * unique
+    # Without read-once every holder reads its boxes: a, b twice, c and d 4 times.
+    assert sum(x["bytes_read"] for x in off) > 2 * unique
+    assert all(x["bytes_from_peers"] == 0 for x in off)
+    managed = [r["manager"] for r in ranks]
+    assert sum(x["bytes_read"] for x in managed) <= 1.05 * unique
+    assert sum(x["bytes_from_peers"] for x in managed) > 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_failed_read_fails_every_rank_naming_it(tmp_path):
+    multiproc.run("torch_read_once.py", 4, 1, str(tmp_path), timeout=150, env=ENV)
+    done = multiproc.run(
+        "torch_read_once.py", 4, 1, str(tmp_path), "--fail-read", "1", timeout=90, env=ENV
+    )
+    for p in done:
+        res = p.result()
+        assert res["error"] is not None, res
+        assert "process 1 failed" in res["error"] and "injected read failure" in res["error"], res
+        assert res["seconds"] < 30
+
+
+@given(
+    sizes=st.lists(st.integers(0, 5000), min_size=1, max_size=12),
+    world=st.integers(2, 8),
+)
+@settings(max_examples=60, deadline=None)
+def test_every_shared_box_has_one_reader_and_the_reads_are_balanced(sizes, world):
+    import torch
+
+    from snapshard.torch.read_once import plan
+
+    targets = [torch.zeros(n) for n in sizes]
+    plans = [plan(targets, r, world) for r in range(world)]
+    if sum(sizes) == 0:
+        assert all(p is None for p in plans)
+        return
+    assert all(p is not None and p.shared == plans[0].shared for p in plans)  # type: ignore[union-attr]
+    reads = [p.reads for p in plans]  # type: ignore[union-attr]
+    boxes = [(i, ((0,), (n,))) for i, n in enumerate(sizes) if n]
+    # Each box is read by exactly one rank, the reader the shared plan names.
+    for b in boxes:
+        assert sum(b in r for r in reads) == 1
+    for s in plans[0].shared:  # type: ignore[union-attr]
+        assert s.holders == tuple(range(world)) and (s.leaf, s.box) in reads[s.reader]
+    load = [sum(sizes[i] for i, _ in r) for r in reads]
+    # Greedy, largest first: within the largest box of the mean.
+    assert max(load) <= sum(sizes) / world + max(sizes)

@@ -1,0 +1,136 @@
+"""A torch.distributed (gloo, CPU) rank of the torch read-once tests (4 ranks).
+
+    torch_read_once.py DIR                   save a state sharded over the 4 ranks, then
+                                             restore it onto a (2 replicas x 2 shards) mesh
+                                             and as plain tensors, with read-once on and off
+    torch_read_once.py DIR --fail-read RANK  the restore with read-once on, where RANK's
+                                             storage reads fail
+
+Reports, per rank and mode, whether every restored tensor equals the saved one, and the
+bytes read from storage and received from peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from workers._dist import report
+
+
+def state() -> dict[str, torch.Tensor]:
+    """Deterministic leaves; every target box below is a whole number of saved chunks, so a
+    restore needs exactly the unique bytes."""
+    return {
+        "a": torch.arange(256 * 64, dtype=torch.float32).reshape(256, 64) * 0.5,
+        "b": (torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32) - 7).to(torch.bfloat16),
+        "c": torch.linspace(-1, 1, 1000),
+        "d": torch.arange(15, dtype=torch.int64).reshape(5, 3) * 3,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("--fail-read", type=int, default=None)
+    args = ap.parse_args()
+    rank = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
+    world = int(os.environ["SNAPSHARD_TEST_NUM_PROCESSES"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['SNAPSHARD_TEST_PORT']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import snapshard
+    import snapshard.torch as st
+
+    want = state()
+    flat = init_device_mesh("cpu", (world,))
+    saved = {
+        "a": distribute_tensor(want["a"], flat, [Shard(0)]),
+        "b": distribute_tensor(want["b"], flat, [Shard(0)]),
+        "c": want["c"].clone(),  # a plain tensor: the same on every rank
+        "d": distribute_tensor(want["d"], flat, [Replicate()]),
+    }
+    ckpt = os.path.join(args.root, "ckpt")
+    if args.fail_read is None:
+        st.save(ckpt, saved)
+    dist.barrier()
+    hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+
+    def target() -> dict[str, torch.Tensor]:
+        return {
+            "a": distribute_tensor(torch.zeros(256, 64), hsdp, [Replicate(), Shard(0)]),
+            "b": distribute_tensor(
+                torch.zeros(64, 32, dtype=torch.bfloat16), hsdp, [Replicate(), Shard(0)]
+            ),
+            "c": torch.zeros(1000),
+            "d": distribute_tensor(
+                torch.zeros(5, 3, dtype=torch.int64), hsdp, [Replicate(), Replicate()]
+            ),
+        }
+
+    if args.fail_read is not None:
+        if rank == args.fail_read:
+            from snapshard.storage import local
+
+            def read_into(self, name, offset, buffers):
+                raise OSError(5, f"injected read failure on rank {rank}")
+
+            local.LocalStorage.read_into = read_into
+        t0 = time.perf_counter()
+        try:
+            st.load(ckpt, target(), snapshard.ReadOptions(read_once=True, timeout_s=20))
+            report(rank=rank, error=None)
+        except Exception as e:
+            report(rank=rank, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+        # Rank 0 hosts the store: it stays until every rank has seen the outcome. Then skip
+        # the process group's shutdown (a failed load leaves no collective to finish).
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"test/failed/{rank}", "1")
+        if rank == 0:
+            store.wait([f"test/failed/{q}" for q in range(world)], timedelta(seconds=30))
+        os._exit(0)
+    result: dict[str, object] = {}
+    for mode in (True, False):
+        out = target()
+        stats = snapshard.ReadStats()
+        st.load(ckpt, out, snapshard.ReadOptions(read_once=mode), stats=stats)
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in out.items()}
+        result[f"{mode}"] = {
+            "equal": {k: bool(torch.equal(full[k], want[k])) for k in want},
+            "bytes_read": stats.bytes_read,
+            "bytes_from_peers": stats.bytes_from_peers,
+        }
+    # Through the manager too: its read options decide.
+    with st.CheckpointManager(
+        os.path.join(args.root, "run"), read_options=snapshard.ReadOptions(read_once=True)
+    ) as mgr:
+        mgr.save(1, saved)
+        mgr.wait_until_finished()
+        out = mgr.restore(1, target())
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in out.items()}
+        result["manager"] = {
+            "equal": {k: bool(torch.equal(full[k], want[k])) for k in want},
+            "bytes_read": mgr.last_restore.bytes_read_persistent,
+            "bytes_from_peers": mgr.last_restore.bytes_from_peers,
+        }
+    result["unique"] = sum(v.numel() * v.element_size() for v in want.values())
+    dist.barrier()
+    report(rank=rank, **result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
