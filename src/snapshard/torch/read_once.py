@@ -97,19 +97,21 @@ class ReadOncePlan:
         return received
 
 
-# Process groups of holder sets, made once (torch.distributed.new_group is collective).
-_group_cache: dict[tuple[int, ...], Any] = {}
+# Process groups of holder sets, made once per default group (new_group is collective).
+_group_cache: dict[tuple[Any, tuple[int, ...]], Any] = {}
 
 
 def _groups(holder_sets: list[tuple[int, ...]], world: int) -> dict[tuple[int, ...], Any]:
+    default = torch.distributed.group.WORLD
     out: dict[tuple[int, ...], Any] = {}
     for ranks in holder_sets:  # the same sorted order on every rank
         if len(ranks) == world:
             out[ranks] = None  # the default group
             continue
-        if ranks not in _group_cache:
-            _group_cache[ranks] = torch.distributed.new_group(list(ranks))
-        out[ranks] = _group_cache[ranks]
+        key = (default, ranks)
+        if key not in _group_cache:
+            _group_cache[key] = torch.distributed.new_group(list(ranks))
+        out[ranks] = _group_cache[key]
     return out
 
 
