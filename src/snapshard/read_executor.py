@@ -19,11 +19,11 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import numpy as np
@@ -624,18 +624,23 @@ def _read_dests(
             _scratch.__dict__.pop("buf", None)
 
 
-def _batches(reqs: list[Request], budget: int | None) -> list[list[Request]]:
-    if budget is None:
-        return [reqs] if reqs else []
-    out: list[list[Request]] = []
-    cur: list[Request] = []
-    size = 0
-    for r in reqs:
-        if cur and size + r.nbytes > budget:
+T = TypeVar("T")
+
+
+def batches(items: Sequence[T], size: Callable[[T], int], budget: int | None) -> list[list[T]]:
+    """Consecutive items in batches of at most `budget` bytes by `size` (an item larger
+    than the budget goes alone); budget None: one batch. Every restore path cuts its work
+    with it, so that every process of a job cuts the same batches from the same sizes."""
+    out: list[list[T]] = []
+    cur: list[T] = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if cur and budget is not None and total + n > budget:
             out.append(cur)
-            cur, size = [], 0
-        cur.append(r)
-        size += r.nbytes
+            cur, total = [], 0
+        cur.append(it)
+        total += n
     if cur:
         out.append(cur)
     return out
@@ -667,7 +672,7 @@ def execute(
     if any(len(d.devices) > 1 and d.devices[0].platform == "cpu" for r in reqs for d in r.dests):
         start_cpu_donation_check()  # overlaps the reads (see to_devices)
     results: dict[int, Any] = {}
-    for batch in _batches(reqs, budget):
+    for batch in batches(reqs, lambda r: r.nbytes, budget):
         t0 = time.perf_counter()
         dests = [d for r in batch for d in r.dests]
         steps: list[Callable[[], None]] = []

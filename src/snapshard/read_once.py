@@ -38,7 +38,7 @@ from .coordination import default_coordinator
 from .coordination.base import Coordinator
 from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, all_succeeded, namespace
 from .dtypes import dtype_from_name
-from .read_executor import Expand, ReadDests, ReadStats, Request, request_boxes
+from .read_executor import Expand, ReadDests, ReadStats, Request, batches, request_boxes
 from .read_executor import execute as execute_all
 
 _READ_AXIS = "snapshard_read"
@@ -209,23 +209,6 @@ def plan(reqs: list[Request], process: int, processes: int) -> dict[int, _Once]:
     return out
 
 
-def _batches(items: list[int], cost: dict[int, int], budget: int | None) -> list[list[int]]:
-    if budget is None:
-        return [items] if items else []
-    out: list[list[int]] = []
-    cur: list[int] = []
-    size = 0
-    for i in items:
-        if cur and size + cost[i] > budget:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(i)
-        size += cost[i]
-    if cur:
-        out.append(cur)
-    return out
-
-
 def default_on(location: str, enabled: bool | None) -> bool:
     """Read-once unless asked otherwise, by default only on object stores: there every
     byte read costs a request and egress, while on a local or shared filesystem of this
@@ -273,7 +256,7 @@ def execute(
     except Exception as e:
         error = e
     costs = {i: o.cost for i, o in once.items()}
-    for k, batch in enumerate(_batches(sorted(once), costs, memory_budget)):
+    for k, batch in enumerate(batches(sorted(once), costs.__getitem__, memory_budget)):
         arrays: list[Any] = []
         if error is None:
             try:

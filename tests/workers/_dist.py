@@ -24,6 +24,26 @@ def init() -> tuple[int, int]:
     return pid, n
 
 
+def init_torch() -> tuple[int, int]:
+    """Join the torch.distributed (gloo) job the test started; returns (rank, world size)."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
+    world = int(os.environ["SNAPSHARD_TEST_NUM_PROCESSES"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['SNAPSHARD_TEST_PORT']}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    torch.set_num_threads(1)
+    return rank, world
+
+
 def report(**values: object) -> None:
     print("RESULT " + json.dumps(values), flush=True)
     sys.stdout.flush()

@@ -26,14 +26,13 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from snapshard import ReadOptions, SaveOptions
-from workers._dist import report
+from workers._dist import init_torch, report
 
 
 class Tiny(nn.Module):
@@ -227,16 +226,7 @@ def preempt(root: str, rank: int, world: int) -> dict[str, object]:
 
 def main() -> None:
     cmd, root = sys.argv[1], sys.argv[2]
-    rank = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
-    world = int(os.environ["SNAPSHARD_TEST_NUM_PROCESSES"])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{os.environ['SNAPSHARD_TEST_PORT']}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
+    rank, world = init_torch()
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     import snapshard.torch as st

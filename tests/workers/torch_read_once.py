@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from workers._dist import report
+from workers._dist import init_torch, report
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -39,16 +39,7 @@ def main() -> None:
     ap.add_argument("root")
     ap.add_argument("--fail-read", type=int, default=None)
     args = ap.parse_args()
-    rank = int(os.environ["SNAPSHARD_TEST_PROCESS_ID"])
-    world = int(os.environ["SNAPSHARD_TEST_NUM_PROCESSES"])
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{os.environ['SNAPSHARD_TEST_PORT']}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=60),
-    )
-    torch.set_num_threads(1)
+    rank, world = init_torch()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 

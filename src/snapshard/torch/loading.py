@@ -23,7 +23,7 @@ from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
 from ..options import ReadOptions
-from ..read_executor import Dest, ReadStats, aligned_empty
+from ..read_executor import Dest, ReadStats, aligned_empty, batches
 from ..read_once import default_on
 from ..restore import load as _load_numpy
 from ..restore import missing_target_leaf
@@ -179,21 +179,6 @@ def _read_once(
     return once, Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
 
 
-def _batches(fills: list[_Fill], budget: int | None) -> list[list[_Fill]]:
-    out: list[list[_Fill]] = []
-    cur: list[_Fill] = []
-    size = 0
-    for f in fills:
-        if cur and budget is not None and size + f.buffered > budget:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(f)
-        size += f.buffered
-    if cur:
-        out.append(cur)
-    return out
-
-
 def _put_back(node: Any, path: Path, values: dict[Path, Any]) -> Any:
     """The target with its value leaves replaced, containers updated in place where mutable."""
     if path in values:
@@ -303,7 +288,7 @@ def load(
         error: Exception | None = None
         with torch.no_grad():
             try:
-                for batch in _batches(fills, options.memory_budget):
+                for batch in batches(fills, lambda f: f.buffered, options.memory_budget):
                     t0 = time.perf_counter()
                     read([f.dest for f in batch])
                     t1 = time.perf_counter()
