@@ -449,7 +449,8 @@ def _read_verified(storage: Storage, task: _Task, bufs: list[memoryview]) -> Non
 
     Where the storage reads cheaply in pieces (local files), the range is read a few
     blocks at a time and each piece is checked right after it lands, while still in cache:
-    one pass over memory instead of two."""
+    one pass over memory instead of two. Bytes that must come from the device are read in
+    larger pieces (`Storage.cold_read_piece_bytes`), which the device streams faster."""
     runs, r = task.runs, task.rng
     t, c = runs.table, runs.chunk
     block = int(t.block[c])
@@ -457,6 +458,10 @@ def _read_verified(storage: Storage, task: _Task, bufs: list[memoryview]) -> Non
     piece = storage.read_piece_bytes
     pieces = None
     if piece is not None and r.stop - r.start > 2 * piece:
+        cold = storage.cold_read_piece_bytes
+        # The range's last byte is read last: if even it is cached, the range is.
+        if cold is not None and not storage.in_memory(runs.file, runs.file_offset + r.stop - 1):
+            piece = cold
         pieces = _pieces(bufs, max(block, piece // block * block))
     if t.crc_offset is None:  # v1: the checksums are in the index
         crcs = t.block_crcs(c).tolist()

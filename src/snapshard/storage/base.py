@@ -42,10 +42,18 @@ class Storage(ABC):
     # request costs a system call). None: one request per range (object stores, where each
     # costs a round trip).
     read_piece_bytes: int | None = None
+    # The piece size of a verified read whose bytes are not in memory yet (`in_memory`):
+    # the device then streams large requests faster than cache-sized ones.
+    cold_read_piece_bytes: int | None = None
     # Reads of one chunk whose byte runs are closer than this merge into one read, the bytes
     # between them read and dropped (the default of `max_gap` in every load): a request
     # here costs about as much as reading this many bytes more.
     read_gap_bytes: int = 4096
+
+    def in_memory(self, name: str, offset: int) -> bool:
+        """Whether byte `offset` of file `name` can be read without waiting for the device
+        (in the OS's page cache); True where the storage cannot tell."""
+        return True
 
     def _check_guard(self) -> None:
         if self.commit_guard is not None:
