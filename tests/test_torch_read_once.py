@@ -3,6 +3,8 @@ several ranks is read from storage once and broadcast to its other holders."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,9 +19,30 @@ ENV = {"OMP_NUM_THREADS": "1"}
 @pytest.mark.multiprocess
 @pytest.mark.slow
 def test_replicated_boxes_are_read_once_and_broadcast(tmp_path):
-    ranks = [p.result() for p in multiproc.run("torch_read_once.py", 4, 1, str(tmp_path), timeout=150, env=ENV)]
+    ranks = _run(str(tmp_path))
+    _check(ranks)
+    # On a filesystem the default reads every holder's boxes itself.
+    assert sum(r["None"]["bytes_read"] for r in ranks) == sum(r["False"]["bytes_read"] for r in ranks)
+
+
+@pytest.mark.s3
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_on_an_object_store_read_once_is_the_default(s3_bucket):
+    ranks = _run(f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}")
+    _check(ranks)
     unique = ranks[0]["unique"]
-    for mode in ("True", "False", "manager"):
+    assert sum(r["None"]["bytes_read"] for r in ranks) <= 1.05 * unique
+    assert sum(r["None"]["bytes_from_peers"] for r in ranks) > 0
+
+
+def _run(root: str) -> list[dict]:
+    return [p.result() for p in multiproc.run("torch_read_once.py", 4, 1, root, timeout=150, env=ENV)]
+
+
+def _check(ranks: list[dict]) -> None:
+    unique = ranks[0]["unique"]
+    for mode in ("True", "False", "None", "manager"):
         for r in ranks:
             assert all(r[mode]["equal"].values()), (mode, r["rank"], r[mode]["equal"])
     on = [r["True"] for r in ranks]

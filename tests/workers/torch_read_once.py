@@ -2,7 +2,8 @@
 
     torch_read_once.py DIR                   save a state sharded over the 4 ranks, then
                                              restore it onto a (2 replicas x 2 shards) mesh
-                                             and as plain tensors, with read-once on and off
+                                             and as plain tensors, with read-once on, off and
+                                             by default (DIR: a directory or an s3:// URL)
     torch_read_once.py DIR --fail-read RANK  the restore with read-once on, where RANK's
                                              storage reads fail
 
@@ -94,7 +95,7 @@ def main() -> None:
             store.wait([f"test/failed/{q}" for q in range(world)], timedelta(seconds=30))
         os._exit(0)
     result: dict[str, object] = {}
-    for mode in (True, False):
+    for mode in (True, False, None):  # None: the default, on for object stores only
         out = target()
         stats = snapshard.ReadStats()
         st.load(ckpt, out, snapshard.ReadOptions(read_once=mode), stats=stats)
