@@ -63,6 +63,11 @@ def test_a_keyword_in_place_of_the_options_object_is_a_type_error(tmp_path):
         snapshard.load(tmp_path / "c", None, {"verify": False})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"save_options must be a snapshard\.SaveOptions"):
         snapshard.CheckpointManager(tmp_path / "run", save_options=ReadOptions())  # type: ignore[arg-type]
+    torch = pytest.importorskip("torch")
+    import snapshard.torch as st
+
+    with pytest.raises(TypeError, match=r"must be a snapshard\.ReadOptions, not dict"):
+        st.load(tmp_path / "c", {"x": torch.zeros(3)}, {"verify": False})  # type: ignore[arg-type]
 
 
 def _data_files(ckpt):

@@ -43,6 +43,13 @@ def _seconds(name: str, value: object) -> None:
         raise ValueError(f"{name} must be a positive number of seconds, not {value!r}")
 
 
+def require(value: object, cls: type, name: str = "options") -> None:
+    """Refuse anything but an options object where one is taken (a dict of keywords, the
+    other class), naming the argument."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be a snapshard.{cls.__name__}, not {type(value).__name__}")
+
+
 @dataclass(frozen=True)
 class SaveOptions:
     """How a save is written.

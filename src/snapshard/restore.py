@@ -21,7 +21,7 @@ from .errors import (
 )
 from .format import Manifest, ValueLeaf
 from .format.manifest import ArrayLeaf, PerProcessLeaf, values_file_name
-from .options import ReadOptions
+from .options import ReadOptions, require
 from .per_process import PerProcess, Resplit
 from .read_executor import ReadStats, Request, make_request
 from .read_executor import build as build_request
@@ -171,8 +171,7 @@ def load(
     and read-once restores of replicated targets in multi-process jobs. `stats`, when
     given, is filled with what the restore read and how long it took.
     """
-    if not isinstance(options, ReadOptions):
-        raise TypeError(f"options must be a snapshard.ReadOptions, not {type(options).__name__}")
+    require(options, ReadOptions)
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
     owns_storage = not isinstance(directory, Storage)

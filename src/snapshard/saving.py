@@ -51,7 +51,7 @@ from .format import (
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .incremental import Increment, check_refs_committed, manifest_refs
-from .options import SaveOptions
+from .options import SaveOptions, require
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem, stage
 from .storage import FileWriter, Location, Storage, is_object_store_url, storage_for
@@ -133,8 +133,7 @@ def prepare(
     """The blocking phase: plan, then bring every owned slice to host memory (from
     `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
     t0 = time.perf_counter()
-    if not isinstance(options, SaveOptions):
-        raise TypeError(f"options must be a snapshard.SaveOptions, not {type(options).__name__}")
+    require(options, SaveOptions)
     if not isinstance(location, Storage) and not os.fspath(location):
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()

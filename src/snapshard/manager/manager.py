@@ -29,7 +29,7 @@ from ..coordination.preemption import PreemptionAgreement
 from ..coordination.rendezvous import Rendezvous, namespace
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..format.reading import read_manifest
-from ..options import ReadOptions, SaveOptions
+from ..options import ReadOptions, SaveOptions, require
 from ..read_executor import ReadStats
 from ..saving import SaveTimings
 from ..storage import CheckpointRoot, Location, root_for
@@ -122,10 +122,8 @@ class CheckpointManager:
         self._framework = framework
         self._root = root_for(directory)
         self._coord = coordinator or framework.coordinator()
-        if not isinstance(save_options, SaveOptions):
-            raise TypeError(f"save_options must be a snapshard.SaveOptions, not {save_options!r}")
-        if not isinstance(read_options, ReadOptions):
-            raise TypeError(f"read_options must be a snapshard.ReadOptions, not {read_options!r}")
+        require(save_options, SaveOptions, "save_options")
+        require(read_options, ReadOptions, "read_options")
         self._save_options = save_options
         self._read_options = read_options
         self._async = async_save

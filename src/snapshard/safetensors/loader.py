@@ -13,7 +13,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..format import FileEntry, Manifest
-from ..options import ReadOptions
+from ..options import ReadOptions, require
 from ..read_executor import (
     ReadStats,
     make_request,
@@ -98,6 +98,7 @@ def load(
     on, tensors replicated across processes are read once across the job and sent to the
     other holders.
     """
+    require(options, ReadOptions)
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
     files, weight_map = open_files(location)

@@ -22,7 +22,7 @@ from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
-from ..options import ReadOptions
+from ..options import ReadOptions, require
 from ..read_executor import Dest, ReadStats, aligned_empty, batches
 from ..read_once import default_on
 from ..restore import load as _load_numpy
@@ -233,6 +233,7 @@ def load(
     the host bytes of buffers held at once (regions read in place need none), and with
     `options.read_once` a box several ranks hold is read by one and broadcast to the
     others (torch/read_once.py)."""
+    require(options, ReadOptions)
     if target is None:
         if transform is not None:
             raise ValueError("transform= needs a target: the state dict whose names it maps onto")
