@@ -3,7 +3,7 @@
 The full benchmark's rounds are minutes apart, and on a shared machine the disk's speed
 drifts within minutes. This puts the contenders side by side: every rep runs, in an order
 rotated by the rep, the raw write of the state's bytes with 1 and 2 threads and
-`snapshard.save(..., threads=1|2)`, each after os.sync().
+`snapshard.save(..., SaveOptions(writers=1|2))`, each after os.sync().
 
 usage: python ab_save_threads.py [--scale S] [--reps 4]
 """

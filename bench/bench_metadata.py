@@ -10,7 +10,7 @@ subprocesses (peak RSS is per process):
   build    layouts (format.layouts.Mesh descriptions, checked with mesh_layout and
            same_holders as saving._description does), plan_writes, and each process's
            report: record file size (exact, from the plan) and data file size (one data file
-           per process: a save with threads=1). Record files are never written: a storage
+           per process: a save with SaveOptions(writers=1)). Record files are never written: a storage
            object synthesises process q's file on demand with format.records.encode of the
            records that process would write (same bytes, checked against saving.records_of),
            caching only the byte ranges a reader asked for.
@@ -183,7 +183,7 @@ class Writes:
 
     def segments(self, q: int) -> dict[int, np.ndarray]:
         """The records process q writes, per leaf, as saving._write_own builds them with
-        threads=1: items in plan order, written largest first (saving._split_files), each
+        one writer: items in plan order, written largest first (saving._split_files), each
         chunk followed by its checksums (saving.chunk_span), records sorted by box."""
         from snapshard.format import checksum_block, records
         from snapshard.saving import chunk_span

@@ -102,16 +102,16 @@ def test_the_manager_writes_every_step_with_its_save_options(tmp_path):
 
 
 def test_the_manager_restores_with_its_read_options_unless_given_others(tmp_path, monkeypatch):
-    import snapshard.read_executor as rx
+    import snapshard.sources as sources
 
     seen: list[tuple[bool, int]] = []
-    real = rx._read_dests
+    real = sources.reader_of
 
-    def spy(storage, manifest, finder, dests, verify, threads, max_gap, stats):
-        seen.append((verify, threads))
-        return real(storage, manifest, finder, dests, verify, threads, max_gap, stats)
+    def spy(storage, manifest, options, stats):
+        seen.append((options.verify, options.threads))
+        return real(storage, manifest, options, stats)
 
-    monkeypatch.setattr(rx, "_read_dests", spy)
+    monkeypatch.setattr(sources, "reader_of", spy)
     tree = {"w": np.arange(1000, dtype=np.float32)}
     with snapshard.CheckpointManager(
         tmp_path / "run", read_options=ReadOptions(verify=False, threads=2)

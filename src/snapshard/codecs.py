@@ -43,7 +43,9 @@ from .format import records as rec
 from .storage import FileWriter, Storage
 
 NONE, ZSTD, ZSTD_SHUFFLE = 0, 1, 2
-NAMES = {"zstd": ZSTD, "zstd+shuffle": ZSTD_SHUFFLE}
+# The values of SaveOptions.compression and the codec each gives (see codec_for).
+COMPRESSION_CODECS = {None: NONE, "zstd": ZSTD, "zstd-noshuffle": ZSTD, "zstd+shuffle": ZSTD_SHUFFLE}
+COMPRESSIONS = tuple(COMPRESSION_CODECS)
 DEFAULT_LEVEL = 1
 
 _local = threading.local()
@@ -193,15 +195,13 @@ def codec_for(compression: str | None, dtype: np.dtype) -> int:
     wider than a byte first. None (the default of `save`) compresses nothing. The shuffle
     saved 0.3-0.4% more bytes on trained-like floating-point state for 10-70% more time
     (design.md, "Compression"), so 'zstd' does not shuffle."""
-    if compression is None:
-        return NONE
-    if compression in ("zstd", "zstd-noshuffle"):
-        return ZSTD
-    if compression == "zstd+shuffle":
-        return ZSTD_SHUFFLE if dtype.itemsize > 1 else ZSTD
-    raise ValueError(
-        f"unknown compression {compression!r} (None, 'zstd', 'zstd+shuffle', 'zstd-noshuffle')"
-    )
+    codec = COMPRESSION_CODECS.get(compression, -1)
+    if codec < 0:
+        raise ValueError(
+            f"unknown compression {compression!r}; expected one of "
+            f"{', '.join(map(repr, COMPRESSIONS))}"
+        )
+    return ZSTD if codec == ZSTD_SHUFFLE and dtype.itemsize == 1 else codec
 
 
 def shuffle(block: np.ndarray, itemsize: int) -> np.ndarray:

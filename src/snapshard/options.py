@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .codecs import COMPRESSIONS
 from .coordination.rendezvous import DEFAULT_TIMEOUT_S
 from .planning import MODES
 
@@ -25,7 +26,6 @@ from .planning import MODES
 DEFAULT_READ_THREADS = 4
 # Host bytes of read buffers held at once while building jax.Arrays.
 DEFAULT_MEMORY_BUDGET = 4 << 30
-COMPRESSIONS = (None, "zstd", "zstd+shuffle", "zstd-noshuffle")
 
 
 def _whole(name: str, value: object, least: int, none_ok: bool) -> None:
@@ -63,9 +63,11 @@ class SaveOptions:
         block is compressed on its own, so reads stay random-access (see codecs.py).
     hashes: record each chunk's content hash, so that a later save may use this checkpoint
         as the base of an incremental save (a save with a base always records them).
-    host_budget: asynchronous saves only: the host bytes of staged copies held at once;
-        None (default) stages every owned byte before returning (see staging.py for what a
-        smaller budget asks of the caller). snapshard.torch always stages every byte.
+    host_budget: the host bytes of device-to-host copies made in the blocking phase; the
+        slices beyond it are copied by the background phase just before they are written,
+        so the caller must not donate or delete those arrays until the save has finished
+        (staging.py). None (default): every owned byte is on the host before the blocking
+        phase returns. snapshard.torch always copies every byte in the blocking phase.
     timeout_s: how long process 0 waits for every process to report its files written,
         and every process for the outcome of the commit.
     """
@@ -98,8 +100,10 @@ class ReadOptions:
 
     verify: check every byte read against the checksums saved with it (default True).
     threads: read threads per process (default 4).
-    memory_budget: host bytes of read buffers held at once while building jax.Arrays
-        (default 4 GiB; None: no bound). NumPy and torch targets are read in place.
+    memory_budget: host bytes of read buffers held at once (default 4 GiB; None: no
+        bound): the buffers jax.Arrays are built from, and those of torch regions that
+        cannot be read in place (cast, transposed, on a GPU). NumPy targets are read in
+        place.
     max_gap: byte runs of a chunk closer than this are read as one request. None
         (default): the storage's `read_gap_bytes`, 64 KiB on local files, 4 KiB on object
         stores.

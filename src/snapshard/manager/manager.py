@@ -488,7 +488,13 @@ class CheckpointManager:
         completely onto this target's layout; if it is newer than the newest persistent step
         (or is the `step` asked for), each process restores from its own copy or a peer's.
         Otherwise the persistent tier serves the restore (any topology). Every process must
-        call this with the same arguments. `last_restore` tells which tier served."""
+        call this with the same arguments. `last_restore` tells which tier served and what
+        it read. Of `options`, the local tier uses `timeout_s` alone (its copies are read
+        whole, verified, from node-local files), and `stats` is filled by persistent
+        restores only."""
+        if options is None:
+            options = self._read_options
+        require(options, ReadOptions)
         self._wait_inflight()
         t0 = time.perf_counter()
         skipped: tuple[str, ...] = ()
@@ -500,7 +506,7 @@ class CheckpointManager:
                 target,
                 step,
                 self.latest_step(),
-                (options or self._read_options).timeout_s,
+                options.timeout_s,
             )
             if report.tier:
                 report.seconds = time.perf_counter() - t0
@@ -527,9 +533,8 @@ class CheckpointManager:
             )
         stats = stats if stats is not None else ReadStats()
         out = self._framework.load(
-            self._root.child(str(step)), target, options or self._read_options, stats=stats,
-            **load_args,
-        )  # fmt: skip
+            self._root.child(str(step)), target, options, stats=stats, **load_args
+        )
         self.last_restore = RestoreReport(
             tier="persistent",
             step=step,

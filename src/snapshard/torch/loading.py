@@ -23,7 +23,7 @@ from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
 from ..options import ReadOptions, require
-from ..read_executor import Dest, ReadStats, aligned_empty, batches
+from ..read_executor import Dest, ReadDests, ReadStats, aligned_empty, batches
 from ..read_once import default_on
 from ..restore import load as _load_numpy
 from ..restore import missing_target_leaf
@@ -35,7 +35,7 @@ from ..tree import Path, flatten, path_str
 from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype
 from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
-from .read_once import ReadOncePlan
+from .read_once import ReadOncePlan, backend_devices
 from .read_once import plan as plan_read_once
 
 
@@ -172,11 +172,49 @@ def _read_once(
     coord = default_coordinator()
     if coord.process_count == 1 or not default_on(url, options.read_once):
         return None, None
-    once = plan_read_once([t for t, _ in arrays], coord.process_index, coord.process_count)
+    once = plan_read_once(
+        [t for t, _ in arrays], coord.process_index, coord.process_count, backend_devices()
+    )
     if once is None:
         return None, None
     # Taken here, in program order, the same on every rank.
     return once, Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
+
+
+def _read_targets(
+    arrays: list[tuple[Any, list[_Fill]]],
+    read: ReadDests,
+    options: ReadOptions,
+    stats: ReadStats,
+    url: str,
+) -> None:
+    """Read every fill of the target leaves, in batches under the memory budget; with
+    read-once, only this rank's share, then the rest from its peers."""
+    fills = [f for _, fs in arrays for f in fs]
+    once, rv = _read_once(arrays, options, url)
+    if once is not None:
+        fills = [f for i, (_, fs) in enumerate(arrays) for f in once.bind(i, fs)]
+    error: Exception | None = None
+    with torch.no_grad():
+        try:
+            for batch in batches(fills, lambda f: f.buffered, options.memory_budget):
+                t0 = time.perf_counter()
+                read([f.dest for f in batch])
+                t1 = time.perf_counter()
+                for f in batch:
+                    if f.step is not None:
+                        f.step()
+                stats.read_s += t1 - t0
+                stats.assemble_s += time.perf_counter() - t1
+        except Exception as e:
+            if once is None:
+                raise
+            error = e  # every rank must learn of it before anyone broadcasts
+        if once is not None:
+            assert rv is not None
+            t0 = time.perf_counter()
+            stats.bytes_from_peers += once.share(rv, error)
+            stats.reshard_s += time.perf_counter() - t0
 
 
 def _put_back(node: Any, path: Path, values: dict[Path, Any]) -> Any:
@@ -279,34 +317,7 @@ def load(
                     + f", the target asks for {tuple(t.shape)}"
                 )
             arrays.append((t, _fills(leaf, t, perm)))
-        fills = [f for _, fs in arrays for f in fs]
-        once, rv = _read_once(arrays, options, url)
-        if once is not None:
-            fills = [
-                f for i, (_, fs) in enumerate(arrays) for f in fs
-                if once.keeps(i, f.start, f.stop, f.region)
-            ]  # fmt: skip
-        error: Exception | None = None
-        with torch.no_grad():
-            try:
-                for batch in batches(fills, lambda f: f.buffered, options.memory_budget):
-                    t0 = time.perf_counter()
-                    read([f.dest for f in batch])
-                    t1 = time.perf_counter()
-                    for f in batch:
-                        if f.step is not None:
-                            f.step()
-                    stats.read_s += t1 - t0
-                    stats.assemble_s += time.perf_counter() - t1
-            except Exception as e:
-                if once is None:
-                    raise
-                error = e
-            if once is not None:
-                assert rv is not None
-                t0 = time.perf_counter()
-                stats.bytes_from_peers += once.share(rv, error)
-                stats.reshard_s += time.perf_counter() - t0
+        _read_targets(arrays, read, options, stats, url)
     finally:
         if owns:
             storage.close()

@@ -3,37 +3,55 @@ them and broadcast to the others over torch.distributed.
 
 Call order, on every rank, with the same target:
 
-1. `plan(targets, rank, world)`: pure, no communication. The target tensors' layouts (a
-   DTensor's from its mesh and placements, a plain tensor held whole by every rank) go
-   through the write planner's byte-balanced assignment (`planning.plan_balanced`): the
-   rank that would write a box is the one that reads it. The result tells this rank which
-   of its boxes it reads and which it receives.
-2. The restore reads only the boxes this rank reads (`ReadOncePlan.reads`).
-3. `ReadOncePlan.share(coordinator, rendezvous, error)`: every rank reports whether its
-   reads succeeded (one rendezvous through the coordinator's store, bounded by its
-   timeout): a failed read fails every rank, naming the rank. Then, for every box held by
-   several ranks, in one order on every rank, its reader broadcasts the box to the group
-   of its holders. Groups are made once per holder set, in the same order on every rank,
-   and kept for the process's life (a job restores onto a few layouts).
+1. `plan(targets, rank, world, devices)`: pure, no communication. The layouts of the target
+   tensors on devices the default process group serves (a DTensor's from its mesh and
+   placements, a plain tensor held whole by every rank) go through the write planner's
+   byte-balanced assignment (`planning.plan_balanced`): the rank that would write a box is
+   the one that reads it.
+2. `ReadOncePlan.bind(leaf, fills)` for every target leaf: the fills this rank reads itself;
+   the regions of the others come from a peer.
+3. The restore reads those fills.
+4. `ReadOncePlan.share(rendezvous, error)`: every rank reports whether its reads succeeded
+   (one rendezvous through the coordinator's store, bounded by its timeout): a failed read
+   fails every rank, naming the rank. Then, for every box held by several ranks, in one
+   order on every rank, its reader broadcasts the box to the group of its holders. Groups
+   are made once per holder set, in the same order on every rank, and kept for the
+   process's life (a job restores onto a few layouts). A failure during the broadcasts
+   themselves is bounded by the process group's timeout, not the rendezvous's.
 
 Read-once is the default where `ReadOptions.read_once` says so (object stores); NumPy
-targets are always read by each rank.
+targets, and tensors on devices the default group has no backend for (CPU tensors under
+an NCCL-only group), are always read by each rank.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from ..adapters.jax_arrays import host_layout
 from ..coordination.rendezvous import Rendezvous, all_succeeded
+from ..errors import SnapshardError
 from ..planning import ArrayLayout
 from ..planning.write_plan import plan_balanced
 from .leaves import dtensor_layout, is_dtensor
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class Region(Protocol):
+    """A region of a target leaf (torch/loading.py's fills): its box in the target's
+    coordinates and its view of the target."""
+
+    start: Any
+    stop: Any
+    region: Any
+
+
+R = TypeVar("R", bound=Region)
 
 
 def box_key(start: Any, stop: Any) -> Box:
@@ -62,17 +80,26 @@ class ReadOncePlan:
     shared: list[SharedBox]  # every box with several holders, in the one order of all ranks
     _regions: dict[tuple[int, Box], torch.Tensor] = field(default_factory=dict)
 
-    def keeps(self, leaf: int, start: Any, stop: Any, region: Any) -> bool:
-        """Whether this rank reads its region [start, stop) of target leaf `leaf` itself
-        (False: a peer sends it); remembers the region of a planned leaf, read or not."""
+    def __post_init__(self) -> None:
+        self._shared_keys = {(s.leaf, s.box) for s in self.shared}
+
+    def bind(self, leaf: int, fills: Sequence[R]) -> list[R]:
+        """The fills of target leaf `leaf` that this rank reads itself; the regions of the
+        others are remembered, to be received in `share`."""
         if leaf not in self.leaves:
-            return True
-        key = (leaf, box_key(start, stop))
-        self._regions[key] = region
-        return key in self.reads
+            return list(fills)
+        out = []
+        for f in fills:
+            key = (leaf, box_key(f.start, f.stop))
+            self._regions[key] = f.region
+            if key in self.reads:
+                out.append(f)
+            elif key not in self._shared_keys:
+                raise SnapshardError(f"read-once: box {key[1]} of target leaf {leaf} is not planned")
+        return out
 
     def share(self, rv: Rendezvous, error: BaseException | None) -> int:
-        """Steps 3 (agreement, then broadcasts); returns the bytes this rank received."""
+        """Step 4 (agreement, then broadcasts); returns the bytes this rank received."""
         all_succeeded(rv, "read", error)
         groups = _groups(sorted({s.holders for s in self.shared}), rv.coord.process_count)
         received = 0
@@ -82,7 +109,8 @@ class ReadOncePlan:
             if region is None:  # not a holder of this box
                 continue
             buf = region if region.is_contiguous() else region.contiguous()
-            # bytes, whatever the dtype: every backend broadcasts uint8
+            # bytes, whatever the dtype (float8, bool...); plan() kept only devices the
+            # group has a backend for
             work = torch.distributed.broadcast(
                 buf.reshape(-1).view(torch.uint8), src=s.reader, group=groups[s.holders],
                 async_op=True,
@@ -115,9 +143,16 @@ def _groups(holder_sets: list[tuple[int, ...]], world: int) -> dict[tuple[int, .
     return out
 
 
-def target_layout(target: Any, world: int) -> ArrayLayout | None:
+def backend_devices() -> frozenset[str]:
+    """The device types the default process group has a backend for ('cpu:gloo,cuda:nccl'
+    serves both; a plain 'nccl' group CUDA only)."""
+    config = torch.distributed.get_backend_config()
+    return frozenset(part.split(":")[0] for part in config.split(",") if ":" in part)
+
+
+def target_layout(target: Any, world: int, devices: frozenset[str]) -> ArrayLayout | None:
     """The layout of a torch target leaf over the ranks; None for what is never shared."""
-    if not isinstance(target, torch.Tensor):
+    if not isinstance(target, torch.Tensor) or target.device.type not in devices:
         return None
     shape = tuple(int(s) for s in target.shape)
     if is_dtensor(target):
@@ -125,17 +160,20 @@ def target_layout(target: Any, world: int) -> ArrayLayout | None:
     return host_layout(shape, target.element_size(), world)
 
 
-def plan(targets: list[Any], rank: int, world: int) -> ReadOncePlan | None:
-    """Step 1; None when no box of the targets has several holders."""
-    leaves, layouts = [], []
-    for i, t in enumerate(targets):
-        la = target_layout(t, world)
-        if la is not None and la.nbytes > 0:
-            leaves.append(i)
-            layouts.append(la)
-    if not layouts:
+def plan(targets: list[Any], rank: int, world: int, devices: frozenset[str]) -> ReadOncePlan | None:
+    """Step 1 for the target leaves; None when no box of them has several holders."""
+    return plan_layouts([target_layout(t, world, devices) for t in targets], rank, world)
+
+
+def plan_layouts(
+    layouts: list[ArrayLayout | None], rank: int, world: int
+) -> ReadOncePlan | None:
+    """Step 1 from the leaves' layouts (None: a leaf every rank reads itself)."""
+    chosen = [(i, la) for i, la in enumerate(layouts) if la is not None and la.nbytes > 0]
+    if not chosen:
         return None
-    plans, _, _ = plan_balanced(layouts, world)
+    leaves = [i for i, _ in chosen]
+    plans, _, _ = plan_balanced([la for _, la in chosen], world)
     reads: set[tuple[int, Box]] = set()
     shared: list[SharedBox] = []
     for i, p in zip(leaves, plans, strict=True):
@@ -153,4 +191,3 @@ def plan(targets: list[Any], rank: int, world: int) -> ReadOncePlan | None:
     if not shared:
         return None
     return ReadOncePlan(rank, frozenset(leaves), reads, shared)
-
