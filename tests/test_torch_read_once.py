@@ -105,7 +105,7 @@ class _Fill:
 @given(placed_layouts())
 @settings(max_examples=80, deadline=None)
 def test_every_rank_plans_the_same_readers_among_each_boxs_holders(case):
-    from snapshard.torch.read_once import box_key, plan_layouts
+    from snapshard.torch.read_once import as_box, plan_layouts
 
     layouts, world = case
     plans = [plan_layouts(list(layouts), r, world) for r in range(world)]
@@ -117,7 +117,7 @@ def test_every_rank_plans_the_same_readers_among_each_boxs_holders(case):
     for i, la in enumerate(layouts):
         holders: dict = {}
         for row in range(len(la.process_ids)):
-            box = box_key(la.starts[row], la.stops[row])
+            box = as_box(la.starts[row], la.stops[row])
             if la.nbytes and all(b > a for a, b in zip(*box, strict=True)):
                 holders.setdefault(box, set()).add(int(la.process_ids[row]))
         for box, who in holders.items():
@@ -132,7 +132,7 @@ def test_every_rank_plans_the_same_readers_among_each_boxs_holders(case):
             fills = [_Fill(la.starts[k], la.stops[k]) for k in rows]
             fills = [f for f in fills if all(b > a for a, b in zip(f.start, f.stop, strict=True))]
             kept = plans[r].bind(i, fills)  # type: ignore[union-attr]
-            assert {box_key(f.start, f.stop) for f in kept} == {
+            assert {as_box(f.start, f.stop) for f in kept} == {
                 box for (j, box) in plans[r].reads if j == i  # type: ignore[union-attr]
             }
 

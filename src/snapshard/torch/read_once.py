@@ -37,9 +37,8 @@ from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..errors import SnapshardError
 from ..planning import ArrayLayout
 from ..planning.write_plan import plan_balanced
+from ..staging import Box
 from .leaves import dtensor_layout, is_dtensor
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 class Region(Protocol):
@@ -54,7 +53,8 @@ class Region(Protocol):
 R = TypeVar("R", bound=Region)
 
 
-def box_key(start: Any, stop: Any) -> Box:
+def as_box(start: Any, stop: Any) -> Box:
+    """A box as a hashable value, from its start and stop coordinates."""
     return tuple(int(x) for x in start), tuple(int(x) for x in stop)
 
 
@@ -90,7 +90,7 @@ class ReadOncePlan:
             return list(fills)
         out = []
         for f in fills:
-            key = (leaf, box_key(f.start, f.stop))
+            key = (leaf, as_box(f.start, f.stop))
             self._regions[key] = f.region
             if key in self.reads:
                 out.append(f)
@@ -154,10 +154,9 @@ def target_layout(target: Any, world: int, devices: frozenset[str]) -> ArrayLayo
     """The layout of a torch target leaf over the ranks; None for what is never shared."""
     if not isinstance(target, torch.Tensor) or target.device.type not in devices:
         return None
-    shape = tuple(int(s) for s in target.shape)
     if is_dtensor(target):
         return dtensor_layout(target, target.element_size()).layout
-    return host_layout(shape, target.element_size(), world)
+    return host_layout(tuple(int(s) for s in target.shape), target.element_size(), world)
 
 
 def plan(targets: list[Any], rank: int, world: int, devices: frozenset[str]) -> ReadOncePlan | None:
@@ -181,7 +180,7 @@ def plan_layouts(
         for u in range(g.count):
             if g.nbytes[u] == 0:
                 continue
-            box = box_key(g.starts[u], g.stops[u])
+            box = as_box(g.starts[u], g.stops[u])
             holders = tuple(sorted(int(x) for x in g.cand_process[g.cand_ptr[u] : g.cand_ptr[u + 1]]))
             reader = int(p.writer[u])
             if reader == rank:
