@@ -257,12 +257,16 @@ def write_chunk(
     )  # fmt: skip
 
 
+def row_tables(row: tuple[Any, ...]) -> int:
+    """Bytes of the tables the chunk `row` describes has after its data: its checksums,
+    and for a compressed chunk its block offsets first."""
+    _file, flags, _offset, _nbytes, _block, nblocks, *_ = row
+    return table_end(nblocks) if codec_of(flags) else 4 * nblocks
+
+
 def row_end(row: tuple[Any, ...]) -> int:
     """Where the next chunk starts in the file, after the chunk `row` describes."""
-    _file, flags, _offset, _nbytes, _block, nblocks, crc_offset, *_ = row
-    if (flags & rec.CODEC_MASK) >> rec.CODEC_SHIFT:
-        return int(crc_offset) + 8 * (nblocks + 1) + 4 * nblocks
-    return int(crc_offset) + 4 * nblocks
+    return int(row[6]) + row_tables(row)  # row[6]: where the tables start (crc_offset)
 
 
 def codec_of(flags: int) -> int:

@@ -358,7 +358,7 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         prep.storage.write_bytes(values_file_name(pid, nonce), values)
     sizes = [size for size, _ in results]
     prep.timings.bytes_written = data_bytes
-    tables = sum(codecs.row_end(row) - row[6] for _, rows in results for _, row in rows)
+    tables = sum(codecs.row_tables(row) for _, rows in results for _, row in rows)
     prep.timings.bytes_metadata = tables + len(data)
     prep.timings.bytes_stored = sum(sizes) + len(data) + len(values)
     return {
