@@ -208,6 +208,7 @@ def run_job(args: argparse.Namespace, out: str) -> list[dict]:
         env.update(
             BENCH_RO_PID=str(pid), BENCH_RO_PORT=str(port), JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1",
             XLA_FLAGS=f"--xla_force_host_platform_device_count={DEVICES}",
+            LOCAL_WORLD_SIZE=str(PROCS),  # as torchrun sets it: the processes share the CPUs
         )  # fmt: skip
         cmd = [sys.executable, os.path.join(HERE, "bench_read_once.py"), "--worker",
                "--mb", str(args.mb), "--rounds", str(args.rounds), "--dir", args.dir,

@@ -633,7 +633,8 @@ def _spawn(args: argparse.Namespace, ranks: int, phase: str) -> dict[str, Any]:
     """Run one phase on `ranks` fresh processes; their stderr is shown once they exit, less
     the INFO lines DCP's async-save daemon logs for every request."""
     port = bc.free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # As torchrun sets them: snapshard shares the CPUs among the LOCAL_WORLD_SIZE ranks.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(ranks)}
     cmd = [sys.executable, os.path.abspath(__file__), "--phase", phase, "--port", str(port)]
     cmd += ["--ranks", str(ranks), "--saved-ranks", str(args.ranks)]
     cmd += ["--scale", str(args.scale), "--repeats", str(args.repeats)]

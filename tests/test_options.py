@@ -35,7 +35,7 @@ def test_bad_save_options_are_refused_when_made(kwargs, message):
     "kwargs, message",
     [
         ({"verify": "yes"}, "verify must be True or False"),
-        ({"threads": 0}, "threads must be a whole number of at least 1, not 0"),
+        ({"threads": 0}, "threads must be None or a whole number of at least 1, not 0"),
         ({"memory_budget": 0}, "memory_budget must be None or a whole number of at least 1"),
         ({"max_gap": -1}, "max_gap must be None or a whole number of at least 0"),
         ({"read_once": 1}, "read_once must be None, True or False"),

@@ -6,13 +6,23 @@ from __future__ import annotations
 import errno
 import os
 
+import jax
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import snapshard
+from snapshard import cpus, read_executor
 from snapshard.errors import ChecksumMismatchError
 from snapshard.format import checksum_block
+from snapshard.format.reading import read_manifest
+from snapshard.read_executor import Dest, ReadStats, aligned_empty, reader_of
 from snapshard.storage.local import LocalStorage
+
+from conftest import mesh
 
 
 @pytest.fixture
@@ -80,3 +90,163 @@ def test_in_memory_tells_cached_bytes(saved):
         assert not storage.in_memory(name, 1 << 40)  # past the end: nothing to read
     finally:
         storage.close()
+
+
+# ---- column-split reads: copied out of a small scratch window, row by row
+
+
+def _windowed_calls(monkeypatch) -> list[int]:
+    """The window of every windowed read (spied); windows as small as the pieces."""
+    monkeypatch.setattr(read_executor, "_WINDOW_BYTES", 1)
+    calls: list[int] = []
+    real = read_executor._read_windowed
+
+    def spy(storage, task, grids, dests, window, checked):
+        calls.append(window)
+        return real(storage, task, grids, dests, window, checked)
+
+    monkeypatch.setattr(read_executor, "_read_windowed", spy)
+    return calls
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rows=st.integers(70, 400),
+    cols=st.integers(8, 300),
+    depth=st.sampled_from([1, 3, 8]),
+    data=st.data(),
+    piece=st.sampled_from([1024, 4096, 5000, 65536]),
+    verify=st.booleans(),
+    scatter_limit=st.sampled_from([0, 64]),
+)
+def test_column_split_reads_through_a_window_are_exact(
+    tmp_path_factory, monkeypatch, rows, cols, depth, data, piece, verify, scatter_limit
+):
+    """Boxes of some columns (with the columns between them not needed) and some rows,
+    several of them interleaved in one chunk, 2-D and 3-D, rows cut by a window's end and
+    rows larger than a window, overlaps whole in a range or split across ranges: each box
+    bit-exact, whichever way it was read."""
+    path = tmp_path_factory.mktemp("w") / "c"
+    shape = (rows, cols, depth) if depth > 1 else (rows, cols)
+    x = np.random.default_rng(rows * cols).standard_normal(shape).astype(np.float32)
+    snapshard.save(path, {"x": x})  # one chunk
+    # Disjoint column blocks, each over its own rows.
+    edges = sorted(data.draw(st.sets(st.integers(1, cols - 1), min_size=1, max_size=6)))
+    blocks = list(zip([0, *edges], [*edges, cols], strict=True))
+    chosen = data.draw(st.lists(st.sampled_from(blocks), min_size=1, unique=True))
+    boxes = []
+    for c0, c1 in chosen:
+        r0 = data.draw(st.integers(0, rows - 65))
+        r1 = data.draw(st.integers(r0 + 65, rows))  # enough runs for the scratch path
+        boxes.append(((r0, c0), (r1, c1)))
+    monkeypatch.setattr(LocalStorage, "read_piece_bytes", piece)
+    monkeypatch.setattr(read_executor, "_WINDOW_BYTES", 1)  # windows as small as the pieces
+    # 0: every range through scratch (windowed where its overlaps lie whole in it).
+    monkeypatch.setattr(read_executor, "_MAX_SCATTER_PIECES", scatter_limit)
+    with LocalStorage(path) as storage:
+        manifest = read_manifest(storage)
+        leaf = manifest.arrays[0]
+        dests = []
+        for lo, hi in boxes:
+            start = np.array([*lo, 0][: len(shape)], np.int64)
+            stop = np.array([*hi, depth][: len(shape)], np.int64)
+            nbytes = int(np.prod(stop - start)) * 4
+            dests.append(Dest(leaf, start, stop, aligned_empty(nbytes)))
+        stats = ReadStats()
+        reader_of(storage, manifest, snapshard.ReadOptions(verify=verify), stats)(dests)
+    for d, (lo, hi) in zip(dests, boxes, strict=True):
+        want = x[lo[0] : hi[0], lo[1] : hi[1]]
+        assert np.array_equal(d.buf.view(np.float32).reshape(want.shape), want)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_rows_larger_than_the_window_are_carried_over(tmp_path, monkeypatch, verify):
+    x = np.random.default_rng(3).standard_normal((64, 8, 4096)).astype(np.float32)
+    snapshard.save(tmp_path / "c", {"x": x})
+    block = checksum_block(x.nbytes)
+    assert block < 7 * 4096 * 4  # the window (a block) is shorter than a row of a device's part
+    monkeypatch.setattr(LocalStorage, "read_piece_bytes", 1)
+    calls = _windowed_calls(monkeypatch)
+    m = mesh(1, 8)
+    spec = P(None, None, "model")
+    target = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, spec))
+    out = snapshard.load(tmp_path / "c", {"x": target}, snapshard.ReadOptions(verify=verify))
+    assert np.array_equal(np.asarray(out["x"]), x)
+    assert calls == [block]
+
+
+def test_damage_is_found_by_a_windowed_read(saved, monkeypatch):
+    """A damaged byte in the columns a column-split read does not need still fails it."""
+    path, x = saved
+    calls = _windowed_calls(monkeypatch)
+    f = next((path / "data").iterdir())
+    raw = bytearray(f.read_bytes())
+    raw[(1000 * 4096 + 4000) * 4] ^= 0x10  # row 1000, column 4000
+    f.write_bytes(bytes(raw))
+    m = mesh(1, 8)
+    target = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, P(None, "model")))
+    with pytest.raises(ChecksumMismatchError, match="leaf 'x'"):
+        snapshard.load(path, {"x": target})
+    assert calls
+
+
+# ---- read threads left to the storage (ReadOptions.threads=None)
+
+
+def _pool_sizes(monkeypatch) -> list[int]:
+    sizes: list[int] = []
+    real = read_executor.ThreadPoolExecutor
+
+    def spy(max_workers, **kw):
+        sizes.append(max_workers)
+        return real(max_workers, **kw)
+
+    monkeypatch.setattr(read_executor, "ThreadPoolExecutor", spy)
+    return sizes
+
+
+def _many_chunks(tmp_path):
+    x = np.arange(64 << 10, dtype=np.float32).reshape(64, 1024)
+    m = mesh(8)
+    snapshard.save(tmp_path / "c", {"x": jax.device_put(x, NamedSharding(m, P("data")))})
+    return tmp_path / "c", x  # 8 chunks: 8 reads
+
+
+@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("processes", [1, 2])
+def test_read_threads_follow_the_page_cache_and_the_cpu_share(
+    tmp_path, monkeypatch, cached, processes
+):
+    path, x = _many_chunks(tmp_path)
+    monkeypatch.setattr(cpus, "usable", lambda: 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
+    monkeypatch.setattr(LocalStorage, "in_memory", lambda self, name, offset: cached)
+    sizes = _pool_sizes(monkeypatch)
+    out = snapshard.load(path)
+    assert np.array_equal(out["x"], x)
+    share = 2 // processes
+    if cached and share == 1:
+        assert sizes == []  # one thread: the calling one
+    else:
+        assert sizes == [share if cached else LocalStorage.read_threads]
+
+
+def test_read_threads_set_by_the_caller_are_kept(tmp_path, monkeypatch):
+    path, x = _many_chunks(tmp_path)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    sizes = _pool_sizes(monkeypatch)
+    assert np.array_equal(snapshard.load(path, options=snapshard.ReadOptions(threads=3))["x"], x)
+    assert sizes == [3]
+
+
+def test_local_processes_come_from_the_launcher(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert cpus.local_processes() == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert cpus.local_processes() == 8
+    monkeypatch.setattr(cpus, "usable", lambda: 4)
+    assert cpus.share() == 1  # never 0
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert cpus.local_processes() == 1

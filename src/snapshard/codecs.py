@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from . import cpus
 from .checksum import crc32c
 from .errors import ChecksumMismatchError, CorruptCheckpointError, SnapshardError
 from .format import checksum_block
@@ -123,15 +124,11 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None
 
 
 def _threads() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(n, 32))
+    return min(cpus.share(), 32)
 
 
 def _codec_pool() -> ThreadPoolExecutor | None:
-    """The process's codec threads (one per core; none on one core). zstd and crc32c release
+    """The process's codec threads (one per core of its share; none on one core). zstd and crc32c release
     the GIL, so they compress and decompress in parallel. Made again after a fork."""
     global _pool
     n = _threads()

@@ -21,9 +21,6 @@ from .codecs import COMPRESSIONS
 from .coordination.rendezvous import DEFAULT_TIMEOUT_S
 from .planning import MODES
 
-# Read threads per process. Local reads are page-cache copies bound by memory bandwidth;
-# object-store reads are bound by latency, and each thread keeps one request in flight.
-DEFAULT_READ_THREADS = 4
 # Host bytes of read buffers held at once while building jax.Arrays.
 DEFAULT_MEMORY_BUDGET = 4 << 30
 
@@ -99,7 +96,11 @@ class ReadOptions:
     """How a restore reads.
 
     verify: check every byte read against the checksums saved with it (default True).
-    threads: read threads per process (default 4).
+    threads: read threads per process. None (default): the storage's choice, 4 on object
+        stores and for local bytes that must come from the device (each thread keeps one
+        request in flight), and on local files whose bytes are in the page cache this
+        process's share of its CPUs, at most 4 (those reads are memory copies). The share
+        divides the CPUs by `LOCAL_WORLD_SIZE` where the launcher sets it (torchrun does).
     memory_budget: host bytes of read buffers held at once (default 4 GiB; None: no
         bound): the buffers jax.Arrays are built from, and those of torch regions that
         cannot be read in place (cast, transposed, on a GPU). NumPy targets are read in
@@ -117,7 +118,7 @@ class ReadOptions:
     """
 
     verify: bool = True
-    threads: int = DEFAULT_READ_THREADS
+    threads: int | None = None
     memory_budget: int | None = DEFAULT_MEMORY_BUDGET
     max_gap: int | None = None
     read_once: bool | None = None
@@ -126,7 +127,7 @@ class ReadOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be True or False, not {self.verify!r}")
-        _whole("threads", self.threads, 1, none_ok=False)
+        _whole("threads", self.threads, 1, none_ok=True)
         _whole("memory_budget", self.memory_budget, 1, none_ok=True)
         _whole("max_gap", self.max_gap, 0, none_ok=True)
         if self.read_once is not None and not isinstance(self.read_once, bool):

@@ -236,6 +236,12 @@ _DENSE = 0.98
 # A read with more pieces than this goes through one contiguous scratch buffer and strided
 # copies, rather than an iovec per piece (Python cost per piece beats the extra memcpy).
 _MAX_SCATTER_PIECES = 64
+# Where the storage reads cheaply in pieces, such a read goes through windows of at least
+# this many bytes: the per-window work is small beside the copies, and a window stays in
+# the CPU's cache between the read and the copies.
+_WINDOW_BYTES = 1 << 20
+# The largest reads of a restore probed for whether its bytes are in memory (`_read_threads`).
+_PROBED_READS = 8
 
 
 def _verified(verify: bool, t: ChunkTable, c: int) -> bool:
@@ -444,61 +450,163 @@ def _pieces(bufs: list[memoryview], size: int) -> list[list[memoryview]]:
     return out
 
 
-def _read_verified(storage: Storage, task: _Task, bufs: list[memoryview]) -> None:
-    """Read a range of an uncompressed chunk into `bufs` and check its checksum blocks.
+def _piece_bytes(storage: Storage, task: _Task) -> int | None:
+    """The size of the pieces a range is read in, one at a time (None: one read).
 
-    Where the storage reads cheaply in pieces (local files), the range is read a few
-    blocks at a time and each piece is checked right after it lands, while still in cache:
+    Where the storage reads cheaply in pieces (local files), a range is read a few checksum
+    blocks at a time, each piece handled right after it lands, while it is still in cache:
     one pass over memory instead of two. Bytes that must come from the device are read in
     larger pieces (`Storage.cold_read_piece_bytes`), which the device streams faster."""
     runs, r = task.runs, task.rng
-    t, c = runs.table, runs.chunk
-    block = int(t.block[c])
-    b0, b1 = r.start // block, -(-r.stop // block)
     piece = storage.read_piece_bytes
-    pieces = None
-    if piece is not None and r.stop - r.start > 2 * piece:
-        cold = storage.cold_read_piece_bytes
-        # The range's last byte is read last: if even it is cached, the range is.
-        if cold is not None and not storage.in_memory(runs.file, runs.file_offset + r.stop - 1):
-            piece = cold
-        pieces = _pieces(bufs, max(block, piece // block * block))
-    if t.crc_offset is None:  # v1: the checksums are in the index
-        crcs = t.block_crcs(c).tolist()
-        if pieces is None:
-            storage.read_into(runs.file, runs.file_offset + r.start, bufs)
-    else:
-        # v2: the checksums of the blocks read lie in the file; right after the chunk's end
-        # they come in the same read.
-        crc_at = int(t.crc_offset[c])
-        raw = np.empty(4 * (b1 - b0), np.uint8)
-        tail = r.stop == int(t.nbytes[c]) and crc_at == int(t.offset[c]) + r.stop
-        if pieces is None and tail:
-            skip = np.empty(4 * b0, np.uint8)
-            storage.read_into(runs.file, runs.file_offset + r.start, [*bufs, skip.data, raw.data])
-        else:
-            storage.read_into(runs.file, crc_at + 4 * b0, [raw.data])
-            if pieces is None:
-                storage.read_into(runs.file, runs.file_offset + r.start, bufs)
-        crcs = [0] * b0 + raw.view("<u4").tolist()
-    v = BlockVerifier(crcs, b0, block, r.stop - r.start)
-    at = runs.file_offset + r.start
-    for views in pieces or [bufs]:
-        if pieces is not None:
-            storage.read_into(runs.file, at, views)
-            at += sum(len(x) for x in views)
+    if piece is None or r.stop - r.start <= 2 * piece:
+        return None
+    cold = storage.cold_read_piece_bytes
+    # The range's last byte is read last: if even it is cached, the range is.
+    if cold is not None and not storage.in_memory(runs.file, runs.file_offset + r.stop - 1):
+        piece = cold
+    block = int(runs.table.block[runs.chunk])
+    return max(block, piece // block * block) if block else piece
+
+
+class _RangeReads:
+    """The reads of one range of an uncompressed chunk, front to back, each piece checked
+    against the chunk's checksum blocks as it lands (with `checked`; `crcs`: those already
+    read, indexed by block)."""
+
+    def __init__(
+        self, storage: Storage, task: _Task, checked: bool, crcs: list[int] | None = None
+    ) -> None:
+        self.storage, self.runs = storage, task.runs
+        self.at = task.rng.start  # the next byte to read, in the chunk
+        self.verifier = self._verifier(task, crcs) if checked else None
+
+    def _verifier(self, task: _Task, crcs: list[int] | None) -> BlockVerifier:
+        t, c, r = self.runs.table, self.runs.chunk, task.rng
+        block = int(t.block[c])
+        b0, b1 = r.start // block, -(-r.stop // block)
+        if crcs is not None:
+            return BlockVerifier(crcs, b0, block, r.stop - r.start)
+        if t.crc_offset is None:  # v1: the checksums are in the index
+            crcs = t.block_crcs(c).tolist()
+        else:  # v2: the checksums of the blocks read lie in the file
+            raw = np.empty(4 * (b1 - b0), np.uint8)
+            self.storage.read_into(self.runs.file, int(t.crc_offset[c]) + 4 * b0, [raw.data])
+            crcs = [0] * b0 + raw.view("<u4").tolist()
+        return BlockVerifier(crcs, b0, block, r.stop - r.start)
+
+    def read(self, views: list[memoryview]) -> None:
+        """Read the next bytes into `views` (and check them)."""
+        self.storage.read_into(self.runs.file, self.runs.file_offset + self.at, views)
+        self.at += sum(len(x) for x in views)
+        self.check(views)
+
+    def check(self, views: list[memoryview]) -> None:
+        v = self.verifier
+        if v is None:
+            return
         for x in views:
             v.update(x)
         if v.mismatch is not None:
             blk, want, got = v.mismatch
             raise ChecksumMismatchError(
-                file=f"{storage.url}/{runs.file}",
-                leaf=runs.leaf.name,
-                chunk=runs.chunk,
+                file=f"{self.storage.url}/{self.runs.file}",
+                leaf=self.runs.leaf.name,
+                chunk=self.runs.chunk,
                 block=blk,
                 expected=want,
                 actual=got,
             )
+
+
+def _read_verified(storage: Storage, task: _Task, bufs: list[memoryview]) -> None:
+    """Read a range of an uncompressed chunk into `bufs` and check its checksum blocks:
+    piece by piece (`_piece_bytes`), or in one read, which for a range ending at the end of
+    a v2 chunk also brings the checksums that follow it."""
+    runs, r = task.runs, task.rng
+    t, c = runs.table, runs.chunk
+    piece = _piece_bytes(storage, task)
+    if piece is not None:
+        reads = _RangeReads(storage, task, checked=True)
+        for views in _pieces(bufs, piece):
+            reads.read(views)
+        return
+    if t.crc_offset is not None:
+        crc_at = int(t.crc_offset[c])
+        if r.stop == int(t.nbytes[c]) and crc_at == int(t.offset[c]) + r.stop:
+            block = int(t.block[c])
+            b0, b1 = r.start // block, -(-r.stop // block)
+            raw, skip = np.empty(4 * (b1 - b0), np.uint8), np.empty(4 * b0, np.uint8)
+            storage.read_into(runs.file, runs.file_offset + r.start, [*bufs, skip.data, raw.data])
+            crcs = [0] * b0 + raw.view("<u4").tolist()
+            _RangeReads(storage, task, True, crcs).check(bufs)
+            return
+    _RangeReads(storage, task, checked=True).read(bufs)
+
+
+def _row_windows(task: _Task) -> list[tuple[int, RunGrid]] | None:
+    """The overlaps a scratch read holds when it can copy them out window by window: each
+    whole in the range, with rows (its first axis) no larger than the scratch reuse limit.
+    None: read the whole range, then copy."""
+    runs, r = task.runs, task.rng
+    if r.p1 - r.p0 == sum(g.count for _, g in runs.grids):
+        grids = runs.grids
+    else:
+        inside, n = np.unique(runs.overlap[r.p0 : r.p1], return_counts=True)
+        grids = [runs.grids[k] for k in inside.tolist()]
+        if any(g.count != m for (_, g), m in zip(grids, n.tolist(), strict=True)):
+            return None
+    if any(not g.outer_shape for _, g in grids):
+        return None
+    if max(_row_extent(g) for _, g in grids) > _SCRATCH_REUSE_BYTES:
+        return None
+    return grids
+
+
+def _row_extent(g: RunGrid) -> int:
+    """The bytes of the chunk that row 0 (index 0 on the first axis) of a grid spans."""
+    return g.src_end - g.src_base - (g.outer_shape[0] - 1) * g.src_strides[0]
+
+
+def _rows(g: RunGrid, lo: int, hi: int, src: np.ndarray, dest: np.ndarray) -> None:
+    """Copy rows [lo, hi) of grid `g` from `src` (chunk bytes from g's row `lo` on)."""
+    shape = (hi - lo, *g.outer_shape[1:], g.run_bytes)
+    np.copyto(
+        as_strided(dest[g.dst_base + lo * g.dst_strides[0] :], shape, (*g.dst_strides, 1)),
+        as_strided(src, shape, (*g.src_strides, 1), writeable=False),
+    )
+
+
+def _read_windowed(
+    storage: Storage, task: _Task, grids: list[tuple[int, RunGrid]], dests: list[Dest],
+    window: int, checked: bool,
+) -> None:  # fmt: skip
+    """Read a range `window` bytes at a time into a small scratch buffer, copying out every
+    row of every overlap as soon as it is complete: the scratch stays in cache, and the
+    bytes of a row cut by a window's end move to the buffer's front for the next one."""
+    r = task.rng
+    reads = _RangeReads(storage, task, checked)
+    extents = [_row_extent(g) for _, g in grids]
+    buf = _scratch_buffer(window + max(extents))
+    done = [0] * len(grids)  # rows copied, per overlap
+    held = r.start  # the chunk offset of buf[0]
+    while reads.at < r.stop:
+        n = min(window, r.stop - reads.at)
+        at = reads.at - held
+        reads.read([buf.data[at : at + n]])
+        keep = reads.at
+        for k, (di, g) in enumerate(grids):
+            s0, rows, first = g.src_strides[0], g.outer_shape[0], done[k]
+            # Rows that end by the bytes read so far.
+            upto = min(rows, max(first, (reads.at - g.src_base - extents[k]) // s0 + 1))
+            if upto > first:
+                _rows(g, first, upto, buf[g.src_base + first * s0 - held :], dests[di].buf)
+                done[k] = upto
+            if upto < rows:
+                keep = min(keep, g.src_base + upto * s0)
+        if keep > held:
+            buf[: reads.at - keep] = buf[keep - held : reads.at - held]
+            held = keep
 
 
 _scratch = threading.local()
@@ -520,19 +628,23 @@ def _scratch_buffer(nbytes: int) -> np.ndarray:
 def _run_task(storage: Storage, task: _Task, dests: list[Dest], verify: bool) -> None:
     runs, r = task.runs, task.rng
     t, c = runs.table, runs.chunk
+    checked = _verified(verify, t, c)
+    compressed = t.flags is not None and bool(t.flags[c])  # blocks of snapshard.codecs
     scratch = None
     if r.p1 - r.p0 > _MAX_SCATTER_PIECES:
+        piece = None if compressed else _piece_bytes(storage, task)
+        grids = None if piece is None else _row_windows(task)
+        if grids is not None and piece is not None:
+            window = max(piece, _WINDOW_BYTES)
+            _read_windowed(storage, task, grids, dests, window, checked)
+            return
         scratch = _scratch_buffer(r.stop - r.start)
         bufs = [scratch.data]
     else:
         bufs = _scatter_views(task, dests)
-    checked = _verified(verify, t, c)
-    if t.flags is not None and t.flags[c]:  # compressed blocks: snapshard.codecs
+    if compressed:
         _read_compressed(storage, task, bufs, checked)
-        if scratch is not None:
-            _copy_from_scratch(task, scratch, dests)
-        return
-    if not checked:
+    elif not checked:
         storage.read_into(runs.file, runs.file_offset + r.start, bufs)
     else:
         _read_verified(storage, task, bufs)
@@ -606,7 +718,7 @@ def _read_dests(
     finder: ChunkFinder | None,
     dests: list[Dest],
     verify: bool,
-    threads: int,
+    threads: int | None,
     max_gap: int | None,
     stats: ReadStats,
 ) -> None:
@@ -615,6 +727,8 @@ def _read_dests(
     tasks = plan_tasks(manifest, dests, tables, verify, gap, stats, storage.url)
     # Largest reads first keeps the threads busy to the end.
     tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
+    if threads is None:
+        threads = _read_threads(storage, tasks)
     if threads > 1 and len(tasks) > 1:
         with ThreadPoolExecutor(
             min(threads, len(tasks)), thread_name_prefix="snapshard-read"
@@ -627,6 +741,19 @@ def _read_dests(
                 _run_task(storage, t, dests, verify)
         finally:  # the pool's threads end with the pool; this one lives on
             _scratch.__dict__.pop("buf", None)
+
+
+def _read_threads(storage: Storage, tasks: list[_Task]) -> int:
+    """The read threads of a restore that leaves them to the storage: fewer where the
+    largest reads find their bytes in memory (each range's last byte is read last: if even
+    it is cached, the range is)."""
+    cached = storage.cached_read_threads()
+    if cached >= storage.read_threads:
+        return storage.read_threads
+    probe = tasks[:_PROBED_READS]
+    if all(storage.in_memory(t.runs.file, t.runs.file_offset + t.rng.stop - 1) for t in probe):
+        return cached
+    return storage.read_threads
 
 
 T = TypeVar("T")
@@ -706,5 +833,3 @@ def reader_of(
     return lambda dests: _read_dests(
         storage, manifest, finder, dests, options.verify, options.threads, options.max_gap, stats
     )
-
-

@@ -49,6 +49,14 @@ class Storage(ABC):
     # between them read and dropped (the default of `max_gap` in every load): a request
     # here costs about as much as reading this many bytes more.
     read_gap_bytes: int = 4096
+    # Read threads of a restore that does not set ReadOptions.threads: each thread keeps one
+    # request in flight, which bounds reads that wait on the network or the device.
+    read_threads: int = 4
+
+    def cached_read_threads(self) -> int:
+        """Read threads for bytes already in memory (`in_memory`), which cost CPU, not
+        waiting: `read_threads` where the storage cannot tell."""
+        return self.read_threads
 
     def in_memory(self, name: str, offset: int) -> bool:
         """Whether byte `offset` of file `name` can be read without waiting for the device
