@@ -45,7 +45,7 @@ def _piece_sizes(monkeypatch) -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("cached", [True, False, None])
 def test_the_piece_size_follows_the_page_cache(saved, monkeypatch, cached):
     path, x = saved
     monkeypatch.setattr(LocalStorage, "in_memory", lambda self, name, offset: cached)
@@ -53,7 +53,8 @@ def test_the_piece_size_follows_the_page_cache(saved, monkeypatch, cached):
     out = snapshard.load(path)
     assert np.array_equal(out["x"], x)
     data = [s for s in sizes if s > 4096]  # the checksums come in a read of their own
-    piece = LocalStorage.read_piece_bytes if cached else LocalStorage.cold_read_piece_bytes
+    # None: the storage cannot tell (tmpfs, some network filesystems): cache-sized pieces.
+    piece = LocalStorage.cold_read_piece_bytes if cached is False else LocalStorage.read_piece_bytes
     assert piece is not None
     block = checksum_block(x.nbytes)  # pieces are whole checksum blocks
     assert max(data) == max(block, piece // block * block) and sum(data) == x.nbytes
@@ -75,7 +76,7 @@ def test_in_memory_tells_cached_bytes(saved):
     f = next((path / "data").iterdir())
     name = "data/" + f.name
     fd = os.open(f, os.O_RDONLY)
-    try:  # some filesystems (tmpfs) cannot tell: in_memory then says True, as documented
+    try:  # some filesystems (tmpfs) cannot tell: in_memory then says None, as documented
         os.preadv(fd, [bytearray(1)], 0, os.RWF_NOWAIT)
     except OSError as e:
         if e.errno == errno.EOPNOTSUPP:
@@ -162,11 +163,14 @@ def test_column_split_reads_through_a_window_are_exact(
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_rows_larger_than_the_window_are_carried_over(tmp_path, monkeypatch, verify):
+def test_a_window_is_whole_checksum_blocks_and_at_least_a_row(tmp_path, monkeypatch, verify):
+    """Rows longer than a piece widen the window, so that a carried row never exceeds it;
+    windows are whole checksum blocks, so rows are copied out of checked bytes only."""
     x = np.random.default_rng(3).standard_normal((64, 8, 4096)).astype(np.float32)
     snapshard.save(tmp_path / "c", {"x": x})
     block = checksum_block(x.nbytes)
-    assert block < 7 * 4096 * 4  # the window (a block) is shorter than a row of a device's part
+    row = 7 * 4096 * 4 + 4096 * 4 // 8  # one device's part of a row: 7 strides and a run
+    assert block < row
     monkeypatch.setattr(LocalStorage, "read_piece_bytes", 1)
     calls = _windowed_calls(monkeypatch)
     m = mesh(1, 8)
@@ -174,7 +178,29 @@ def test_rows_larger_than_the_window_are_carried_over(tmp_path, monkeypatch, ver
     target = jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(m, spec))
     out = snapshard.load(tmp_path / "c", {"x": target}, snapshard.ReadOptions(verify=verify))
     assert np.array_equal(np.asarray(out["x"]), x)
-    assert calls == [block]
+    assert calls == [-(-row // block) * block]
+
+
+def test_a_window_never_outgrows_the_scratch_limit(tmp_path, monkeypatch):
+    """Rows so long that window and carry would pass the scratch reuse limit: the range is
+    read whole into scratch, as before windows."""
+    x = np.random.default_rng(4).standard_normal((4, 64, 256)).astype(np.float32)
+    snapshard.save(tmp_path / "c", {"x": x})
+    monkeypatch.setattr(LocalStorage, "read_piece_bytes", 1)
+    monkeypatch.setattr(read_executor, "_SCRATCH_REUSE_BYTES", 64 * 256 * 4)  # about a row
+    calls = _windowed_calls(monkeypatch)
+    copies: list[int] = []
+    real = read_executor._copy_from_scratch
+    monkeypatch.setattr(
+        read_executor, "_copy_from_scratch", lambda *a: copies.append(1) or real(*a)
+    )
+    m = mesh(1, 8)
+    target = jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=NamedSharding(m, P(None, None, "model"))
+    )
+    out = snapshard.load(tmp_path / "c", {"x": target})
+    assert np.array_equal(np.asarray(out["x"]), x)
+    assert calls == [] and copies
 
 
 def test_damage_is_found_by_a_windowed_read(saved, monkeypatch):
@@ -214,23 +240,25 @@ def _many_chunks(tmp_path):
     return tmp_path / "c", x  # 8 chunks: 8 reads
 
 
-@pytest.mark.parametrize("cached", [True, False])
+@pytest.mark.parametrize("cached", [True, False, None])
 @pytest.mark.parametrize("processes", [1, 2])
 def test_read_threads_follow_the_page_cache_and_the_cpu_share(
     tmp_path, monkeypatch, cached, processes
 ):
     path, x = _many_chunks(tmp_path)
     monkeypatch.setattr(cpus, "usable", lambda: 2)
+    monkeypatch.setattr(cpus.os, "cpu_count", lambda: 2)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(processes))
     monkeypatch.setattr(LocalStorage, "in_memory", lambda self, name, offset: cached)
     sizes = _pool_sizes(monkeypatch)
     out = snapshard.load(path)
     assert np.array_equal(out["x"], x)
     share = 2 // processes
-    if cached and share == 1:
+    if cached is True and share == 1:
         assert sizes == []  # one thread: the calling one
     else:
-        assert sizes == [share if cached else LocalStorage.read_threads]
+        # Bytes from the device, or a storage that cannot tell: the device's threads.
+        assert sizes == [share if cached is True else LocalStorage.read_threads]
 
 
 def test_read_threads_set_by_the_caller_are_kept(tmp_path, monkeypatch):
@@ -247,6 +275,9 @@ def test_local_processes_come_from_the_launcher(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     assert cpus.local_processes() == 8
     monkeypatch.setattr(cpus, "usable", lambda: 4)
+    monkeypatch.setattr(cpus.os, "cpu_count", lambda: 4)
     assert cpus.share() == 1  # never 0
+    monkeypatch.setattr(cpus.os, "cpu_count", lambda: 64)
+    assert cpus.share() == 4  # pinned to 4 of 64 cores by the launcher: divided already
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
     assert cpus.local_processes() == 1

@@ -12,7 +12,8 @@ Speed: a block that lies wholly inside a read is decompressed straight into the 
 buffer and checksummed there (no copy); only the first and last block of a partial read, and
 blocks spanning two destination pieces, go through a per-thread scratch block. zstd and
 crc32c release the GIL, so the restore's reader threads decompress in parallel, and a large
-range (PARALLEL_MIN) is split into groups of blocks that the codec threads (one per core)
+range (PARALLEL_MIN) is split into groups of blocks that the codec threads (one per core
+of the process's share, `cpus.share`)
 decompress at once; a save compresses a large chunk's blocks the same way while its writer
 thread writes them out in order. Compressed reads go through a reused per-thread buffer of at
 most WINDOW bytes rather than fresh memory per read.

@@ -24,5 +24,10 @@ def local_processes() -> int:
 
 
 def share() -> int:
-    """This process's share of the CPUs it may use, at least 1."""
-    return max(1, usable() // local_processes())
+    """This process's share of the CPUs, at least 1: the CPUs it may use, divided among the
+    local processes when it may use the whole machine (a launcher that pins each process
+    to its own cores has divided them already)."""
+    n = usable()
+    if n < (os.cpu_count() or n):
+        return n
+    return max(1, n // local_processes())

@@ -100,7 +100,10 @@ class ReadOptions:
         stores and for local bytes that must come from the device (each thread keeps one
         request in flight), and on local files whose bytes are in the page cache this
         process's share of its CPUs, at most 4 (those reads are memory copies). The share
-        divides the CPUs by `LOCAL_WORLD_SIZE` where the launcher sets it (torchrun does).
+        divides the CPUs by `LOCAL_WORLD_SIZE` where the launcher sets it (torchrun does)
+        and has not pinned the process to its own cores. Where the bytes are is probed at
+        the last byte of the largest reads; a filesystem that cannot tell counts as the
+        device.
     memory_budget: host bytes of read buffers held at once (default 4 GiB; None: no
         bound): the buffers jax.Arrays are built from, and those of torch regions that
         cannot be read in place (cast, transposed, on a GPU). NumPy targets are read in

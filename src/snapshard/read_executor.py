@@ -463,7 +463,7 @@ def _piece_bytes(storage: Storage, task: _Task) -> int | None:
         return None
     cold = storage.cold_read_piece_bytes
     # The range's last byte is read last: if even it is cached, the range is.
-    if cold is not None and not storage.in_memory(runs.file, runs.file_offset + r.stop - 1):
+    if cold is not None and storage.in_memory(runs.file, runs.file_offset + r.stop - 1) is False:
         piece = cold
     block = int(runs.table.block[runs.chunk])
     return max(block, piece // block * block) if block else piece
@@ -519,13 +519,14 @@ class _RangeReads:
             )
 
 
-def _read_verified(storage: Storage, task: _Task, bufs: list[memoryview]) -> None:
+def _read_verified(
+    storage: Storage, task: _Task, bufs: list[memoryview], piece: int | None
+) -> None:
     """Read a range of an uncompressed chunk into `bufs` and check its checksum blocks:
     piece by piece (`_piece_bytes`), or in one read, which for a range ending at the end of
     a v2 chunk also brings the checksums that follow it."""
     runs, r = task.runs, task.rng
     t, c = runs.table, runs.chunk
-    piece = _piece_bytes(storage, task)
     if piece is not None:
         reads = _RangeReads(storage, task, checked=True)
         for views in _pieces(bufs, piece):
@@ -546,8 +547,8 @@ def _read_verified(storage: Storage, task: _Task, bufs: list[memoryview]) -> Non
 
 def _row_windows(task: _Task) -> list[tuple[int, RunGrid]] | None:
     """The overlaps a scratch read holds when it can copy them out window by window: each
-    whole in the range, with rows (its first axis) no larger than the scratch reuse limit.
-    None: read the whole range, then copy."""
+    whole in the range and with rows (its first axis). None: read the whole range, then
+    copy."""
     runs, r = task.runs, task.rng
     if r.p1 - r.p0 == sum(g.count for _, g in runs.grids):
         grids = runs.grids
@@ -558,9 +559,19 @@ def _row_windows(task: _Task) -> list[tuple[int, RunGrid]] | None:
             return None
     if any(not g.outer_shape for _, g in grids):
         return None
-    if max(_row_extent(g) for _, g in grids) > _SCRATCH_REUSE_BYTES:
-        return None
     return grids
+
+
+def _window_bytes(grids: list[tuple[int, RunGrid]], piece: int, block: int) -> int | None:
+    """The window of a windowed read: at least _WINDOW_BYTES, the read's piece and its
+    longest row, in whole checksum blocks (so that a window's rows are copied out only
+    once every block under them is checked). None: window and carried row together
+    beyond the scratch reuse limit (read the whole range instead)."""
+    longest = max(_row_extent(g) for _, g in grids)
+    window = max(piece, _WINDOW_BYTES, longest)
+    if block:
+        window = -(-window // block) * block
+    return window if window + longest <= _SCRATCH_REUSE_BYTES else None
 
 
 def _row_extent(g: RunGrid) -> int:
@@ -583,7 +594,8 @@ def _read_windowed(
 ) -> None:  # fmt: skip
     """Read a range `window` bytes at a time into a small scratch buffer, copying out every
     row of every overlap as soon as it is complete: the scratch stays in cache, and the
-    bytes of a row cut by a window's end move to the buffer's front for the next one."""
+    bytes of a row cut by a window's end move to the buffer's front for the next one
+    (fewer than a window: `_window_bytes` makes windows at least a row long)."""
     r = task.rng
     reads = _RangeReads(storage, task, checked)
     extents = [_row_extent(g) for _, g in grids]
@@ -631,23 +643,27 @@ def _run_task(storage: Storage, task: _Task, dests: list[Dest], verify: bool) ->
     checked = _verified(verify, t, c)
     compressed = t.flags is not None and bool(t.flags[c])  # blocks of snapshard.codecs
     scratch = None
+    piece = None
     if r.p1 - r.p0 > _MAX_SCATTER_PIECES:
         piece = None if compressed else _piece_bytes(storage, task)
         grids = None if piece is None else _row_windows(task)
         if grids is not None and piece is not None:
-            window = max(piece, _WINDOW_BYTES)
-            _read_windowed(storage, task, grids, dests, window, checked)
-            return
+            window = _window_bytes(grids, piece, int(t.block[c]))
+            if window is not None:
+                _read_windowed(storage, task, grids, dests, window, checked)
+                return
         scratch = _scratch_buffer(r.stop - r.start)
         bufs = [scratch.data]
     else:
         bufs = _scatter_views(task, dests)
+        if checked and not compressed:
+            piece = _piece_bytes(storage, task)
     if compressed:
         _read_compressed(storage, task, bufs, checked)
     elif not checked:
         storage.read_into(runs.file, runs.file_offset + r.start, bufs)
     else:
-        _read_verified(storage, task, bufs)
+        _read_verified(storage, task, bufs, piece)
     if scratch is not None:
         _copy_from_scratch(task, scratch, dests)
 
@@ -746,14 +762,13 @@ def _read_dests(
 def _read_threads(storage: Storage, tasks: list[_Task]) -> int:
     """The read threads of a restore that leaves them to the storage: fewer where the
     largest reads find their bytes in memory (each range's last byte is read last: if even
-    it is cached, the range is)."""
+    it is cached, the range is), as many as for the device where the storage cannot tell."""
     cached = storage.cached_read_threads()
-    if cached >= storage.read_threads:
+    if cached >= storage.read_threads or len(tasks) <= 1:
         return storage.read_threads
     probe = tasks[:_PROBED_READS]
-    if all(storage.in_memory(t.runs.file, t.runs.file_offset + t.rng.stop - 1) for t in probe):
-        return cached
-    return storage.read_threads
+    last = [storage.in_memory(t.runs.file, t.runs.file_offset + t.rng.stop - 1) for t in probe]
+    return cached if all(x is True for x in last) else storage.read_threads
 
 
 T = TypeVar("T")

@@ -54,14 +54,14 @@ class Storage(ABC):
     read_threads: int = 4
 
     def cached_read_threads(self) -> int:
-        """Read threads for bytes already in memory (`in_memory`), which cost CPU, not
-        waiting: `read_threads` where the storage cannot tell."""
+        """Read threads for bytes already in memory (`in_memory`), which cost CPU rather
+        than waiting."""
         return self.read_threads
 
-    def in_memory(self, name: str, offset: int) -> bool:
+    def in_memory(self, name: str, offset: int) -> bool | None:
         """Whether byte `offset` of file `name` can be read without waiting for the device
-        (in the OS's page cache); True where the storage cannot tell."""
-        return True
+        (in the OS's page cache); None where the storage cannot tell."""
+        return None
 
     def _check_guard(self) -> None:
         if self.commit_guard is not None:

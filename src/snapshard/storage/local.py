@@ -383,18 +383,18 @@ class LocalStorage(Storage):
                 self._fds[name] = fd
             return fd
 
-    def in_memory(self, name: str, offset: int) -> bool:
+    def in_memory(self, name: str, offset: int) -> bool | None:
         ref = split_ref_name(name)
         if ref is not None:
             return self._sibling(ref[0]).in_memory(ref[1], offset)
         if _RWF_NOWAIT is None:
-            return True
+            return None
         try:  # one byte, from the page cache or not at all
             return os.preadv(self._fd(name), [bytearray(1)], offset, _RWF_NOWAIT) == 1
         except BlockingIOError:
             return False
-        except OSError:
-            return True  # the read itself will say what is wrong
+        except OSError:  # unsupported here (tmpfs, some network filesystems), or the read
+            return None  # itself will say what is wrong
 
     def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         ref = split_ref_name(name)
