@@ -1,6 +1,7 @@
 """Restore in a fresh process, what a restart pays: this process writes a snapshard
 checkpoint of the state (untimed), then starts one fresh process per variant, in an order
-rotated by the round (reversed in odd rounds), twice each: `snapshard.load` warm,
+rotated by the round (reversed in odd rounds), twice each, each after an untimed warm load
+in a process of its own: `snapshard.load` warm,
 `CheckpointManager.restore` warm, `load` after fadvise eviction, and `load` onto the
 reshard layout, each timed from the call
 to `block_until_ready` (imports and target building outside the time), after one untimed
@@ -23,6 +24,7 @@ import common as bc
 bc.force_cpu_devices(8)
 
 VARIANTS = ("fresh_load_warm", "fresh_manager_warm", "fresh_load_evicted", "fresh_reshard_warm")
+PRIMER = "primer"  # an untimed warm load before every timed variant
 
 
 def child(variant: str, root: str, scale: float) -> None:
@@ -80,16 +82,22 @@ def main() -> None:
     # (seconds for 2 GiB, whatever touches it). One untimed restore first gives every
     # timed variant the same start; its time is reported on its own (fresh_first).
     # Which process follows which matters too (the memory the one before freed may or may
-    # not have been taken back yet), so odd rounds run the variants in reverse order.
+    # not have been taken back yet: up to 1.5x on one variant), so every timed variant
+    # follows the same untimed one, a warm load (PRIMER), and odd rounds also run the
+    # variants in reverse order.
     turn = [*VARIANTS[k:], *VARIANTS[:k]]
     if args.round % 2:
         turn.reverse()
-    order = ["fresh_first", *turn, *turn]
+    order = ["fresh_first"]
+    for v in [*turn, *turn]:
+        order += [v] if order[-1] == "fresh_first" else [PRIMER, v]
     try:
         for v in order:
-            mode = "fresh_load_warm" if v == "fresh_first" else v
+            mode = "fresh_load_warm" if v in ("fresh_first", PRIMER) else v
             cmd = [sys.executable, __file__, "--scale", str(args.scale), "--child", mode, root]
             p = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, check=True)
+            if v == PRIMER:
+                continue
             line = next(x for x in p.stdout.splitlines() if x.startswith("CHILD "))
             res = json.loads(line[6:])
             bc.emit(method=v, bytes=bc.payload_bytes(args.scale), bit_exact=res.pop("ok"), **res)
