@@ -13,10 +13,9 @@ buffer and checksummed there (no copy); only the first and last block of a parti
 blocks spanning two destination pieces, go through a per-thread scratch block. zstd and
 crc32c release the GIL, so the restore's reader threads decompress in parallel, and a large
 range (PARALLEL_MIN) is split into groups of blocks that the codec threads (one per core
-of the process's share, `cpus.share`)
-decompress at once; a save compresses a large chunk's blocks the same way while its writer
-thread writes them out in order. Compressed reads go through a reused per-thread buffer of at
-most WINDOW bytes rather than fresh memory per read.
+of the process's share, `cpus.share`) decompress at once; a save compresses a large chunk's
+blocks the same way while its writer thread writes them out in order. Compressed reads go
+through a reused per-thread buffer of at most WINDOW bytes rather than fresh memory per read.
 
 Codec 1 is zstd; codec 2 is zstd after a byte shuffle of each block (all first bytes of the
 elements, then all second bytes, …), which groups the slowly varying sign and exponent bytes
@@ -129,8 +128,9 @@ def _threads() -> int:
 
 
 def _codec_pool() -> ThreadPoolExecutor | None:
-    """The process's codec threads (one per core of its share; none on one core). zstd and crc32c release
-    the GIL, so they compress and decompress in parallel. Made again after a fork."""
+    """The process's codec threads (one per core of its share, `cpus.share`; none on one
+    core). zstd and crc32c release the GIL, so they compress and decompress in parallel.
+    Made again after a fork."""
     global _pool
     n = _threads()
     if n < 2:
