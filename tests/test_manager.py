@@ -184,3 +184,19 @@ def test_restore_waits_for_the_save_in_flight(tmp_path):
         assert out["w"][0, 0] == 1
         with pytest.raises(snapshard.CheckpointNotFoundError):
             m.restore(9)
+
+
+def test_a_new_manager_runs_the_staging_check_before_its_first_save(tmp_path, monkeypatch):
+    """The check that CPU arrays can be staged without a copy costs a fresh process about
+    0.2 s (its first jit); a manager starts it in the background when it is made, so that
+    its first save's blocking phase does not wait for it."""
+    import time
+
+    from snapshard.adapters import jax_arrays
+
+    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", None)
+    with CheckpointManager(tmp_path / "run"):
+        deadline = time.monotonic() + 60
+        while jax_arrays._cpu_donation_safe is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert jax_arrays._cpu_donation_safe is not None  # no save has run

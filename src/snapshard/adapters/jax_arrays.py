@@ -147,7 +147,8 @@ def cpu_donation_keeps_memory() -> bool:
 
 def start_cpu_donation_check() -> None:
     """Run `cpu_donation_keeps_memory`'s check in the background (its first jit costs a
-    fresh process a few tenths of a second): a restore starts it before its reads."""
+    fresh process a few tenths of a second): a restore starts it before its reads, a
+    CheckpointManager when it is made (so that its first save does not wait for it)."""
     if _cpu_donation_safe is None:
         threading.Thread(target=cpu_donation_keeps_memory, name="snapshard-probe", daemon=True).start()
 
