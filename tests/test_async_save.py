@@ -103,3 +103,18 @@ def test_background_failure_is_raised_by_wait(ckpt, monkeypatch):
     with pytest.raises(PermissionError, match="injected"):
         handle.wait(60)
     assert not ckpt.exists()
+
+
+def test_only_asynchronous_saves_wait_for_the_staging_check(ckpt, tmp_path, monkeypatch):
+    """A synchronous save shares CPU buffers without the donation check (nothing can
+    donate them before it returns); an asynchronous one asks the check first."""
+    from snapshard import staging
+
+    asked: list[bool] = []
+    monkeypatch.setattr(staging, "cpu_donation_keeps_memory", lambda: asked.append(True) or True)
+    x = sharded(np.arange(64.0 * 64).reshape(64, 64), mesh(2, 4), None, "model")
+    t = snapshard.save(ckpt, {"x": x})
+    assert asked == [] and t.bytes_staged == 0
+    t = snapshard.save_async(tmp_path / "async", {"x": x}).wait(60)
+    assert asked and t.bytes_staged == 0
+    assert np.array_equal(snapshard.load(ckpt)["x"], np.asarray(x))

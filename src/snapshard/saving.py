@@ -122,7 +122,7 @@ def prepare(
     *,
     overwrite: bool = False,
     coordinator: Coordinator | None = None,
-    copy_host_values: bool = False,
+    asynchronous: bool = False,
     extra: dict[str, Any] | None = None,
     snapshot: Snapshot | None = None,
     flat: FlatTree | None = None,
@@ -131,7 +131,9 @@ def prepare(
     identical: frozenset[int] = frozenset(),
 ) -> _Prepared:
     """The blocking phase: plan, then bring every owned slice to host memory (from
-    `snapshot`, the host copy of the tree's device arrays, when one was already made)."""
+    `snapshot`, the host copy of the tree's device arrays, when one was already made).
+    `asynchronous`: the caller goes on before `finish` writes the bytes (save_async, the
+    manager), so staging must not depend on the tree staying as it is (staging.stage)."""
     t0 = time.perf_counter()
     require(options, SaveOptions)
     if not isinstance(location, Storage) and not os.fspath(location):
@@ -157,14 +159,14 @@ def prepare(
     )
     t1 = time.perf_counter()
     if adapter is not None:
-        items, copied = adapter.stage(arrays, plan, coord.process_index, copy=copy_host_values)
+        items, copied = adapter.stage(arrays, plan, coord.process_index, copy=asynchronous)
     else:
         items, copied = stage(
             arrays,
             plan,
             coord.process_index,
             budget=options.host_budget,
-            copy_host_values=copy_host_values,
+            asynchronous=asynchronous,
             snapshot=snapshot,
         )
     # Host values are assumed equal on every process: their digests are compared at commit.
@@ -659,6 +661,6 @@ def save_async(
     """
     prep = prepare(
         directory, tree, options, overwrite=overwrite, coordinator=coordinator,
-        copy_host_values=True, extra=extra, base=base,
+        asynchronous=True, extra=extra, base=base,
     )  # fmt: skip
     return AsyncSave(prep)

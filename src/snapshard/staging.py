@@ -4,7 +4,8 @@ On the CPU backend a NumPy view of a device buffer shares its memory, so staging
 no copy at all, provided that donating the array later cannot overwrite the memory the view
 holds. That holds on the JAX versions we support (the view keeps the buffer alive, and
 donation then falls back to a fresh output buffer); `cpu_donation_keeps_memory` checks it
-once per process, and where it fails we copy.
+once per process, and where it fails we copy. A synchronous save needs no check: nothing
+can donate the array before it returns.
 
 On accelerators every owned slice is copied to the host: all copies are started at once
 (`copy_to_host_async`) and then awaited. Slices beyond `budget` bytes are not copied in the
@@ -58,9 +59,10 @@ Box = tuple[tuple[int, ...], tuple[int, ...]]
 Snapshot = dict[int, dict[Box, np.ndarray]]
 
 
-def _on_host(data: Any) -> np.ndarray | None:
-    """The zero-copy host view of a CPU shard where that is safe, else None."""
-    if data.device.platform == "cpu" and cpu_donation_keeps_memory():
+def _on_host(data: Any, asynchronous: bool = True) -> np.ndarray | None:
+    """The zero-copy host view of a CPU shard where that is safe (`asynchronous`: the view
+    outlives the call that staged it), else None."""
+    if data.device.platform == "cpu" and (not asynchronous or cpu_donation_keeps_memory()):
         return np.asarray(data)
     return None
 
@@ -129,10 +131,12 @@ def stage(
     process: int,
     *,
     budget: int | None = None,
-    copy_host_values: bool = False,
+    asynchronous: bool = False,
     snapshot: Snapshot | None = None,
 ) -> tuple[list[StagedItem], int]:
     """Stage this process's items; returns them and the host bytes copied for them.
+    `asynchronous`: the caller goes on before the items are written, and may change host
+    values or donate device arrays meanwhile.
 
     With a `snapshot` (see host_snapshot) device arrays are staged from it, copying nothing."""
     items: list[StagedItem] = []
@@ -144,10 +148,8 @@ def stage(
         rel = _rel(arr, row, item.start, item.stop)
         items.append(item)
         if arr.devices is None:  # a host value: the caller may change it once we return
-            item.host = (
-                np.array(arr.source[rel], copy=True) if copy_host_values else arr.source[rel]
-            )
-            used += nbytes if copy_host_values else 0
+            item.host = np.array(arr.source[rel], copy=True) if asynchronous else arr.source[rel]
+            used += nbytes if asynchronous else 0
             continue
         if snapshot is not None:
             box = (tuple(arr.layout.starts[row].tolist()), tuple(arr.layout.stops[row].tolist()))
@@ -156,7 +158,7 @@ def stage(
         if a not in shard_maps:
             shard_maps[a] = {s.device: s for s in arr.source.addressable_shards}
         data = shard_maps[a][arr.devices[row]].data
-        view = _on_host(data)
+        view = _on_host(data, asynchronous)
         if view is not None:
             item.host = view[rel]
             continue

@@ -80,7 +80,7 @@ class Framework:
 def _jax_start_save(
     storage: Storage, tree: Any, options: SaveOptions, *, flat: FlatTree, **prepare_args: Any
 ) -> StartedSave:
-    prep = prepare(storage, tree, options, flat=flat, copy_host_values=True, **prepare_args)
+    prep = prepare(storage, tree, options, flat=flat, asynchronous=True, **prepare_args)
     return StartedSave(prep.timings, lambda: finish(prep))
 
 

@@ -166,7 +166,7 @@ def start_save(
         state_dict,
         options,
         coordinator=coordinator or default_coordinator(),
-        copy_host_values=asynchronous,
+        asynchronous=asynchronous,
         adapter=adapter,
         **prepare_args,
     )
