@@ -200,3 +200,22 @@ def test_a_new_manager_runs_the_staging_check_before_its_first_save(tmp_path, mo
         while jax_arrays._cpu_donation_safe is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert jax_arrays._cpu_donation_safe is not None  # no save has run
+
+
+def test_a_process_that_exits_right_after_making_a_manager_exits_cleanly(tmp_path):
+    """The staging check the manager starts must not be cut off inside XLA at exit (that
+    aborts the process in C++)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import snapshard, sys\n"
+        "snapshard.CheckpointManager(sys.argv[1]).close()\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for i in range(2):
+        p = subprocess.run(
+            [sys.executable, "-c", code, str(tmp_path / f"run{i}")],
+            env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr[-2000:]

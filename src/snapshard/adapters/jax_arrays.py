@@ -148,9 +148,12 @@ def cpu_donation_keeps_memory() -> bool:
 def start_cpu_donation_check() -> None:
     """Run `cpu_donation_keeps_memory`'s check in the background (its first jit costs a
     fresh process a few tenths of a second): a restore starts it before its reads, a
-    CheckpointManager when it is made (so that its first save does not wait for it)."""
+    CheckpointManager when it is made (so that its first save does not wait for it).
+
+    Not a daemon thread: a process that exits while the check is inside XLA would abort
+    in C++ at shutdown; the interpreter joins it first (a fraction of a second at most)."""
     if _cpu_donation_safe is None:
-        threading.Thread(target=cpu_donation_keeps_memory, name="snapshard-probe", daemon=True).start()
+        threading.Thread(target=cpu_donation_keeps_memory, name="snapshard-probe").start()
 
 
 def to_devices(host: np.ndarray, devices: list[Any]) -> list[jax.Array]:
