@@ -469,30 +469,35 @@ def _piece_bytes(storage: Storage, task: _Task) -> int | None:
     return max(block, piece // block * block) if block else piece
 
 
+def _block_span(task: _Task) -> tuple[int, int, int]:
+    """(checksum block size, first block, one past the last block) of a task's range."""
+    block = int(task.runs.table.block[task.runs.chunk])
+    return block, task.rng.start // block, -(-task.rng.stop // block)
+
+
 class _RangeReads:
     """The reads of one range of an uncompressed chunk, front to back, each piece checked
-    against the chunk's checksum blocks as it lands (with `checked`; `crcs`: those already
-    read, indexed by block)."""
+    against the chunk's checksum blocks as it lands (with `checked`; `crc_bytes`: the v2
+    checksums of the range's blocks, when already read)."""
 
     def __init__(
-        self, storage: Storage, task: _Task, checked: bool, crcs: list[int] | None = None
+        self, storage: Storage, task: _Task, checked: bool, crc_bytes: np.ndarray | None = None
     ) -> None:
         self.storage, self.runs = storage, task.runs
         self.at = task.rng.start  # the next byte to read, in the chunk
-        self.verifier = self._verifier(task, crcs) if checked else None
+        self.verifier = self._verifier(task, crc_bytes) if checked else None
 
-    def _verifier(self, task: _Task, crcs: list[int] | None) -> BlockVerifier:
+    def _verifier(self, task: _Task, crc_bytes: np.ndarray | None) -> BlockVerifier:
         t, c, r = self.runs.table, self.runs.chunk, task.rng
-        block = int(t.block[c])
-        b0, b1 = r.start // block, -(-r.stop // block)
-        if crcs is not None:
-            return BlockVerifier(crcs, b0, block, r.stop - r.start)
+        block, b0, b1 = _block_span(task)
         if t.crc_offset is None:  # v1: the checksums are in the index
             crcs = t.block_crcs(c).tolist()
         else:  # v2: the checksums of the blocks read lie in the file
-            raw = np.empty(4 * (b1 - b0), np.uint8)
-            self.storage.read_into(self.runs.file, int(t.crc_offset[c]) + 4 * b0, [raw.data])
-            crcs = [0] * b0 + raw.view("<u4").tolist()
+            if crc_bytes is None:
+                crc_bytes = np.empty(4 * (b1 - b0), np.uint8)
+                at = int(t.crc_offset[c]) + 4 * b0
+                self.storage.read_into(self.runs.file, at, [crc_bytes.data])
+            crcs = [0] * b0 + crc_bytes.view("<u4").tolist()
         return BlockVerifier(crcs, b0, block, r.stop - r.start)
 
     def read(self, views: list[memoryview]) -> None:
@@ -535,12 +540,10 @@ def _read_verified(
     if t.crc_offset is not None:
         crc_at = int(t.crc_offset[c])
         if r.stop == int(t.nbytes[c]) and crc_at == int(t.offset[c]) + r.stop:
-            block = int(t.block[c])
-            b0, b1 = r.start // block, -(-r.stop // block)
+            _, b0, b1 = _block_span(task)
             raw, skip = np.empty(4 * (b1 - b0), np.uint8), np.empty(4 * b0, np.uint8)
             storage.read_into(runs.file, runs.file_offset + r.start, [*bufs, skip.data, raw.data])
-            crcs = [0] * b0 + raw.view("<u4").tolist()
-            _RangeReads(storage, task, True, crcs).check(bufs)
+            _RangeReads(storage, task, True, raw).check(bufs)
             return
     _RangeReads(storage, task, checked=True).read(bufs)
 

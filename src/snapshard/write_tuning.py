@@ -3,8 +3,9 @@
 Which count is fastest depends on the storage and drifts with its load: on one disk one
 writer thread reaches the limit and a second only adds seeks; on another (or an object
 store, where every file is its own stream of requests) two or more are needed. A save with
-`SaveOptions(writers=None)` asks the `WriterCounts` of its location's parent (the disk, or the bucket a
-manager's steps share) for a count and reports the write throughput it reached with it.
+`SaveOptions(writers=None)` asks the `WriterCounts` of its location's parent (the disk, or
+the bucket a manager's steps share) for a count and reports the write throughput it reached
+with it.
 The first `FIRST_SAVES` saves use the default count (a process that saves once, or a
 manager's first steps, behave as before), then each other candidate is tried once, then the
 one with the best recent median is used (the default unless another is `MARGIN` faster:

@@ -120,12 +120,12 @@ class CheckpointManager:
         if local_tier is not None and not framework.local_tier:
             raise ValueError(f"the local tier is not available for {framework.name} state")
         self._framework = framework
-        if framework.warm_up is not None:
-            framework.warm_up()
         self._root = root_for(directory)
         self._coord = coordinator or framework.coordinator()
         require(save_options, SaveOptions, "save_options")
         require(read_options, ReadOptions, "read_options")
+        if framework.warm_up is not None:  # once the arguments are known to be good
+            framework.warm_up()
         self._save_options = save_options
         self._read_options = read_options
         self._async = async_save

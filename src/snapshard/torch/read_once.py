@@ -95,7 +95,9 @@ class ReadOncePlan:
             if key in self.reads:
                 out.append(f)
             elif key not in self._shared_keys:
-                raise SnapshardError(f"read-once: box {key[1]} of target leaf {leaf} is not planned")
+                raise SnapshardError(
+                    f"read-once: box {key[1]} of target leaf {leaf} is not planned"
+                )
         return out
 
     def share(self, rv: Rendezvous, error: BaseException | None) -> int:
@@ -181,7 +183,8 @@ def plan_layouts(
             if g.nbytes[u] == 0:
                 continue
             box = as_box(g.starts[u], g.stops[u])
-            holders = tuple(sorted(int(x) for x in g.cand_process[g.cand_ptr[u] : g.cand_ptr[u + 1]]))
+            lo, hi = int(g.cand_ptr[u]), int(g.cand_ptr[u + 1])
+            holders = tuple(sorted(int(x) for x in g.cand_process[lo:hi]))
             reader = int(p.writer[u])
             if reader == rank:
                 reads.add((i, box))
