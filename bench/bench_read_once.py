@@ -16,8 +16,13 @@ With `--framework torch`: the same state as torch DTensors over 4 gloo ranks, sa
 Shard(0) and restored onto Replicate() (every rank holds every tensor whole), through
 snapshard.torch.
 
+With `--target cols`: a reshard that cuts the saved rows, each box on one process. JAX:
+restored onto P(None, 'model') of a mesh (1, 8), columns cut 8 ways where they were saved
+cut 2 ways (without read-once the job reads 2x the unique bytes); torch: restored onto
+Shard(1) (4x). With read-once, bands of whole rows are read once and exchanged.
+
 usage: python bench/bench_read_once.py [--mb 512] [--rounds 5] [--framework jax|torch]
-                                       [--out FILE.jsonl]
+                                       [--target replicated|cols] [--out FILE.jsonl]
 """
 
 from __future__ import annotations
@@ -115,7 +120,10 @@ def worker(args: argparse.Namespace) -> None:
     rows = _rows(args.mb)
     mesh = Mesh(np.array(jax.devices()).reshape(n, -1), ("data", "model"))
     save_s = NamedSharding(mesh, P("data", "model"))
-    target_s = NamedSharding(mesh, P(None, "model"))
+    if args.target == "cols":
+        target_s = NamedSharding(Mesh(mesh.devices.reshape(1, -1), mesh.axis_names), P(None, "model"))
+    else:
+        target_s = NamedSharding(mesh, P(None, "model"))
     refs = {f"w{i}": _host(i, rows) for i in range(N_ARRAYS)}
     tree = {
         k: jax.make_array_from_callback(v.shape, save_s, lambda idx, v=v: v[idx])
@@ -177,8 +185,10 @@ def torch_worker(args: argparse.Namespace) -> None:
     rows = _rows(args.mb)
     refs = {f"w{i}": torch.from_numpy(_host(i, rows)) for i in range(N_ARRAYS)}
     saved = {k: distribute_tensor(v, mesh, [Shard(0)]) for k, v in refs.items()}
-    target = {k: distribute_tensor(torch.zeros_like(v), mesh, [Replicate()]) for k, v in refs.items()}
+    place = [Shard(1)] if args.target == "cols" else [Replicate()]
+    target = {k: distribute_tensor(torch.zeros_like(v), mesh, place) for k, v in refs.items()}
     store = dist.distributed_c10d._get_default_store()
+    mine = {k: v.chunk(PROCS, dim=1)[pid] if args.target == "cols" else v for k, v in refs.items()}
 
     def restore(loc: str, once: bool, check: bool):
         for t in target.values():
@@ -187,7 +197,7 @@ def torch_worker(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         st.load(loc, target, ReadOptions(read_once=once), stats=stats)
         dt = time.perf_counter() - t0
-        ok = not check or all(torch.equal(target[k].to_local(), refs[k]) for k in refs)
+        ok = not check or all(torch.equal(target[k].to_local(), mine[k]) for k in refs)
         return dt, stats, ok
 
     _measure(
@@ -212,7 +222,7 @@ def run_job(args: argparse.Namespace, out: str) -> list[dict]:
         )  # fmt: skip
         cmd = [sys.executable, os.path.join(HERE, "bench_read_once.py"), "--worker",
                "--mb", str(args.mb), "--rounds", str(args.rounds), "--dir", args.dir,
-               "--framework", args.framework]  # fmt: skip
+               "--framework", args.framework, "--target", args.target]  # fmt: skip
         if args.s3:
             cmd += ["--s3", args.s3]
         procs.append(
@@ -280,6 +290,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=3000)
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--framework", choices=("jax", "torch"), default="jax")
+    ap.add_argument("--target", choices=("replicated", "cols"), default="replicated")
     args = ap.parse_args()
     if args.worker:
         (torch_worker if args.framework == "torch" else worker)(args)

@@ -22,7 +22,8 @@ Phase 1, R ranks (--ranks, default 2), in this order every round:
   restore onto the save layout: snapshard, DCP, torch.load, safetensors load_file;
   restore onto another layout of the same ranks (weights Shard(1), biases Shard(0)):
     snapshard, snapshard with verify=False (checksums are per block of a chunk, so a
-    verified partial read reads whole blocks), DCP.
+    verified partial read reads whole blocks), snapshard with read_once=True (bands of
+    whole rows read once, then exchanged), DCP.
 Phase 2, W ranks (--reshard-ranks; default 1 when R > 1, else 2), in fresh processes:
   phase 1's snapshard and DCP checkpoints restored onto the new world size (1 rank: plain
   full tensors; more: Shard(0) weights, replicated biases).
@@ -375,12 +376,12 @@ def _dcp_load(sd: dict, path: str) -> int:
     return reader.bytes_read
 
 
-def _sst_load(sd: dict, path: str, verify: bool = True) -> int:
+def _sst_load(sd: dict, path: str, verify: bool = True, read_once: bool | None = None) -> int:
     import snapshard.torch as sst
     from snapshard.read_executor import ReadStats
 
     stats = ReadStats()
-    sst.load(path, sd, stats=stats, options=ReadOptions(verify=verify))
+    sst.load(path, sd, stats=stats, options=ReadOptions(verify=verify, read_once=read_once))
     return stats.bytes_read
 
 
@@ -521,6 +522,13 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
         rec.restore(
             f"snapshard load, reshard to {COLS_LAYOUT}, verify=False",
             lambda t: _sst_load(t, sst_p, verify=False),
+            cols,
+            COLS_LAYOUT,
+            every_leaf,
+        )
+        rec.restore(
+            f"snapshard load, reshard to {COLS_LAYOUT}, read_once=True",
+            lambda t: _sst_load(t, sst_p, read_once=True),
             cols,
             COLS_LAYOUT,
             every_leaf,
@@ -734,15 +742,22 @@ def _report(args: argparse.Namespace, ranks2: int, res1: dict, res2: dict) -> No
         (f"restore {SAVE_LAYOUT} -> {COLS_LAYOUT}", f"load, reshard to {COLS_LAYOUT}"),
         (f"restore {args.ranks} -> {ranks2} rank(s)", res2["sst_name"][len("snapshard ") :]),
     ]
-    for label, suffix in restores:
+    once = ", read_once=True"
+    for label, suffix in [*restores, (restores[1][0] + once, restores[1][1] + once)]:
+        dcp_suffix = suffix.removesuffix(once)
         checks.append(
             (
                 f"{label}: DCP / snapshard",
-                _paired(rows.get(f"DCP {suffix}"), rows.get(f"snapshard {suffix}")),
+                _paired(rows.get(f"DCP {dcp_suffix}"), rows.get(f"snapshard {suffix}")),
                 ">= 1.5",
             )
         )
-    libs = [("snapshard", "", "<= 1.05"), ("snapshard", ", verify=False", ""), ("DCP", "", "")]
+    libs = [
+        ("snapshard", "", "<= 1.05"),
+        ("snapshard", ", verify=False", ""),
+        ("snapshard", once, "<= 1.05"),
+        ("DCP", "", ""),
+    ]
     for label, suffix in restores[1:]:
         for lib, variant, target in libs:
             if f"{lib} {suffix}{variant}" not in nbytes:

@@ -62,16 +62,42 @@ def _check(ranks: list[dict]) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_failed_read_fails_every_rank_naming_it(tmp_path):
-    multiproc.run("torch_read_once.py", 4, 1, str(tmp_path), timeout=150, env=ENV)
-    done = multiproc.run(
-        "torch_read_once.py", 4, 1, str(tmp_path), "--fail-read", "1", timeout=90, env=ENV
-    )
+@pytest.mark.parametrize(
+    "worker,rank", [("torch_read_once.py", 1), ("torch_bands.py", 2)], ids=["broadcast", "bands"]
+)
+def test_a_failed_read_fails_every_rank_naming_it(tmp_path, worker, rank):
+    multiproc.run(worker, 4, 1, str(tmp_path), timeout=150, env=ENV)
+    done = multiproc.run(worker, 4, 1, str(tmp_path), "--fail-read", str(rank), timeout=90, env=ENV)
     for p in done:
         res = p.result()
         assert res["error"] is not None, res
-        assert "process 1 failed" in res["error"] and "injected read failure" in res["error"], res
+        assert f"process {rank} failed" in res["error"], res
+        assert "injected read failure" in res["error"], res
         assert res["seconds"] < 10  # its timeout_s is 20: failing fast, not timing out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_reshard_that_cuts_saved_rows_reads_each_byte_once(tmp_path):
+    """Shard(0) saved, Shard(1) (and a 2-D mesh cutting two later axes) restored: bands of
+    whole rows are read once and exchanged; without read-once each rank reads whole
+    checksum blocks of every saved row it needs part of."""
+    ranks = [
+        p.result() for p in multiproc.run("torch_bands.py", 4, 1, str(tmp_path), timeout=150, env=ENV)
+    ]
+    unique = ranks[0]["unique"]
+    for mode in ("True/None", "True/100000", "False/None"):
+        for r in ranks:
+            assert all(r[mode]["equal"].values()), (mode, r["rank"], r[mode]["equal"])
+    for mode in ("True/None", "True/100000"):  # one batch, then several
+        on = [r[mode] for r in ranks]
+        assert unique <= sum(x["bytes_read"] for x in on) <= 1.05 * unique
+        # each rank reads its band, a quarter, and receives the rest of its shards
+        assert max(x["bytes_read"] for x in on) <= 0.27 * unique
+        assert sum(x["bytes_from_peers"] for x in on) >= 0.7 * unique
+    off = [r["False/None"] for r in ranks]
+    assert sum(x["bytes_read"] for x in off) >= 3 * unique
+    assert all(x["bytes_from_peers"] == 0 for x in off)
 
 
 @st.composite

@@ -708,6 +708,18 @@ def build(req: Request) -> Any:
     return assemble(req.saved.shape, req.sharding, per_device)
 
 
+def saved_boxes(manifest: Manifest, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
+    """The boxes the processes that saved `leaf` held: from its layout (v2), else its
+    chunks (None: not known without reading records)."""
+    if manifest.version >= 2:
+        if manifest.finder is None or leaf.layout is None:
+            return None
+        groups = manifest.finder.holders(leaf).groups
+        return groups.starts, groups.stops
+    t = leaf.chunks
+    return (t.starts, t.stops) if len(t) else None
+
+
 def chunk_tables(
     finder: ChunkFinder | None, dests: list[Dest], stats: ReadStats
 ) -> dict[int, ChunkTable]:

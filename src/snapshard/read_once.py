@@ -16,6 +16,11 @@ in a collective that would never complete. Batches are cut from sizes every proc
 computes alike (the most host bytes any one process holds), so every process runs the
 same batches and the same collectives in the same order.
 
+A target that cuts the saved boxes' rows (planning/exchange.py: `Shard(0)` chunks onto a
+column sharding) is read once the same way, replicated or not: its read sharding cuts the
+first axis over every device, so that each process reads whole rows, contiguous in the
+chunks, and the jitted identity exchanges them (an all-to-all).
+
 With one process this is a no-op: boxes held by several local devices are already read
 once and copied device to device.
 """
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -38,6 +44,8 @@ from .coordination import default_coordinator
 from .coordination.base import Coordinator
 from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, all_succeeded, namespace
 from .dtypes import dtype_from_name
+from .format import ArrayLeaf
+from .planning.exchange import cuts_rows
 from .read_executor import Expand, ReadDests, ReadStats, Request, batches, request_boxes
 from .read_executor import execute as execute_all
 
@@ -143,20 +151,55 @@ def _flat_candidates(
     return out
 
 
+def _band_candidates(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[Any]:
+    """Read shardings that cut only the first axis, over every device: whole rows."""
+    if not shape:
+        return []
+    if isinstance(sharding, NamedSharding):
+        mesh = sharding.mesh
+        if getattr(mesh, "devices", None) is None or shape[0] % mesh.size:
+            return []
+        spec = P(tuple(mesh.axis_names), *([None] * (len(shape) - 1)))
+        return [NamedSharding(mesh, spec, memory_kind=sharding.memory_kind)]
+    if shape[0] % len(sharding.device_set):
+        return []
+    return _flat_candidates(sharding, shape)[:1]
+
+
 @lru_cache(maxsize=1024)
-def leaf_plan(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> LeafPlan | None:
+def target_boxes(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The boxes of every device of a target sharding, as (n, ndim) starts and stops."""
+    try:
+        boxes = [slices_to_box(i, shape) for i in sharding.devices_indices_map(shape).values()]
+    except Exception:
+        return None
+    starts = np.array([b[0] for b in boxes], np.int64).reshape(len(boxes), len(shape))
+    stops = np.array([b[1] for b in boxes], np.int64).reshape(len(boxes), len(shape))
+    return starts, stops
+
+
+@lru_cache(maxsize=1024)
+def leaf_plan(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, bands: bool = False
+) -> LeafPlan | None:
     """The read-once plan of an array, or None when it would not reduce storage reads (no
-    box is held by more than one process) or when no read sharding fits its shape."""
+    box is held by more than one process, and with `bands` False the target does not cut
+    the saved rows) or when no read sharding fits its shape. With `bands`, read shardings
+    of whole rows come first."""
     try:
         target = _boxes_by_process(sharding, shape)
     except Exception:  # shardings that cannot list their devices' boxes: read as usual
         return None
-    if not any(n > 1 for n in _holders(target).values()):
+    replicated = any(n > 1 for n in _holders(target).values())
+    if not replicated and not bands:
         return None
-    if isinstance(sharding, NamedSharding):
-        candidates = _named_candidates(sharding, shape)
-    else:
-        candidates = _flat_candidates(sharding, shape)
+    candidates = _band_candidates(sharding, shape) if bands else []
+    if replicated and isinstance(sharding, NamedSharding):
+        candidates += _named_candidates(sharding, shape)
+    elif replicated:
+        candidates += _flat_candidates(sharding, shape)
     for rs in candidates:
         read = _boxes_by_process(rs, shape)
         if any(n > 1 for n in _holders(read).values()) or set(read) != set(target):
@@ -187,13 +230,27 @@ def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
     return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
-def plan(reqs: list[Request], process: int, processes: int) -> dict[int, _Once]:
+# The boxes the processes that saved an array held (None: unknown).
+SavedBoxes = Callable[[ArrayLeaf], tuple[np.ndarray, np.ndarray] | None]
+
+
+def _cuts_saved_rows(r: Request, saved_boxes: SavedBoxes | None) -> bool:
+    if saved_boxes is None:
+        return False
+    saved = saved_boxes(r.saved)
+    target = target_boxes(tuple(r.saved.shape), r.sharding)
+    return saved is not None and target is not None and cuts_rows(*saved, *target)
+
+
+def plan(
+    reqs: list[Request], process: int, processes: int, saved_boxes: SavedBoxes | None = None
+) -> dict[int, _Once]:
     """The requests to read once (by index in `reqs`), each re-planned on its read sharding."""
     out: dict[int, _Once] = {}
     for i, r in enumerate(reqs):
         if r.kind != "jax" or r.sharding is None:
             continue
-        lp = leaf_plan(tuple(r.saved.shape), r.sharding)
+        lp = leaf_plan(tuple(r.saved.shape), r.sharding, _cuts_saved_rows(r, saved_boxes))
         if lp is None or len(lp.target_elements) != processes or 0 in lp.target_elements:
             continue  # (a sharding must span every process of the job to be read once)
         saved_size = dtype_from_name(r.saved.dtype).itemsize
@@ -232,13 +289,15 @@ def execute(
     location: str = "",
     timeout_s: float = DEFAULT_TIMEOUT_S,
     coord: Coordinator | None = None,
+    saved_boxes: SavedBoxes | None = None,
 ) -> list[Any]:
-    """restore.execute, reading each unique byte of replicated jax targets once per job.
+    """restore.execute, reading each unique byte of replicated jax targets, and of targets
+    that cut the saved rows (`saved_boxes` tells), once per job.
 
     Every process must call it with the same targets (as every restore requires)."""
     coord = coord if coord is not None else default_coordinator()
     once = (
-        plan(reqs, coord.process_index, coord.process_count)
+        plan(reqs, coord.process_index, coord.process_count, saved_boxes)
         if default_on(location, enabled) and coord.process_count > 1
         else {}
     )

@@ -23,7 +23,7 @@ from .format import Manifest, ValueLeaf
 from .format.manifest import ArrayLeaf, PerProcessLeaf, values_file_name
 from .options import ReadOptions, require
 from .per_process import PerProcess, Resplit
-from .read_executor import ReadStats, Request, make_request
+from .read_executor import ReadStats, Request, make_request, saved_boxes
 from .read_executor import build as build_request
 from .read_once import execute as execute_read_once
 from .sources import open_checkpoint
@@ -211,6 +211,7 @@ def load(
         built = execute_read_once(
             [r for _, r in reqs], read_dests, memory_budget=options.memory_budget, stats=stats,
             enabled=options.read_once, location=url, timeout_s=options.timeout_s,
+            saved_boxes=lambda leaf: saved_boxes(manifest, leaf),
         )  # fmt: skip
         results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:

@@ -47,3 +47,35 @@ def init_torch() -> tuple[int, int]:
 def report(**values: object) -> None:
     print("RESULT " + json.dumps(values), flush=True)
     sys.stdout.flush()
+
+
+def failing_torch_load(rank: int, fail_rank: int, load) -> None:
+    """Run `load()` on every rank with `fail_rank`'s storage reads failing; report the
+    outcome and exit. Rank 0 hosts the store: it stays until every rank has seen the
+    outcome. The process group's shutdown is skipped (a failed load leaves no collective
+    to finish)."""
+    import os
+    import time
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    if rank == fail_rank:
+        from snapshard.storage import local
+
+        def read_into(self, name, offset, buffers):
+            raise OSError(5, f"injected read failure on rank {rank}")
+
+        local.LocalStorage.read_into = read_into
+    t0 = time.perf_counter()
+    try:
+        load()
+        report(rank=rank, error=None)
+    except Exception as e:
+        report(rank=rank, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/failed/{rank}", "1")
+    if rank == 0:
+        world = dist.get_world_size()
+        store.wait([f"test/failed/{q}" for q in range(world)], timedelta(seconds=30))
+    os._exit(0)

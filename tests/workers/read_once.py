@@ -4,7 +4,9 @@ usage: read_once.py save CKPT
        read_once.py restore CKPT LAYOUT [--no-read-once] [--fail-read PID] [--timeout S]
                     [--safetensors] [--manager] [--budget BYTES]
    LAYOUT: 'rep4' (mesh data=processes x model=devices, params on P(None, 'model'): each box
-   on every process), 'rep2' (mesh 2 x (devices*processes/2): each box on 2 processes).
+   on every process), 'rep2' (mesh 2 x (devices*processes/2): each box on 2 processes),
+   'cols' (mesh 1 x every device: the arrays' columns cut finer than they were saved, no
+   box on two processes).
    Reports, per process, whether every addressable shard matches bit for bit, its ReadStats,
    the unique bytes of the target's array leaves, and the time the load took.
 """
@@ -83,16 +85,17 @@ def restore(args) -> None:
 
     g = global_arrays()
     devs = np.array(jax.devices())
-    rows = n if args.layout == "rep4" else 2
+    rows = {"rep4": n, "rep2": 2, "cols": 1}[args.layout]
     mesh = Mesh(devs.reshape(rows, -1), ("data", "model"))
 
     def sds(x, spec):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
+    cols = P(None, "model")
     arrays = {
-        "params": {"w": sds(g["w"], P(None, "model")), "e": sds(g["e"], P())},
+        "params": {"w": sds(g["w"], cols), "e": sds(g["e"], cols if rows == 1 else P())},
         "b": sds(g["b"], P()),
-        "i": sds(g["i"], P(None, "model")),
+        "i": sds(g["i"], cols),
         "odd": sds(g["odd"], P()),
     }
     target = dict(arrays)

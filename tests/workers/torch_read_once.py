@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from workers._dist import init_torch, report
+from workers._dist import failing_torch_load, init_torch, report
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -88,26 +86,8 @@ def main() -> None:
         }
 
     if args.fail_read is not None:
-        if rank == args.fail_read:
-            from snapshard.storage import local
-
-            def read_into(self, name, offset, buffers):
-                raise OSError(5, f"injected read failure on rank {rank}")
-
-            local.LocalStorage.read_into = read_into
-        t0 = time.perf_counter()
-        try:
-            st.load(ckpt, target(), snapshard.ReadOptions(read_once=True, timeout_s=20))
-            report(rank=rank, error=None)
-        except Exception as e:
-            report(rank=rank, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
-        # Rank 0 hosts the store: it stays until every rank has seen the outcome. Then skip
-        # the process group's shutdown (a failed load leaves no collective to finish).
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"test/failed/{rank}", "1")
-        if rank == 0:
-            store.wait([f"test/failed/{q}" for q in range(world)], timedelta(seconds=30))
-        os._exit(0)
+        options = snapshard.ReadOptions(read_once=True, timeout_s=20)
+        failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, target(), options))
     result: dict[str, object] = {}
     for mode in (True, False, None):  # None: the default, on for object stores only
         out = target()

@@ -23,7 +23,7 @@ from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
 from ..options import ReadOptions, require
-from ..read_executor import Dest, ReadDests, ReadStats, aligned_empty, batches
+from ..read_executor import Dest, ReadDests, ReadStats, aligned_empty, batches, saved_boxes
 from ..read_once import default_on
 from ..restore import load as _load_numpy
 from ..restore import missing_target_leaf
@@ -34,8 +34,10 @@ from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
 from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype
+from .exchange import BandLeaf, SavedBoxes, batches_of, exchange
+from .exchange import plan as plan_bands
 from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
-from .read_once import ReadOncePlan, backend_devices
+from .read_once import ReadOncePlan, as_box, backend_devices
 from .read_once import plan as plan_read_once
 
 
@@ -107,25 +109,28 @@ def _fills(leaf: ArrayLeaf, target: Any, perm: tuple[int, ...] | None = None) ->
             continue
         buf = aligned_empty(nbytes)
 
-        def step(
-            buf: np.ndarray = buf, region: Any = region, shape: Any = shape, want: Any = want
-        ) -> None:
+        def step(buf: np.ndarray = buf, region: Any = region, shape: Any = shape) -> None:
             data = buf.view(saved_dt).reshape(shape)
-            if perm is not None:
-                data = data.transpose(perm)
-            if data.dtype != want:
-                data = data.astype(want)
-            if isinstance(region, np.ndarray):
-                np.copyto(region, data)
-            elif region.device.type == "cpu":
-                np.copyto(host_view(region), data)
-            else:
-                t = from_numpy(np.ascontiguousarray(data))
-                assert t is not None
-                region.copy_(t)
+            _store(region, data if perm is None else data.transpose(perm))
 
         out.append(_Fill(Dest(leaf, start, stop, buf), step, target_start, target_stop, region))
     return out
+
+
+def _store(region: Any, data: np.ndarray) -> None:
+    """Copy `data` (NumPy) into a target region (a tensor view or a NumPy array), cast to
+    the region's dtype."""
+    want = region.dtype if isinstance(region, np.ndarray) else numpy_dtype(region.dtype)
+    if data.dtype != want:
+        data = data.astype(want)
+    if isinstance(region, np.ndarray):
+        np.copyto(region, data)
+    elif region.device.type == "cpu":
+        np.copyto(host_view(region), data)
+    else:
+        t = from_numpy(np.ascontiguousarray(data))
+        assert t is not None
+        region.copy_(t)
 
 
 def _resolve(x: VArray, name: str, url: str) -> tuple[str, tuple[int, ...] | None]:
@@ -165,35 +170,49 @@ def _transformed(
     return out
 
 
+# A target leaf, its fills, and the saved leaf it may be read from as bands (None: not).
+_Array = tuple[Any, list[_Fill], ArrayLeaf | None]
+
+
 def _read_once(
-    arrays: list[tuple[Any, list[_Fill]]], options: ReadOptions, url: str
-) -> tuple[ReadOncePlan | None, Rendezvous | None]:
-    """The read-once plan of a load (torch/read_once.py) and its rendezvous, or None."""
+    arrays: list[_Array], options: ReadOptions, url: str, boxes: SavedBoxes
+) -> tuple[ReadOncePlan | None, list[BandLeaf], Rendezvous | None]:
+    """The read-once plans of a load, broadcasts (torch/read_once.py) and bands
+    (torch/exchange.py), and their rendezvous; nothing where read-once is off."""
     coord = default_coordinator()
     if coord.process_count == 1 or not default_on(url, options.read_once):
-        return None, None
-    once = plan_read_once(
-        [t for t, _ in arrays], coord.process_index, coord.process_count, backend_devices()
-    )
-    if once is None:
-        return None, None
+        return None, [], None
+    devices = backend_devices()
+    world = coord.process_count
+    banded = plan_bands([t for t, _, _ in arrays], [s for _, _, s in arrays], world, devices, boxes)
+    skip = {b.leaf for b in banded}
+    targets = [None if i in skip else t for i, (t, _, _) in enumerate(arrays)]
+    once = plan_read_once(targets, coord.process_index, world, devices)
+    if once is None and not banded:
+        return None, [], None
     # Taken here, in program order, the same on every rank.
-    return once, Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
+    rv = Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
+    return once, banded, rv
 
 
 def _read_targets(
-    arrays: list[tuple[Any, list[_Fill]]],
+    arrays: list[_Array],
     read: ReadDests,
     options: ReadOptions,
     stats: ReadStats,
     url: str,
+    boxes: SavedBoxes,
 ) -> None:
     """Read every fill of the target leaves, in batches under the memory budget; with
     read-once, only this rank's share, then the rest from its peers."""
-    fills = [f for _, fs in arrays for f in fs]
-    once, rv = _read_once(arrays, options, url)
-    if once is not None:
-        fills = [f for i, (_, fs) in enumerate(arrays) for f in once.bind(i, fs)]
+    once, banded, rv = _read_once(arrays, options, url, boxes)
+    skip = {b.leaf for b in banded}
+    fills = [
+        f
+        for i, (_, fs, _) in enumerate(arrays)
+        if i not in skip
+        for f in (once.bind(i, fs) if once is not None else fs)
+    ]
     error: Exception | None = None
     with torch.no_grad():
         try:
@@ -207,14 +226,19 @@ def _read_targets(
                 stats.read_s += t1 - t0
                 stats.assemble_s += time.perf_counter() - t1
         except Exception as e:
-            if once is None:
+            if rv is None:
                 raise
-            error = e  # every rank must learn of it before anyone broadcasts
+            error = e  # every rank must learn of it before any collective
+        if rv is None:
+            return
+        t0 = time.perf_counter()
+        regions = {(i, as_box(f.start, f.stop)): f.region for i in skip for f in arrays[i][1]}
+        for k, group in enumerate(batches_of(banded, options.memory_budget)):
+            # (a failure anywhere raises on every rank here, before the collective)
+            stats.bytes_from_peers += exchange(group, regions, read, _store, rv, f"bands/{k}", error)
         if once is not None:
-            assert rv is not None
-            t0 = time.perf_counter()
             stats.bytes_from_peers += once.share(rv, error)
-            stats.reshard_s += time.perf_counter() - t0
+        stats.reshard_s += time.perf_counter() - t0
 
 
 def _put_back(node: Any, path: Path, values: dict[Path, Any]) -> Any:
@@ -286,7 +310,7 @@ def load(
         saved = manifest.leaf_by_path()
         flat = flatten(target, is_leaf)
         values: dict[Path, Any] = {}
-        arrays: list[tuple[Any, list[_Fill]]] = []  # target leaf, its fills
+        arrays: list[_Array] = []
         mapped = _transformed(saved, transform, url) if transform is not None else None
         for path, t in zip(flat.paths, flat.leaves, strict=True):
             perm = None
@@ -316,8 +340,8 @@ def load(
                     + (" (transposed)" if perm is not None else "")
                     + f", the target asks for {tuple(t.shape)}"
                 )
-            arrays.append((t, _fills(leaf, t, perm)))
-        _read_targets(arrays, read, options, stats, url)
+            arrays.append((t, _fills(leaf, t, perm), leaf if perm is None else None))
+        _read_targets(arrays, read, options, stats, url, lambda x: saved_boxes(manifest, x))
     finally:
         if owns:
             storage.close()

@@ -1,0 +1,86 @@
+"""A torch.distributed (gloo, CPU) rank of the tests of reshards that cut the saved rows.
+
+    torch_bands.py DIR                   save a state as Shard(0) over the ranks, then restore
+                                         it onto column shardings (a flat mesh and a 2-D mesh),
+                                         with read-once on and off
+    torch_bands.py DIR --fail-read RANK  the restore with read-once on, where RANK's storage
+                                         reads fail
+
+Reports, per rank and mode, whether every restored tensor equals the saved one, and the
+bytes read from storage and received from peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+from workers._dist import failing_torch_load, init_torch, report
+
+
+def state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    return {
+        "w": torch.randn(256, 512, generator=g),
+        "v": torch.randn(64, 96, generator=g).to(torch.bfloat16),
+        "x": torch.randint(-(1 << 30), 1 << 30, (32, 8, 16), generator=g, dtype=torch.int32),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("root")
+    ap.add_argument("--fail-read", type=int, default=None)
+    args = ap.parse_args()
+    rank, world = init_torch()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import snapshard
+    import snapshard.torch as st
+
+    want = state()
+    flat = init_device_mesh("cpu", (world,))
+    ckpt = os.path.join(args.root, "ckpt")
+    if args.fail_read is None:
+        st.save(ckpt, {k: distribute_tensor(v, flat, [Shard(0)]) for k, v in want.items()})
+    dist.barrier()
+    grid = init_device_mesh("cpu", (2, world // 2))
+
+    def target() -> dict[str, torch.Tensor]:
+        return {
+            "w": distribute_tensor(torch.zeros(256, 512), flat, [Shard(1)]),
+            # cast on the way: bfloat16 saved, float32 asked for
+            "v": distribute_tensor(torch.zeros(64, 96), flat, [Shard(1)]),
+            "x": distribute_tensor(
+                torch.zeros(32, 8, 16, dtype=torch.int32), grid, [Shard(2), Shard(1)]
+            ),
+        }
+
+    if args.fail_read is not None:
+        options = snapshard.ReadOptions(read_once=True, timeout_s=20)
+        failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, target(), options))
+    result: dict[str, object] = {}
+    for mode, budget in ((True, None), (True, 100_000), (False, None)):
+        out = target()
+        stats = snapshard.ReadStats()
+        options = snapshard.ReadOptions(read_once=mode, memory_budget=budget)
+        st.load(ckpt, out, options, stats=stats)
+        result[f"{mode}/{budget}"] = {
+            "equal": {
+                k: bool(torch.equal(out[k].full_tensor(), want[k].to(out[k].dtype))) for k in want
+            },
+            "bytes_read": stats.bytes_read,
+            "bytes_from_peers": stats.bytes_from_peers,
+        }
+    result["unique"] = sum(v.numel() * v.element_size() for v in want.values())
+    dist.barrier()
+    report(rank=rank, **result)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
