@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
+import time
 
 import jax
 import numpy as np
@@ -267,6 +269,38 @@ def test_read_threads_set_by_the_caller_are_kept(tmp_path, monkeypatch):
     sizes = _pool_sizes(monkeypatch)
     assert np.array_equal(snapshard.load(path, options=snapshard.ReadOptions(threads=3))["x"], x)
     assert sizes == [3]
+
+
+@pytest.mark.parametrize("cached", [False, True, None])
+def test_reads_from_the_device_are_asked_for_ahead(tmp_path, monkeypatch, cached):
+    """Bytes on the device: while a read waits, the ranges of the reads after it are hinted
+    to the storage (`will_need`), each once, in the order they are read, never a range of
+    a read already started. Bytes in memory, or a storage that cannot tell: no hints."""
+    path, x = _many_chunks(tmp_path)
+    monkeypatch.setattr(LocalStorage, "in_memory", lambda self, name, offset: cached)
+    hints: list[tuple[str, int, int]] = []
+    reads: list[tuple[str, int]] = []
+    monkeypatch.setattr(LocalStorage, "will_need", lambda self, *a: hints.append(a))
+    real = LocalStorage.read_into
+
+    def slow_read(self, name, offset, buffers):
+        if not reads:
+            time.sleep(0.2)  # the first read waits: the others are hinted meanwhile
+        reads.append((name, offset))
+        real(self, name, offset, buffers)
+
+    monkeypatch.setattr(LocalStorage, "read_into", slow_read)
+    out = snapshard.load(path, options=snapshard.ReadOptions(threads=1))
+    assert np.array_equal(out["x"], x)
+    assert not any(t.name == "snapshard-prefetch" for t in threading.enumerate())
+    data = [r for r in reads if r[0].startswith("data/")]
+    if cached is not False:
+        assert hints == []
+        return
+    # every read after the first (and the first too when its hint came before it began)
+    assert len(data) == 8 and len(hints) in (7, 8)
+    assert [(n, o) for n, o, _ in hints] == data[8 - len(hints) :]
+    assert all(n == x.nbytes // 8 for _, _, n in hints)
 
 
 def test_local_processes_come_from_the_launcher(monkeypatch):

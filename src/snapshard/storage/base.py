@@ -63,6 +63,10 @@ class Storage(ABC):
         (in the OS's page cache); None where the storage cannot tell."""
         return None
 
+    def will_need(self, name: str, offset: int, nbytes: int) -> None:  # noqa: B027
+        """Start fetching bytes [offset, offset + nbytes) of file `name` from the device
+        without waiting for them (a hint; nothing where the storage has no such means)."""
+
     def _check_guard(self) -> None:
         if self.commit_guard is not None:
             self.commit_guard()

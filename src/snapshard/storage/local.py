@@ -156,6 +156,7 @@ def _read_fd(fd: int, path: Path) -> bytes:
 
 
 _FADV_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
+_FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)
 
 
@@ -395,6 +396,14 @@ class LocalStorage(Storage):
             return False
         except OSError:  # unsupported here (tmpfs, some network filesystems), or the read
             return None  # itself will say what is wrong
+
+    def will_need(self, name: str, offset: int, nbytes: int) -> None:
+        ref = split_ref_name(name)
+        if ref is not None:
+            self._sibling(ref[0]).will_need(ref[1], offset, nbytes)
+        elif _FADV_WILLNEED is not None:
+            with contextlib.suppress(OSError):  # a hint: the read reports what is wrong
+                os.posix_fadvise(self._fd(name), offset, nbytes, _FADV_WILLNEED)
 
     def read_into(self, name: str, offset: int, buffers: Sequence[memoryview]) -> None:
         ref = split_ref_name(name)
