@@ -110,14 +110,19 @@ def test_saved_on_2x4_restores_on_4x2(tmp_path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("how", ["--manager", "--safetensors"])
-def test_manager_and_safetensors(tmp_path, how):
+@pytest.mark.parametrize(
+    "how,layout", [("--manager", "rep4"), ("--safetensors", "rep4"), ("--safetensors", "cols")]
+)
+def test_manager_and_safetensors(tmp_path, how, layout):
     ckpt = tmp_path / ("ckpt.safetensors" if how == "--safetensors" else "ckpt")
     multiproc.run("read_once.py", 4, 2, "save", ckpt, how, timeout=120)
-    _, on = _restore(ckpt, 4, 2, "rep4", how)
+    _, on = _restore(ckpt, 4, 2, layout, how)
     unique, read, peers = _totals(on)
     assert read <= 1.05 * unique + _SMALL, (read, unique)
     assert peers > 0
+    if layout == "cols":  # whole saved rows per process without read-once
+        _, off = _restore(ckpt, 4, 2, layout, how, "--no-read-once")
+        assert _totals(off)[1] >= 2 * unique
 
 
 @pytest.mark.multiprocess

@@ -712,11 +712,16 @@ def build(req: Request) -> Any:
     return assemble(req.saved.shape, req.sharding, per_device)
 
 
+# The boxes the processes that saved an array held, as (n, ndim) starts and stops (None:
+# unknown); read-once restores take it to tell whether a target cuts the saved rows.
+SavedBoxes = Callable[[ArrayLeaf], tuple[np.ndarray, np.ndarray] | None]
+
+
 def saved_boxes(manifest: Manifest, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
     """The boxes the processes that saved `leaf` held: from its layout (v2), else its
-    chunks (None: not known without reading records)."""
-    if manifest.version >= 2:
-        if manifest.finder is None or leaf.layout is None:
+    chunks (v1, safetensors files; None: not known without reading records)."""
+    if manifest.version >= 2 and leaf.layout is not None:
+        if manifest.finder is None:
             return None
         groups = manifest.finder.holders(leaf).groups
         return groups.starts, groups.stops

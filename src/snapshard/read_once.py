@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -44,9 +43,16 @@ from .coordination import default_coordinator
 from .coordination.base import Coordinator
 from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, all_succeeded, namespace
 from .dtypes import dtype_from_name
-from .format import ArrayLeaf
 from .planning.exchange import cuts_rows
-from .read_executor import Expand, ReadDests, ReadStats, Request, batches, request_boxes
+from .read_executor import (
+    Expand,
+    ReadDests,
+    ReadStats,
+    Request,
+    SavedBoxes,
+    batches,
+    request_boxes,
+)
 from .read_executor import execute as execute_all
 
 _READ_AXIS = "snapshard_read"
@@ -228,10 +234,6 @@ class _Once:
 def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
     """One program moving a whole batch onto its target shardings (one compilation)."""
     return jax.jit(lambda *xs: xs, out_shardings=shardings)
-
-
-# The boxes the processes that saved an array held (None: unknown).
-SavedBoxes = Callable[[ArrayLeaf], tuple[np.ndarray, np.ndarray] | None]
 
 
 def _cuts_saved_rows(r: Request, saved_boxes: SavedBoxes | None) -> bool:

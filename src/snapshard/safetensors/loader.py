@@ -18,6 +18,7 @@ from ..read_executor import (
     ReadStats,
     make_request,
     reader_of,
+    saved_boxes,
 )
 from ..read_once import execute as read_once_execute
 from ..restore import is_target_leaf
@@ -96,7 +97,8 @@ def load(
     without sharding gives NumPy. A differing dtype is cast on the host. `options` as in
     snapshard.load, but for `verify`: safetensors files carry no checksums. With read-once
     on, tensors replicated across processes are read once across the job and sent to the
-    other holders.
+    other holders, and tensors whose target cuts their rows (columns split over processes)
+    are read as bands of whole rows and exchanged.
     """
     require(options, ReadOptions)
     t_start = time.perf_counter()
@@ -134,7 +136,7 @@ def load(
         built = read_once_execute(
             reqs, read, memory_budget=options.memory_budget, stats=stats,
             expand=planner.expand, enabled=options.read_once, location=url,
-            timeout_s=options.timeout_s,
+            timeout_s=options.timeout_s, saved_boxes=lambda leaf: saved_boxes(manifest, leaf),
         )  # fmt: skip
     finally:
         files.close()

@@ -34,11 +34,10 @@ from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf
 from ..planning.exchange import Messages, cuts_rows, messages, row_bands
-from ..read_executor import Dest, ReadDests, aligned_empty, batches
+from ..read_executor import Dest, ReadDests, SavedBoxes, aligned_empty, batches
 from .leaves import dtensor_layout, is_dtensor
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
-SavedBoxes = Callable[[ArrayLeaf], tuple[np.ndarray, np.ndarray] | None]
 # Stores a piece (NumPy, the saved dtype) into a view of a target region.
 Store = Callable[[Any, np.ndarray], None]
 

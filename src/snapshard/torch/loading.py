@@ -23,7 +23,15 @@ from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
 from ..options import ReadOptions, require
-from ..read_executor import Dest, ReadDests, ReadStats, aligned_empty, batches, saved_boxes
+from ..read_executor import (
+    Dest,
+    ReadDests,
+    ReadStats,
+    SavedBoxes,
+    aligned_empty,
+    batches,
+    saved_boxes,
+)
 from ..read_once import default_on
 from ..restore import load as _load_numpy
 from ..restore import missing_target_leaf
@@ -34,7 +42,7 @@ from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
 from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype
-from .exchange import BandLeaf, SavedBoxes, batches_of, exchange
+from .exchange import BandLeaf, batches_of, exchange
 from .exchange import plan as plan_bands
 from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
 from .read_once import ReadOncePlan, as_box, backend_devices
