@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snapshard.planning.exchange import cuts_rows, messages, row_bands
+from snapshard.planning.exchange import cuts_rows, messages, row_bands, slabs
 
 
 @st.composite
@@ -76,15 +76,38 @@ def test_messages_tile_every_target_box_once_from_the_bands(data):
     assert bs[0, 0] == 0 and be[-1, 0] == shape[0] and np.all(bs[1:, 0] == be[:-1, 0])
     assert np.all(bs[:, 1:] == 0) and np.all(be[:, 1:] == np.asarray(shape[1:]))
     m = messages(bs, be, ts, te, holders)
-    key = np.stack([m.sender, m.receiver, m.box], axis=1)
+    key = np.stack([m.sender, m.receiver, m.target], axis=1)
     assert np.array_equal(key, key[np.lexsort(key.T[::-1])])  # sorted by (sender, receiver, box)
-    assert np.array_equal(m.receiver, holders[m.box])
+    assert np.array_equal(m.receiver, holders[m.target])
     count = np.zeros(shape, np.int64)
     for i in range(len(m.sender)):
         assert np.all(m.start[i] >= bs[m.sender[i]]) and np.all(m.stop[i] <= be[m.sender[i]])
-        assert np.all(m.start[i] >= ts[m.box[i]]) and np.all(m.stop[i] <= te[m.box[i]])
+        assert np.all(m.start[i] >= ts[m.target[i]]) and np.all(m.stop[i] <= te[m.target[i]])
         count[tuple(slice(a, b) for a, b in zip(m.start[i], m.stop[i], strict=True))] += 1
     assert np.all(count == 1)  # the grid's boxes tile the array, each piece sent once
     assert int(m.elements.sum()) == int(np.prod(shape))
-    rows = m.between(sender=0)
-    assert np.all(m.sender[rows] == 0)
+    for p in range(world):
+        rows = m.between(sender=p)
+        assert np.array_equal(rows, np.flatnonzero(m.sender == p))
+        got = m.between(receiver=p)
+        assert np.array_equal(got, np.flatnonzero(m.receiver == p))
+        assert np.all(np.diff(m.sender[got]) >= 0)  # a receiver's pieces in sender order
+
+
+@given(st.data())
+@settings(max_examples=80, deadline=None)
+def test_slabs_tile_the_bands(data):
+    shape = data.draw(shapes)
+    world = data.draw(st.integers(1, 5))
+    count = data.draw(st.integers(1, 9))
+    bs, be = row_bands(shape, world)
+    parts = slabs(bs, be, count)
+    assert len(parts) == count
+    for p in range(world):
+        rows = [(int(s[p, 0]), int(e[p, 0])) for s, e in parts]
+        assert rows[0][0] == bs[p, 0] and rows[-1][1] == be[p, 0]
+        assert all(a <= b for a, b in rows) and all(
+            rows[j][1] == rows[j + 1][0] for j in range(count - 1)
+        )
+        assert all(np.array_equal(s[p, 1:], bs[p, 1:]) and np.array_equal(e[p, 1:], be[p, 1:])
+                   for s, e in parts)  # fmt: skip

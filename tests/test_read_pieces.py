@@ -274,33 +274,64 @@ def test_read_threads_set_by_the_caller_are_kept(tmp_path, monkeypatch):
 @pytest.mark.parametrize("cached", [False, True, None])
 def test_reads_from_the_device_are_asked_for_ahead(tmp_path, monkeypatch, cached):
     """Bytes on the device: while a read waits, the ranges of the reads after it are hinted
-    to the storage (`will_need`), each once, in the order they are read, never a range of
-    a read already started. Bytes in memory, or a storage that cannot tell: no hints."""
-    path, x = _many_chunks(tmp_path)
-    monkeypatch.setattr(LocalStorage, "in_memory", lambda self, name, offset: cached)
-    hints: list[tuple[str, int, int]] = []
-    reads: list[tuple[str, int]] = []
-    monkeypatch.setattr(LocalStorage, "will_need", lambda self, *a: hints.append(a))
-    real = LocalStorage.read_into
-
-    def slow_read(self, name, offset, buffers):
-        if not reads:
-            time.sleep(0.2)  # the first read waits: the others are hinted meanwhile
-        reads.append((name, offset))
-        real(self, name, offset, buffers)
-
-    monkeypatch.setattr(LocalStorage, "read_into", slow_read)
-    out = snapshard.load(path, options=snapshard.ReadOptions(threads=1))
-    assert np.array_equal(out["x"], x)
-    assert not any(t.name == "snapshard-prefetch" for t in threading.enumerate())
-    data = [r for r in reads if r[0].startswith("data/")]
+    to the storage (`will_need`), each once, in the order they are read. Bytes in memory,
+    or a storage that cannot tell: no hints."""
+    hints, data, _ = _hinted_reads(tmp_path, monkeypatch, cached, wait_for=7)
     if cached is not False:
         assert hints == []
         return
     # every read after the first (and the first too when its hint came before it began)
     assert len(data) == 8 and len(hints) in (7, 8)
     assert [(n, o) for n, o, _ in hints] == data[8 - len(hints) :]
-    assert all(n == x.nbytes // 8 for _, _, n in hints)
+    assert all(n == (64 << 10) * 4 // 8 for _, _, n in hints)
+
+
+def test_hints_stay_within_the_window_ahead_of_the_reads(tmp_path, monkeypatch):
+    """A window of 2 reads' bytes: while the first read waits, only the reads whose start
+    lies within 2 reads of the next one are hinted (3, and the first's own when it came
+    first); later hints follow the reads, in order, none twice."""
+    monkeypatch.setattr(read_executor, "_PREFETCH_BYTES", 2 * (64 << 10) * 4 // 8)
+    hints, data, early = _hinted_reads(tmp_path, monkeypatch, False, wait_for=3, more=0.3)
+    assert early in (3, 4), early
+    hinted = [(n, o) for n, o, _ in hints]
+    assert len(set(hinted)) == len(hinted)
+    assert hinted == [r for r in data if r in hinted]  # in the order of the reads
+
+
+def _hinted_reads(tmp_path, monkeypatch, cached, wait_for: int, more: float = 0.0):
+    """Load a checkpoint of 8 equal reads, one thread, the page-cache probe answering
+    `cached`; the first read waits until `wait_for` hints came (or 2 s), then `more` s.
+    Returns the hints, the reads of data files in order, and the hints given before the
+    first read went on."""
+    path, x = _many_chunks(tmp_path)
+    monkeypatch.setattr(LocalStorage, "in_memory", lambda self, name, offset: cached)
+    hints: list[tuple[str, int, int]] = []
+    reads: list[tuple[str, int]] = []
+    enough = threading.Event()
+    early: list[int] = []
+
+    def hint(self, *a):
+        hints.append(a)
+        if len(hints) >= wait_for:
+            enough.set()
+
+    monkeypatch.setattr(LocalStorage, "will_need", hint)
+    real = LocalStorage.read_into
+
+    def read(self, name, offset, buffers):
+        if name.startswith("data/") and not reads:
+            enough.wait(2.0)
+            time.sleep(more)
+            early.append(len(hints))
+        if name.startswith("data/"):
+            reads.append((name, offset))
+        real(self, name, offset, buffers)
+
+    monkeypatch.setattr(LocalStorage, "read_into", read)
+    out = snapshard.load(path, options=snapshard.ReadOptions(threads=1))
+    assert np.array_equal(out["x"], x)
+    assert not any(t.name == "snapshard-prefetch" for t in threading.enumerate())
+    return hints, reads, early[0] if early else None
 
 
 def test_local_processes_come_from_the_launcher(monkeypatch):

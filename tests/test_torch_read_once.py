@@ -63,11 +63,15 @@ def _check(ranks: list[dict]) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "worker,rank", [("torch_read_once.py", 1), ("torch_bands.py", 2)], ids=["broadcast", "bands"]
+    "worker,rank,extra",
+    [("torch_read_once.py", 1, []), ("torch_bands.py", 2, []), ("torch_bands.py", 3, ["--plain"])],
+    ids=["broadcast", "bands", "plain-then-bands"],
 )
-def test_a_failed_read_fails_every_rank_naming_it(tmp_path, worker, rank):
+def test_a_failed_read_fails_every_rank_naming_it(tmp_path, worker, rank, extra):
     multiproc.run(worker, 4, 1, str(tmp_path), timeout=150, env=ENV)
-    done = multiproc.run(worker, 4, 1, str(tmp_path), "--fail-read", str(rank), timeout=90, env=ENV)
+    done = multiproc.run(
+        worker, 4, 1, str(tmp_path), "--fail-read", str(rank), *extra, timeout=90, env=ENV
+    )
     for p in done:
         res = p.result()
         assert res["error"] is not None, res

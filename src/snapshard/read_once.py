@@ -188,20 +188,20 @@ def target_boxes(
 
 @lru_cache(maxsize=1024)
 def leaf_plan(
-    shape: tuple[int, ...], sharding: jax.sharding.Sharding, bands: bool = False
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, cuts_saved_rows: bool = False
 ) -> LeafPlan | None:
     """The read-once plan of an array, or None when it would not reduce storage reads (no
-    box is held by more than one process, and with `bands` False the target does not cut
-    the saved rows) or when no read sharding fits its shape. With `bands`, read shardings
-    of whole rows come first."""
+    box is held by more than one process, and the target does not cut the saved rows) or
+    when no read sharding fits its shape. Where it cuts them, read shardings of whole rows
+    come first."""
     try:
         target = _boxes_by_process(sharding, shape)
     except Exception:  # shardings that cannot list their devices' boxes: read as usual
         return None
     replicated = any(n > 1 for n in _holders(target).values())
-    if not replicated and not bands:
+    if not replicated and not cuts_saved_rows:
         return None
-    candidates = _band_candidates(sharding, shape) if bands else []
+    candidates = _band_candidates(sharding, shape) if cuts_saved_rows else []
     if replicated and isinstance(sharding, NamedSharding):
         candidates += _named_candidates(sharding, shape)
     elif replicated:
@@ -236,7 +236,7 @@ def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
     return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
-def _cuts_saved_rows(r: Request, saved_boxes: SavedBoxes | None) -> bool:
+def _target_cuts_saved_rows(r: Request, saved_boxes: SavedBoxes | None) -> bool:
     if saved_boxes is None:
         return False
     saved = saved_boxes(r.saved)
@@ -252,7 +252,8 @@ def plan(
     for i, r in enumerate(reqs):
         if r.kind != "jax" or r.sharding is None:
             continue
-        lp = leaf_plan(tuple(r.saved.shape), r.sharding, _cuts_saved_rows(r, saved_boxes))
+        cuts = _target_cuts_saved_rows(r, saved_boxes)
+        lp = leaf_plan(tuple(r.saved.shape), r.sharding, cuts)
         if lp is None or len(lp.target_elements) != processes or 0 in lp.target_elements:
             continue  # (a sharding must span every process of the job to be read once)
         saved_size = dtype_from_name(r.saved.dtype).itemsize

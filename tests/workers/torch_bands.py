@@ -4,7 +4,9 @@
                                          it onto column shardings (a flat mesh and a 2-D mesh),
                                          with read-once on and off
     torch_bands.py DIR --fail-read RANK  the restore with read-once on, where RANK's storage
-                                         reads fail
+                                         reads fail: those of its bands (the target holds
+                                         banded leaves only), or with --plain its first
+                                         ordinary read, before any band
 
 Reports, per rank and mode, whether every restored tensor equals the saved one, and the
 bytes read from storage and received from peers.
@@ -27,6 +29,9 @@ def state() -> dict[str, torch.Tensor]:
         "w": torch.randn(256, 512, generator=g),
         "v": torch.randn(64, 96, generator=g).to(torch.bfloat16),
         "x": torch.randint(-(1 << 30), 1 << 30, (32, 8, 16), generator=g, dtype=torch.int32),
+        "u": torch.randn(30, 12, generator=g),  # bands of 7 and 8 rows
+        "t": torch.arange(48, dtype=torch.int32).reshape(3, 16),  # fewer rows than ranks
+        "b": torch.randn(64, generator=g),  # 1-D: read as usual
     }
 
 
@@ -34,6 +39,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
     ap.add_argument("--fail-read", type=int, default=None)
+    ap.add_argument("--plain", action="store_true")
     args = ap.parse_args()
     rank, world = init_torch()
     from torch.distributed.device_mesh import init_device_mesh
@@ -58,11 +64,15 @@ def main() -> None:
             "x": distribute_tensor(
                 torch.zeros(32, 8, 16, dtype=torch.int32), grid, [Shard(2), Shard(1)]
             ),
+            "u": distribute_tensor(torch.zeros(30, 12), flat, [Shard(1)]),
+            "t": distribute_tensor(torch.zeros(3, 16, dtype=torch.int32), flat, [Shard(1)]),
+            "b": distribute_tensor(torch.zeros(64), flat, [Shard(0)]),
         }
 
     if args.fail_read is not None:
         options = snapshard.ReadOptions(read_once=True, timeout_s=20)
-        failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, target(), options))
+        fail_target = target() if args.plain else {"w": target()["w"], "v": target()["v"]}
+        failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, fail_target, options))
     result: dict[str, object] = {}
     for mode, budget in ((True, None), (True, 100_000), (False, None)):
         out = target()

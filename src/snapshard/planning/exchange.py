@@ -53,16 +53,32 @@ def row_bands(shape: tuple[int, ...], parts: int) -> tuple[np.ndarray, np.ndarra
     return starts, stops
 
 
+def slabs(
+    band_starts: np.ndarray, band_stops: np.ndarray, count: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Every band cut into `count` slabs of whole rows (as even as rows allow): slab j of
+    every band together is one exchange, so that a large array moves in steps of bounded
+    memory. The slabs of all steps tile the bands."""
+    out = []
+    lo, n = band_starts[:, 0], band_stops[:, 0] - band_starts[:, 0]
+    for j in range(count):
+        starts, stops = band_starts.copy(), band_stops.copy()
+        starts[:, 0] = lo + j * n // count
+        stops[:, 0] = lo + (j + 1) * n // count
+        out.append((starts, stops))
+    return out
+
+
 @dataclass(frozen=True)
 class Messages:
     """The pieces of one array that move from the process reading a band to the process
     holding a target box, one row per (band, target box) overlap, sorted by (sender,
-    receiver, target box): `sender`, `receiver`, the target box's index in the boxes given,
-    and the piece's box [start, stop) in the array's coordinates."""
+    receiver, target): `sender`, `receiver`, `target` (the target box's index in the boxes
+    given), and the piece's box [start, stop) in the array's coordinates."""
 
     sender: np.ndarray  # (m,)
     receiver: np.ndarray  # (m,)
-    box: np.ndarray  # (m,)
+    target: np.ndarray  # (m,)
     start: np.ndarray  # (m, ndim)
     stop: np.ndarray  # (m, ndim)
 

@@ -4,17 +4,20 @@ shards (planning/exchange.py says when and why).
 
 Call order, on every rank, with the same target:
 
-1. `plan(targets, saved, rank, world, devices, saved_boxes)`: pure, no communication. A
-   target leaf qualifies when it is a DTensor (or a tensor) whose boxes each live on one
-   rank, the group can move CPU tensors (gloo), its saved boxes are known and its boxes
-   cut their rows (`cuts_rows`).
-2. `batches_of(leaves, memory_budget)`: batches cut alike on every rank, from the most
-   host bytes any rank holds for a leaf (its band, what it sends and what it receives).
-3. `exchange(batch, regions, read, rv, step, error)` per batch: read this rank's bands;
-   agree through the rendezvous that every rank's reads (and every earlier step)
-   succeeded, so that a failure fails every rank, naming it, instead of a rank waiting in
-   a collective; then pack, `all_to_all_single`, and unpack into the target regions, cast
-   to their dtypes. Returns the bytes received from peers.
+1. `plan(targets, saved, world, devices, saved_boxes, memory_budget)`: pure, no
+   communication. A target leaf qualifies when it is a DTensor whose boxes each live on
+   one rank, the group can move CPU tensors (gloo), its saved boxes are known and its
+   boxes cut their rows (`cuts_rows`); targets with replicated boxes are left to
+   torch/read_once.py. A large leaf is cut into slabs of rows, one exchange each.
+2. `batches_of(exchanges, memory_budget)`: batches cut alike on every rank, from the most
+   host bytes any rank holds for an exchange (its band, what it sends and receives).
+3. `exchange(batch, regions, read, store, rv, step, error, scratch)` per batch: read this
+   rank's bands and pack what it sends; agree through the rendezvous that every rank got
+   that far (and through every earlier step), so that a failure fails every rank, naming
+   it, instead of a rank waiting in a collective; then `all_to_all_single`, and `store`
+   each piece into its target region, cast to its dtype. A failure after the collective
+   is returned, for the caller to report at its next agreement. The buffers (`Scratch`)
+   are reused from batch to batch.
 
 The bytes travel in the saved dtype, through CPU buffers, whatever device the target is
 on.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -33,19 +37,24 @@ import torch
 from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf
-from ..planning.exchange import Messages, cuts_rows, messages, row_bands
+from ..planning.exchange import Messages, cuts_rows, messages, row_bands, slabs
 from ..read_executor import Dest, ReadDests, SavedBoxes, aligned_empty, batches
+from ..staging import Box
 from .leaves import dtensor_layout, is_dtensor
+from .read_once import as_box
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
+# The most host bytes one rank holds for one exchange of a leaf (its band, what it sends
+# and receives): larger leaves move in slabs of rows (planning.exchange.slabs), through
+# buffers reused from step to step (fresh memory costs a page fault per page).
+STEP_BYTES = 64 << 20
 # Stores a piece (NumPy, the saved dtype) into a view of a target region.
 Store = Callable[[Any, np.ndarray], None]
 
 
 @dataclass(frozen=True)
 class BandLeaf:
-    """One target leaf read as bands: the saved leaf, every rank's band, the target's boxes
-    (box i held by rank holders[i]) and the messages between them."""
+    """One exchange of a target leaf read as bands: the saved leaf, every rank's band (or
+    one slab of it), the target's boxes and the messages between them."""
 
     leaf: int  # index among the load's target leaves
     saved: ArrayLeaf
@@ -55,12 +64,37 @@ class BandLeaf:
     box_stops: np.ndarray
     msgs: Messages
 
+    @cached_property
+    def dtype(self) -> np.dtype:
+        return dtype_from_name(self.saved.dtype)
+
     @property
     def itemsize(self) -> int:
-        return dtype_from_name(self.saved.dtype).itemsize
+        return self.dtype.itemsize
+
+    @cached_property
+    def moves(self) -> bool:
+        """Whether any piece goes from one rank to another."""
+        return bool(np.any(self.msgs.sender != self.msgs.receiver))
 
     def band(self, rank: int) -> Box:
-        return _box(self.band_starts[rank], self.band_stops[rank])
+        return as_box(self.band_starts[rank], self.band_stops[rank])
+
+    def piece_shape(self, m: int) -> tuple[int, ...]:
+        return tuple(int(x) for x in self.msgs.stop[m] - self.msgs.start[m])
+
+    def piece_bytes(self, m: int) -> int:
+        return int(self.msgs.elements[m]) * self.itemsize
+
+    def band_piece(self, band: np.ndarray, rank: int, m: int) -> np.ndarray:
+        """Piece `m` in this rank's band."""
+        return band[_slices(self.msgs, m, self.band_starts[rank])]
+
+    def target_view(self, regions: dict[tuple[int, Box], Any], m: int) -> Any:
+        """Piece `m` in the view of the target box it belongs to."""
+        t = int(self.msgs.target[m])
+        view = regions[(self.leaf, as_box(self.box_starts[t], self.box_stops[t]))]
+        return view[_slices(self.msgs, m, self.box_starts[t])]
 
     def cost(self) -> int:
         """The most host bytes one rank holds for this leaf: band, sends and receives."""
@@ -72,18 +106,18 @@ class BandLeaf:
         return int((band + sent + received).max(initial=0)) * self.itemsize
 
 
-def _box(start: Any, stop: Any) -> Box:
-    return tuple(int(x) for x in start), tuple(int(x) for x in stop)
-
-
 def plan(
     targets: Sequence[Any],
     saved: Sequence[ArrayLeaf | None],
     world: int,
     devices: frozenset[str],
     saved_boxes: SavedBoxes,
+    memory_budget: int | None = None,
 ) -> list[BandLeaf]:
-    """Step 1: the target leaves read as bands (saved[i] None: leaf i is read as usual)."""
+    """Step 1: the target leaves read as bands (saved[i] None: leaf i is read as usual), a
+    leaf in as many slabs of rows as keep each exchange within STEP_BYTES and
+    `memory_budget` per rank."""
+    step_bytes = _step_bytes(memory_budget)
     if "cpu" not in devices or world < 2:
         return []
     out = []
@@ -96,20 +130,70 @@ def plan(
         boxes = saved_boxes(leaf)
         if boxes is None or not cuts_rows(*boxes, lay.starts, lay.stops):
             continue
-        band_starts, band_stops = row_bands(lay.shape, world)
-        msgs = messages(band_starts, band_stops, lay.starts, lay.stops, lay.process_ids)
-        out.append(BandLeaf(i, leaf, band_starts, band_stops, lay.starts, lay.stops, msgs))
+        whole = row_bands(lay.shape, world)
+        steps = 1
+        while True:
+            parts = [whole] if steps == 1 else slabs(*whole, steps)
+            cut = [
+                BandLeaf(i, leaf, bs, be, lay.starts, lay.stops,
+                         messages(bs, be, lay.starts, lay.stops, lay.process_ids))
+                for bs, be in parts
+            ]  # fmt: skip
+            most = max(b.cost() for b in cut)
+            if most <= step_bytes or steps >= lay.shape[0]:
+                break
+            steps = min(lay.shape[0], steps * -(-most // step_bytes))
+        out += cut
     return out
 
 
+def _step_bytes(memory_budget: int | None) -> int:
+    return STEP_BYTES if memory_budget is None else max(1, min(memory_budget, STEP_BYTES))
+
+
 def batches_of(leaves: list[BandLeaf], memory_budget: int | None) -> list[list[BandLeaf]]:
-    """Step 2."""
-    costs = {b.leaf: b.cost() for b in leaves}
-    return batches(leaves, lambda b: costs[b.leaf], memory_budget)
+    """Step 2: batches of at most STEP_BYTES (and `memory_budget`) per rank."""
+    costs = [b.cost() for b in leaves]
+    cut = batches(list(range(len(leaves))), costs.__getitem__, _step_bytes(memory_budget))
+    return [[leaves[i] for i in group] for group in cut]
 
 
-def _slices(start: np.ndarray, stop: np.ndarray, origin: Sequence[int]) -> tuple[slice, ...]:
-    return tuple(slice(int(a) - o, int(b) - o) for a, b, o in zip(start, stop, origin, strict=True))
+def _slices(msgs: Messages, m: int, origin: np.ndarray) -> tuple[slice, ...]:
+    """Piece `m` as slices of an array whose first element is at `origin`."""
+    lo, hi = (msgs.start[m] - origin).tolist(), (msgs.stop[m] - origin).tolist()
+    return tuple(slice(a, b) for a, b in zip(lo, hi, strict=True))
+
+
+def _by_peer(rows: np.ndarray, peers: np.ndarray, world: int) -> list[np.ndarray]:
+    """`rows` (ordered by their peer in `peers`) split by peer, 0 to world - 1."""
+    cuts = np.searchsorted(peers[rows], np.arange(world + 1))
+    return [rows[cuts[p] : cuts[p + 1]] for p in range(world)]
+
+
+# (position in the batch, the exchange, message index)
+_Piece = tuple[int, BandLeaf, int]
+
+
+class _Pieces:
+    """This rank's pieces of one batch: per peer, those it sends and receives, in the one
+    order of every rank (batch order, then the messages' order)."""
+
+    def __init__(self, batch: list[BandLeaf], rank: int, world: int) -> None:
+        self.sends: list[list[_Piece]] = [[] for _ in range(world)]
+        self.recvs: list[list[_Piece]] = [[] for _ in range(world)]
+        for k, b in enumerate(batch):
+            m = b.msgs
+            sent = _by_peer(m.between(sender=rank), m.receiver, world)
+            got = _by_peer(m.between(receiver=rank), m.sender, world)
+            for q in range(world):
+                self.sends[q] += [(k, b, int(i)) for i in sent[q]]
+                self.recvs[q] += [(k, b, int(i)) for i in got[q]]
+        self.own = self.sends[rank]  # this rank's part of its own bands
+        self.sends[rank], self.recvs[rank] = [], []
+
+    @staticmethod
+    def sizes(per_peer: list[list[_Piece]]) -> list[int]:
+        return [sum(b.piece_bytes(m) for _, b, m in ps) for ps in per_peer]
 
 
 def exchange(
@@ -120,68 +204,84 @@ def exchange(
     rv: Rendezvous,
     step: str,
     error: BaseException | None,
-) -> int:
-    """Step 3 for one batch; `regions` maps (target leaf, box) to the view of the target that
-    this rank's box is. Raises on every rank if any rank's reads failed."""
+    scratch: Scratch,
+) -> tuple[int, BaseException | None]:
+    """Step 3 for one batch: (bytes received from peers, the error this rank met after the
+    collective, to report at the next agreement). `regions` maps (target leaf, box) to the
+    view of the target that this rank's box is. Raises on every rank if any rank failed
+    before the collective (`error`: a failure of an earlier step of this rank)."""
     rank, world = rv.coord.process_index, rv.coord.process_count
+    pieces = _Pieces(batch, rank, world)
+    send_sizes, recv_sizes = pieces.sizes(pieces.sends), pieces.sizes(pieces.recvs)
     bands: dict[int, np.ndarray] = {}
-    dests = []
-    for b in batch:
-        start, stop = b.band(rank)
-        shape = tuple(e - s for s, e in zip(start, stop, strict=True))
-        dt = dtype_from_name(b.saved.dtype)
-        buf = aligned_empty(math.prod(shape) * dt.itemsize)
-        bands[b.leaf] = buf.view(dt).reshape(shape)
-        if buf.nbytes:
-            dests.append(Dest(b.saved, np.asarray(start), np.asarray(stop), buf))
+    send = recv = np.empty(0, np.uint8)
     if error is None:
-        try:
-            read(dests)
+        try:  # everything that can fail on one rank, before the others enter the collective
+            bands = _read_bands(batch, read, rank, scratch)
+            send = scratch.get("send", sum(send_sizes))
+            recv = scratch.get("recv", sum(recv_sizes))
+            at = 0
+            for ps in pieces.sends:
+                for k, b, m in ps:
+                    piece = b.band_piece(bands[k], rank, m)
+                    n = piece.nbytes
+                    np.copyto(send[at : at + n].view(piece.dtype).reshape(piece.shape), piece)
+                    at += n
         except Exception as e:
             error = e
     all_succeeded(rv, step, error)
+    if any(b.moves for b in batch):  # the same answer on every rank
+        torch.distributed.all_to_all_single(
+            torch.from_numpy(recv), torch.from_numpy(send), recv_sizes, send_sizes
+        )
+    try:
+        for k, b, m in pieces.own:
+            store(b.target_view(regions, m), b.band_piece(bands[k], rank, m))
+        at = 0
+        for ps in pieces.recvs:
+            for _, b, m in ps:
+                n = b.piece_bytes(m)
+                piece = recv[at : at + n].view(b.dtype).reshape(b.piece_shape(m))
+                store(b.target_view(regions, m), piece)
+                at += n
+    except Exception as e:
+        return int(recv.nbytes), e
+    return int(recv.nbytes), None
 
-    def pieces(sender: int | None, receiver: int | None) -> list[tuple[BandLeaf, int]]:
-        return [(b, int(m)) for b in batch for m in b.msgs.between(sender, receiver)]
 
-    def nbytes(b: BandLeaf, m: int) -> int:
-        return int(b.msgs.elements[m]) * b.itemsize
+class Scratch:
+    """The buffers of a load's exchanges, grown on demand and reused from one to the next."""
 
-    def target(b: BandLeaf, m: int) -> Any:
-        box = int(b.msgs.box[m])
-        view = regions[(b.leaf, _box(b.box_starts[box], b.box_stops[box]))]
-        return view[_slices(b.msgs.start[m], b.msgs.stop[m], b.box_starts[box].tolist())]
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
 
-    def band_piece(b: BandLeaf, m: int) -> np.ndarray:
-        origin = b.band_starts[rank].tolist()
-        return bands[b.leaf][_slices(b.msgs.start[m], b.msgs.stop[m], origin)]
+    def get(self, name: str, nbytes: int) -> np.ndarray:
+        buf = self._bufs.get(name)
+        if buf is None or len(buf) < nbytes:
+            buf = self._bufs[name] = aligned_empty(nbytes)
+        return buf[:nbytes]
 
-    for b, m in pieces(rank, rank):  # this rank's own part of its band
-        store(target(b, m), band_piece(b, m))
-    sends = [pieces(rank, q) if q != rank else [] for q in range(world)]
-    recvs = [pieces(p, rank) if p != rank else [] for p in range(world)]
-    send_sizes = [sum(nbytes(*pm) for pm in s) for s in sends]
-    recv_sizes = [sum(nbytes(*pm) for pm in r) for r in recvs]
-    send = np.empty(sum(send_sizes), np.uint8)
+
+def _read_bands(
+    batch: list[BandLeaf], read: ReadDests, rank: int, scratch: Scratch
+) -> dict[int, np.ndarray]:
+    """This rank's band of every exchange of the batch (by position), read from storage in
+    the saved dtype, into one scratch buffer (each band 64-byte aligned)."""
+    shapes = []
+    for b in batch:
+        start, stop = b.band(rank)
+        shapes.append(tuple(e - s for s, e in zip(start, stop, strict=True)))
+    sizes = [-(-math.prod(sh) * b.itemsize // 64) * 64 for sh, b in zip(shapes, batch, strict=True)]
+    buf = scratch.get("bands", sum(sizes))
+    bands: dict[int, np.ndarray] = {}
+    dests = []
     at = 0
-    for s in sends:
-        for b, m in s:
-            n = nbytes(b, m)
-            piece = band_piece(b, m)
-            np.copyto(send[at : at + n].view(piece.dtype).reshape(piece.shape), piece)
-            at += n
-    bands.clear()
-    recv = np.empty(sum(recv_sizes), np.uint8)
-    torch.distributed.all_to_all_single(
-        torch.from_numpy(recv), torch.from_numpy(send), recv_sizes, send_sizes
-    )
-    del send
-    at = 0
-    for r in recvs:
-        for b, m in r:
-            n = nbytes(b, m)
-            shape = tuple(int(x) for x in b.msgs.stop[m] - b.msgs.start[m])
-            dt = dtype_from_name(b.saved.dtype)
-            store(target(b, m), recv[at : at + n].view(dt).reshape(shape))
-            at += n
-    return int(recv.nbytes)
+    for k, (b, shape, size) in enumerate(zip(batch, shapes, sizes, strict=True)):
+        part = buf[at : at + math.prod(shape) * b.itemsize]
+        at += size
+        bands[k] = part.view(b.dtype).reshape(shape)
+        if part.nbytes:
+            start, stop = b.band(rank)
+            dests.append(Dest(b.saved, np.asarray(start), np.asarray(stop), part))
+    read(dests)
+    return bands

@@ -42,7 +42,7 @@ from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
 from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype
-from .exchange import BandLeaf, batches_of, exchange
+from .exchange import BandLeaf, Scratch, batches_of, exchange
 from .exchange import plan as plan_bands
 from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
 from .read_once import ReadOncePlan, as_box, backend_devices
@@ -192,7 +192,10 @@ def _read_once(
         return None, [], None
     devices = backend_devices()
     world = coord.process_count
-    banded = plan_bands([t for t, _, _ in arrays], [s for _, _, s in arrays], world, devices, boxes)
+    banded = plan_bands(
+        [t for t, _, _ in arrays], [s for _, _, s in arrays], world, devices, boxes,
+        options.memory_budget,
+    )  # fmt: skip
     skip = {b.leaf for b in banded}
     targets = [None if i in skip else t for i, (t, _, _) in enumerate(arrays)]
     once = plan_read_once(targets, coord.process_index, world, devices)
@@ -214,14 +217,14 @@ def _read_targets(
     """Read every fill of the target leaves, in batches under the memory budget; with
     read-once, only this rank's share, then the rest from its peers."""
     once, banded, rv = _read_once(arrays, options, url, boxes)
-    skip = {b.leaf for b in banded}
+    banded_leaves = {b.leaf for b in banded}
     fills = [
         f
         for i, (_, fs, _) in enumerate(arrays)
-        if i not in skip
+        if i not in banded_leaves
         for f in (once.bind(i, fs) if once is not None else fs)
     ]
-    error: Exception | None = None
+    error: BaseException | None = None
     with torch.no_grad():
         try:
             for batch in batches(fills, lambda f: f.buffered, options.memory_budget):
@@ -240,13 +243,29 @@ def _read_targets(
         if rv is None:
             return
         t0 = time.perf_counter()
-        regions = {(i, as_box(f.start, f.stop)): f.region for i in skip for f in arrays[i][1]}
+        read_s = stats.read_s
+
+        def timed_read(dests: list[Dest]) -> None:
+            t = time.perf_counter()
+            read(dests)
+            stats.read_s += time.perf_counter() - t
+
+        regions = {
+            (i, as_box(f.start, f.stop)): f.region for i in banded_leaves for f in arrays[i][1]
+        }
+        scratch = Scratch()
         for k, group in enumerate(batches_of(banded, options.memory_budget)):
             # (a failure anywhere raises on every rank here, before the collective)
-            stats.bytes_from_peers += exchange(group, regions, read, _store, rv, f"bands/{k}", error)
+            received, error = exchange(
+                group, regions, timed_read, _store, rv, f"bands/{k}", error, scratch
+            )
+            stats.bytes_from_peers += received
+        del scratch
         if once is not None:
             stats.bytes_from_peers += once.share(rv, error)
-        stats.reshard_s += time.perf_counter() - t0
+        elif error is not None:  # a failure after the last collective: this rank's alone
+            raise error
+        stats.reshard_s += time.perf_counter() - t0 - (stats.read_s - read_s)
 
 
 def _put_back(node: Any, path: Path, values: dict[Path, Any]) -> Any:
