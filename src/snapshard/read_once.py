@@ -176,9 +176,10 @@ def _band_candidates(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) ->
 def target_boxes(
     shape: tuple[int, ...], sharding: jax.sharding.Sharding
 ) -> tuple[np.ndarray, np.ndarray] | None:
-    """The boxes of every device of a target sharding, as (n, ndim) starts and stops."""
+    """The boxes of a target sharding (each once per process holding it), as (n, ndim)
+    starts and stops."""
     try:
-        boxes = [slices_to_box(i, shape) for i in sharding.devices_indices_map(shape).values()]
+        boxes = [b for held in _boxes_by_process(sharding, shape).values() for b in held]
     except Exception:
         return None
     starts = np.array([b[0] for b in boxes], np.int64).reshape(len(boxes), len(shape))

@@ -79,3 +79,14 @@ def failing_torch_load(rank: int, fail_rank: int, load) -> None:
         world = dist.get_world_size()
         store.wait([f"test/failed/{q}" for q in range(world)], timedelta(seconds=30))
     os._exit(0)
+
+
+def report_torch_results(rank: int, want: dict, **result: object) -> None:
+    """Report a torch rank's results with the unique bytes of the saved state `want`, then
+    end the process group (after every rank got there)."""
+    import torch.distributed as dist
+
+    unique = sum(v.numel() * v.element_size() for v in want.values())
+    dist.barrier()
+    report(rank=rank, unique=unique, **result)
+    dist.destroy_process_group()

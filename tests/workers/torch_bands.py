@@ -20,7 +20,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from workers._dist import failing_torch_load, init_torch, report
+from workers._dist import failing_torch_load, init_torch, report_torch_results
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -86,10 +86,7 @@ def main() -> None:
             "bytes_read": stats.bytes_read,
             "bytes_from_peers": stats.bytes_from_peers,
         }
-    result["unique"] = sum(v.numel() * v.element_size() for v in want.values())
-    dist.barrier()
-    report(rank=rank, **result)
-    dist.destroy_process_group()
+    report_torch_results(rank, want, **result)
 
 
 if __name__ == "__main__":

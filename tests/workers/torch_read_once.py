@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from workers._dist import failing_torch_load, init_torch, report
+from workers._dist import failing_torch_load, init_torch, report_torch_results
 
 
 def state() -> dict[str, torch.Tensor]:
@@ -112,10 +112,7 @@ def main() -> None:
             "bytes_read": mgr.last_restore.bytes_read_persistent,
             "bytes_from_peers": mgr.last_restore.bytes_from_peers,
         }
-    result["unique"] = sum(v.numel() * v.element_size() for v in want.values())
-    dist.barrier()
-    report(rank=rank, **result)
-    dist.destroy_process_group()
+    report_torch_results(rank, want, **result)
 
 
 if __name__ == "__main__":
