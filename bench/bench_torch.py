@@ -12,8 +12,12 @@ fresh checkpoint; restores read files still in the page cache.
     python bench/bench_torch.py                            # 2 ranks, ~2 GiB, 3 rounds
     python bench/bench_torch.py --scale 0.125 --repeats 1  # a quick check
 
-Phase 1, R ranks (--ranks, default 2), in this order every round:
+Phase 1, R ranks (--ranks, default 2): every round, first the saves, then the restores, each
+list in an order rotated by the round (round r starts at its r-th entry), so that no library
+always runs right after the same one:
   memcpy of the local shards (the floor of an async save's blocking phase);
+  raw write of the bytes each rank owns into one file per rank, fsync'd (the floor of a
+    durable save: no writer can beat it by more than noise);
   snapshard save (sync); snapshard save_async: blocking / rest;
   DCP save with 1 and 2 writer threads;
   DCP async_save with the thread and the process executor: blocking / rest (an executor
@@ -42,8 +46,8 @@ all_gather_object calls all_gather) counts once. snapshard's c10d store requests
 by a proxy of the default store under its coordinator. What DCP's process executor does in
 its daemon process is not seen from here.
 
-Disk: about four times the state at the peak. Prints markdown tables (times, collectives, targets) and writes the results as JSON
-lines (--out, default bench/results/torch-<time>.jsonl).
+Disk: about four times the state at the peak. Prints markdown tables (times, collectives,
+targets) and writes the results as JSON lines (--out, default bench/results/torch-<time>.jsonl).
 """
 
 from __future__ import annotations
@@ -453,100 +457,132 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
             _local(v).copy_(got[k])
         return os.path.getsize(f)
 
-    def one_round(sd: dict, tg: dict[str, dict], every_leaf: bool) -> None:
-        rec.timed("memcpy of the local shards", lambda: memcpy(sd))
-        p = rec.fresh(root, "sst-sync")  # kept: the restores read it
-        rec.timed("snapshard save (sync)", lambda: sst.save(p, sd))
+    def raw_write(sd: dict, path: str) -> None:
+        """The durable-write floor: the bytes this rank owns (its shards, its 1/world of each
+        replicated leaf) written with os.write into one file, fsync'd with its directory."""
+        os.makedirs(path, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        fd = os.open(os.path.join(path, f"rank{rank}.bin"), flags, 0o644)
+        try:
+            for t in sd.values():
+                b = memoryview(host_view(_local(t)).reshape(-1).view(np.uint8))
+                if not (isinstance(t, DTensor) and isinstance(t.placements[0], Shard)):
+                    n = len(b) // world
+                    b = b[rank * n : (rank + 1) * n]
+                while len(b):
+                    b = b[os.write(fd, b) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        bc.fsync_path(path)
+
+    def rotated(ops: list[Callable[[], None]], r: int) -> None:
+        """Run `ops` starting at the r-th: no library always runs right after the same one."""
+        for op in ops[r % len(ops) :] + ops[: r % len(ops)]:
+            op()
+
+    def timed_save(name: str, path: str, fn: Callable[[str], Any], keep: bool = False) -> None:
+        p = rec.fresh(root, path)
+        rec.timed(name, lambda: fn(p))
+        if not keep:
+            rec.drop(p)
+
+    def snapshard_async(sd: dict) -> None:
         p = rec.fresh(root, "sst-async")
         job = rec.timed("snapshard save_async: blocking", lambda: sst.save_async(p, sd))
         rec.timed("snapshard save_async: rest", job.wait)
         rec.drop(p)
-        for threads in (1, 2):
-            p = rec.fresh(root, f"dcp-t{threads}")  # dcp-t1 kept for the restores
-            rec.timed(f"DCP save, {threads} thread(s)", lambda p=p, n=threads: _dcp_save(sd, p, n))
-            if threads > 1:
-                rec.drop(p)
-        for kind, executor in executors.items():
-            label = f"DCP async_save ({kind})"
-            if label in rec.errors:
-                continue
-            p = rec.fresh(root, f"dcp-async-{kind}")
-            err: list[str] = []  # reported, not raised: the process executor is young
-            fut = rec.timed(
-                f"{label}: blocking",
-                lambda p=p, ex=executor, e=err: _guarded(e, _dcp_async, sd, p, async_group, ex),
-            )
-            rec.timed(f"{label}: rest", lambda f=fut, p=p, e=err: _guarded(e, _async_done, f, p))
-            failed = [m for m in rec.gather(err[0] if err else None) if m]
-            if failed:
-                rec.errors[label] = failed[0]
-                for part in ("blocking", "rest"):
-                    rec.rows.pop(f"{label}: {part}", None)
-            rec.drop(p)
-        fmts = {"pt": ("torch.save", "torch.load")}
-        if st is not None:
-            fmts["safetensors"] = ("safetensors save_file", "safetensors load_file")
-        for fmt, (saver, _) in fmts.items():
-            p = rec.fresh(root, f"local-{fmt}")
-            rec.timed(f"{saver}, one file per rank", lambda p=p, f=fmt: local_save(sd, p, f))
-        same = tg[SAVE_LAYOUT]
-        sst_p, dcp_p = os.path.join(root, "sst-sync"), os.path.join(root, "dcp-t1")
-        rec.restore(
-            f"snapshard load, {SAVE_LAYOUT}",
-            lambda t: _sst_load(t, sst_p),
-            same,
-            SAVE_LAYOUT,
-            every_leaf,
+
+    def dcp_async(sd: dict, kind: str, executor: AsyncCheckpointerType) -> None:
+        label = f"DCP async_save ({kind})"
+        if label in rec.errors:
+            return
+        p = rec.fresh(root, f"dcp-async-{kind}")
+        err: list[str] = []  # reported, not raised: the process executor is young
+        fut = rec.timed(
+            f"{label}: blocking",
+            lambda: _guarded(err, _dcp_async, sd, p, async_group, executor),
         )
-        rec.restore(
-            f"DCP load, {SAVE_LAYOUT}", lambda t: _dcp_load(t, dcp_p), same, SAVE_LAYOUT, every_leaf
-        )
-        for fmt, (_, loader) in fmts.items():
-            p = os.path.join(root, f"local-{fmt}")
-            rec.restore(
-                f"{loader} + copy, {SAVE_LAYOUT}",
-                lambda t, p=p, f=fmt: local_load(t, p, f),
-                same,
-                SAVE_LAYOUT,
-                every_leaf,
-            )
-            rec.drop(p)
-        cols = tg[COLS_LAYOUT]
-        rec.restore(
-            f"snapshard load, reshard to {COLS_LAYOUT}",
-            lambda t: _sst_load(t, sst_p),
-            cols,
-            COLS_LAYOUT,
-            every_leaf,
-        )
-        rec.restore(
-            f"snapshard load, reshard to {COLS_LAYOUT}, verify=False",
-            lambda t: _sst_load(t, sst_p, verify=False),
-            cols,
-            COLS_LAYOUT,
-            every_leaf,
-        )
-        rec.restore(
-            f"snapshard load, reshard to {COLS_LAYOUT}, read_once=True",
-            lambda t: _sst_load(t, sst_p, read_once=True),
-            cols,
-            COLS_LAYOUT,
-            every_leaf,
-        )
-        rec.restore(
-            f"DCP load, reshard to {COLS_LAYOUT}",
-            lambda t: _dcp_load(t, dcp_p),
-            cols,
-            COLS_LAYOUT,
-            every_leaf,
-        )
+        rec.timed(f"{label}: rest", lambda: _guarded(err, _async_done, fut, p))
+        failed = [m for m in rec.gather(err[0] if err else None) if m]
+        if failed:
+            rec.errors[label] = failed[0]
+            for part in ("blocking", "rest"):
+                rec.rows.pop(f"{label}: {part}", None)
+        rec.drop(p)
+
+    fmts = {"pt": ("torch.save", "torch.load")}
+    if st is not None:
+        fmts["safetensors"] = ("safetensors save_file", "safetensors load_file")
+    sst_p, dcp_p = os.path.join(root, "sst-sync"), os.path.join(root, "dcp-t1")
+
+    def one_round(sd: dict, tg: dict[str, dict], every_leaf: bool, r: int) -> None:
+        saves: list[Callable[[], None]] = [
+            lambda: rec.timed("memcpy of the local shards", lambda: memcpy(sd)),
+            lambda: timed_save(
+                "raw write of the owned bytes, one file per rank", "raw", lambda p: raw_write(sd, p)
+            ),
+            lambda: timed_save(  # kept: the restores read it
+                "snapshard save (sync)", "sst-sync", lambda p: sst.save(p, sd), keep=True
+            ),
+            lambda: snapshard_async(sd),
+            *[
+                lambda n=n: timed_save(  # dcp-t1 kept for the restores
+                    f"DCP save, {n} thread(s)", f"dcp-t{n}", lambda p: _dcp_save(sd, p, n), n == 1
+                )
+                for n in (1, 2)
+            ],
+            *[lambda k=k, ex=ex: dcp_async(sd, k, ex) for k, ex in executors.items()],
+            *[
+                lambda f=f, saver=saver: timed_save(  # kept for the restores
+                    f"{saver}, one file per rank",
+                    f"local-{f}",
+                    lambda p: local_save(sd, p, f),
+                    keep=True,
+                )
+                for f, (saver, _) in fmts.items()
+            ],
+        ]
+        rotated(saves, r)
+
+        def restore(name: str, fn: Callable[[dict], int], layout: str) -> Callable[[], None]:
+            return lambda: rec.restore(name, fn, tg[layout], layout, every_leaf)
+
+        same, cols = SAVE_LAYOUT, COLS_LAYOUT
+        restores = [
+            restore(f"snapshard load, {same}", lambda t: _sst_load(t, sst_p), same),
+            restore(f"DCP load, {same}", lambda t: _dcp_load(t, dcp_p), same),
+            *[
+                restore(
+                    f"{loader} + copy, {same}",
+                    lambda t, f=f: local_load(t, os.path.join(root, f"local-{f}"), f),
+                    same,
+                )
+                for f, (_, loader) in fmts.items()
+            ],
+            restore(f"snapshard load, reshard to {cols}", lambda t: _sst_load(t, sst_p), cols),
+            restore(
+                f"snapshard load, reshard to {cols}, verify=False",
+                lambda t: _sst_load(t, sst_p, verify=False),
+                cols,
+            ),
+            restore(
+                f"snapshard load, reshard to {cols}, read_once=True",
+                lambda t: _sst_load(t, sst_p, read_once=True),
+                cols,
+            ),
+            restore(f"DCP load, reshard to {cols}", lambda t: _dcp_load(t, dcp_p), cols),
+        ]
+        rotated(restores, r)
+        for f in fmts:
+            rec.drop(os.path.join(root, f"local-{f}"))
 
     rec.on = False
     warm = bc.WARMUP_LEAVES
-    one_round(_subset(state, warm), {k: _subset(v, warm) for k, v in targets.items()}, True)
+    one_round(_subset(state, warm), {k: _subset(v, warm) for k, v in targets.items()}, True, 0)
     rec.on = True
     for r in range(args.repeats):
-        one_round(state, targets, every_leaf=r == 0)
+        one_round(state, targets, every_leaf=r == 0, r=r)
 
     # Collectives and store requests of one save and one restore, untimed.
     store = CountingStore(c10d._get_default_store())
@@ -717,11 +753,22 @@ def _report(args: argparse.Namespace, ranks2: int, res1: dict, res2: dict) -> No
     dcp_sync = {n: rows[f"DCP save, {n} thread(s)"] for n in (1, 2)}
     best_n = min(dcp_sync, key=lambda n: statistics.median(dcp_sync[n]))
     blocking = rows.get("snapshard save_async: blocking")
+    raw = rows.get("raw write of the owned bytes, one file per rank")
     checks = [
         (
             f"durable save: DCP sync (best: {best_n} thread(s)) / snapshard sync",
             _paired(dcp_sync[best_n], rows.get("snapshard save (sync)")),
             ">= 1.8",
+        ),
+        (  # the most any writer of these bytes can gain over DCP on this disk
+            f"durable save: DCP sync (best: {best_n} thread(s)) / raw write",
+            _paired(dcp_sync[best_n], raw),
+            "",
+        ),
+        (
+            "durable save: raw write / snapshard sync",
+            _paired(raw, rows.get("snapshard save (sync)")),
+            ">= 0.9",
         ),
         (
             "async blocking: snapshard / memcpy of the local shards",
