@@ -3,6 +3,8 @@ bad block is the one reported."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -32,7 +34,7 @@ def test_verifier_reports_the_first_bad_block(first, block, blocks, tail, cuts, 
     v = BlockVerifier(expected, first, block, total)
     view = memoryview(got)[first * block :]
     edges = sorted({0, total, *(c % (total + 1) for c in cuts)})
-    for a, b in zip(edges, edges[1:], strict=False):
+    for a, b in itertools.pairwise(edges):
         v.update(view[a:b])
     if bad is None:
         assert v.mismatch is None

@@ -102,6 +102,13 @@ def test_a_reshard_that_cuts_saved_rows_reads_each_byte_once(tmp_path):
     off = [r["False/None"] for r in ranks]
     assert sum(x["bytes_read"] for x in off) >= 3 * unique
     assert all(x["bytes_from_peers"] == 0 for x in off)
+    # [Replicate(), Shard(1)] on a 2 x 2 mesh: each column half on 2 ranks, read once as
+    # bands (a broadcast reader would read whole rows: 2x), each holder getting its copy
+    rep = [r["r/None"] for r in ranks]
+    assert all(all(x["equal"].values()) for x in rep), rep
+    r_bytes = 40 * 64 * 4
+    assert r_bytes <= sum(x["bytes_read"] for x in rep) <= 1.05 * r_bytes
+    assert sum(x["bytes_from_peers"] for x in rep) >= 2 * 0.7 * r_bytes
 
 
 @st.composite

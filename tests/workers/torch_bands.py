@@ -1,8 +1,8 @@
 """A torch.distributed (gloo, CPU) rank of the tests of reshards that cut the saved rows.
 
     torch_bands.py DIR                   save a state as Shard(0) over the ranks, then restore
-                                         it onto column shardings (a flat mesh and a 2-D mesh),
-                                         with read-once on and off
+                                         it onto column shardings (a flat mesh and a 2-D mesh,
+                                         one with columns replicated), with read-once on and off
     torch_bands.py DIR --fail-read RANK  the restore with read-once on, where RANK's storage
                                          reads fail: those of its bands (the target holds
                                          banded leaves only), or with --plain its first
@@ -32,6 +32,7 @@ def state() -> dict[str, torch.Tensor]:
         "u": torch.randn(30, 12, generator=g),  # bands of 7 and 8 rows
         "t": torch.arange(48, dtype=torch.int32).reshape(3, 16),  # fewer rows than ranks
         "b": torch.randn(64, generator=g),  # 1-D: read as usual
+        "r": torch.randn(40, 64, generator=g),  # columns replicated over the grid's rows
     }
 
 
@@ -43,7 +44,7 @@ def main() -> None:
     args = ap.parse_args()
     rank, world = init_torch()
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import snapshard
     import snapshard.torch as st
@@ -67,6 +68,7 @@ def main() -> None:
             "u": distribute_tensor(torch.zeros(30, 12), flat, [Shard(1)]),
             "t": distribute_tensor(torch.zeros(3, 16, dtype=torch.int32), flat, [Shard(1)]),
             "b": distribute_tensor(torch.zeros(64), flat, [Shard(0)]),
+            "r": distribute_tensor(torch.zeros(40, 64), grid, [Replicate(), Shard(1)]),
         }
 
     if args.fail_read is not None:
@@ -74,14 +76,16 @@ def main() -> None:
         fail_target = target() if args.plain else {"w": target()["w"], "v": target()["v"]}
         failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, fail_target, options))
     result: dict[str, object] = {}
-    for mode, budget in ((True, None), (True, 100_000), (False, None)):
+    for mode, budget in ((True, None), (True, 100_000), (False, None), ("r", None)):
         out = target()
+        if mode == "r":  # the replicated target alone, read once: its bytes are countable
+            mode, out = True, {"r": out["r"]}
         stats = snapshard.ReadStats()
         options = snapshard.ReadOptions(read_once=mode, memory_budget=budget)
         st.load(ckpt, out, options, stats=stats)
-        result[f"{mode}/{budget}"] = {
+        result[f"{'r' if len(out) == 1 else mode}/{budget}"] = {
             "equal": {
-                k: bool(torch.equal(out[k].full_tensor(), want[k].to(out[k].dtype))) for k in want
+                k: bool(torch.equal(out[k].full_tensor(), want[k].to(out[k].dtype))) for k in out
             },
             "bytes_read": stats.bytes_read,
             "bytes_from_peers": stats.bytes_from_peers,

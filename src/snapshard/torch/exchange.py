@@ -5,10 +5,12 @@ shards (planning/exchange.py says when and why).
 Call order, on every rank, with the same target:
 
 1. `plan(targets, saved, world, devices, saved_boxes, memory_budget)`: pure, no
-   communication. A target leaf qualifies when it is a DTensor whose boxes each live on
-   one rank, the group can move CPU tensors (gloo), its saved boxes are known and its
-   boxes cut their rows (`cuts_rows`); targets with replicated boxes are left to
-   torch/read_once.py. A large leaf is cut into slabs of rows, one exchange each.
+   communication. A target leaf qualifies when it is a DTensor of two or more dimensions,
+   the group can move CPU tensors (gloo), its saved boxes are known and its boxes cut
+   their rows (`cuts_rows`). A box several ranks hold (a Replicate dimension) is sent to
+   each of them; replicated targets that do not cut the rows are left to
+   torch/read_once.py, which reads each box once and broadcasts it. A large leaf is cut
+   into slabs of rows, one exchange each.
 2. `batches_of(exchanges, memory_budget)`: batches cut alike on every rank, from the most
    host bytes any rank holds for an exchange (its band, what it sends and receives).
 3. `exchange(batch, regions, read, store, rv, step, error, scratch)` per batch: read this
@@ -124,9 +126,9 @@ def plan(
     for i, (t, leaf) in enumerate(zip(targets, saved, strict=True)):
         if leaf is None or not isinstance(t, torch.Tensor) or not is_dtensor(t) or t.ndim < 2:
             continue
-        lay = dtensor_layout(t, 1).layout
-        if lay.nbytes == 0 or np.any(lay.shards.num_candidates > 1):
-            continue  # replicated boxes are broadcast (torch/read_once.py)
+        lay = dtensor_layout(t, 1).layout  # one row per rank: a replicated box on each holder
+        if lay.nbytes == 0:
+            continue
         boxes = saved_boxes(leaf)
         if boxes is None or not cuts_rows(*boxes, lay.starts, lay.stops):
             continue
