@@ -16,8 +16,9 @@ Phase 1, R ranks (--ranks, default 2): every round, first the saves, then the re
 list in an order rotated by the round (round r starts at its r-th entry), so that no library
 always runs right after the same one:
   memcpy of the local shards (the floor of an async save's blocking phase);
-  raw write of the bytes each rank owns into one file per rank, fsync'd (the floor of a
-    durable save: no writer can beat it by more than noise);
+  raw write of the bytes each rank owns into one file per rank (os.write, then fsync):
+    what a plain durable write of the same bytes costs on this disk (snapshard starts the
+    writeback of its files while it writes them, so it may be faster);
   snapshard save (sync); snapshard save_async: blocking / rest;
   DCP save with 1 and 2 writer threads;
   DCP async_save with the thread and the process executor: blocking / rest (an executor
@@ -458,7 +459,7 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
         return os.path.getsize(f)
 
     def raw_write(sd: dict, path: str) -> None:
-        """The durable-write floor: the bytes this rank owns (its shards, its 1/world of each
+        """A plain durable write: the bytes this rank owns (its shards, its 1/world of each
         replicated leaf) written with os.write into one file, fsync'd with its directory."""
         os.makedirs(path, exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
@@ -760,7 +761,7 @@ def _report(args: argparse.Namespace, ranks2: int, res1: dict, res2: dict) -> No
             _paired(dcp_sync[best_n], rows.get("snapshard save (sync)")),
             ">= 1.8",
         ),
-        (  # the most any writer of these bytes can gain over DCP on this disk
+        (  # how far DCP is from a plain write of the same bytes
             f"durable save: DCP sync (best: {best_n} thread(s)) / raw write",
             _paired(dcp_sync[best_n], raw),
             "",
