@@ -115,9 +115,10 @@ class ReadOptions:
         processes is read from storage once across the job, each process reading a share,
         and the copies travel over the job's collectives; a target that cuts the saved
         rows (columns split finer than saved) is read as bands of whole rows, once, and
-        exchanged. None (default): on for object stores, off for filesystems, where
-        moving the bytes between processes measured slower than reading them again;
-        False: every holder reads its own boxes.
+        exchanged. None (default): on for object stores and network filesystems (NFS,
+        Lustre, GPFS, gcsfuse... by the mount table), off for the machine's own disks,
+        where moving the bytes between processes measured slower than reading them
+        again; False: every holder reads its own boxes.
     timeout_s: how long a process waits for the others during a restore (read-once reads,
         the manager's agreement on which tier serves).
     """

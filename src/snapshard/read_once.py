@@ -271,15 +271,17 @@ def plan(
 
 
 def default_on(location: str, enabled: bool | None) -> bool:
-    """Read-once unless asked otherwise, by default only on object stores: there every
-    byte read costs a request and egress, while on a local or shared filesystem of this
-    kind of machine (CPU collectives over loopback) moving the bytes between processes
-    measured slower than reading them again (see docs/design.md)."""
+    """Read-once unless asked otherwise, by default on object stores and network
+    filesystems (storage/mounts.py): there every byte read again crosses the network and
+    loads storage the whole job shares. On a disk of the machine itself, moving the bytes
+    between processes (CPU collectives over loopback here) measured slower than reading
+    them again (see docs/design.md)."""
     if enabled is not None:
         return enabled
     from .storage import is_object_store_url
+    from .storage.mounts import is_network_filesystem
 
-    return is_object_store_url(location)
+    return is_object_store_url(location) or is_network_filesystem(location)
 
 
 def execute(
