@@ -13,8 +13,8 @@ fresh checkpoint; restores read files still in the page cache.
     python bench/bench_torch.py --scale 0.125 --repeats 1  # a quick check
 
 Phase 1, R ranks (--ranks, default 2): every round, first the saves, then the restores, each
-list in an order rotated by the round (round r starts at its r-th entry), so that no library
-always runs right after the same one:
+list in an order drawn for the round (seeded by it, the same on every rank), so that no
+library always runs right after the same one:
   memcpy of the local shards (the floor of an async save's blocking phase);
   raw write of the bytes each rank owns into one file per rank (os.write, then fsync):
     what a plain durable write of the same bytes costs on this disk (snapshard starts the
@@ -47,7 +47,7 @@ all_gather_object calls all_gather) counts once. snapshard's c10d store requests
 by a proxy of the default store under its coordinator. What DCP's process executor does in
 its daemon process is not seen from here.
 
-Disk: about four times the state at the peak. Prints markdown tables (times, collectives,
+Disk: about five times the state at the peak. Prints markdown tables (times, collectives,
 targets) and writes the results as JSON lines (--out, default bench/results/torch-<time>.jsonl).
 """
 
@@ -58,6 +58,7 @@ import contextlib
 import functools
 import json
 import os
+import random
 import re
 import resource
 import statistics
@@ -175,13 +176,19 @@ def _nbytes(sd: dict) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in sd.values())
 
 
-def _owned_bytes(sd: dict, world: int) -> int:
-    """The bytes this rank owns: its shards, and 1/world of what is replicated."""
-    total = 0
-    for t in sd.values():
-        n = _local(t).numel() * _local(t).element_size()
-        total += n if isinstance(t, DTensor) and isinstance(t.placements[0], Shard) else n // world
-    return total
+def _owned(t: torch.Tensor, world: int, rank: int) -> memoryview:
+    """The bytes of `t` this rank owns: its shard, or its 1/world of a replicated leaf."""
+    from snapshard.torch.dtypes import host_view
+
+    b = memoryview(host_view(_local(t)).reshape(-1).view(np.uint8))
+    if isinstance(t, DTensor) and isinstance(t.placements[0], Shard):
+        return b
+    n = len(b) // world
+    return b[rank * n : (rank + 1) * n]
+
+
+def _owned_bytes(sd: dict, world: int, rank: int) -> int:
+    return sum(len(_owned(t, world, rank)) for t in sd.values())
 
 
 def _matches(sd: dict, names: list[str], scale: float, layout: str, world: int, rank: int) -> bool:
@@ -466,10 +473,7 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
         fd = os.open(os.path.join(path, f"rank{rank}.bin"), flags, 0o644)
         try:
             for t in sd.values():
-                b = memoryview(host_view(_local(t)).reshape(-1).view(np.uint8))
-                if not (isinstance(t, DTensor) and isinstance(t.placements[0], Shard)):
-                    n = len(b) // world
-                    b = b[rank * n : (rank + 1) * n]
+                b = _owned(t, world, rank)
                 while len(b):
                     b = b[os.write(fd, b) :]
             os.fsync(fd)
@@ -477,9 +481,12 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
             os.close(fd)
         bc.fsync_path(path)
 
-    def rotated(ops: list[Callable[[], None]], r: int) -> None:
-        """Run `ops` starting at the r-th: no library always runs right after the same one."""
-        for op in ops[r % len(ops) :] + ops[: r % len(ops)]:
+    def shuffled(ops: list[Callable[[], None]], r: int) -> None:
+        """Run `ops` in an order drawn for round r (the same on every rank): no library
+        always runs right after the same one."""
+        order = list(ops)
+        random.Random(r).shuffle(order)
+        for op in order:
             op()
 
     def timed_save(name: str, path: str, fn: Callable[[str], Any], keep: bool = False) -> None:
@@ -544,7 +551,7 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
                 for f, (saver, _) in fmts.items()
             ],
         ]
-        rotated(saves, r)
+        shuffled(saves, r)
 
         def restore(name: str, fn: Callable[[dict], int], layout: str) -> Callable[[], None]:
             return lambda: rec.restore(name, fn, tg[layout], layout, every_leaf)
@@ -574,7 +581,7 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
             ),
             restore(f"DCP load, reshard to {cols}", lambda t: _dcp_load(t, dcp_p), cols),
         ]
-        rotated(restores, r)
+        shuffled(restores, r)
         for f in fmts:
             rec.drop(os.path.join(root, f"local-{f}"))
 
@@ -619,7 +626,7 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
         )
         rec.counted(f"DCP load, {lay}", lambda t=t: _dcp_load(t, os.path.join(root, "dcp-t1")))
     return {
-        "owned_bytes_per_rank": _owned_bytes(state, world),
+        "owned_bytes_per_rank": _owned_bytes(state, world, rank),
         "local_bytes_per_rank": _nbytes(state),
         "payload": bc.payload_bytes(args.scale),
     }

@@ -44,3 +44,4 @@ def test_verifier_reports_the_first_bad_block(first, block, blocks, tail, cuts, 
         assert v.mismatch is not None
         assert v.mismatch[0] == blk
         assert v.mismatch[1] == expected[blk]
+        assert v.mismatch[2] == block_crcs(memoryview(got)[blk * block :], block)[0]

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from snapshard.read_once import default_on
+from snapshard.coordination import SingleProcessCoordinator
+from snapshard.read_once import wanted
 from snapshard.storage.mounts import filesystem_type, is_network_filesystem
 
 # Fields: id, parent, dev, root, mount point, options, optional tags, "-", fstype, source, super
@@ -44,6 +45,33 @@ def test_the_longest_mount_point_by_whole_components_decides(table):
     assert not is_network_filesystem(f"{root}/shared/scratch/run", mi)
 
 
+def test_links_lone_roots_odd_lines_and_stacked_mounts(tmp_path):
+    import os
+
+    (tmp_path / "nfs").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "nfs")
+    dev = os.stat(tmp_path).st_dev
+    here = f"{os.major(dev)}:{os.minor(dev)}"
+    root = str(tmp_path.resolve())
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "garbage without a separator\n"
+        "\n"
+        "1 0 9:9 / / rw - nfs4 srv:/ rw\n"  # a lone root: every path is under it
+        f"2 1 9:8 / {root}/nfs rw - lustre srv:/l rw\n"
+        "3 1 9:7 / /only rw -\n"  # no fstype
+    )
+    assert filesystem_type("/usr", str(table)) == "nfs4"
+    assert filesystem_type(tmp_path / "link" / "ckpt", str(table)) == "lustre"  # the link's target
+    # A mount stacked over a longer one hides it: the path's own device decides.
+    table.write_text(
+        f"1 0 9:9 / / rw - ext4 /dev/sda rw\n"
+        f"2 1 9:8 / {root}/nfs rw - nfs4 srv:/ rw\n"
+        f"3 1 {here} / {root} rw - xfs /dev/sdb rw\n"
+    )
+    assert filesystem_type(tmp_path / "nfs" / "ckpt", str(table)) == "xfs"
+
+
 def test_an_unreadable_table_knows_nothing(tmp_path):
     assert filesystem_type(tmp_path, str(tmp_path / "missing")) is None
     assert not is_network_filesystem(tmp_path, str(tmp_path / "missing"))
@@ -54,12 +82,17 @@ def test_read_once_defaults_on_for_object_stores_and_network_filesystems(table, 
     from snapshard.storage import mounts
 
     monkeypatch.setattr(mounts, "MOUNTINFO", mi)
-    assert default_on("s3://bucket/ckpt", None)
-    assert default_on(f"{root}/shared/ckpt", None)
-    assert not default_on(f"{root}/shared/scratch/run", None)
-    assert not default_on(f"{root}/sharedx", None)
-    assert default_on(f"{root}/sharedx", True)  # asked for: always as asked
-    assert not default_on("s3://bucket/ckpt", False)
+    one = SingleProcessCoordinator()
+
+    def on(location: str, enabled: bool | None = None) -> bool:
+        return wanted(location, enabled, one, 5.0)
+
+    assert on("s3://bucket/ckpt")
+    assert on(f"{root}/shared/ckpt")
+    assert not on(f"{root}/shared/scratch/run")
+    assert not on(f"{root}/sharedx")
+    assert on(f"{root}/sharedx", True)  # asked for: always as asked
+    assert not on("s3://bucket/ckpt", False)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the mount table is Linux's")

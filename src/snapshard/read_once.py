@@ -41,7 +41,13 @@ from jax.sharding import PartitionSpec as P
 from .adapters.jax_arrays import slices_to_box
 from .coordination import default_coordinator
 from .coordination.base import Coordinator
-from .coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, all_succeeded, namespace
+from .coordination.rendezvous import (
+    DEFAULT_TIMEOUT_S,
+    Rendezvous,
+    all_succeeded,
+    namespace,
+    on_every_process,
+)
 from .dtypes import dtype_from_name
 from .planning.exchange import cuts_rows
 from .read_executor import (
@@ -248,7 +254,8 @@ def _target_cuts_saved_rows(r: Request, saved_boxes: SavedBoxes | None) -> bool:
 def plan(
     reqs: list[Request], process: int, processes: int, saved_boxes: SavedBoxes | None = None
 ) -> dict[int, _Once]:
-    """The requests to read once (by index in `reqs`), each re-planned on its read sharding."""
+    """The requests to read once (by index in `reqs`), each re-planned on its read sharding
+    (pure: `reqs` are left as they are)."""
     out: dict[int, _Once] = {}
     for i, r in enumerate(reqs):
         if r.kind != "jax" or r.sharding is None:
@@ -265,23 +272,36 @@ def plan(
         )
         from_peers = lp.from_peers_elements[process] * out_size
         once = request_boxes(Request(r.saved, "jax", r.dtype, lp.read_sharding), lp.read_sharding)
-        r.dests.clear()  # the target boxes' buffers: not read into
         out[i] = _Once(once, r.sharding, cost, from_peers)
     return out
 
 
-def default_on(location: str, enabled: bool | None) -> bool:
-    """Read-once unless asked otherwise, by default on object stores and network
-    filesystems (storage/mounts.py): there every byte read again crosses the network and
-    loads storage the whole job shares. On a disk of the machine itself, moving the bytes
-    between processes (CPU collectives over loopback here) measured slower than reading
-    them again (see docs/design.md)."""
+def wanted(location: str, enabled: bool | None, coord: Coordinator, timeout_s: float) -> bool:
+    """Whether a restore of several processes whose read-once plan is not empty reads
+    once: as `enabled` asks; by default on object stores, and on a network filesystem
+    (storage/mounts.py) where every process's mount table says so. There every byte read
+    again crosses the network and loads storage the whole job shares; on a disk of the
+    machine itself, moving the bytes between processes (CPU collectives over loopback
+    here) measured slower than reading them again (see docs/design.md).
+
+    The hosts' mount tables may differ (a file server that also computes sees the path on
+    its own disk), and processes that chose differently would wait for each other in the
+    read-once agreement: so on a filesystem they agree first (`on_every_process`, one
+    report each). Call it only where the plan is not empty: that is the same on every
+    process, and a restore without read-once work stays free of coordination."""
     if enabled is not None:
         return enabled
     from .storage import is_object_store_url
     from .storage.mounts import is_network_filesystem
 
-    return is_object_store_url(location) or is_network_filesystem(location)
+    if is_object_store_url(location):
+        return True
+    try:
+        mine = is_network_filesystem(location)
+    except Exception:  # this process must still report, or the others wait for it
+        mine = False
+    rv = Rendezvous(coord, namespace("read-once", location), f"load of {location}", timeout_s)
+    return on_every_process(rv, mine)
 
 
 def execute(
@@ -304,11 +324,13 @@ def execute(
     coord = coord if coord is not None else default_coordinator()
     once = (
         plan(reqs, coord.process_index, coord.process_count, saved_boxes)
-        if default_on(location, enabled) and coord.process_count > 1
+        if enabled is not False and coord.process_count > 1
         else {}
     )
-    if not once:
+    if not once or not wanted(location, enabled, coord, timeout_s):
         return execute_all(reqs, read, memory_budget=memory_budget, stats=stats, expand=expand)
+    for i in once:
+        reqs[i].dests.clear()  # the target boxes' buffers: not read into
     rv = Rendezvous(coord, namespace("load", location), f"load of {location}", timeout_s)
     results: dict[int, Any] = {}
     error: BaseException | None = None

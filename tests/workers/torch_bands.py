@@ -76,14 +76,21 @@ def main() -> None:
         fail_target = target() if args.plain else {"w": target()["w"], "v": target()["v"]}
         failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, fail_target, options))
     result: dict[str, object] = {}
-    for mode, budget in ((True, None), (True, 100_000), (False, None), ("r", None)):
+    runs = [
+        ("True/None", True, None, None),
+        ("True/100000", True, 100_000, None),
+        ("False/None", False, None, None),
+        ("replicated/None", True, None, "r"),  # alone, so that its bytes are countable
+        ("replicated/4096", True, 4096, "r"),  # in slabs of a few rows
+    ]
+    for label, mode, budget, only in runs:
         out = target()
-        if mode == "r":  # the replicated target alone, read once: its bytes are countable
-            mode, out = True, {"r": out["r"]}
+        if only is not None:
+            out = {only: out[only]}
         stats = snapshard.ReadStats()
         options = snapshard.ReadOptions(read_once=mode, memory_budget=budget)
         st.load(ckpt, out, options, stats=stats)
-        result[f"{'r' if len(out) == 1 else mode}/{budget}"] = {
+        result[label] = {
             "equal": {
                 k: bool(torch.equal(out[k].full_tensor(), want[k].to(out[k].dtype))) for k in out
             },

@@ -6,6 +6,9 @@
                                              by default (DIR: a directory or an s3:// URL)
     torch_read_once.py DIR --fail-read RANK  the restore with read-once on, where RANK's
                                              storage reads fail
+    torch_read_once.py DIR --network R,...   the default restore alone, where the mount
+                                             table of ranks R,... (none: "") says DIR is on
+                                             NFS, and the others' that it is on a local disk
 
 Reports, per rank and mode, whether every restored tensor equals the saved one, and the
 bytes read from storage and received from peers.
@@ -46,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
     ap.add_argument("--fail-read", type=int, default=None)
+    ap.add_argument("--network", default=None)
     args = ap.parse_args()
     rank, world = init_torch()
     from torch.distributed.device_mesh import init_device_mesh
@@ -88,8 +92,19 @@ def main() -> None:
     if args.fail_read is not None:
         options = snapshard.ReadOptions(read_once=True, timeout_s=20)
         failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, target(), options))
+    modes: tuple[bool | None, ...] = (True, False, None)
+    if args.network is not None:
+        from snapshard.storage import mounts
+
+        kind = "nfs4" if str(rank) in args.network.split(",") else "ext4"
+        table = os.path.join(args.root, f"mountinfo-{rank}")
+        with open(table, "w") as f:
+            f.write("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
+            f.write(f"30 22 0:40 / {os.path.realpath(args.root)} rw - {kind} srv:/x rw\n")
+        mounts.MOUNTINFO = table
+        modes = (None,)
     result: dict[str, object] = {}
-    for mode in (True, False, None):  # None: the default, on for object stores only
+    for mode in modes:  # None: the default, on for object stores and network filesystems
         out = target()
         stats = snapshard.ReadStats()
         st.load(ckpt, out, snapshard.ReadOptions(read_once=mode), stats=stats)
@@ -99,6 +114,9 @@ def main() -> None:
             "bytes_read": stats.bytes_read,
             "bytes_from_peers": stats.bytes_from_peers,
         }
+    if args.network is not None:
+        report_torch_results(rank, want, **result)
+        return
     # Through the manager too: its read options decide.
     with st.CheckpointManager(
         os.path.join(args.root, "run"), read_options=snapshard.ReadOptions(read_once=True)

@@ -123,15 +123,15 @@ class Rendezvous:
         except Exception as e:
             log.debug("could not delete coordination keys %s: %s", prefix, e)
 
-    def publish_outcome(self, error: BaseException | None = None) -> None:
+    def publish_outcome(self, error: BaseException | None = None, **payload: Any) -> None:
         if self.coord.process_count == 1:
             self._forget(self.prefix)  # nobody waits for it
             return
-        self.report("outcome", error)
+        self.report("outcome", error, **payload)
 
-    def await_outcome(self) -> None:
-        """The others: wait for process 0's outcome, raising it if the operation failed.
-        The last process to read it deletes the operation's keys."""
+    def await_outcome(self) -> dict[str, Any]:
+        """The others: wait for process 0's outcome (returned, with its payload), raising
+        it if the operation failed. The last process to read it deletes the keys."""
         doc = self._get("outcome", "process 0")
         try:
             if self.coord.increment(f"{self.prefix}/seen") == self.coord.process_count - 1:
@@ -140,6 +140,7 @@ class Rendezvous:
             pass
         if not doc["ok"]:
             raise CoordinationError(f"{self.what} failed: {doc['error']}")
+        return doc
 
 
 def write_then_commit(
@@ -212,3 +213,24 @@ def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> Non
     sub.publish_outcome(failure)
     if failure is not None:
         raise failure from error
+
+
+def on_every_process(rv: Rendezvous, value: bool) -> bool:
+    """Whether `value` is true on every process, for a choice that each process could make
+    from what it alone sees but that all must make alike. One report each; process 0
+    gathers them and publishes the answer (or, if a process did not report in time, the
+    error naming it, raised on every process)."""
+    coord = rv.coord
+    if coord.process_count == 1:
+        return value
+    rv.start_clock()
+    if coord.process_index != 0:
+        rv.report(f"v/{coord.process_index}", value=value)
+        return bool(rv.await_outcome()["value"])
+    try:
+        answer = value and all(doc["value"] for doc in rv.gather("v").values())
+    except CoordinationError as e:
+        rv.publish_outcome(e)
+        raise
+    rv.publish_outcome(value=answer)
+    return answer

@@ -2,7 +2,7 @@
 the saved rows, and one all-to-all over torch.distributed moves the bands into the target
 shards (planning/exchange.py says when and why).
 
-Call order, on every rank, with the same target:
+Call order, on every rank, with the same target and the same `memory_budget`:
 
 1. `plan(targets, saved, world, devices, saved_boxes, memory_budget)`: pure, no
    communication. A target leaf qualifies when it is a DTensor of two or more dimensions,

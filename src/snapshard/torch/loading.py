@@ -32,7 +32,7 @@ from ..read_executor import (
     batches,
     saved_boxes,
 )
-from ..read_once import default_on
+from ..read_once import wanted
 from ..restore import load as _load_numpy
 from ..restore import missing_target_leaf
 from ..safetensors.surgery import Transform
@@ -188,7 +188,7 @@ def _read_once(
     """The read-once plans of a load, broadcasts (torch/read_once.py) and bands
     (torch/exchange.py), and their rendezvous; nothing where read-once is off."""
     coord = default_coordinator()
-    if coord.process_count == 1 or not default_on(url, options.read_once):
+    if coord.process_count == 1 or options.read_once is False:
         return None, [], None
     devices = backend_devices()
     world = coord.process_count
@@ -200,6 +200,8 @@ def _read_once(
     targets = [None if i in skip else t for i, (t, _, _) in enumerate(arrays)]
     once = plan_read_once(targets, coord.process_index, world, devices)
     if once is None and not banded:
+        return None, [], None
+    if not wanted(url, options.read_once, coord, options.timeout_s):
         return None, [], None
     # Taken here, in program order, the same on every rank.
     rv = Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
@@ -321,7 +323,9 @@ def load(
     world size, or by Orbax. `options` as in snapshard.load; `options.memory_budget` bounds
     the host bytes of buffers held at once (regions read in place need none), and with
     `options.read_once` a box several ranks hold is read by one and broadcast to the
-    others (torch/read_once.py)."""
+    others (torch/read_once.py), and a target that cuts the saved rows is read as bands
+    of whole rows, then exchanged (torch/exchange.py). Every rank passes the same target
+    and options."""
     require(options, ReadOptions)
     if target is None:
         if transform is not None:

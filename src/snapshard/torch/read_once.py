@@ -19,9 +19,9 @@ Call order, on every rank, with the same target:
    process's life (a job restores onto a few layouts). A failure during the broadcasts
    themselves is bounded by the process group's timeout, not the rendezvous's.
 
-Read-once is the default where `ReadOptions.read_once` says so (object stores); NumPy
-targets, and tensors on devices the default group has no backend for (CPU tensors under
-an NCCL-only group), are always read by each rank.
+Read-once is the default where `ReadOptions.read_once` says so (read_once.wanted: object
+stores, network filesystems); NumPy targets, and tensors on devices the default group has
+no backend for (CPU tensors under an NCCL-only group), are always read by each rank.
 """
 
 from __future__ import annotations
