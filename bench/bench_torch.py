@@ -13,8 +13,8 @@ fresh checkpoint; restores read files still in the page cache.
     python bench/bench_torch.py --scale 0.125 --repeats 1  # a quick check
 
 Phase 1, R ranks (--ranks, default 2): every round, first the saves, then the restores, each
-list in an order drawn for the round (seeded by it, the same on every rank), so that no
-library always runs right after the same one:
+list in this order in the first round and in an order drawn for the round (seeded by it, the
+same on every rank) after, so that no library always runs right after the same one:
   memcpy of the local shards (the floor of an async save's blocking phase);
   raw write of the bytes each rank owns into one file per rank (os.write, then fsync):
     what a plain durable write of the same bytes costs on this disk (snapshard starts the
@@ -482,10 +482,12 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
         bc.fsync_path(path)
 
     def shuffled(ops: list[Callable[[], None]], r: int) -> None:
-        """Run `ops` in an order drawn for round r (the same on every rank): no library
-        always runs right after the same one."""
+        """Run `ops` as listed in round 0 (the tables keep that order), then in an order
+        drawn for round r, the same on every rank: no library always runs right after the
+        same one."""
         order = list(ops)
-        random.Random(r).shuffle(order)
+        if r:
+            random.Random(r).shuffle(order)
         for op in order:
             op()
 
