@@ -66,6 +66,20 @@ def test_replicated_state_is_read_once(saved_4x2, layout, replicas):
 
 
 @pytest.mark.multiprocess
+def test_by_default_on_a_local_disk_every_holder_reads_its_boxes(saved_4x2):
+    """The default on a filesystem the mount table calls local: the processes plan the
+    read-once, agree that it is off, and read as without it, bit-exact."""
+    from snapshard.storage.mounts import is_network_filesystem
+
+    if is_network_filesystem(saved_4x2):
+        pytest.skip("the test directory is on a network filesystem: the default is on there")
+    _, default = _restore(saved_4x2, 4, 2, "rep4", "--default")
+    unique, read, peers = _totals(default)
+    assert peers == 0
+    assert read >= 0.9 * 4 * unique, (read, unique)
+
+
+@pytest.mark.multiprocess
 def test_a_reshard_that_cuts_saved_rows_is_read_once(saved_4x2):
     """Columns cut finer than saved, each box on one process: without read-once each process
     reads whole checksum blocks, hence whole saved rows; with it, bands of whole rows are

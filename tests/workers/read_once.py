@@ -1,7 +1,7 @@
 """Multi-process worker for read-once restores.
 
 usage: read_once.py save CKPT
-       read_once.py restore CKPT LAYOUT [--no-read-once] [--fail-read PID] [--timeout S]
+       read_once.py restore CKPT LAYOUT [--no-read-once | --default] [--fail-read PID] [--timeout S]
                     [--safetensors] [--manager] [--budget BYTES]
    LAYOUT: 'rep4' (mesh data=processes x model=devices, params on P(None, 'model'): each box
    on every process), 'rep2' (mesh 2 x (devices*processes/2): each box on 2 processes),
@@ -115,7 +115,9 @@ def restore(args) -> None:
     stats = snapshard.ReadStats()
     budget = {"memory_budget": args.budget} if args.budget else {}
     options = snapshard.ReadOptions(
-        read_once=not args.no_read_once, timeout_s=args.timeout, **budget
+        read_once=None if args.default else not args.no_read_once,
+        timeout_s=args.timeout,
+        **budget,
     )
     t0 = time.perf_counter()
     # An ambient mesh must not matter: read-once passes its shardings explicitly.
@@ -169,6 +171,7 @@ def main() -> None:
     ap.add_argument("ckpt")
     ap.add_argument("layout", nargs="?", default="rep4")
     ap.add_argument("--no-read-once", action="store_true")
+    ap.add_argument("--default", action="store_true", help="read_once=None")
     ap.add_argument("--fail-read", type=int, default=-1)
     ap.add_argument("--timeout", type=float, default=60.0)
     ap.add_argument("--safetensors", action="store_true")
