@@ -623,10 +623,8 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
         rec.drop(p)
     for lay in (SAVE_LAYOUT, COLS_LAYOUT):
         t = targets[lay]
-        rec.counted(
-            f"snapshard load, {lay}", lambda t=t: _sst_load(t, os.path.join(root, "sst-sync"))
-        )
-        rec.counted(f"DCP load, {lay}", lambda t=t: _dcp_load(t, os.path.join(root, "dcp-t1")))
+        rec.counted(f"snapshard load, {lay}", lambda t=t: _sst_load(t, sst_p))
+        rec.counted(f"DCP load, {lay}", lambda t=t: _dcp_load(t, dcp_p))
     return {
         "owned_bytes_per_rank": _owned_bytes(state, world, rank),
         "local_bytes_per_rank": _nbytes(state),

@@ -227,16 +227,20 @@ def _read_targets(
         for f in (once.bind(i, fs) if once is not None else fs)
     ]
     error: BaseException | None = None
+
+    def timed_read(dests: list[Dest]) -> None:
+        t = time.perf_counter()
+        read(dests)
+        stats.read_s += time.perf_counter() - t
+
     with torch.no_grad():
         try:
             for batch in batches(fills, lambda f: f.buffered, options.memory_budget):
-                t0 = time.perf_counter()
-                read([f.dest for f in batch])
+                timed_read([f.dest for f in batch])
                 t1 = time.perf_counter()
                 for f in batch:
                     if f.step is not None:
                         f.step()
-                stats.read_s += t1 - t0
                 stats.assemble_s += time.perf_counter() - t1
         except Exception as e:
             if rv is None:
@@ -246,12 +250,6 @@ def _read_targets(
             return
         t0 = time.perf_counter()
         read_s = stats.read_s
-
-        def timed_read(dests: list[Dest]) -> None:
-            t = time.perf_counter()
-            read(dests)
-            stats.read_s += time.perf_counter() - t
-
         regions = {
             (i, as_box(f.start, f.stop)): f.region for i in banded_leaves for f in arrays[i][1]
         }
