@@ -115,13 +115,33 @@ def test_strided_target_regions_and_numpy_targets(tmp_path):
     assert np.array_equal(target["n"], state["n"])
 
 
-def test_a_small_memory_budget_reads_in_batches(tmp_path):
-    state = {f"w{i}": torch.randn(16, 16) for i in range(5)}
+def test_a_small_memory_budget_reads_in_batches_and_holds_one_batch_of_staging(
+    tmp_path, monkeypatch
+):
+    import weakref
+
+    import snapshard.torch.loading as loading
+
+    state = {f"w{i}": torch.randn(16, 16) for i in range(5)}  # 1 KiB each
     st.save(tmp_path / "c", state)
+    live, peak, made = [0], [0], [0]
+    real = loading.aligned_empty
+
+    def counted(nbytes):  # the staging buffers alive at once
+        buf = real(nbytes)
+        live[0] += nbytes
+        made[0] += 1
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(buf.base, lambda: live.__setitem__(0, live[0] - nbytes))
+        return buf
+
+    monkeypatch.setattr(loading, "aligned_empty", counted)
     target = {k: torch.zeros(16, 16, dtype=torch.float64) for k in state}  # cast: buffered
-    st.load(tmp_path / "c", target, options=ReadOptions(memory_budget=1024))
+    st.load(tmp_path / "c", target, options=ReadOptions(memory_budget=2048))
     for k, v in state.items():
         assert torch.equal(target[k], v.double())
+    assert made[0] == 5
+    assert peak[0] == 2048  # two leaves per batch, each batch's staging dropped after it
 
 
 def test_target_mismatches_are_named(tmp_path):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -50,19 +49,54 @@ from .read_once import plan as plan_read_once
 
 
 class _Fill:
-    """One region of a target leaf and the buffer it is read into (None steps: read in place).
-    `start`, `stop`: the region's box in the target's coordinates; `region`: its view of
-    the target."""
+    """One region of a target leaf and how it is read: into the region's own memory
+    (`direct`, a uint8 view of it), or into a staging buffer made for the batch that reads
+    it and dropped once `store` has cast (and transposed) it into the region. Staging is
+    made per batch so that `ReadOptions.memory_budget` bounds the host bytes held at once.
+    `start`, `stop`: the region's box in the target's coordinates; `saved_start`,
+    `saved_stop`: the box of the saved array it is read from."""
 
     def __init__(
-        self, dest: Dest, step: Callable[[], None] | None, start: Any, stop: Any, region: Any
+        self,
+        leaf: ArrayLeaf,
+        saved: tuple[np.ndarray, np.ndarray],
+        start: np.ndarray,
+        stop: np.ndarray,
+        region: Any,
+        direct: np.ndarray | None,
+        perm: tuple[int, ...] | None,
     ):
-        self.dest, self.step = dest, step
+        self.leaf, (self.saved_start, self.saved_stop) = leaf, saved
         self.start, self.stop, self.region = start, stop, region
+        self.direct, self.perm = direct, perm
+        self._staged: np.ndarray | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The saved box's shape."""
+        return tuple(int(b - a) for a, b in zip(self.saved_start, self.saved_stop, strict=True))
 
     @property
     def buffered(self) -> int:
-        return self.dest.buf.nbytes if self.step is not None else 0
+        """The staging bytes this fill needs while its batch is read."""
+        if self.direct is not None:
+            return 0
+        return math.prod(self.shape) * dtype_from_name(self.leaf.dtype).itemsize
+
+    def dest(self) -> Dest:
+        """Where the read lands: the region itself, or a staging buffer made now."""
+        buf = self.direct
+        if buf is None:
+            buf = self._staged = aligned_empty(self.buffered)
+        return Dest(self.leaf, self.saved_start, self.saved_stop, buf)
+
+    def store(self) -> None:
+        """Move a staged read into the region, cast to its dtype, and drop the staging."""
+        if self._staged is None:
+            return
+        data = self._staged.view(dtype_from_name(self.leaf.dtype)).reshape(self.shape)
+        _store(self.region, data if self.perm is None else data.transpose(self.perm))
+        self._staged = None
 
 
 def _regions(target: Any) -> list[tuple[np.ndarray, np.ndarray, Any, tuple[slice, ...]]]:
@@ -99,9 +133,7 @@ def _fills(leaf: ArrayLeaf, target: Any, perm: tuple[int, ...] | None = None) ->
         if perm is not None:  # the box of the saved array that holds this region
             inv = np.argsort(perm)
             start, stop = start[inv], stop[inv]
-        shape = tuple(int(b - a) for a, b in zip(start, stop, strict=True))
-        nbytes = math.prod(shape) * saved_dt.itemsize
-        if nbytes == 0:
+        if math.prod(int(b - a) for a, b in zip(start, stop, strict=True)) == 0:
             continue
         region = local[slc] if slc else local
         if isinstance(region, torch.Tensor):
@@ -110,18 +142,11 @@ def _fills(leaf: ArrayLeaf, target: Any, perm: tuple[int, ...] | None = None) ->
         else:
             want = region.dtype
             direct = region.flags.c_contiguous and want == saved_dt and region.flags.writeable
+        flat = None
         if direct and perm is None:
             flat = host_view(region) if isinstance(region, torch.Tensor) else region
-            dest = Dest(leaf, start, stop, flat.reshape(-1).view(np.uint8))
-            out.append(_Fill(dest, None, target_start, target_stop, region))
-            continue
-        buf = aligned_empty(nbytes)
-
-        def step(buf: np.ndarray = buf, region: Any = region, shape: Any = shape) -> None:
-            data = buf.view(saved_dt).reshape(shape)
-            _store(region, data if perm is None else data.transpose(perm))
-
-        out.append(_Fill(Dest(leaf, start, stop, buf), step, target_start, target_stop, region))
+            flat = flat.reshape(-1).view(np.uint8)
+        out.append(_Fill(leaf, (start, stop), target_start, target_stop, region, flat, perm))
     return out
 
 
@@ -236,11 +261,10 @@ def _read_targets(
     with torch.no_grad():
         try:
             for batch in batches(fills, lambda f: f.buffered, options.memory_budget):
-                timed_read([f.dest for f in batch])
+                timed_read([f.dest() for f in batch])
                 t1 = time.perf_counter()
                 for f in batch:
-                    if f.step is not None:
-                        f.step()
+                    f.store()
                 stats.assemble_s += time.perf_counter() - t1
         except Exception as e:
             if rv is None:
