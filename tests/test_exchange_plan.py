@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snapshard.planning.exchange import cuts_rows, messages, row_bands, slabs
+from snapshard.planning.exchange import block_aligned, cuts_rows, messages, row_bands, slabs
 
 
 @st.composite
@@ -111,3 +111,95 @@ def test_slabs_tile_the_bands(data):
         )
         assert all(np.array_equal(s[p, 1:], bs[p, 1:]) and np.array_equal(e[p, 1:], be[p, 1:])
                    for s, e in parts)  # fmt: skip
+
+
+def _blocks_read(starts, stops, itemsize, block, lo, hi):
+    """Brute force: (chunk, block) pairs a checked read of rows [lo, hi) of every chunk
+    takes, for each chunk as one C-order byte range."""
+    out = set()
+    for c, (a, b) in enumerate(zip(starts, stops, strict=True)):
+        r0, r1 = max(lo, int(a[0])), min(hi, int(b[0]))
+        if r1 <= r0:
+            continue
+        row = int(np.prod(b[1:] - a[1:])) * itemsize
+        first, last = (r0 - int(a[0])) * row, (r1 - int(a[0])) * row
+        out |= {(c, k) for k in range(first // int(block[c]), -(-last // int(block[c])))}
+    return out
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_block_aligned_moves_cuts_down_onto_blocks_and_keeps_their_order(data):
+    rows = data.draw(st.integers(1, 40))
+    cols = data.draw(st.integers(1, 6))
+    ss, se = data.draw(grids((rows, cols)))
+    itemsize = data.draw(st.sampled_from([1, 2, 4]))
+    nbytes = np.prod(se - ss, axis=1) * itemsize
+    block = np.array([data.draw(st.integers(1, max(1, int(n)))) for n in nbytes])
+    inner = data.draw(st.lists(st.integers(0, rows), max_size=8))
+    cuts = np.array(sorted([0, rows, *inner]), np.int64)
+    fixed = np.array([data.draw(st.booleans()) for _ in cuts])
+    fixed[[0, -1]] = True
+    out = block_aligned(cuts, fixed, ss, se, itemsize, block)
+    assert np.all(out <= cuts) and np.array_equal(out[fixed], cuts[fixed])
+    d_in, d_out = np.diff(cuts), np.diff(out)
+    assert np.all(d_out[d_in > 0] > 0) and np.all(d_out[d_in == 0] == 0)
+    for r in set(out[out != cuts].tolist()):  # a moved cut begins a block of each chunk
+        for c, (a, b) in enumerate(zip(ss, se, strict=True)):
+            if a[0] < r < b[0]:
+                row = int(np.prod(b[1:] - a[1:])) * itemsize
+                assert (r - a[0]) * row % block[c] == 0
+
+
+@given(st.data())
+@settings(max_examples=100, deadline=None)
+def test_aligned_bands_and_slabs_tile_the_rows(data):
+    rows = data.draw(st.integers(1, 40))
+    cols = data.draw(st.integers(1, 6))
+    ss, se = data.draw(grids((rows, cols)))
+    block = np.array([data.draw(st.integers(1, int(n))) for n in np.prod(se - ss, axis=1)])
+    world, count = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 4))
+
+    def align(r, fixed):
+        return block_aligned(r, fixed, ss, se, 1, block)
+
+    bs, be = row_bands((rows, cols), world, align)
+    assert bs[0, 0] == 0 and be[-1, 0] == rows and np.array_equal(bs[1:, 0], be[:-1, 0])
+    parts = slabs(bs, be, count, align)
+    for p in range(world):
+        edges = [int(bs[p, 0])] + [int(e[p, 0]) for _, e in parts]
+        assert edges == sorted(edges) and edges[-1] == be[p, 0]
+        assert all(int(parts[k][0][p, 0]) == edges[k] for k in range(count))
+
+
+def test_aligned_slabs_read_each_block_once():
+    # Shard(0) of a (100, 5) f32 array in 2 chunks: 160-byte blocks, so every 8 rows.
+    ss, se = np.array([[0, 0], [50, 0]]), np.array([[50, 5], [100, 5]])
+    block = np.array([160, 160])
+
+    def reads(align):
+        bs, be = row_bands((100, 5), 3, align)
+        got = []
+        for s, e in slabs(bs, be, 2, align):
+            for p in range(3):
+                got += sorted(_blocks_read(ss, se, 4, block, int(s[p, 0]), int(e[p, 0])))
+        return got
+
+    aligned = reads(lambda r, fixed: block_aligned(r, fixed, ss, se, 4, block))
+    assert sorted(aligned) == sorted(set(aligned)) and len(aligned) == 2 * -(-50 * 20 // 160)
+    assert len(reads(None)) > len(aligned)  # unaligned cuts take some blocks twice
+
+
+def test_block_aligned_example():
+    # 2 chunks of 8 rows, 4-byte rows, 8-byte blocks: blocks begin at every other row.
+    ss, se = np.array([[0, 0], [8, 0]]), np.array([[8, 1], [16, 1]])
+    block = np.array([8, 8])
+    cuts = np.array([0, 3, 5, 5, 8, 11, 16])
+    free = np.zeros(len(cuts), bool)
+    assert block_aligned(cuts, free, ss, se, 4, block).tolist() == [0, 2, 4, 4, 8, 10, 16]
+    fixed = free.copy()
+    fixed[1] = True
+    assert block_aligned(cuts, fixed, ss, se, 4, block).tolist() == [0, 3, 4, 4, 8, 10, 16]
+    # a move that would empty a slab is undone, for every copy of that cut
+    cuts = np.array([0, 2, 3, 3, 16])
+    assert block_aligned(cuts, free[:5], ss, se, 4, block).tolist() == [0, 2, 3, 3, 16]

@@ -16,9 +16,14 @@ the same layouts, with no communication.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+# Moves ascending cuts of axis 0 but those marked fixed, keeping them ascending (e.g.
+# `block_aligned` with its saved boxes bound).
+Align = Callable[[np.ndarray, np.ndarray], np.ndarray]
 
 
 def cuts_rows(
@@ -42,11 +47,16 @@ def cuts_rows(
     return False
 
 
-def row_bands(shape: tuple[int, ...], parts: int) -> tuple[np.ndarray, np.ndarray]:
+def row_bands(
+    shape: tuple[int, ...], parts: int, align: Align | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """`parts` boxes of whole rows (cuts of axis 0 only, as even as whole rows allow; some
-    empty where rows are fewer than parts): the boxes the processes read."""
+    empty where rows are fewer than parts): the boxes the processes read. `align` moves
+    the cuts (e.g. `block_aligned`)."""
     rows = shape[0] if shape else 0
     edges = np.arange(parts + 1, dtype=np.int64) * rows // parts
+    if align is not None:
+        edges = align(edges, np.isin(np.arange(parts + 1), [0, parts]))
     starts = np.zeros((parts, len(shape)), np.int64)
     stops = np.tile(np.asarray(shape, np.int64), (parts, 1))
     starts[:, 0], stops[:, 0] = edges[:-1], edges[1:]
@@ -54,19 +64,69 @@ def row_bands(shape: tuple[int, ...], parts: int) -> tuple[np.ndarray, np.ndarra
 
 
 def slabs(
-    band_starts: np.ndarray, band_stops: np.ndarray, count: int
+    band_starts: np.ndarray, band_stops: np.ndarray, count: int, align: Align | None = None
 ) -> list[tuple[np.ndarray, np.ndarray]]:
     """Every band cut into `count` slabs of whole rows (as even as rows allow): slab j of
     every band together is one exchange, so that a large array moves in steps of bounded
-    memory. The slabs of all steps tile the bands."""
-    out = []
+    memory. The slabs of all steps tile the bands. `align` moves the cuts inside the
+    bands, as in `row_bands`."""
     lo, n = band_starts[:, 0], band_stops[:, 0] - band_starts[:, 0]
-    for j in range(count):
+    j = np.arange(count + 1, dtype=np.int64)
+    edges = lo[:, None] + j[None, :] * n[:, None] // count  # (bands, count + 1), ascending
+    if align is not None:
+        fixed = np.zeros(edges.shape, bool)
+        fixed[:, [0, count]] = True
+        edges = align(edges.reshape(-1), fixed.reshape(-1)).reshape(edges.shape)
+    out = []
+    for k in range(count):
         starts, stops = band_starts.copy(), band_stops.copy()
-        starts[:, 0] = lo + j * n // count
-        stops[:, 0] = lo + (j + 1) * n // count
+        starts[:, 0], stops[:, 0] = edges[:, k], edges[:, k + 1]
         out.append((starts, stops))
     return out
+
+
+def block_aligned(
+    rows: np.ndarray, fixed: np.ndarray, saved_starts: np.ndarray, saved_stops: np.ndarray,
+    itemsize: int, block: np.ndarray,
+) -> np.ndarray:  # fmt: skip
+    """Ascending cuts of axis 0 (band and slab edges), each moved down to the nearest row at
+    which the saved chunk around it begins a checksum block, where that keeps the cuts as
+    ascending as they were: a checked read then never takes one block on both sides of a
+    cut, i.e. twice. Cuts where `fixed` is true stay, and equal cuts move together.
+
+    `block`: the checksum block bytes of each saved box. Row r of a chunk starting at row
+    r0 begins a block when (r - r0) * row_bytes is a multiple of the block, i.e. every
+    `block / gcd(block, row_bytes)` rows. Cuts are kept as given where the chunks' row
+    ranges are not one sequence of disjoint intervals (a grid layout is), or where moving
+    a cut would empty a slab."""
+    rows = np.asarray(rows, np.int64)
+    if saved_starts.ndim != 2 or saved_starts.shape[1] == 0 or len(saved_starts) == 0:
+        return rows
+    shape = saved_stops - saved_starts
+    row_bytes = np.prod(shape[:, 1:], axis=1, dtype=np.int64) * itemsize
+    grain = np.asarray(block, np.int64) // np.gcd(np.asarray(block, np.int64), row_bytes)
+    spans, inv = np.unique(
+        np.stack([saved_starts[:, 0], saved_stops[:, 0]], 1), axis=0, return_inverse=True
+    )
+    inv = inv.reshape(-1)
+    lo, hi = spans[:, 0], spans[:, 1]
+    if np.any(lo[1:] < hi[:-1]):  # row ranges overlap: not a grid
+        return rows
+    step = np.ones(len(spans), np.int64)
+    np.lcm.at(step, inv, np.maximum(grain, 1))  # aligned for every chunk of the row range
+    i = np.searchsorted(lo, rows, side="right") - 1
+    ok = i >= 0
+    i = np.maximum(i, 0)
+    inside = ok & (rows > lo[i]) & (rows < hi[i])
+    fixed = np.isin(rows, rows[fixed])  # a cut fixed anywhere is fixed everywhere
+    out = np.where(inside & ~fixed, lo[i] + (rows - lo[i]) // step[i] * step[i], rows)
+    while True:  # undo the moves that would make a cut meet or pass the one before it
+        back = (out[1:] < out[:-1]) | ((rows[1:] > rows[:-1]) & (out[1:] == out[:-1]))
+        bad = np.flatnonzero(back) + 1
+        if not len(bad):
+            return out
+        undo = np.isin(rows, rows[bad])
+        out[undo] = rows[undo]
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,16 @@ import torch
 
 from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..dtypes import dtype_from_name
-from ..format import ArrayLeaf
-from ..planning.exchange import Messages, cuts_rows, messages, row_bands, slabs
+from ..format import ArrayLeaf, checksum_block
+from ..planning.exchange import (
+    Align,
+    Messages,
+    block_aligned,
+    cuts_rows,
+    messages,
+    row_bands,
+    slabs,
+)
 from ..read_executor import Dest, ReadDests, SavedBoxes, aligned_empty, batches
 from ..staging import Box
 from .leaves import dtensor_layout, is_dtensor
@@ -132,10 +140,11 @@ def plan(
         boxes = saved_boxes(leaf)
         if boxes is None or not cuts_rows(*boxes, lay.starts, lay.stops):
             continue
-        whole = row_bands(lay.shape, world)
+        align = _block_aligner(*boxes, leaf)
+        whole = row_bands(lay.shape, world, align)
         steps = 1
         while True:
-            parts = [whole] if steps == 1 else slabs(*whole, steps)
+            parts = [whole] if steps == 1 else slabs(*whole, steps, align)
             cut = [
                 BandLeaf(i, leaf, bs, be, lay.starts, lay.stops,
                          messages(bs, be, lay.starts, lay.stops, lay.process_ids))
@@ -147,6 +156,18 @@ def plan(
             steps = min(lay.shape[0], steps * -(-most // step_bytes))
         out += cut
     return out
+
+
+def _block_aligner(starts: np.ndarray, stops: np.ndarray, leaf: ArrayLeaf) -> Align:
+    """Band and slab cuts moved onto the checksum blocks of the saved boxes, taken as the
+    chunks they were written as, with the blocks a snapshard save makes (format.
+    checksum_block of a chunk's bytes). Where a save cut a box into several chunks
+    (replicas writing parts of it) or the source has no such blocks, a cut may miss a
+    block: that costs a block read twice, never a wrong byte."""
+    itemsize = dtype_from_name(leaf.dtype).itemsize
+    sizes = np.prod(stops - starts, axis=1, dtype=np.int64) * itemsize
+    block = np.array([checksum_block(int(n)) for n in sizes], np.int64)
+    return lambda rows, fixed: block_aligned(rows, fixed, starts, stops, itemsize, block)
 
 
 def _step_bytes(memory_budget: int | None) -> int:
