@@ -7,9 +7,10 @@ read-once the job reads 4x the unique bytes. Storages: the local disk (page cach
 evicted with posix_fadvise before each restore) and, when AWS_ENDPOINT_URL is set, the
 local S3 server (`.ci/run` shows how to start it and which AWS_* variables to export).
 
-One set of worker processes serves every round: in each round both modes run, in an order
-alternated between rounds, each behind a barrier (not counted); a restore's time is the
-slowest process's, its bytes the sum over processes. The first restore of each mode in a
+One set of worker processes serves every round: in each round every mode runs (read-once
+on and off; for torch also on through the all-to-all rather than shared memory, where the
+processes share a host), in an order rotated between rounds, each behind a barrier (not
+counted); a restore's time is the slowest process's, its bytes the sum over processes. The first restore of each mode in a
 job also compiles the resharding program; the first round is reported apart.
 
 With `--framework torch`: the same state as torch DTensors over 4 gloo ranks, saved
@@ -42,6 +43,8 @@ from snapshard import ReadOptions
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROCS, DEVICES = 4, 2
 N_ARRAYS, COLS = 8, 1024
+# "on, collective": torch bands through the all-to-all instead of shared memory
+MODES = {"jax": ["on", "off"], "torch": ["on", "off", "on, collective"]}
 
 
 # ================================================================ worker side
@@ -70,7 +73,8 @@ def _host(i: int, rows: int):
 def _measure(args, pid: int, n: int, unique: int, save, restore, sync, put, get) -> None:
     """The rounds of one worker, JAX's or torch's: per storage, save, then per round both
     modes in alternating order, each behind `sync`; process 0 emits the job's row.
-    `restore(loc, once, check)` returns (seconds, ReadStats, bit-exact)."""
+    `restore(loc, mode, check)` returns (seconds, ReadStats, bit-exact); MODES[framework]
+    lists the modes, whose order rotates from round to round."""
     storages = [("local", os.path.join(args.dir, "ckpt"))]
     if args.s3:
         storages.append(("s3", args.s3))
@@ -80,13 +84,13 @@ def _measure(args, pid: int, n: int, unique: int, save, restore, sync, put, get)
         variants = [("warm", False)] if where == "s3" else [("warm", False), ("evicted", True)]
         for cache, evict in variants:
             for r in range(args.rounds):
-                modes = [True, False] if r % 2 == 0 else [False, True]
-                for once in modes:
+                modes = MODES[args.framework]
+                for mode in modes[r % len(modes) :] + modes[: r % len(modes)]:
                     if evict and pid == 0:
                         bc.evict(loc)
-                    sync(f"{where}-{cache}-{r}-{once}")
-                    dt, stats, ok = restore(loc, once, r == 0)
-                    key = f"bench_ro/res/{where}/{cache}/{r}/{once}"
+                    sync(f"{where}-{cache}-{r}-{mode}")
+                    dt, stats, ok = restore(loc, mode, r == 0)
+                    key = f"bench_ro/res/{where}/{cache}/{r}/{mode}"
                     mine = {"s": dt, "read": stats.bytes_read, "peers": stats.bytes_from_peers,
                             "reshard_s": stats.reshard_s, "ok": bool(ok)}  # fmt: skip
                     put(f"{key}/{pid}", json.dumps(mine))
@@ -94,7 +98,7 @@ def _measure(args, pid: int, n: int, unique: int, save, restore, sync, put, get)
                         got = [json.loads(get(f"{key}/{q}")) for q in range(n)]
                         bc.emit(
                             framework=args.framework, storage=where, cache=cache, round=r,
-                            read_once=once, unique=unique,
+                            mode=mode, read_once=mode != "off", unique=unique,
                             seconds=max(g["s"] for g in got),
                             bytes_read=sum(g["read"] for g in got),
                             bytes_from_peers=sum(g["peers"] for g in got),
@@ -137,10 +141,10 @@ def worker(args: argparse.Namespace) -> None:
         seq += 1
         coord.barrier(f"bench_ro/{seq}/{name}", 600)
 
-    def restore(loc: str, once: bool, check: bool):
+    def restore(loc: str, mode: str, check: bool):
         stats = snapshard.ReadStats()
         t0 = time.perf_counter()
-        out = snapshard.load(loc, target, ReadOptions(read_once=once), stats=stats)
+        out = snapshard.load(loc, target, ReadOptions(read_once=mode == "on"), stats=stats)
         jax.block_until_ready(out)
         dt = time.perf_counter() - t0
         ok = True
@@ -174,6 +178,7 @@ def torch_worker(args: argparse.Namespace) -> None:
 
     import snapshard
     import snapshard.torch as st
+    from snapshard.coordination import peer_memory
 
     pid = int(os.environ["BENCH_RO_PID"])
     dist.init_process_group(
@@ -190,12 +195,13 @@ def torch_worker(args: argparse.Namespace) -> None:
     store = dist.distributed_c10d._get_default_store()
     mine = {k: v.chunk(PROCS, dim=1)[pid] if args.target == "cols" else v for k, v in refs.items()}
 
-    def restore(loc: str, once: bool, check: bool):
+    def restore(loc: str, mode: str, check: bool):
         for t in target.values():
             t.to_local().zero_()
+        peer_memory.ENABLED = mode != "on, collective"
         stats = snapshard.ReadStats()
         t0 = time.perf_counter()
-        st.load(loc, target, ReadOptions(read_once=once), stats=stats)
+        st.load(loc, target, ReadOptions(read_once=mode != "off"), stats=stats)
         dt = time.perf_counter() - t0
         ok = not check or all(torch.equal(target[k].to_local(), mine[k]) for k in refs)
         return dt, stats, ok
@@ -255,25 +261,29 @@ def report(rows: list[dict]) -> None:
     print("|---|---|---|---|---|---|---|")
     groups: dict[tuple[str, str], dict[bool, list[dict]]] = {}
     for r in rows:
-        groups.setdefault((r["storage"], r["cache"]), {}).setdefault(r["read_once"], []).append(r)
+        mode = r.get("mode", "on" if r["read_once"] else "off")  # (rows of older runs)
+        groups.setdefault((r["storage"], r["cache"]), {}).setdefault(mode, []).append(r)
     ratios = []
     for (where, cache), by_mode in groups.items():
-        for once in (True, False):
-            rs = sorted(by_mode.get(once, []), key=lambda r: r["round"])
+        for mode in by_mode:
+            rs = sorted(by_mode[mode], key=lambda r: r["round"])
             if not rs:
                 continue
             later = [r["seconds"] for r in rs[1:]] or [rs[0]["seconds"]]
             u = rs[0]["unique"]
             print(
-                f"| {where} | {cache} | {'on' if once else 'off'} | {bc.spread(later, 3)} "
+                f"| {where} | {cache} | {mode} | {bc.spread(later, 3)} "
                 f"({rs[0]['seconds']:.3f}) | {statistics.median(r['bytes_read'] for r in rs) / u:.3f} "
                 f"| {statistics.median(r['bytes_from_peers'] for r in rs) / u:.3f} "
                 f"| {all(r['ok'] for r in rs)} |"
             )
-        on = {r["round"]: r["seconds"] for r in by_mode.get(True, [])}
-        off = {r["round"]: r["seconds"] for r in by_mode.get(False, [])}
-        paired = [off[k] / on[k] for k in sorted(on) if k in off and k > 0]
-        ratios.append((f"{where}, {cache}: time off / on (rounds after the first)", paired, ""))
+        on = {r["round"]: r["seconds"] for r in by_mode.get("on", [])}
+        for other in [m for m in by_mode if m != "on"]:
+            them = {r["round"]: r["seconds"] for r in by_mode[other]}
+            paired = [them[k] / on[k] for k in sorted(on) if k in them and k > 0]
+            ratios.append(
+                (f"{where}, {cache}: time {other} / on (rounds after the first)", paired, "")
+            )
     bc.ratio_table("Speed-up of read-once, paired per round", ratios)
 
 

@@ -89,8 +89,13 @@ def _check(ranks: list[dict]) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "worker,rank,extra",
-    [("torch_read_once.py", 1, []), ("torch_bands.py", 2, []), ("torch_bands.py", 3, ["--plain"])],
-    ids=["broadcast", "bands", "plain-then-bands"],
+    [
+        ("torch_read_once.py", 1, []),
+        ("torch_bands.py", 2, []),
+        ("torch_bands.py", 2, ["--collective"]),
+        ("torch_bands.py", 3, ["--plain"]),
+    ],
+    ids=["broadcast", "bands", "bands-collective", "plain-then-bands"],
 )
 def test_a_failed_read_fails_every_rank_naming_it(tmp_path, worker, rank, extra):
     multiproc.run(worker, 4, 1, str(tmp_path), timeout=150, env=ENV)
@@ -115,10 +120,12 @@ def test_a_reshard_that_cuts_saved_rows_reads_each_byte_once(tmp_path):
         p.result() for p in multiproc.run("torch_bands.py", 4, 1, str(tmp_path), timeout=150, env=ENV)
     ]
     unique = ranks[0]["unique"]
-    for mode in ("True/None", "True/100000", "False/None"):
+    for mode in ("True/None", "True/100000", "collective/100000", "False/None"):
         for r in ranks:
             assert all(r[mode]["equal"].values()), (mode, r["rank"], r[mode]["equal"])
-    for mode in ("True/None", "True/100000"):  # one batch, then several
+    # one batch, then several, through shared memory (these ranks share a host), then
+    # through the collective
+    for mode in ("True/None", "True/100000", "collective/100000"):
         on = [r[mode] for r in ranks]
         assert unique <= sum(x["bytes_read"] for x in on) <= 1.05 * unique
         # each rank reads its band, a quarter, and receives the rest of its shards

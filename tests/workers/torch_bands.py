@@ -6,7 +6,9 @@
     torch_bands.py DIR --fail-read RANK  the restore with read-once on, where RANK's storage
                                          reads fail: those of its bands (the target holds
                                          banded leaves only), or with --plain its first
-                                         ordinary read, before any band
+                                         ordinary read, before any band; with
+                                         --collective, the bands go through the
+                                         all-to-all instead of shared memory
 
 Reports, per rank and mode, whether every restored tensor equals the saved one, and the
 bytes read from storage and received from peers.
@@ -41,6 +43,7 @@ def main() -> None:
     ap.add_argument("root")
     ap.add_argument("--fail-read", type=int, default=None)
     ap.add_argument("--plain", action="store_true")
+    ap.add_argument("--collective", action="store_true", help="no shared memory")
     args = ap.parse_args()
     rank, world = init_torch()
     from torch.distributed.device_mesh import init_device_mesh
@@ -48,6 +51,7 @@ def main() -> None:
 
     import snapshard
     import snapshard.torch as st
+    from snapshard.coordination import peer_memory
 
     want = state()
     flat = init_device_mesh("cpu", (world,))
@@ -72,6 +76,7 @@ def main() -> None:
         }
 
     if args.fail_read is not None:
+        peer_memory.ENABLED = not args.collective
         options = snapshard.ReadOptions(read_once=True, timeout_s=20)
         fail_target = target() if args.plain else {"w": target()["w"], "v": target()["v"]}
         failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, fail_target, options))
@@ -79,11 +84,13 @@ def main() -> None:
     runs = [
         ("True/None", True, None, None),
         ("True/100000", True, 100_000, None),
+        ("collective/100000", True, 100_000, None),  # all_to_all, not shared memory
         ("False/None", False, None, None),
         ("replicated/None", True, None, "r"),  # alone, so that its bytes are countable
         ("replicated/4096", True, 4096, "r"),  # in slabs of a few rows
     ]
     for label, mode, budget, only in runs:
+        peer_memory.ENABLED = not label.startswith("collective")
         out = target()
         if only is not None:
             out = {only: out[only]}

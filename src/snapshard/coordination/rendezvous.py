@@ -88,7 +88,7 @@ class Rendezvous:
         per process), polling with a growing pause; they are deleted once read."""
         me, n = self.coord.process_index, self.coord.process_count
         want = set(range(n)) - {me}
-        pause = 0.002
+        pause = 0.0002  # doubling: a short wait costs little latency, a long one few polls
         try:
             while True:
                 got = self._reports(key)

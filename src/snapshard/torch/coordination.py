@@ -17,7 +17,7 @@ from typing import Any
 from ..coordination.base import Coordinator, SingleProcessCoordinator
 from ..errors import CoordinationError
 
-_POLL_MIN_S = 0.001
+_POLL_MIN_S = 0.0001  # a poll is one store round trip; the pause doubles
 _POLL_MAX_S = 0.05
 
 

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..coordination.peer_memory import PeerMemory
 from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf, checksum_block
@@ -115,6 +116,11 @@ class BandLeaf:
         received = np.bincount(self.msgs.receiver, moved, minlength=world)
         return int((band + sent + received).max(initial=0)) * self.itemsize
 
+    def shared_cost(self) -> int:
+        """The same through shared memory: two slots of the largest band (SharedBands)."""
+        band = np.prod(self.band_stops - self.band_starts, axis=1, dtype=np.int64)
+        return 2 * int(band.max(initial=0)) * self.itemsize
+
 
 def plan(
     targets: Sequence[Any],
@@ -174,9 +180,12 @@ def _step_bytes(memory_budget: int | None) -> int:
     return STEP_BYTES if memory_budget is None else max(1, min(memory_budget, STEP_BYTES))
 
 
-def batches_of(leaves: list[BandLeaf], memory_budget: int | None) -> list[list[BandLeaf]]:
-    """Step 2: batches of at most STEP_BYTES (and `memory_budget`) per rank."""
-    costs = [b.cost() for b in leaves]
+def batches_of(
+    leaves: list[BandLeaf], memory_budget: int | None, shared: bool = False
+) -> list[list[BandLeaf]]:
+    """Step 2: batches of at most STEP_BYTES (and `memory_budget`) per rank, through the
+    collective or (`shared`) through shared memory."""
+    costs = [b.shared_cost() if shared else b.cost() for b in leaves]
     cut = batches(list(range(len(leaves))), costs.__getitem__, _step_bytes(memory_budget))
     return [[leaves[i] for i in group] for group in cut]
 
@@ -228,19 +237,25 @@ def exchange(
     step: str,
     error: BaseException | None,
     scratch: Scratch,
+    shared: SharedBands | None = None,
+    turn: int = 0,
 ) -> tuple[int, BaseException | None]:
     """Step 3 for one batch: (bytes received from peers, the error this rank met after the
-    collective, to report at the next agreement). `regions` maps (target leaf, box) to the
-    view of the target that this rank's box is. Raises on every rank if any rank failed
-    before the collective (`error`: a failure of an earlier step of this rank)."""
+    agreement, to report at the next one). `regions` maps (target leaf, box) to the view
+    of the target that this rank's box is. Raises on every rank if any rank failed before
+    the agreement (`error`: a failure of an earlier step of this rank). With `shared`
+    (batch number `turn`), the bands go through shared memory instead of the collective."""
     rank, world = rv.coord.process_index, rv.coord.process_count
     pieces = _Pieces(batch, rank, world)
+    if shared is not None:
+        return _through_memory(batch, pieces, regions, read, store, rv, step, error, shared, turn)
     send_sizes, recv_sizes = pieces.sizes(pieces.sends), pieces.sizes(pieces.recvs)
     bands: dict[int, np.ndarray] = {}
     send = recv = np.empty(0, np.uint8)
     if error is None:
         try:  # everything that can fail on one rank, before the others enter the collective
-            bands = _read_bands(batch, read, rank, scratch)
+            buf = scratch.get("bands", band_buffer_bytes(batch, rank))
+            bands = _read_bands(batch, read, rank, buf)
             send = scratch.get("send", sum(send_sizes))
             recv = scratch.get("recv", sum(recv_sizes))
             at = 0
@@ -272,6 +287,75 @@ def exchange(
     return int(recv.nbytes), None
 
 
+def _through_memory(
+    batch: list[BandLeaf],
+    pieces: _Pieces,
+    regions: dict[tuple[int, Box], Any],
+    read: ReadDests,
+    store: Store,
+    rv: Rendezvous,
+    step: str,
+    error: BaseException | None,
+    shared: SharedBands,
+    turn: int,
+) -> tuple[int, BaseException | None]:
+    """`exchange` through shared memory: read this rank's bands into its slot, agree that
+    every rank did, then copy every piece this rank holds out of its reader's slot."""
+    rank = rv.coord.process_index
+    if error is None:
+        try:
+            _read_bands(batch, read, rank, shared.mine(turn))
+        except Exception as e:
+            error = e
+    all_succeeded(rv, step, error)
+    received = 0
+    try:
+        for q, ps in enumerate([pieces.own, *pieces.recvs]):
+            sender = rank if q == 0 else q - 1
+            if not ps:
+                continue
+            bands = _bands_in(batch, shared.of(sender, turn), sender)
+            for k, b, m in ps:
+                store(b.target_view(regions, m), b.band_piece(bands[k], sender, m))
+                received += b.piece_bytes(m) if sender != rank else 0
+    except Exception as e:
+        return received, e
+    return received, None
+
+
+class SharedBands:
+    """Every rank's bands in shared memory (coordination/peer_memory.py), in two slots per
+    rank taken by turns: batch k is written into slot k % 2. A rank writes a slot again
+    two batches later, after the agreement of the batch between, which every rank reaches
+    only once it has copied out of that slot: one agreement per batch suffices."""
+
+    def __init__(self, memory: PeerMemory, slot_bytes: list[int]) -> None:
+        self.memory, self.slot_bytes = memory, slot_bytes
+
+    @classmethod
+    def open(cls, rv: Rendezvous, batches: list[list[BandLeaf]]) -> SharedBands | None:
+        """Collective: the slots of every rank, or None on every rank (no shared memory
+        between all of them: the exchange then uses the collective)."""
+        world = rv.coord.process_count
+        slot = [max((band_buffer_bytes(b, q) for b in batches), default=0) for q in range(world)]
+        sub = Rendezvous(rv.coord, f"{rv.prefix}/shared", rv.what, rv.timeout_s)
+        memory = PeerMemory.open(sub, [2 * n for n in slot])
+        return None if memory is None else cls(memory, slot)
+
+    def _slot(self, whole: np.ndarray, rank: int, turn: int) -> np.ndarray:
+        n = self.slot_bytes[rank]
+        return whole[(turn % 2) * n : (turn % 2 + 1) * n]
+
+    def mine(self, turn: int) -> np.ndarray:
+        return self._slot(self.memory.mine(), self.memory.rank, turn)
+
+    def of(self, rank: int, turn: int) -> np.ndarray:
+        return self._slot(self.memory.of(rank), rank, turn)
+
+    def close(self) -> None:
+        self.memory.close()
+
+
 class Scratch:
     """The buffers of a load's exchanges, grown on demand and reused from one to the next."""
 
@@ -285,26 +369,44 @@ class Scratch:
         return buf[:nbytes]
 
 
-def _read_bands(
-    batch: list[BandLeaf], read: ReadDests, rank: int, scratch: Scratch
-) -> dict[int, np.ndarray]:
-    """This rank's band of every exchange of the batch (by position), read from storage in
-    the saved dtype, into one scratch buffer (each band 64-byte aligned)."""
-    shapes = []
+def _band_layout(batch: list[BandLeaf], rank: int) -> list[tuple[tuple[int, ...], int]]:
+    """(shape, byte offset) of `rank`'s band of every exchange of the batch in its buffer,
+    each band 64-byte aligned; the same on every rank."""
+    out, at = [], 0
     for b in batch:
         start, stop = b.band(rank)
-        shapes.append(tuple(e - s for s, e in zip(start, stop, strict=True)))
-    sizes = [-(-math.prod(sh) * b.itemsize // 64) * 64 for sh, b in zip(shapes, batch, strict=True)]
-    buf = scratch.get("bands", sum(sizes))
-    bands: dict[int, np.ndarray] = {}
-    dests = []
-    at = 0
-    for k, (b, shape, size) in enumerate(zip(batch, shapes, sizes, strict=True)):
+        shape = tuple(e - s for s, e in zip(start, stop, strict=True))
+        out.append((shape, at))
+        at += -(-math.prod(shape) * b.itemsize // 64) * 64
+    return out
+
+
+def band_buffer_bytes(batch: list[BandLeaf], rank: int) -> int:
+    """The bytes `rank`'s bands of a batch take in its buffer."""
+    shape, at = _band_layout(batch, rank)[-1] if batch else ((), 0)
+    return at + (math.prod(shape) * batch[-1].itemsize if batch else 0)
+
+
+def _bands_in(batch: list[BandLeaf], buf: np.ndarray, rank: int) -> dict[int, np.ndarray]:
+    """`rank`'s band of every exchange of the batch (by position), as views of `buf`."""
+    bands = {}
+    for k, (b, (shape, at)) in enumerate(zip(batch, _band_layout(batch, rank), strict=True)):
         part = buf[at : at + math.prod(shape) * b.itemsize]
-        at += size
         bands[k] = part.view(b.dtype).reshape(shape)
-        if part.nbytes:
+    return bands
+
+
+def _read_bands(
+    batch: list[BandLeaf], read: ReadDests, rank: int, buf: np.ndarray
+) -> dict[int, np.ndarray]:
+    """This rank's band of every exchange of the batch, read from storage in the saved
+    dtype into `buf` (band_buffer_bytes long)."""
+    bands = _bands_in(batch, buf, rank)
+    dests = []
+    for k, b in enumerate(batch):
+        if bands[k].nbytes:
             start, stop = b.band(rank)
-            dests.append(Dest(b.saved, np.asarray(start), np.asarray(stop), part))
+            flat = bands[k].reshape(-1).view(np.uint8)
+            dests.append(Dest(b.saved, np.asarray(start), np.asarray(stop), flat))
     read(dests)
     return bands

@@ -41,7 +41,7 @@ from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
 from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype
-from .exchange import BandLeaf, Scratch, batches_of, exchange
+from .exchange import BandLeaf, Scratch, SharedBands, batches_of, exchange
 from .exchange import plan as plan_bands
 from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
 from .read_once import ReadOncePlan, as_box, backend_devices
@@ -278,12 +278,21 @@ def _read_targets(
             (i, as_box(f.start, f.stop)): f.region for i in banded_leaves for f in arrays[i][1]
         }
         scratch = Scratch()
-        for k, group in enumerate(batches_of(banded, options.memory_budget)):
-            # (a failure anywhere raises on every rank here, before the collective)
-            received, error = exchange(
-                group, regions, timed_read, _store, rv, f"bands/{k}", error, scratch
-            )
-            stats.bytes_from_peers += received
+        groups = batches_of(banded, options.memory_budget, shared=True)
+        shared = SharedBands.open(rv, groups) if groups else None
+        if shared is None:
+            groups = batches_of(banded, options.memory_budget)
+        try:
+            for k, group in enumerate(groups):
+                # (a failure anywhere raises on every rank here, before the collective)
+                received, error = exchange(
+                    group, regions, timed_read, _store, rv, f"bands/{k}", error, scratch,
+                    shared, k,
+                )  # fmt: skip
+                stats.bytes_from_peers += received
+        finally:
+            if shared is not None:
+                shared.close()
         del scratch
         if once is not None:
             stats.bytes_from_peers += once.share(rv, error)
