@@ -31,8 +31,9 @@ def _ours() -> set[str]:
     return set(glob.glob(os.path.join(pm.SHM_DIR, pm.PREFIX + "*")))
 
 
-def _job(n, body, timeout_s=10.0, ranks=None):
-    """body(rank, rendezvous) on n threads; their results (or exceptions), by rank."""
+def _job(n, body, timeout_s=10.0, ranks=None, barriers=()):
+    """body(rank, rendezvous) on n threads; their results (or exceptions), by rank; a
+    failure breaks `barriers`."""
     shared = SingleProcessCoordinator()
     out: list = [None] * n
 
@@ -42,6 +43,8 @@ def _job(n, body, timeout_s=10.0, ranks=None):
             out[r] = body(r, rv)
         except Exception as e:
             out[r] = e
+            for b in barriers:
+                b.abort()  # the others fail too, rather than wait
 
     threads = [threading.Thread(target=run, args=(r,)) for r in (ranks or range(n))]
     for t in threads:
@@ -54,7 +57,7 @@ def _job(n, body, timeout_s=10.0, ranks=None):
 def test_every_rank_reads_every_segment_and_no_name_is_left():
     before = _ours()
     sizes = [4096, 0, 10_000]
-    written = threading.Barrier(3)
+    written = threading.Barrier(3, timeout=20)
 
     def body(r, rv):
         mem = pm.PeerMemory.open(rv, sizes)
@@ -62,8 +65,8 @@ def test_every_rank_reads_every_segment_and_no_name_is_left():
         mine = mem.mine()
         assert len(mine) >= sizes[r]
         mine[: sizes[r]] = (np.arange(sizes[r]) * (r + 1)) % 251
-        assert _ours() == before  # every name is gone once open returns
         written.wait()
+        assert _ours() == before  # every name is gone once open has returned everywhere
         got = {p: mem.of(p)[: sizes[p]].copy() for p in range(3)}
         with pytest.raises(ValueError):
             mem.of((r + 1) % 3)[0] = 1  # the others' segments are read-only
@@ -71,7 +74,7 @@ def test_every_rank_reads_every_segment_and_no_name_is_left():
         mem.close()
         return got
 
-    out = _job(3, body)
+    out = _job(3, body, barriers=[written])
     for r in range(3):
         assert not isinstance(out[r], Exception), out[r]
         for p in range(3):

