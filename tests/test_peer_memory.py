@@ -31,9 +31,9 @@ def _ours() -> set[str]:
     return set(glob.glob(os.path.join(pm.SHM_DIR, pm.PREFIX + "*")))
 
 
-def _job(n, body, timeout_s=10.0, ranks=None, barriers=()):
-    """body(rank, rendezvous) on n threads; their results (or exceptions), by rank; a
-    failure breaks `barriers`."""
+def _job(n, body, timeout_s=10.0, ranks=None, barriers=(), keys=False):
+    """body(rank, rendezvous) on n threads; their results (or exceptions), by rank (and
+    with `keys`, the keys left in the store); a failure breaks `barriers`."""
     shared = SingleProcessCoordinator()
     out: list = [None] * n
 
@@ -51,7 +51,7 @@ def _job(n, body, timeout_s=10.0, ranks=None, barriers=()):
         t.start()
     for t in threads:
         t.join(60)
-    return out
+    return (out, shared.keys()) if keys else out
 
 
 def test_every_rank_reads_every_segment_and_no_name_is_left():
@@ -74,7 +74,8 @@ def test_every_rank_reads_every_segment_and_no_name_is_left():
         mem.close()
         return got
 
-    out = _job(3, body, barriers=[written])
+    out, keys = _job(3, body, barriers=[written], keys=True)
+    assert keys == []  # the store keeps nothing of it
     for r in range(3):
         assert not isinstance(out[r], Exception), out[r]
         for p in range(3):

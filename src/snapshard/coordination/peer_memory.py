@@ -77,7 +77,11 @@ class PeerMemory:
             log.debug("no shared segment for process %d: %s", me, e)
         maps: list[mmap.mmap | None] = [None] * world
         try:
-            if not on_every_process(_sub(rv, "made"), own is not None):
+            made = on_every_process(_sub(rv, "made"), own is not None)
+            if me == 0:  # every process has read the name by now
+                with contextlib.suppress(Exception):
+                    coord.delete(f"{rv.prefix}/name")
+            if not made:
                 return None
             maps[me] = own
             try:

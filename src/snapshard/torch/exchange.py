@@ -1,6 +1,7 @@
 """Reshards read once for torch: each rank reads a band of whole rows of a target that cuts
-the saved rows, and one all-to-all over torch.distributed moves the bands into the target
-shards (planning/exchange.py says when and why).
+the saved rows, and the bands move into the target shards through shared memory where the
+ranks share a host, else by one all-to-all over torch.distributed per batch
+(planning/exchange.py says when and why).
 
 Call order, on every rank, with the same target and the same `memory_budget`:
 
@@ -11,15 +12,20 @@ Call order, on every rank, with the same target and the same `memory_budget`:
    each of them; replicated targets that do not cut the rows are left to
    torch/read_once.py, which reads each box once and broadcasts it. A large leaf is cut
    into slabs of rows, one exchange each.
-2. `batches_of(exchanges, memory_budget)`: batches cut alike on every rank, from the most
-   host bytes any rank holds for an exchange (its band, what it sends and receives).
-3. `exchange(batch, regions, read, store, rv, step, error, scratch)` per batch: read this
-   rank's bands and pack what it sends; agree through the rendezvous that every rank got
-   that far (and through every earlier step), so that a failure fails every rank, naming
-   it, instead of a rank waiting in a collective; then `all_to_all_single`, and `store`
-   each piece into its target region, cast to its dtype. A failure after the collective
-   is returned, for the caller to report at its next agreement. The buffers (`Scratch`)
-   are reused from batch to batch.
+2. `batches_of(exchanges, memory_budget, shared)`: batches cut alike on every rank, from
+   the most host bytes any rank holds for an exchange (its band, what it sends and
+   receives; through shared memory, two slots of its band). `SharedBands.open(rv,
+   batches)` first (a collective), with the batches cut for shared memory: None on every
+   rank when the ranks cannot share memory, and the batches are cut again for the
+   all-to-all.
+3. `exchange(batch, regions, read, store, rv, step, error, scratch, shared, turn)` per
+   batch: read this rank's bands (into its slot of shared memory, or a buffer) and pack
+   what it sends; agree through the rendezvous that every rank got that far (and through
+   every earlier step), so that a failure fails every rank, naming it, instead of a rank
+   waiting in a collective; then `store` each piece into its target region, cast to its
+   dtype: copied out of its reader's slot, or received by `all_to_all_single`. A failure
+   after the agreement is returned, for the caller to report at its next one. The buffers
+   (`Scratch`) are reused from batch to batch.
 
 The bytes travel in the saved dtype, through CPU buffers, whatever device the target is
 on.
