@@ -161,7 +161,7 @@ def _store(region: Any, data: np.ndarray) -> None:
     elif region.device.type == "cpu":
         np.copyto(host_view(region), data)
     else:
-        t = from_numpy(np.ascontiguousarray(data))
+        t = from_numpy(np.require(data, requirements=["C", "W"]))  # (peers' memory is read-only)
         assert t is not None
         region.copy_(t)
 
