@@ -77,7 +77,7 @@ class PeerMemory:
             log.debug("no shared segment for process %d: %s", me, e)
         maps: list[mmap.mmap | None] = [None] * world
         try:
-            made = on_every_process(_sub(rv, "made"), own is not None)
+            made = on_every_process(rv.sub("made"), own is not None)
             if me == 0:  # every process has read the name by now
                 with contextlib.suppress(Exception):
                     coord.delete(f"{rv.prefix}/name")
@@ -92,7 +92,7 @@ class PeerMemory:
             except OSError as e:
                 log.debug("process %d cannot map its peers' segments: %s", me, e)
                 mapped = False
-            if not on_every_process(_sub(rv, "mapped"), mapped):
+            if not on_every_process(rv.sub("mapped"), mapped):
                 return None
             done = [m for m in maps if m is not None]
             maps = [None] * world  # kept by the object now, not closed below
@@ -122,10 +122,6 @@ class PeerMemory:
             with contextlib.suppress(BufferError):  # a view still alive keeps its mapping
                 m.close()
         self._maps = []
-
-
-def _sub(rv: Rendezvous, key: str) -> Rendezvous:
-    return Rendezvous(rv.coord, f"{rv.prefix}/{key}", rv.what, rv.timeout_s)
 
 
 def _make(path: str, nbytes: int) -> mmap.mmap:

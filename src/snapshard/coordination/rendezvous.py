@@ -50,6 +50,10 @@ class Rendezvous:
     timeout_s: float
     deadline: float = math.inf
 
+    def sub(self, key: str) -> Rendezvous:
+        """A rendezvous for one step of this operation, under its own keys."""
+        return Rendezvous(self.coord, f"{self.prefix}/{key}", self.what, self.timeout_s)
+
     def start_clock(self) -> None:
         """Waits from now on give up `timeout_s` seconds from now."""
         self.deadline = time.monotonic() + self.timeout_s
@@ -194,7 +198,7 @@ def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> Non
     failed read fails every process in bounded time instead of leaving them waiting."""
     coord = rv.coord
     me = coord.process_index
-    sub = Rendezvous(coord, f"{rv.prefix}/{step}", rv.what, rv.timeout_s)
+    sub = rv.sub(step)
     sub.start_clock()
     if me != 0:
         sub.report(f"ok/{me}", error)

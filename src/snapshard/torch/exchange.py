@@ -113,10 +113,15 @@ class BandLeaf:
         view = regions[(self.leaf, as_box(self.box_starts[t], self.box_stops[t]))]
         return view[_slices(self.msgs, m, self.box_starts[t])]
 
+    @cached_property
+    def _band_elements(self) -> np.ndarray:
+        """Elements of every rank's band."""
+        return np.prod(self.band_stops - self.band_starts, axis=1, dtype=np.int64)
+
     def cost(self) -> int:
         """The most host bytes one rank holds for this leaf: band, sends and receives."""
         world = len(self.band_starts)
-        band = np.prod(self.band_stops - self.band_starts, axis=1, dtype=np.int64)
+        band = self._band_elements
         moved = self.msgs.elements * (self.msgs.sender != self.msgs.receiver)
         sent = np.bincount(self.msgs.sender, moved, minlength=world)
         received = np.bincount(self.msgs.receiver, moved, minlength=world)
@@ -124,8 +129,7 @@ class BandLeaf:
 
     def shared_cost(self) -> int:
         """The same through shared memory: two slots of the largest band (SharedBands)."""
-        band = np.prod(self.band_stops - self.band_starts, axis=1, dtype=np.int64)
-        return 2 * int(band.max(initial=0)) * self.itemsize
+        return 2 * int(self._band_elements.max(initial=0)) * self.itemsize
 
 
 def plan(
@@ -315,9 +319,8 @@ def _through_memory(
             error = e
     all_succeeded(rv, step, error)
     received = 0
-    try:
-        for q, ps in enumerate([pieces.own, *pieces.recvs]):
-            sender = rank if q == 0 else q - 1
+    try:  # (pieces.recvs[rank] is empty: this rank's own pieces are pieces.own)
+        for sender, ps in [(rank, pieces.own), *enumerate(pieces.recvs)]:
             if not ps:
                 continue
             bands = _bands_in(batch, shared.of(sender, turn), sender)
@@ -344,8 +347,7 @@ class SharedBands:
         between all of them: the exchange then uses the collective)."""
         world = rv.coord.process_count
         slot = [max((band_buffer_bytes(b, q) for b in batches), default=0) for q in range(world)]
-        sub = Rendezvous(rv.coord, f"{rv.prefix}/shared", rv.what, rv.timeout_s)
-        memory = PeerMemory.open(sub, [2 * n for n in slot])
+        memory = PeerMemory.open(rv.sub("shared"), [2 * n for n in slot])
         return None if memory is None else cls(memory, slot)
 
     def _slot(self, whole: np.ndarray, rank: int, turn: int) -> np.ndarray:
