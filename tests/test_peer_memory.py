@@ -116,3 +116,37 @@ def test_a_missing_process_0_is_named_in_bounded_time():
     out = _job(2, lambda r, rv: pm.PeerMemory.open(rv, [64, 64]), timeout_s=0.5, ranks=[1])
     assert isinstance(out[1], CoordinationError) and "process 0" in str(out[1])
     assert _ours() == before
+
+
+def test_kept_segments_serve_the_next_open_of_the_same_ranks():
+    """With `keep`, a second open of the same ranks, asking no more, gets the same segments
+    (nothing made, what was written still there); one asking more, or after a rank dropped
+    its own, gets new ones on every rank; none leaves a name or a store key."""
+    before = _ours()
+    step = threading.Barrier(2, timeout=20)
+
+    def body(r, rv):
+        def opened(k, sizes):
+            return pm.PeerMemory.open(rv.sub(str(k)), sizes, keep=True)
+
+        first = opened(0, [8192, 8192])
+        first.mine()[:4] = r + 1
+        first.close()  # kept: still mapped
+        step.wait()
+        again = opened(1, [4096, 8192])
+        same = again is first and bytes(again.of(1 - r)[:4]) == bytes([2 - r] * 4)
+        if r == 1:
+            again.release()  # rank 1 drops its own: both make new ones
+        step.wait()
+        fresh = opened(2, [4096, 4096])
+        larger = opened(3, [4096, 1 << 20])
+        names, size = (first.name, fresh.name, larger.name), len(larger.of(1))
+        larger.release()
+        return same, fresh is not first, larger is not fresh, size, names
+
+    out, keys = _job(2, body, barriers=[step], keys=True)
+    assert not any(isinstance(o, Exception) for o in out), out
+    for same, renewed, grown, size, _ in out:
+        assert same and renewed and grown and size >= 1 << 20
+    assert out[0][4] == out[1][4] and len(set(out[0][4])) == 3  # made alike, anew each time
+    assert keys == [] and _ours() == before

@@ -145,6 +145,8 @@ def test_a_reshard_that_cuts_saved_rows_reads_each_byte_once(tmp_path):
         assert sum(x["bytes_from_peers"] for x in rep) == 4 * 30 * 32 * 4, mode
     once = sum(r["replicated/None"]["bytes_read"] for r in ranks)
     assert r_bytes <= once <= 1.05 * r_bytes
+    # the loads' agreements (one per batch) leave no key in the process group's store
+    assert [r["store_keys_added"] for r in ranks] == [0] * 4
 
 
 @st.composite

@@ -81,6 +81,8 @@ def main() -> None:
         fail_target = target() if args.plain else {"w": target()["w"], "v": target()["v"]}
         failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, fail_target, options))
     result: dict[str, object] = {}
+    store = dist.distributed_c10d._get_default_store()
+    keys_before = store.num_keys()
     runs = [
         ("True/None", True, None, None),
         ("True/100000", True, 100_000, None),
@@ -104,6 +106,8 @@ def main() -> None:
             "bytes_read": stats.bytes_read,
             "bytes_from_peers": stats.bytes_from_peers,
         }
+    dist.barrier()  # every rank is done: the last to read an outcome deletes its keys
+    result["store_keys_added"] = store.num_keys() - keys_before
     report_torch_results(rank, want, **result)
 
 

@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 
 class Coordinator(ABC):
@@ -39,8 +40,10 @@ class Coordinator(ABC):
         round trip."""
 
     @abstractmethod
-    def delete(self, prefix: str) -> None:
-        """Remove `prefix` and every key under `prefix/`."""
+    def delete(self, prefix: str, keys: Sequence[str] | None = None) -> None:
+        """Remove `prefix` and every key under `prefix/`. `keys`: the names under `prefix`
+        that can exist there, where the caller knows them; a store that cannot list its
+        keys (c10d's) then deletes those alone instead of every name it might hold."""
 
     @abstractmethod
     def increment(self, key: str, by: int = 1) -> int:
@@ -100,7 +103,7 @@ class SingleProcessCoordinator(Coordinator):
         with self._cond:
             return {k[len(base) :]: v for k, v in self._kv.items() if k.startswith(base)}
 
-    def delete(self, prefix: str) -> None:
+    def delete(self, prefix: str, keys: Sequence[str] | None = None) -> None:
         base = prefix.rstrip("/")
         with self._cond:
             for k in [k for k in self._kv if k == base or k.startswith(base + "/")]:

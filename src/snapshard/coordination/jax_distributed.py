@@ -6,7 +6,7 @@ is thread-safe, so saves may use it from their background thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ..errors import CoordinationError
@@ -105,7 +105,7 @@ class JaxDistributedCoordinator(Coordinator):
             str(k)[len(base) :] if str(k).startswith(base) else str(k): str(v) for k, v in pairs
         }
 
-    def delete(self, prefix: str) -> None:
+    def delete(self, prefix: str, keys: Sequence[str] | None = None) -> None:
         base = prefix.rstrip("/")
         _call(f"deletion of {base!r}", lambda: self._client.key_value_delete(base))
 

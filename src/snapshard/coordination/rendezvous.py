@@ -38,6 +38,10 @@ def namespace(kind: str, location: str) -> str:
     return f"snapshard/{kind}/{hashlib.sha256(location.encode()).hexdigest()[:16]}/{n}"
 
 
+# What an operation's namespace still holds once every process has read its outcome.
+_LEFT_AFTER_OUTCOME = ["outcome", "seen", "ready"]
+
+
 def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -111,7 +115,7 @@ class Rendezvous:
                 time.sleep(min(pause, left))
                 pause = min(pause * 2, 0.1)
         finally:
-            self._forget(f"{self.prefix}/{key}")
+            self._forget(f"{self.prefix}/{key}", [str(p) for p in range(n)])
 
     def _reports(self, key: str) -> dict[int, dict[str, Any]]:
         out = {}
@@ -120,10 +124,11 @@ class Rendezvous:
                 out[int(rel)] = dict(json.loads(text))
         return out
 
-    def _forget(self, prefix: str) -> None:
-        """Delete keys nobody reads any more (best effort: a leftover key is harmless)."""
+    def _forget(self, prefix: str, keys: list[str] | None = None) -> None:
+        """Delete keys nobody reads any more (best effort: a leftover key is harmless);
+        `keys` as in Coordinator.delete."""
         try:
-            self.coord.delete(prefix)
+            self.coord.delete(prefix, keys)
         except Exception as e:
             log.debug("could not delete coordination keys %s: %s", prefix, e)
 
@@ -139,7 +144,8 @@ class Rendezvous:
         doc = self._get("outcome", "process 0")
         try:
             if self.coord.increment(f"{self.prefix}/seen") == self.coord.process_count - 1:
-                self._forget(self.prefix)
+                # (the reports are gone: process 0 deleted them as it gathered them)
+                self._forget(self.prefix, _LEFT_AFTER_OUTCOME)
         except CoordinationError:
             pass
         if not doc["ok"]:
@@ -221,18 +227,33 @@ def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> Non
 
 def on_every_process(rv: Rendezvous, value: bool) -> bool:
     """Whether `value` is true on every process, for a choice that each process could make
-    from what it alone sees but that all must make alike. One report each; process 0
-    gathers them and publishes the answer (or, if a process did not report in time, the
-    error naming it, raised on every process)."""
+    from what it alone sees but that all must make alike."""
+    return _decided(rv, value, lambda mine, others: mine and all(others))
+
+
+def same_on_every_process(rv: Rendezvous, value: str | None) -> bool:
+    """Whether every process holds the same `value`, and it is not None: e.g. the name of
+    what one earlier collective made, which every process must still hold to use it."""
+
+    def same(mine: str | None, others: list[Any]) -> bool:
+        return mine is not None and all(v == mine for v in others)
+
+    return _decided(rv, value, same)
+
+
+def _decided(rv: Rendezvous, value: Any, decide: Callable[[Any, list[Any]], bool]) -> bool:
+    """One report each; process 0 gathers them, decides from its value and the others'
+    (in process order) and publishes the answer (or, if a process did not report in time,
+    the error naming it, raised on every process)."""
     coord = rv.coord
     if coord.process_count == 1:
-        return value
+        return decide(value, [])
     rv.start_clock()
     if coord.process_index != 0:
         rv.report(f"v/{coord.process_index}", value=value)
         return bool(rv.await_outcome()["value"])
     try:
-        answer = value and all(doc["value"] for doc in rv.gather("v").values())
+        answer = decide(value, [doc["value"] for doc in rv.gather("v").values()])
     except CoordinationError as e:
         rv.publish_outcome(e)
         raise

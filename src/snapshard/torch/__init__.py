@@ -12,6 +12,7 @@ the other. Needs the `torch` extra. See docs/torch.md.
 
 from __future__ import annotations
 
+from ..coordination.peer_memory import release_kept as release_shared_memory
 from ..inspection import metadata
 from ..options import ReadOptions, SaveOptions
 from .coordination import TorchStoreCoordinator, default_coordinator
@@ -39,6 +40,7 @@ __all__ = [
     "load",
     "local_shape_and_offset",
     "metadata",
+    "release_shared_memory",
     "save",
     "save_async",
     "tensor_layout",

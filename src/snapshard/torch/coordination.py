@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..coordination.base import Coordinator, SingleProcessCoordinator
@@ -61,13 +62,17 @@ class TorchStoreCoordinator(Coordinator):
                 out[str(r)] = value
         return out
 
-    def delete(self, prefix: str) -> None:
-        """Remove the keys a rendezvous under `prefix` sets (a c10d store cannot list them)."""
-        names = [prefix, f"{prefix}/outcome", f"{prefix}/seen"]
-        names += [f"{prefix}/{r}" for r in range(self.process_count)]
-        names += [
-            f"{prefix}/{k}/{r}" for k in ("written", "read") for r in range(self.process_count)
-        ]
+    def delete(self, prefix: str, keys: Sequence[str] | None = None) -> None:
+        """Remove `keys` under `prefix`, else every key a rendezvous under `prefix` may set:
+        a c10d store cannot list its keys, and deletes them one request each."""
+        if keys is not None:
+            names = [f"{prefix}/{k}" for k in keys]
+        else:
+            names = [prefix, f"{prefix}/outcome", f"{prefix}/seen"]
+            names += [f"{prefix}/{r}" for r in range(self.process_count)]
+            names += [
+                f"{prefix}/{k}/{r}" for k in ("written", "read") for r in range(self.process_count)
+            ]
         for k in names:
             with contextlib.suppress(Exception):
                 self._store.delete_key(k)

@@ -344,10 +344,11 @@ class SharedBands:
     @classmethod
     def open(cls, rv: Rendezvous, batches: list[list[BandLeaf]]) -> SharedBands | None:
         """Collective: the slots of every rank, or None on every rank (no shared memory
-        between all of them: the exchange then uses the collective)."""
+        between all of them: the exchange then uses the collective). The segments are kept
+        for the next load (PeerMemory's `keep`)."""
         world = rv.coord.process_count
         slot = [max((band_buffer_bytes(b, q) for b in batches), default=0) for q in range(world)]
-        memory = PeerMemory.open(rv.sub("shared"), [2 * n for n in slot])
+        memory = PeerMemory.open(rv.sub("shared"), [2 * n for n in slot], keep=True)
         return None if memory is None else cls(memory, slot)
 
     def _slot(self, whole: np.ndarray, rank: int, turn: int) -> np.ndarray:
