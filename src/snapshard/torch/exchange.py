@@ -18,14 +18,14 @@ Call order, on every rank, with the same target and the same `memory_budget`:
    batches)` first (a collective), with the batches cut for shared memory: None on every
    rank when the ranks cannot share memory, and the batches are cut again for the
    all-to-all.
-3. `exchange(batch, regions, read, store, rv, step, error, scratch, shared, turn)` per
-   batch: read this rank's bands (into its slot of shared memory, or a buffer) and pack
-   what it sends; agree through the rendezvous that every rank got that far (and through
-   every earlier step), so that a failure fails every rank, naming it, instead of a rank
-   waiting in a collective; then `store` each piece into its target region, cast to its
-   dtype: copied out of its reader's slot, or received by `all_to_all_single`. A failure
-   after the agreement is returned, for the caller to report at its next one. The buffers
-   (`Scratch`) are reused from batch to batch.
+3. `Exchange(regions, read, store, rv, scratch, shared).run(turn, batch, error)` per
+   batch (number `turn`): read this rank's bands (into its slot of shared memory, or a
+   buffer) and pack what it sends; agree through the rendezvous that every rank got that
+   far (and through every earlier step), so that a failure fails every rank, naming it,
+   instead of a rank waiting in a collective; then `store` each piece into its target
+   region, cast to its dtype: copied out of its reader's slot, or received by
+   `all_to_all_single`. A failure after the agreement is returned, for the caller to
+   report at its next one. The buffers (`Scratch`) are reused from batch to batch.
 
 The bytes travel in the saved dtype, through CPU buffers, whatever device the target is
 on.
@@ -238,98 +238,107 @@ class _Pieces:
         return [sum(b.piece_bytes(m) for _, b, m in ps) for ps in per_peer]
 
 
-def exchange(
-    batch: list[BandLeaf],
-    regions: dict[tuple[int, Box], Any],
-    read: ReadDests,
-    store: Store,
-    rv: Rendezvous,
-    step: str,
-    error: BaseException | None,
-    scratch: Scratch,
-    shared: SharedBands | None = None,
-    turn: int = 0,
-) -> tuple[int, BaseException | None]:
-    """Step 3 for one batch: (bytes received from peers, the error this rank met after the
-    agreement, to report at the next one). `regions` maps (target leaf, box) to the view
-    of the target that this rank's box is. Raises on every rank if any rank failed before
-    the agreement (`error`: a failure of an earlier step of this rank). With `shared`
-    (batch number `turn`), the bands go through shared memory instead of the collective."""
-    rank, world = rv.coord.process_index, rv.coord.process_count
-    pieces = _Pieces(batch, rank, world)
-    if shared is not None:
-        return _through_memory(batch, pieces, regions, read, store, rv, step, error, shared, turn)
-    send_sizes, recv_sizes = pieces.sizes(pieces.sends), pieces.sizes(pieces.recvs)
-    bands: dict[int, np.ndarray] = {}
-    send = recv = np.empty(0, np.uint8)
-    if error is None:
-        try:  # everything that can fail on one rank, before the others enter the collective
-            buf = scratch.get("bands", band_buffer_bytes(batch, rank))
-            bands = _read_bands(batch, read, rank, buf)
-            send = scratch.get("send", sum(send_sizes))
-            recv = scratch.get("recv", sum(recv_sizes))
+@dataclass(frozen=True)
+class Exchange:
+    """What the exchanges of one load share: `regions` maps (target leaf, box) to the view
+    of the target that this rank's box is; `read` reads from storage, `store` puts a piece
+    into a region; the load's rendezvous; the buffers reused from batch to batch; and the
+    shared memory the bands go through (None: the all-to-all)."""
+
+    regions: dict[tuple[int, Box], Any]
+    read: ReadDests
+    store: Store
+    rv: Rendezvous
+    scratch: Scratch
+    shared: SharedBands | None = None
+
+    def run(
+        self, turn: int, batch: list[BandLeaf], error: BaseException | None
+    ) -> tuple[int, BaseException | None]:
+        """Step 3 for batch number `turn`: (bytes received from peers, the error this rank
+        met after the agreement, to report at the next one). Raises on every rank if any
+        rank failed before the agreement (`error`: a failure of an earlier step of this
+        rank)."""
+        rank, world = self.rv.coord.process_index, self.rv.coord.process_count
+        pieces = _Pieces(batch, rank, world)
+        step = f"bands/{turn}"
+        if self.shared is not None:
+            return self._through_memory(batch, pieces, step, error, self.shared, turn)
+        return self._all_to_all(batch, pieces, step, error)
+
+    def _all_to_all(
+        self, batch: list[BandLeaf], pieces: _Pieces, step: str, error: BaseException | None
+    ) -> tuple[int, BaseException | None]:
+        """Read this rank's bands into a buffer, pack what it sends, agree, then one
+        `all_to_all_single` and store what came."""
+        rank = self.rv.coord.process_index
+        send_sizes, recv_sizes = pieces.sizes(pieces.sends), pieces.sizes(pieces.recvs)
+        bands: dict[int, np.ndarray] = {}
+        send = recv = np.empty(0, np.uint8)
+        if error is None:
+            try:  # everything that can fail on one rank, before the others enter the collective
+                buf = self.scratch.get("bands", band_buffer_bytes(batch, rank))
+                bands = _read_bands(batch, self.read, rank, buf)
+                send = self.scratch.get("send", sum(send_sizes))
+                recv = self.scratch.get("recv", sum(recv_sizes))
+                at = 0
+                for ps in pieces.sends:
+                    for k, b, m in ps:
+                        piece = b.band_piece(bands[k], rank, m)
+                        n = piece.nbytes
+                        np.copyto(send[at : at + n].view(piece.dtype).reshape(piece.shape), piece)
+                        at += n
+            except Exception as e:
+                error = e
+        all_succeeded(self.rv, step, error)
+        if any(b.moves for b in batch):  # the same answer on every rank
+            torch.distributed.all_to_all_single(
+                torch.from_numpy(recv), torch.from_numpy(send), recv_sizes, send_sizes
+            )
+        try:
+            for k, b, m in pieces.own:
+                self.store(b.target_view(self.regions, m), b.band_piece(bands[k], rank, m))
             at = 0
-            for ps in pieces.sends:
-                for k, b, m in ps:
-                    piece = b.band_piece(bands[k], rank, m)
-                    n = piece.nbytes
-                    np.copyto(send[at : at + n].view(piece.dtype).reshape(piece.shape), piece)
+            for ps in pieces.recvs:
+                for _, b, m in ps:
+                    n = b.piece_bytes(m)
+                    piece = recv[at : at + n].view(b.dtype).reshape(b.piece_shape(m))
+                    self.store(b.target_view(self.regions, m), piece)
                     at += n
         except Exception as e:
-            error = e
-    all_succeeded(rv, step, error)
-    if any(b.moves for b in batch):  # the same answer on every rank
-        torch.distributed.all_to_all_single(
-            torch.from_numpy(recv), torch.from_numpy(send), recv_sizes, send_sizes
-        )
-    try:
-        for k, b, m in pieces.own:
-            store(b.target_view(regions, m), b.band_piece(bands[k], rank, m))
-        at = 0
-        for ps in pieces.recvs:
-            for _, b, m in ps:
-                n = b.piece_bytes(m)
-                piece = recv[at : at + n].view(b.dtype).reshape(b.piece_shape(m))
-                store(b.target_view(regions, m), piece)
-                at += n
-    except Exception as e:
-        return int(recv.nbytes), e
-    return int(recv.nbytes), None
+            return int(recv.nbytes), e
+        return int(recv.nbytes), None
 
-
-def _through_memory(
-    batch: list[BandLeaf],
-    pieces: _Pieces,
-    regions: dict[tuple[int, Box], Any],
-    read: ReadDests,
-    store: Store,
-    rv: Rendezvous,
-    step: str,
-    error: BaseException | None,
-    shared: SharedBands,
-    turn: int,
-) -> tuple[int, BaseException | None]:
-    """`exchange` through shared memory: read this rank's bands into its slot, agree that
-    every rank did, then copy every piece this rank holds out of its reader's slot."""
-    rank = rv.coord.process_index
-    if error is None:
-        try:
-            _read_bands(batch, read, rank, shared.mine(turn))
+    def _through_memory(
+        self,
+        batch: list[BandLeaf],
+        pieces: _Pieces,
+        step: str,
+        error: BaseException | None,
+        shared: SharedBands,
+        turn: int,
+    ) -> tuple[int, BaseException | None]:
+        """Read this rank's bands into its slot, agree that every rank did, then copy every
+        piece this rank holds out of its reader's slot."""
+        rank = self.rv.coord.process_index
+        if error is None:
+            try:
+                _read_bands(batch, self.read, rank, shared.mine(turn))
+            except Exception as e:
+                error = e
+        all_succeeded(self.rv, step, error)
+        received = 0
+        try:  # (pieces.recvs[rank] is empty: this rank's own pieces are pieces.own)
+            for sender, ps in [(rank, pieces.own), *enumerate(pieces.recvs)]:
+                if not ps:
+                    continue
+                bands = _bands_in(batch, shared.of(sender, turn), sender)
+                for k, b, m in ps:
+                    self.store(b.target_view(self.regions, m), b.band_piece(bands[k], sender, m))
+                    received += b.piece_bytes(m) if sender != rank else 0
         except Exception as e:
-            error = e
-    all_succeeded(rv, step, error)
-    received = 0
-    try:  # (pieces.recvs[rank] is empty: this rank's own pieces are pieces.own)
-        for sender, ps in [(rank, pieces.own), *enumerate(pieces.recvs)]:
-            if not ps:
-                continue
-            bands = _bands_in(batch, shared.of(sender, turn), sender)
-            for k, b, m in ps:
-                store(b.target_view(regions, m), b.band_piece(bands[k], sender, m))
-                received += b.piece_bytes(m) if sender != rank else 0
-    except Exception as e:
-        return received, e
-    return received, None
+            return received, e
+        return received, None
 
 
 class SharedBands:

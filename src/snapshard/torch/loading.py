@@ -41,7 +41,7 @@ from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str
 from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype
-from .exchange import BandLeaf, Scratch, SharedBands, batches_of, exchange
+from .exchange import BandLeaf, Exchange, Scratch, SharedBands, batches_of
 from .exchange import plan as plan_bands
 from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
 from .read_once import ReadOncePlan, as_box, backend_devices
@@ -277,23 +277,20 @@ def _read_targets(
         regions = {
             (i, as_box(f.start, f.stop)): f.region for i in banded_leaves for f in arrays[i][1]
         }
-        scratch = Scratch()
         groups = batches_of(banded, options.memory_budget, shared=True)
         shared = SharedBands.open(rv, groups) if groups else None
         if shared is None:
             groups = batches_of(banded, options.memory_budget)
+        bands = Exchange(regions, timed_read, _store, rv, Scratch(), shared)
         try:
             for k, group in enumerate(groups):
                 # (a failure anywhere raises on every rank here, before the collective)
-                received, error = exchange(
-                    group, regions, timed_read, _store, rv, f"bands/{k}", error, scratch,
-                    shared, k,
-                )  # fmt: skip
+                received, error = bands.run(k, group, error)
                 stats.bytes_from_peers += received
         finally:
             if shared is not None:
                 shared.close()
-        del scratch
+        del bands
         if once is not None:
             stats.bytes_from_peers += once.share(rv, error)
         elif error is not None:  # a failure after the last collective: this rank's alone
