@@ -21,6 +21,7 @@ from .errors import (
 )
 from .format import Manifest, ValueLeaf
 from .format.manifest import ArrayLeaf, PerProcessLeaf, values_file_name
+from .gc_pause import collection_paused
 from .options import ReadOptions, require
 from .per_process import PerProcess, Resplit
 from .read_executor import ReadStats, Request, make_request, saved_boxes
@@ -146,6 +147,7 @@ def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple
     return pairs, treedef
 
 
+@collection_paused()
 def load(
     directory: Location | Storage,
     target: Any = None,

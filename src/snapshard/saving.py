@@ -50,6 +50,7 @@ from .format import (
 )
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
+from .gc_pause import collection_paused
 from .incremental import Increment, check_refs_committed, manifest_refs
 from .options import SaveOptions, require
 from .planning import WritePlan, plan_writes
@@ -115,6 +116,7 @@ def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray
     return [classify(p, v, process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)]
 
 
+@collection_paused()
 def prepare(
     location: Location | Storage,
     tree: Any,
@@ -598,6 +600,7 @@ def refuse_existing(storage: Storage, overwrite: bool) -> None:
         )
 
 
+@collection_paused()
 def save(
     directory: Location | Storage,
     tree: Any,

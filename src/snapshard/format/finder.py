@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -239,15 +239,27 @@ class ChunkFinder:
         for (q, _), got in zip(items, results, strict=True):
             for a, r in got.items():
                 found[a].append((q, r))
-        out = {id(leaf): self._table(leaf, found[a]) for a, leaf in leaves.items()}
-        out.update(empty)
+        built = [(leaf, self._table(leaf, found[a])) for a, leaf in leaves.items()]
+        from .validate import check_chunk_tables
+
+        check_chunk_tables(
+            [(leaf, t, f"{self.storage.url}, leaf {leaf.name!r}") for leaf, t in built],
+            [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf, _ in built],  # (_table checked them)
+            self._per_process()[2],
+        )
+        out = empty
+        for leaf, t in built:
+            t.intern_boxes(self._boxes)
+            out[id(leaf)] = t
         return out
 
     def _table(self, leaf: ArrayLeaf, parts: list[tuple[int, rec.Records]]) -> ChunkTable:
+        """The leaf's chunks from the records of the processes that hold them, in box
+        order, with global file numbers (check_chunk_tables checks them after)."""
         m = self.manifest
         assert m.processes is not None
         where = f"{self.storage.url}, leaf {leaf.name!r}"
-        base, nfiles_of, sizes = self._per_process()
+        base, nfiles_of, _ = self._per_process()
         dt = NAME_TO_DTYPE.get(leaf.dtype)
         if dt is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {leaf.dtype!r}")
@@ -293,12 +305,6 @@ class ChunkFinder:
         _check_found(leaf, t, where)
         if t.crc_offset is None:
             t.crc_offset = np.zeros(len(t), np.int64)
-        from .validate import check_chunks
-
-        # An int64 array, not a list: check_chunks takes its length and indexes it, and
-        # np.asarray of it is free where that of a P-long list is O(P) for every leaf.
-        check_chunks(leaf, t, dt.itemsize, cast(list[int], sizes), where)
-        t.intern_boxes(self._boxes)
         return t
 
     def _per_process(self) -> tuple[np.ndarray, list[int], np.ndarray]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -150,54 +152,18 @@ def _check_key_data(leaf: ArrayLeaf, name: str) -> None:
 def check_chunks(
     leaf: ArrayLeaf, t: ChunkTable, itemsize: int, file_sizes: list[int], name: str
 ) -> None:
+    """An array's chunks fit its shape and their files: boxes inside the shape, byte counts
+    that fill the boxes, data (and v2 checksums) inside a file of the manifest, checksums
+    beside the data, no two chunks at one place."""
     if not len(t):
         return
     shape = np.asarray(leaf.shape, dtype=np.int64)
-    if np.any(t.starts < 0) or np.any(t.stops > shape) or np.any(t.stops <= t.starts):
-        bad = int(
-            np.flatnonzero(
-                np.any((t.starts < 0) | (t.stops > shape) | (t.stops <= t.starts), axis=1)
-            )[0]
-        )
-        raise CorruptCheckpointError(
-            f"{name}: chunk {bad} box {_box(t.starts[bad], t.stops[bad])} is empty or outside shape {leaf.shape}"
-        )
-    vol = np.prod(t.stops - t.starts, axis=1, dtype=np.int64)
-    bad_len = np.flatnonzero(vol * itemsize != t.nbytes)
-    if len(bad_len):
-        i = int(bad_len[0])
-        raise CorruptCheckpointError(
-            f"{name}: chunk {i} has {t.nbytes[i]} bytes, its box needs {vol[i] * itemsize}"
-        )
-    if np.any(t.file < 0) or np.any(t.file >= len(file_sizes)):
-        raise CorruptCheckpointError(f"{name}: chunk refers to a file not in the manifest")
-    ends = t.offset + t.nbytes
-    packed = t.flags is not None and bool(np.any(t.flags))
-    if packed:  # compressed chunks (codecs.py): the blocks end where their table starts
-        assert t.flags is not None and t.crc_offset is not None
-        nblk = -(-t.nbytes // np.maximum(t.block, 1))
-        on = t.flags != 0
-        ends = np.where(on, t.crc_offset, ends)
-        if np.any(on & (t.crc_offset < t.offset)):
-            raise CorruptCheckpointError(f"{name}: a compressed chunk ends before it starts")
-    if np.any(t.offset < 0) or np.any(ends > np.asarray(file_sizes, dtype=np.int64)[t.file]):
-        i = int(np.flatnonzero((t.offset < 0) | (ends > np.asarray(file_sizes)[t.file]))[0])
-        raise CorruptCheckpointError(f"{name}: chunk {i} lies outside its file")
-    if t.crc_offset is not None:  # v2: checksums beside the data, nblocks uint32 values
-        if np.any(t.block <= 0):
-            raise CorruptCheckpointError(f"{name}: a chunk has checksum block size 0")
-        crc_end = t.crc_offset + 4 * (-(-t.nbytes // t.block))
-        if packed:
-            crc_end = np.where(on, t.crc_offset + 12 * nblk + 8, crc_end)
-        fsz = np.asarray(file_sizes, dtype=np.int64)[t.file]
-        bad = (t.crc_offset < 0) | (crc_end > fsz) | ((t.crc_offset < ends) & (crc_end > t.offset))
-        if np.any(bad):
-            i = int(np.flatnonzero(bad)[0])
-            raise CorruptCheckpointError(f"{name}: chunk {i} has its checksums outside its file")
-        dup = np.all(t.starts[1:] == t.starts[:-1], axis=1) if len(t) > 1 else np.zeros(0, bool)
-        if np.any(dup):
-            i = int(np.flatnonzero(dup)[0])
-            raise CorruptCheckpointError(f"{name}: chunks {i} and {i + 1} start at the same place")
+    checks = _chunk_checks(t, shape, itemsize, np.asarray(file_sizes, dtype=np.int64), None)
+    if np.any(np.logical_or.reduce([bad for bad, _ in checks])):
+        for bad, explain in checks:
+            if np.any(bad):
+                raise CorruptCheckpointError(f"{name}: {explain(int(np.flatnonzero(bad)[0]))}")
+    if t.crc_offset is not None:
         return
     for i in range(len(t)):
         if t.block[i] <= 0:
@@ -210,6 +176,101 @@ def check_chunks(
             )
         if not _HEX.issuperset(crc):
             raise CorruptCheckpointError(f"{name}: chunk {i} has a checksum that is not hex")
+
+
+def check_chunk_tables(
+    tables: list[tuple[ArrayLeaf, ChunkTable, str]], itemsizes: list[int], file_sizes: np.ndarray
+) -> None:
+    """check_chunks of many v2 arrays (a restore checks every array it reads): the masks of
+    all arrays of one rank in one pass, so that the cost per array is not numpy's per call;
+    the arrays of a rank with a problem are then checked one by one, for the message."""
+    groups: dict[int, list[int]] = {}
+    for k, (leaf, t, _) in enumerate(tables):
+        if len(t):
+            groups.setdefault(len(leaf.shape), []).append(k)
+    for ks in groups.values():
+        parts = [tables[k][1] for k in ks]
+        counts = np.asarray([len(p) for p in parts])
+        t = parts[0] if len(parts) == 1 else ChunkTable.concat(parts, parts[0].starts.shape[1])
+        first = np.zeros(len(t), bool)
+        first[np.cumsum(counts) - counts] = True
+        shapes = np.asarray([tables[k][0].shape for k in ks], np.int64).reshape(len(ks), -1)
+        checks = _chunk_checks(
+            t,
+            np.repeat(shapes, counts, axis=0),
+            np.repeat(np.asarray([itemsizes[k] for k in ks], np.int64), counts),
+            file_sizes,
+            first,
+        )
+        if np.any(np.logical_or.reduce([bad for bad, _ in checks])):
+            for k in ks:
+                leaf, t, name = tables[k]
+                check_chunks(leaf, t, itemsizes[k], cast(list[int], file_sizes), name)
+
+
+def _chunk_checks(
+    t: ChunkTable,
+    shape: np.ndarray,
+    itemsize: int | np.ndarray,
+    sizes: np.ndarray,
+    first: np.ndarray | None,
+) -> list[tuple[np.ndarray, Callable[[int], str]]]:
+    """check_chunks' checks, in order: a mask over the chunks (True: the problem) and the
+    message for chunk i. `shape` and `itemsize`: the array's, or one per chunk for the
+    chunks of several arrays, with `first` marking each array's first chunk."""
+    vol = np.prod(t.stops - t.starts, axis=1, dtype=np.int64)
+    fsz = sizes[np.clip(t.file, 0, len(sizes) - 1)] if len(sizes) else np.zeros(len(t), np.int64)
+    ends = t.offset + t.nbytes
+    packed = t.flags is not None and bool(np.any(t.flags))
+    checks: list[tuple[np.ndarray, Callable[[int], str]]] = [
+        (
+            np.any((t.starts < 0) | (t.stops > shape) | (t.stops <= t.starts), axis=1),
+            lambda i: (
+                f"chunk {i} box {_box(t.starts[i], t.stops[i])} is empty or outside shape "
+                f"{tuple(np.broadcast_to(shape, t.starts.shape)[i].tolist())}"
+            ),
+        ),
+        (
+            vol * itemsize != t.nbytes,
+            lambda i: (
+                f"chunk {i} has {t.nbytes[i]} bytes, its box needs "
+                f"{vol[i] * np.broadcast_to(itemsize, vol.shape)[i]}"
+            ),
+        ),
+        (
+            (t.file < 0) | (t.file >= len(sizes)),
+            lambda i: "chunk refers to a file not in the manifest",
+        ),
+    ]
+    if packed:  # compressed chunks (codecs.py): the blocks end where their table starts
+        assert t.flags is not None and t.crc_offset is not None
+        on = t.flags != 0
+        ends = np.where(on, t.crc_offset, ends)
+        checks.append(
+            (on & (t.crc_offset < t.offset), lambda i: "a compressed chunk ends before it starts")
+        )
+    checks.append(((t.offset < 0) | (ends > fsz), lambda i: f"chunk {i} lies outside its file"))
+    if t.crc_offset is not None:  # v2: checksums beside the data, nblocks uint32 values
+        nblocks = -(-t.nbytes // np.maximum(t.block, 1))
+        crc_end = t.crc_offset + 4 * nblocks
+        if packed:
+            crc_end = np.where(on, t.crc_offset + 12 * nblocks + 8, crc_end)
+        dup = np.zeros(len(t), bool)
+        if len(t) > 1:
+            dup[:-1] = np.all(t.starts[1:] == t.starts[:-1], axis=1)
+            if first is not None:
+                dup[:-1] &= ~first[1:]
+        checks += [
+            (t.block <= 0, lambda i: "a chunk has checksum block size 0"),
+            (
+                (t.crc_offset < 0)
+                | (crc_end > fsz)
+                | ((t.crc_offset < ends) & (crc_end > t.offset)),
+                lambda i: f"chunk {i} has its checksums outside its file",
+            ),
+            (dup, lambda i: f"chunks {i} and {i + 1} start at the same place"),
+        ]
+    return checks
 
 
 def _box(start: np.ndarray, stop: np.ndarray) -> str:

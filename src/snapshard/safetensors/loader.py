@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..format import FileEntry, Manifest
+from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
 from ..read_executor import (
     ReadStats,
@@ -80,6 +81,7 @@ def arrays(location: Location | Storage, transform: Transform | None = None) -> 
     return dict(transform(src)) if transform else src
 
 
+@collection_paused()
 def load(
     location: Location | Storage,
     target: Any = None,

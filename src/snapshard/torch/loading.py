@@ -21,6 +21,7 @@ from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, ValueLeaf
+from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
 from ..read_executor import (
     Dest,
@@ -330,6 +331,7 @@ def _to_torch(tree: Any) -> Any:
     return tree
 
 
+@collection_paused()
 def load(
     directory: Location | Storage,
     target: Any = None,

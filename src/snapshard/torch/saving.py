@@ -24,6 +24,7 @@ from .. import saving as _saving
 from ..adapters.leaves import SaveArray
 from ..background import BackgroundTask
 from ..format.manifest import Leaf
+from ..gc_pause import collection_paused
 from ..manager.framework import StartedSave
 from ..options import SaveOptions
 from ..planning import WritePlan
@@ -181,6 +182,7 @@ def start_save(
     return StartedSave(prep.timings, finish)
 
 
+@collection_paused()
 def save(
     directory: Location | Storage,
     state_dict: Any,
