@@ -182,8 +182,9 @@ def check_chunk_tables(
     tables: list[tuple[ArrayLeaf, ChunkTable, str]], itemsizes: list[int], file_sizes: np.ndarray
 ) -> None:
     """check_chunks of many v2 arrays (a restore checks every array it reads): the masks of
-    all arrays of one rank in one pass, so that the cost per array is not numpy's per call;
-    the arrays of a rank with a problem are then checked one by one, for the message."""
+    all arrays with the same number of axes in one pass, so that the cost per array is not
+    NumPy's per call; if such a group has a problem, its arrays are checked one by one, for
+    the message naming the array."""
     groups: dict[int, list[int]] = {}
     for k, (leaf, t, _) in enumerate(tables):
         if len(t):
