@@ -301,7 +301,8 @@ class ChunkFinder:
                     (r.flags & rec.CODEC_MASK) if np.any(codec) else None,
                 )
             )
-        t = ChunkTable.concat(tables, len(leaf.shape)).sorted_by_box()
+        t = tables[0] if len(tables) == 1 else ChunkTable.concat(tables, len(leaf.shape))
+        t = t.sorted_by_box()
         _check_found(leaf, t, where)
         if t.crc_offset is None:
             t.crc_offset = np.zeros(len(t), np.int64)
