@@ -82,6 +82,9 @@ def main() -> None:
         failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, fail_target, options))
     result: dict[str, object] = {}
     store = dist.distributed_c10d._get_default_store()
+    # (the mesh's subgroups above put their own keys in the store, rank by rank: count
+    # once every rank has made them)
+    dist.barrier()
     keys_before = store.num_keys()
     runs = [
         ("True/None", True, None, None),
