@@ -239,26 +239,32 @@ class ChunkFinder:
         for (q, _), got in zip(items, results, strict=True):
             for a, r in got.items():
                 found[a].append((q, r))
-        built = [(leaf, self._table(leaf, found[a])) for a, leaf in leaves.items()]
+        built: list[tuple[ArrayLeaf, ChunkTable, str]] = []
+        for a, leaf in leaves.items():
+            where = f"{self.storage.url}, leaf {leaf.name!r}"
+            built.append((leaf, self._table(leaf, found[a], where), where))
         from .validate import check_chunk_tables
 
         check_chunk_tables(
-            [(leaf, t, f"{self.storage.url}, leaf {leaf.name!r}") for leaf, t in built],
-            [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf, _ in built],  # (_table checked them)
+            built,
+            [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf, _, _ in built],  # (_table checked them)
             self._per_process()[2],
         )
-        out = empty
-        for leaf, t in built:
+        out: dict[int, ChunkTable] = {}
+        for leaf, t, _ in built:
             t.intern_boxes(self._boxes)
             out[id(leaf)] = t
+        out.update(empty)
         return out
 
-    def _table(self, leaf: ArrayLeaf, parts: list[tuple[int, rec.Records]]) -> ChunkTable:
+    def _table(
+        self, leaf: ArrayLeaf, parts: list[tuple[int, rec.Records]], where: str
+    ) -> ChunkTable:
         """The leaf's chunks from the records of the processes that hold them, in box
-        order, with global file numbers (check_chunk_tables checks them after)."""
+        order, with global file numbers (check_chunk_tables checks them after). `where`
+        names the leaf in errors."""
         m = self.manifest
         assert m.processes is not None
-        where = f"{self.storage.url}, leaf {leaf.name!r}"
         base, nfiles_of, _ = self._per_process()
         dt = NAME_TO_DTYPE.get(leaf.dtype)
         if dt is None:

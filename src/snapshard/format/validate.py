@@ -159,7 +159,7 @@ def check_chunks(
         return
     shape = np.asarray(leaf.shape, dtype=np.int64)
     checks = _chunk_checks(t, shape, itemsize, np.asarray(file_sizes, dtype=np.int64), None)
-    if np.any(np.logical_or.reduce([bad for bad, _ in checks])):
+    if _any_problem(checks):
         for bad, explain in checks:
             if np.any(bad):
                 raise CorruptCheckpointError(f"{name}: {explain(int(np.flatnonzero(bad)[0]))}")
@@ -203,10 +203,15 @@ def check_chunk_tables(
             file_sizes,
             first,
         )
-        if np.any(np.logical_or.reduce([bad for bad, _ in checks])):
+        if _any_problem(checks):
             for k in ks:
-                leaf, t, name = tables[k]
-                check_chunks(leaf, t, itemsizes[k], cast(list[int], file_sizes), name)
+                leaf, table, name = tables[k]
+                check_chunks(leaf, table, itemsizes[k], cast(list[int], file_sizes), name)
+
+
+def _any_problem(checks: list[tuple[np.ndarray, Callable[[int], str]]]) -> bool:
+    """Whether any chunk fails any of `_chunk_checks` (one reduction, not one per check)."""
+    return bool(np.any(np.logical_or.reduce([bad for bad, _ in checks])))
 
 
 def _chunk_checks(
