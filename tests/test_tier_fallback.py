@@ -11,9 +11,9 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import snapshard
-from snapshard.adapters.jax_arrays import slices_to_box
 from snapshard.manager import LocalTier
 from snapshard.manager.local_tier import box_key, build_from_local
+from snapshard.planning.layout import slices_to_box
 
 from conftest import mesh, sharded
 

@@ -12,7 +12,7 @@ pytest.importorskip("torch")
 import multiproc
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-ENV = {"OMP_NUM_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1", "SNAPSHARD_TEST_WITHOUT_JAX": "1"}  # a PyTorch-only install
 
 
 def _run(cmd: str, n: int, root) -> list:

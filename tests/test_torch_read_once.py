@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 import multiproc
 
-ENV = {"OMP_NUM_THREADS": "1"}
+ENV = {"OMP_NUM_THREADS": "1", "SNAPSHARD_TEST_WITHOUT_JAX": "1"}  # a PyTorch-only install
 
 
 @pytest.mark.multiprocess

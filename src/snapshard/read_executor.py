@@ -25,19 +25,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
 
-import jax
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .adapters.jax_arrays import (
-    assemble,
-    key_array,
-    key_dtype_is_prng,
-    local_device_boxes,
-    resolve_target_sharding,
-    start_cpu_donation_check,
-    to_devices,
-)
+from .adapters.loaded import is_jax_array, is_prng_key_dtype, is_shape_dtype_struct
 from .checksum import BlockVerifier
 from .dtypes import dtype_from_name
 from .errors import (
@@ -129,12 +120,11 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
             return request_boxes(Request(saved, "key", saved_dtype), None)
         kind = "scalar" if saved.kind == "scalar" else "numpy"
         return request_boxes(Request(saved, kind, saved_dtype), None)
-    if isinstance(target, jax.Array | jax.ShapeDtypeStruct):
+    if is_jax_array(target) or is_shape_dtype_struct(target):
+        from .adapters.jax_arrays import resolve_target_sharding
+
         shape, dtype = tuple(target.shape), target.dtype
-        sharding = (
-            target.sharding if isinstance(target, jax.Array) else getattr(target, "sharding", None)
-        )
-        sharding = resolve_target_sharding(sharding, mesh, leaf=name)
+        sharding = resolve_target_sharding(getattr(target, "sharding", None), mesh, leaf=name)
     elif isinstance(target, np.ndarray | np.generic):
         shape, dtype, sharding = tuple(np.shape(target)), target.dtype, None
     else:
@@ -142,7 +132,7 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
             f"{url}: target for leaf {name!r} is a {type(target).__name__}; expected jax.Array, "
             "jax.ShapeDtypeStruct or np.ndarray"
         )
-    wants_key = key_dtype_is_prng(dtype)
+    wants_key = is_prng_key_dtype(dtype)
     if wants_key and saved.kind != "prng_key":
         raise TargetMismatchError(
             f"{url}: leaf {name!r} was saved as {saved.dtype} data, the target asks for PRNG keys"
@@ -168,6 +158,8 @@ def request_boxes(req: Request, sharding: Any) -> Request:
     if sharding is None:
         boxes = [(tuple(0 for _ in shape), shape, [])]
     else:
+        from .adapters.jax_arrays import local_device_boxes
+
         boxes = local_device_boxes(sharding, shape)
     for start, stop, devices in boxes:
         s, e = np.asarray(start, dtype=np.int64), np.asarray(stop, dtype=np.int64)
@@ -701,12 +693,14 @@ def build(req: Request) -> Any:
     if req.kind in ("numpy", "scalar"):
         a = host(req.dests[0], req.dtype)
         return a[()] if req.kind == "scalar" else a
+    from .adapters.jax_arrays import assemble, key_array, to_devices  # keys and jax.Arrays
+
     if req.kind == "key":
         # Key arrays are small: every process reads all of the key data and builds its part.
         impl = req.saved.key_impl
         data = host(req.dests[0], saved_dtype)
         return key_array(data, impl, req.sharding)
-    per_device: dict[Any, jax.Array] = {}
+    per_device: dict[Any, Any] = {}
     for d in req.dests:
         per_device.update(zip(d.devices, to_devices(host(d, req.dtype), d.devices), strict=True))
     return assemble(req.saved.shape, req.sharding, per_device)
@@ -900,6 +894,8 @@ def execute(
     """
     budget = None if all(r.kind in ("numpy", "scalar") for r in reqs) else memory_budget
     if any(len(d.devices) > 1 and d.devices[0].platform == "cpu" for r in reqs for d in r.dests):
+        from .adapters.jax_arrays import start_cpu_donation_check
+
         start_cpu_donation_check()  # overlaps the reads (see to_devices)
     results: dict[int, Any] = {}
     for batch in batches(reqs, lambda r: r.nbytes, budget):

@@ -31,14 +31,10 @@ import math
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
-from .adapters.jax_arrays import slices_to_box
 from .coordination import default_coordinator
 from .coordination.base import Coordinator
 from .coordination.rendezvous import (
@@ -46,10 +42,10 @@ from .coordination.rendezvous import (
     Rendezvous,
     all_succeeded,
     namespace,
-    on_every_process,
 )
 from .dtypes import dtype_from_name
 from .planning.exchange import cuts_rows
+from .planning.layout import slices_to_box
 from .read_executor import (
     Expand,
     ReadDests,
@@ -60,6 +56,11 @@ from .read_executor import (
     request_boxes,
 )
 from .read_executor import execute as execute_all
+from .read_once_policy import wanted
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import NamedSharding
 
 _READ_AXIS = "snapshard_read"
 
@@ -118,6 +119,9 @@ def _spec_axes(entry: Any) -> list[str]:
 def _named_candidates(sharding: NamedSharding, shape: tuple[int, ...]) -> list[NamedSharding]:
     """Read shardings for a NamedSharding: its unused mesh axes (all of them, then only those
     that span processes) appended to one array axis they divide, major axes first."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     mesh = sharding.mesh
     if getattr(mesh, "devices", None) is None:  # an abstract mesh
         return []
@@ -152,6 +156,9 @@ def _flat_candidates(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...]
 ) -> list[NamedSharding]:
     """Other shardings: a 1-D mesh of their devices (process-major), cutting one axis."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     devices: list[Any] = sorted(sharding.device_set, key=lambda d: (d.process_index, d.id))
     mesh = Mesh(np.array(devices), (_READ_AXIS,))
     out = []
@@ -165,6 +172,9 @@ def _flat_candidates(
 
 def _band_candidates(sharding: jax.sharding.Sharding, shape: tuple[int, ...]) -> list[Any]:
     """Read shardings that cut only the first axis, over every device: whole rows."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
     if not shape:
         return []
     if isinstance(sharding, NamedSharding):
@@ -201,6 +211,8 @@ def leaf_plan(
     box is held by more than one process, and the target does not cut the saved rows) or
     when no read sharding fits its shape. Where it cuts them, read shardings of whole rows
     come first."""
+    from jax.sharding import NamedSharding
+
     try:
         target = _boxes_by_process(sharding, shape)
     except Exception:  # shardings that cannot list their devices' boxes: read as usual
@@ -240,6 +252,8 @@ class _Once:
 @lru_cache(maxsize=64)
 def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
     """One program moving a whole batch onto its target shardings (one compilation)."""
+    import jax
+
     return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
@@ -276,34 +290,6 @@ def plan(
     return out
 
 
-def wanted(location: str, enabled: bool | None, coord: Coordinator, timeout_s: float) -> bool:
-    """Whether a restore of several processes whose read-once plan is not empty reads
-    once: as `enabled` asks; by default on object stores, and on a network filesystem
-    (storage/mounts.py) where every process's mount table says so. There every byte read
-    again crosses the network and loads storage the whole job shares; on a disk of the
-    machine itself, moving the bytes between processes (CPU collectives over loopback
-    here) measured slower than reading them again (see docs/design.md).
-
-    The hosts' mount tables may differ (a file server that also computes sees the path on
-    its own disk), and processes that chose differently would wait for each other in the
-    read-once agreement: so on a filesystem they agree first (`on_every_process`, one
-    report each). Call it only where the plan is not empty: that is the same on every
-    process, and a restore without read-once work stays free of coordination."""
-    if enabled is not None:
-        return enabled
-    from .storage import is_object_store_url
-    from .storage.mounts import is_network_filesystem
-
-    if is_object_store_url(location):
-        return True
-    try:
-        mine = is_network_filesystem(location)
-    except Exception:  # this process must still report, or the others wait for it
-        mine = False
-    rv = Rendezvous(coord, namespace("read-once", location), f"load of {location}", timeout_s)
-    return on_every_process(rv, mine)
-
-
 def execute(
     reqs: list[Request],
     read: ReadDests,
@@ -329,6 +315,8 @@ def execute(
     )
     if not once or not wanted(location, enabled, coord, timeout_s):
         return execute_all(reqs, read, memory_budget=memory_budget, stats=stats, expand=expand)
+    import jax  # (here, not at the top: a restore without jax targets never imports JAX)
+
     for i in once:
         reqs[i].dests.clear()  # the target boxes' buffers: not read into
     rv = Rendezvous(coord, namespace("load", location), f"load of {location}", timeout_s)

@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import numpy as np
 
 from . import per_process
 from .adapters.iterators import is_data_iterator, restore_iterator
+from .adapters.loaded import is_jax_array, is_shape_dtype_struct
 from .checksum import crc32c
 from .coordination import default_coordinator
 from .dtypes import dtype_from_name
@@ -33,11 +33,12 @@ from .tree import Path, keypath_to_path, path_str, unflatten, warn_lost_classes
 
 
 def is_target_leaf(x: Any) -> bool:
-    return isinstance(
-        x,
-        jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct | bool | int | float | str
-        | bytes | PerProcess,
-    ) or is_data_iterator(x)
+    return (
+        isinstance(x, np.ndarray | np.generic | bool | int | float | str | bytes | PerProcess)
+        or is_jax_array(x)
+        or is_shape_dtype_struct(x)
+        or is_data_iterator(x)
+    )
 
 
 def _is_python_value(x: Any) -> bool:
@@ -136,6 +137,8 @@ def missing_target_leaf(url: str, path: Path, saved: Mapping[Path, Any]) -> Targ
 
 def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple[Path, Any]], Any]:
     """(path, target leaf) pairs of the target, and its treedef."""
+    import jax  # a target is a pytree (which may hold registered nodes): JAX flattens it
+
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
     saved = manifest.leaf_by_path()
     pairs = []
@@ -224,5 +227,4 @@ def load(
         by_index: Callable[[int], Any] = lambda i: results[manifest.leaves[i].path]  # noqa: E731
         warn_lost_classes(manifest.structure)
         return unflatten(manifest.structure, by_index)
-    return jax.tree_util.tree_unflatten(treedef, [results[p] for p, _ in pairs])
-
+    return treedef.unflatten([results[p] for p, _ in pairs])

@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import codecs, per_process, write_tuning
-from .adapters.jax_arrays import mesh_and_spec
 from .adapters.leaves import SaveArray, classify, is_save_leaf
+from .adapters.loaded import is_jax_array
 from .background import BackgroundTask
 from .checksum import block_crcs, crc32c
 from .coordination import Coordinator, default_coordinator
@@ -484,7 +484,11 @@ def _describe(
 def _description(arr: SaveArray) -> tuple[dict[str, Any], Mesh | None]:
     if arr.devices is None and isinstance(arr.source, np.ndarray | np.generic):
         return {"kind": "host"}, None
-    found = mesh_and_spec(getattr(arr.source, "sharding", None), len(arr.shape))
+    found = None
+    if is_jax_array(arr.source):
+        from .adapters.jax_arrays import mesh_and_spec
+
+        found = mesh_and_spec(arr.source.sharding, len(arr.shape))
     if found is not None:
         axes, shape, processes, spec = found
         mesh = Mesh(axes, shape, processes)

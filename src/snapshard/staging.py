@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from .adapters.jax_arrays import cpu_donation_keeps_memory
 from .adapters.leaves import SaveArray
 from .errors import SnapshardError
 from .planning import WritePlan
@@ -62,9 +61,11 @@ Snapshot = dict[int, dict[Box, np.ndarray]]
 def _on_host(data: Any, asynchronous: bool = True) -> np.ndarray | None:
     """The zero-copy host view of a CPU shard where that is safe (`asynchronous`: the view
     outlives the call that staged it), else None."""
-    if data.device.platform == "cpu" and (not asynchronous or cpu_donation_keeps_memory()):
-        return np.asarray(data)
-    return None
+    if data.device.platform != "cpu":
+        return None
+    from .adapters.jax_arrays import cpu_donation_keeps_memory  # data is a jax.Array
+
+    return np.asarray(data) if not asynchronous or cpu_donation_keeps_memory() else None
 
 
 def host_snapshot(arrays: list[tuple[int, SaveArray]], process: int) -> Snapshot:

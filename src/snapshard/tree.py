@@ -12,6 +12,8 @@ by field or key (the class itself is not imported back: that would need pickle-l
 
 from __future__ import annotations
 
+import collections
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,16 +35,19 @@ def _is_namedtuple(x: Any) -> bool:
     return isinstance(x, tuple) and hasattr(type(x), "_fields")
 
 
+def _dict_key(k: Any, where: Path) -> PathKey:
+    if isinstance(k, bool) or not isinstance(k, str | int):
+        raise UnsupportedLeafError(
+            f"at {path_str(where)!r}: dict key {k!r} is not a str or int and cannot be stored"
+        )
+    return k
+
+
 def _key_component(key: Any, where: Path) -> PathKey:
     import jax  # here, not at the top: the format and planning modules import this one
 
     if isinstance(key, jax.tree_util.DictKey):
-        k = key.key
-        if isinstance(k, bool) or not isinstance(k, str | int):
-            raise UnsupportedLeafError(
-                f"at {path_str(where)!r}: dict key {k!r} is not a str or int and cannot be stored"
-            )
-        return k
+        return _dict_key(key.key, where)
     if isinstance(key, jax.tree_util.SequenceKey):
         return int(key.idx)
     if isinstance(key, jax.tree_util.GetAttrKey):
@@ -71,8 +76,6 @@ class FlatTree:
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
     """Walk `tree`; `is_leaf` says which values are leaves (None is always a value leaf)."""
-    import jax
-
     paths: list[Path] = []
     leaves: list[Any] = []
 
@@ -87,7 +90,7 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
         if type(node) is dict:
             keys = list(node.keys())
             for k in keys:
-                _key_component(jax.tree_util.DictKey(k), path)
+                _dict_key(k, path)
             return {"t": "dict", "k": keys, "c": [walk(node[k], (*path, k)) for k in keys]}
         if type(node) is list:
             return {"t": "list", "c": [walk(v, (*path, i)) for i, v in enumerate(node)]}
@@ -102,7 +105,7 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
                 "c": [walk(getattr(node, f), (*path, f)) for f in fields],
             }
         try:
-            children = _one_level(node)
+            children = _one_level(node, path)
         except ValueError:
             kind = f"{type(node).__module__}.{type(node).__qualname__}"
             hint = (
@@ -115,8 +118,7 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
             ) from None
         keys_out: list[PathKey] = []
         kids: list[JsonNode] = []
-        for key, child in children:
-            k = _key_component(key, path)
+        for k, child in children:
             keys_out.append(k)
             kids.append(walk(child, (*path, k)))
         return {
@@ -130,18 +132,38 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
     return FlatTree(structure, paths, leaves)
 
 
-def _one_level(node: Any) -> list[tuple[Any, Any]]:
-    """(key, child) pairs of a registered pytree node; ValueError for a leaf."""
-    import jax
+def dict_subclass_children(node: Any, where: Path) -> list[tuple[PathKey, Any]] | None:
+    """(key, child) pairs of an OrderedDict (insertion order) or a defaultdict (sorted keys),
+    the order JAX gives them; None for other values."""
+    if isinstance(node, collections.OrderedDict):
+        return [(_dict_key(k, where), v) for k, v in node.items()]
+    if isinstance(node, collections.defaultdict):
+        return [(_dict_key(k, where), node[k]) for k in sorted(node)]
+    return None
 
+
+def _one_level(node: Any, where: Path) -> list[tuple[PathKey, Any]]:
+    """(key, child) pairs of a registered pytree node; ValueError for a leaf.
+
+    Where JAX is not imported no class can be registered with it, and the dict subclasses
+    that JAX registers itself (what `state_dict()` returns is an OrderedDict) are taken
+    apart here, in JAX's order: a checkpoint's structure never depends on whether JAX was
+    imported."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        children = dict_subclass_children(node, where)
+        if children is None:
+            raise ValueError("not a pytree node")
+        return children
     one_level = getattr(jax.tree_util, "flatten_one_level_with_keys", None)
     if one_level is not None:
-        return list(one_level(node)[0])
-    # JAX before 0.4.36: flatten with every child a leaf.
-    flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
-    if len(flat) == 1 and flat[0][0] == () and flat[0][1] is node:
-        raise ValueError("not a pytree node")
-    return [(keypath[0], child) for keypath, child in flat]
+        pairs = list(one_level(node)[0])
+    else:  # JAX before 0.4.36: flatten with every child a leaf.
+        flat, _ = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)
+        if len(flat) == 1 and flat[0][0] == () and flat[0][1] is node:
+            raise ValueError("not a pytree node")
+        pairs = [(keypath[0], child) for keypath, child in flat]
+    return [(_key_component(key, where), child) for key, child in pairs]
 
 
 def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:

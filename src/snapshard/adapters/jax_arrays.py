@@ -14,20 +14,9 @@ import jax
 import numpy as np
 
 from ..errors import TargetMismatchError
-from ..planning.layout import ArrayLayout
+from ..planning.layout import ArrayLayout, slices_to_box
 
 Index = tuple[slice, ...]
-
-
-def slices_to_box(index: Index, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    start, stop = [], []
-    for s, n in zip(index, shape, strict=True):
-        a, b, step = s.indices(n)
-        if step != 1:
-            raise ValueError(f"strided shard index {index} is not supported")
-        start.append(a)
-        stop.append(b)
-    return tuple(start), tuple(stop)
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,21 +51,6 @@ def layout_of(
     process = np.array([d.process_index for d in devices], dtype=np.int64)
     return PlacedLayout(
         ArrayLayout(shape, itemsize, starts, stops, replica, process), tuple(devices)
-    )
-
-
-@lru_cache(maxsize=64)
-def host_layout(shape: tuple[int, ...], itemsize: int, process_count: int) -> ArrayLayout:
-    """A host (NumPy) value: every process holds all of it, as replica number `process`."""
-    nd = len(shape)
-    n = process_count
-    return ArrayLayout(
-        shape,
-        itemsize,
-        np.zeros((n, nd), dtype=np.int64),
-        np.tile(np.asarray(shape, dtype=np.int64), (n, 1)),
-        np.arange(n),
-        np.arange(n),
     )
 
 

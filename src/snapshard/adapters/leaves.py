@@ -5,25 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import numpy as np
 
 from ..dtypes import dtype_name, little_endian
 from ..errors import DeletedArrayError, UnsupportedLeafError
 from ..format.manifest import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess
-from ..planning.layout import ArrayLayout
+from ..planning.layout import ArrayLayout, host_layout
 from ..tree import Path, path_str
 from .iterators import is_data_iterator, iterator_record
-from .jax_arrays import describe_sharding, host_layout, is_prng_key, layout_of
+from .loaded import is_jax_array
 
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 
 
 def is_save_leaf(x: Any) -> bool:
-    return isinstance(
-        x, (jax.Array, np.ndarray, np.generic, PerProcess, *VALUE_TYPES)
-    ) or is_data_iterator(x)
+    return (
+        isinstance(x, (np.ndarray, np.generic, PerProcess, *VALUE_TYPES))
+        or is_jax_array(x)
+        or is_data_iterator(x)
+    )
 
 
 @dataclass(eq=False)
@@ -55,31 +56,8 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
         value, np.generic
     ):  # np.float64 is a float
         return ValueLeaf(path, value)
-    if isinstance(value, jax.Array):
-        if value.is_deleted():
-            raise DeletedArrayError(
-                f"leaf {name!r}: the jax.Array was deleted or donated (e.g. passed to a jitted "
-                f"function with donate_argnums) before the save; save the array that replaced it"
-            )
-        kind, key_impl, data = "array", None, value
-        if is_prng_key(value):
-            kind, key_impl = "prng_key", str(jax.random.key_impl(value))
-            data = jax.random.key_data(value)
-        dt = np.dtype(data.dtype)
-        dtype_name(dt, leaf=name)
-        shape = tuple(int(s) for s in data.shape)
-        placed = layout_of(shape, dt.itemsize, data.sharding)
-        return SaveArray(
-            path,
-            kind,
-            dt,
-            shape,
-            placed.layout,
-            placed.devices,
-            data,
-            describe_sharding(data.sharding),
-            key_impl,
-        )
+    if is_jax_array(value):
+        return _jax_save_array(path, name, value)
     if isinstance(value, np.ndarray | np.generic):
         arr = little_endian(np.asarray(value))
         dtype_name(arr.dtype, leaf=name)
@@ -89,4 +67,35 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
         return SaveArray(path, kind, arr.dtype, shape, layout, None, arr, {"type": "host"})
     raise UnsupportedLeafError(
         f"leaf {name!r}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved"
+    )
+
+
+def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
+    import jax
+
+    from .jax_arrays import describe_sharding, is_prng_key, layout_of
+
+    if value.is_deleted():
+        raise DeletedArrayError(
+            f"leaf {name!r}: the jax.Array was deleted or donated (e.g. passed to a jitted "
+            f"function with donate_argnums) before the save; save the array that replaced it"
+        )
+    kind, key_impl, data = "array", None, value
+    if is_prng_key(value):
+        kind, key_impl = "prng_key", str(jax.random.key_impl(value))
+        data = jax.random.key_data(value)
+    dt = np.dtype(data.dtype)
+    dtype_name(dt, leaf=name)
+    shape = tuple(int(s) for s in data.shape)
+    placed = layout_of(shape, dt.itemsize, data.sharding)
+    return SaveArray(
+        path,
+        kind,
+        dt,
+        shape,
+        placed.layout,
+        placed.devices,
+        data,
+        describe_sharding(data.sharding),
+        key_impl,
     )

@@ -6,6 +6,7 @@ is thread-safe, so saves may use it from their background thread.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -127,6 +128,8 @@ class JaxDistributedCoordinator(Coordinator):
 
 
 def distributed_is_initialized() -> bool:
+    if "jax" not in sys.modules:  # (jax.distributed cannot run without JAX imported)
+        return False
     from jax._src import distributed
 
     return distributed.global_state.client is not None

@@ -1,7 +1,6 @@
 """Numbered steps with save and retention policies."""
 
 from .framework import JAX, Framework, StartedSave
-from .local_tier import LocalTier
 from .manager import BackgroundSaveError, CheckpointManager
 from .policies import (
     AnyOf,
@@ -17,6 +16,7 @@ from .policies import (
     StepInfo,
     young_daly_interval,
 )
+from .tier_config import LocalTier
 
 __all__ = [
     "JAX",

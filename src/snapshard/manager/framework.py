@@ -33,9 +33,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-
-from ..adapters.jax_arrays import start_cpu_donation_check
 from ..adapters.leaves import is_save_leaf
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.jax_distributed import preemption_sync_point
@@ -85,6 +82,10 @@ def _jax_start_save(
 
 
 def _jax_warm_up() -> None:
+    import jax  # (a PyTorch manager imports this module too)
+
+    from ..adapters.jax_arrays import start_cpu_donation_check
+
     if jax.default_backend() == "cpu":  # where saves stage CPU arrays without a copy
         start_cpu_donation_check()
 

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..background import BackgroundTask
 from ..coordination import Coordinator
@@ -36,14 +36,6 @@ from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import DEFAULT_LEASE_TIMEOUT_S, WriterLease
 from ..tree import FlatTree, flatten
 from .framework import JAX, Framework, StartedSave
-from .local_tier import (
-    LocalStore,
-    LocalTier,
-    RestoreReport,
-    TierReport,
-    restore_from_tiers,
-    stage_local,
-)
 from .policies import (
     AnyOf,
     AtSteps,
@@ -58,6 +50,10 @@ from .policies import (
     young_daly_interval,
 )
 from .references import References, identical_leaves, is_retained, saved_arrays
+from .tier_config import LocalTier, RestoreReport, TierReport
+
+if TYPE_CHECKING:
+    from .local_tier import LocalStore
 
 log = logging.getLogger("snapshard")
 
@@ -167,11 +163,13 @@ class CheckpointManager:
         self._references = References(self._root)
         self._retained: set[str] = set()
         self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
-        self._local = (
-            LocalStore(local_tier, self._coord.process_index, self._coord.process_count)
-            if local_tier
-            else None
-        )
+        self._local: LocalStore | None = None
+        if local_tier:
+            from .local_tier import LocalStore  # the tier works on jax.Arrays (JAX only)
+
+            self._local = LocalStore(
+                local_tier, self._coord.process_index, self._coord.process_count
+            )
         if self._local is not None:
             self._local.retain(self._local.tier.max_to_keep)
         self._start(lease_timeout_s, takeover)
@@ -390,6 +388,8 @@ class CheckpointManager:
         snapshot = None
         if local:
             assert self._local is not None
+            from .local_tier import stage_local
+
             local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
         started: StartedSave | None = None
         if persistent:
@@ -501,6 +501,8 @@ class CheckpointManager:
         t0 = time.perf_counter()
         skipped: tuple[str, ...] = ()
         if self._local is not None and target is not None:
+            from .local_tier import restore_from_tiers
+
             out, report = restore_from_tiers(
                 self._local,
                 self._coord,

@@ -8,7 +8,7 @@ process id), so every process builds the same layout with no communication.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -65,6 +65,35 @@ class ArrayLayout:
     @cached_property
     def shards(self) -> ShardGroups:
         return ShardGroups.of(self)
+
+
+@lru_cache(maxsize=64)
+def host_layout(shape: tuple[int, ...], itemsize: int, process_count: int) -> ArrayLayout:
+    """A host (NumPy) value: every process holds all of it, as replica number `process`."""
+    nd = len(shape)
+    n = process_count
+    return ArrayLayout(
+        shape,
+        itemsize,
+        np.zeros((n, nd), dtype=np.int64),
+        np.tile(np.asarray(shape, dtype=np.int64), (n, 1)),
+        np.arange(n),
+        np.arange(n),
+    )
+
+
+def slices_to_box(
+    index: tuple[slice, ...], shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box [start, stop) of a basic (step 1) index into an array of `shape`."""
+    start, stop = [], []
+    for s, n in zip(index, shape, strict=True):
+        a, b, step = s.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {index} is not supported")
+        start.append(a)
+        stop.append(b)
+    return tuple(start), tuple(stop)
 
 
 @dataclass(frozen=True, eq=False)

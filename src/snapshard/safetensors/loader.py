@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-import jax
 import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
@@ -115,6 +114,8 @@ def load(
             targets: list[Any] = [None] * len(names)
             treedef = None
         else:
+            import jax  # a target is a pytree: JAX flattens it
+
             flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
             names = [tensor_name(kp) for kp, _ in flat]
             targets = [t for _, t in flat]
@@ -145,4 +146,4 @@ def load(
     stats.total_s = time.perf_counter() - t_start
     if treedef is None:
         return dict(zip(names, built, strict=True))
-    return jax.tree_util.tree_unflatten(treedef, built)
+    return treedef.unflatten(built)

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..adapters.jax_arrays import host_layout
 from ..adapters.leaves import VALUE_TYPES, SaveArray
 from ..errors import UnsupportedLeafError
 from ..format.manifest import ValueLeaf
+from ..planning.layout import host_layout
 from ..tree import Path, path_str
 from .dtypes import numpy_dtype
 from .layout import PlacementSpec, ShardSpec, TensorLayout, expand_submesh, tensor_layout

@@ -32,7 +32,7 @@ from ..read_executor import (
     batches,
     saved_boxes,
 )
-from ..read_once import wanted
+from ..read_once_policy import wanted
 from ..restore import load as _load_numpy
 from ..restore import missing_target_leaf
 from ..safetensors.surgery import Transform

@@ -32,10 +32,10 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
-from ..adapters.jax_arrays import host_layout
 from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..errors import SnapshardError
 from ..planning import ArrayLayout
+from ..planning.layout import host_layout
 from ..planning.write_plan import plan_balanced
 from ..staging import Box
 from .leaves import dtensor_layout, is_dtensor

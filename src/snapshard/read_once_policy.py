@@ -1,0 +1,34 @@
+"""When a restore of several processes reads each byte once (shared by the JAX and PyTorch
+read-once paths, and free of either framework)."""
+
+from __future__ import annotations
+
+from .coordination.base import Coordinator
+from .coordination.rendezvous import Rendezvous, namespace, on_every_process
+from .storage import is_object_store_url
+from .storage.mounts import is_network_filesystem
+
+
+def wanted(location: str, enabled: bool | None, coord: Coordinator, timeout_s: float) -> bool:
+    """Whether a restore of several processes whose read-once plan is not empty reads
+    once: as `enabled` asks; by default on object stores, and on a network filesystem
+    (storage/mounts.py) where every process's mount table says so. There every byte read
+    again crosses the network and loads storage the whole job shares; on a disk of the
+    machine itself, moving the bytes between processes (CPU collectives over loopback
+    here) measured slower than reading them again (see docs/design.md).
+
+    The hosts' mount tables may differ (a file server that also computes sees the path on
+    its own disk), and processes that chose differently would wait for each other in the
+    read-once agreement: so on a filesystem they agree first (`on_every_process`, one
+    report each). Call it only where the plan is not empty: that is the same on every
+    process, and a restore without read-once work stays free of coordination."""
+    if enabled is not None:
+        return enabled
+    if is_object_store_url(location):
+        return True
+    try:
+        mine = is_network_filesystem(location)
+    except Exception:  # this process must still report, or the others wait for it
+        mine = False
+    rv = Rendezvous(coord, namespace("read-once", location), f"load of {location}", timeout_s)
+    return on_every_process(rv, mine)
