@@ -29,7 +29,7 @@ from .read_executor import build as build_request
 from .read_once import execute as execute_read_once
 from .sources import open_checkpoint
 from .storage import Location, Storage, storage_for
-from .tree import Path, keypath_to_path, path_str, unflatten, warn_lost_classes
+from .tree import Path, TargetTree, flatten_target, path_str, unflatten, warn_lost_classes
 
 
 def is_target_leaf(x: Any) -> bool:
@@ -135,19 +135,14 @@ def missing_target_leaf(url: str, path: Path, saved: Mapping[Path, Any]) -> Targ
     )
 
 
-def _match_target(manifest: Manifest, target: Any, url: str) -> tuple[list[tuple[Path, Any]], Any]:
-    """(path, target leaf) pairs of the target, and its treedef."""
-    import jax  # a target is a pytree (which may hold registered nodes): JAX flattens it
-
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
+def _match_target(manifest: Manifest, target: Any, url: str) -> TargetTree:
+    """The target's leaves by path, each checked to be in the checkpoint."""
+    tree = flatten_target(target, is_target_leaf)
     saved = manifest.leaf_by_path()
-    pairs = []
-    for keypath, t in flat:
-        path = keypath_to_path(keypath)
+    for path in tree.paths:
         if path not in saved:
             raise missing_target_leaf(url, path, saved)
-        pairs.append((path, t))
-    return pairs, treedef
+    return tree
 
 
 @collection_paused()
@@ -186,9 +181,10 @@ def load(
         url = storage.url
         if target is None:
             pairs = [(leaf.path, None) for leaf in manifest.leaves]
-            treedef = None
+            matched = None
         else:
-            pairs, treedef = _match_target(manifest, target, url)
+            matched = _match_target(manifest, target, url)
+            pairs = list(zip(matched.paths, matched.leaves, strict=True))
         saved = manifest.leaf_by_path()
         results: dict[Path, Any] = {}
         reqs: list[tuple[Path, Request]] = []
@@ -223,8 +219,8 @@ def load(
         if owns_storage:
             storage.close()
     stats.total_s = time.perf_counter() - t_start
-    if treedef is None:
+    if matched is None:
         by_index: Callable[[int], Any] = lambda i: results[manifest.leaves[i].path]  # noqa: E731
         warn_lost_classes(manifest.structure)
         return unflatten(manifest.structure, by_index)
-    return treedef.unflatten([results[p] for p, _ in pairs])
+    return matched.rebuild(results)

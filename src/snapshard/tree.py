@@ -166,6 +166,60 @@ def _one_level(node: Any, where: Path) -> list[tuple[PathKey, Any]]:
     return [(_key_component(key, where), child) for key, child in pairs]
 
 
+@dataclass(frozen=True)
+class TargetTree:
+    """A restore target taken apart: its leaves by path, and `rebuild`, which gives the
+    target back with the leaf at each path replaced by `values[path]`."""
+
+    paths: list[Path]
+    leaves: list[Any]
+    rebuild: Callable[[dict[Path, Any]], Any]
+
+
+def flatten_target(target: Any, is_leaf: Callable[[Any], bool]) -> TargetTree:
+    """Take a restore target apart. Where JAX is imported it flattens the target, so that
+    registered nodes (Flax modules, optax states) come back as their classes; without JAX no
+    such class can exist, and the containers `flatten` knows are rebuilt here. None is an
+    empty subtree in both (it stays None)."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_leaf)
+        paths = [keypath_to_path(k) for k, _ in flat]
+        return TargetTree(
+            paths,
+            [x for _, x in flat],
+            lambda values: treedef.unflatten([values[p] for p in paths]),
+        )
+    tree = flatten(target, lambda x: x is not None and is_leaf(x))
+    kept = [(p, x) for p, x in zip(tree.paths, tree.leaves, strict=True) if x is not None]
+    return TargetTree(
+        [p for p, _ in kept],
+        [x for _, x in kept],
+        lambda values: _replace_leaves(target, (), values),
+    )
+
+
+def _replace_leaves(node: Any, path: Path, values: dict[Path, Any]) -> Any:
+    """`node` rebuilt with the leaves at the paths of `values` replaced (containers copied)."""
+    if path in values:
+        return values[path]
+    if type(node) is dict:
+        return {k: _replace_leaves(v, (*path, k), values) for k, v in node.items()}
+    if type(node) is list:
+        return [_replace_leaves(v, (*path, i), values) for i, v in enumerate(node)]
+    if type(node) is tuple:
+        return tuple(_replace_leaves(v, (*path, i), values) for i, v in enumerate(node))
+    if _is_namedtuple(node):
+        fields = node._fields
+        return type(node)(*[_replace_leaves(getattr(node, f), (*path, f), values) for f in fields])
+    if isinstance(node, collections.OrderedDict | collections.defaultdict):
+        out = node.copy()
+        for k in node:
+            out[k] = _replace_leaves(node[k], (*path, k), values)
+        return out
+    return node
+
+
 def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:
     """Rebuild plain containers from a stored structure; leaf i becomes `leaf_values(i)`."""
 

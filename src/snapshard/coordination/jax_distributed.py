@@ -137,6 +137,8 @@ def distributed_is_initialized() -> bool:
 
 def preemption_sync_point(step: int) -> bool | None:
     """JAX's preemption sync point, or None where the preemption service is not running."""
+    if not distributed_is_initialized():
+        return None
     from jax._src import distributed
     from jax.experimental import multihost_utils
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..adapters.leaves import is_save_leaf
+from ..adapters.loaded import jax_loaded
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.jax_distributed import preemption_sync_point
 from ..options import SaveOptions
@@ -82,7 +83,9 @@ def _jax_start_save(
 
 
 def _jax_warm_up() -> None:
-    import jax  # (a PyTorch manager imports this module too)
+    if not jax_loaded():  # no jax.Array can exist yet: NumPy state (or JAX not installed)
+        return
+    import jax
 
     from ..adapters.jax_arrays import start_cpu_donation_check
 

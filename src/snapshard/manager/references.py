@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from ..adapters.loaded import is_jax_array
 from ..format.reading import read_manifest
 from ..format.refs import referenced_files
 from ..storage import CheckpointRoot, Storage
@@ -126,12 +127,10 @@ class References:
 def saved_arrays(flat: FlatTree) -> dict[Path, weakref.ref[Any]]:
     """Weak references to the jax.Arrays of a saved tree, by path: the identity shortcut of
     incremental saves (the manager never keeps an array alive for it)."""
-    import jax
-
     return {
         p: weakref.ref(x)
         for p, x in zip(flat.paths, flat.leaves, strict=True)
-        if isinstance(x, jax.Array)
+        if is_jax_array(x)
     }
 
 

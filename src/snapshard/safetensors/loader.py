@@ -23,7 +23,7 @@ from ..read_executor import (
 from ..read_once import execute as read_once_execute
 from ..restore import is_target_leaf
 from ..storage import Location, Storage
-from ..tree import keypath_to_path
+from ..tree import Path, flatten_target
 from .dtypes import DTYPES, numpy_dtype
 from .files import FileSet, open_files
 from .materialize import Planner
@@ -57,9 +57,9 @@ def source_arrays(files: FileSet, weight_map: Mapping[str, str] | None) -> dict[
     return out
 
 
-def tensor_name(keypath: tuple[Any, ...]) -> str:
+def tensor_name(path: Path) -> str:
     """The tensor name of a target leaf: its path keys joined with '.' (HF's convention)."""
-    return ".".join(str(k) for k in keypath_to_path(keypath))
+    return ".".join(str(k) for k in path)
 
 
 def _missing(name: str, arrays: Mapping[str, VArray], where: str) -> TargetMismatchError:
@@ -112,13 +112,11 @@ def load(
         if target is None:
             names = list(lazy)
             targets: list[Any] = [None] * len(names)
-            treedef = None
+            matched = None
         else:
-            import jax  # a target is a pytree: JAX flattens it
-
-            flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_target_leaf)
-            names = [tensor_name(kp) for kp, _ in flat]
-            targets = [t for _, t in flat]
+            matched = flatten_target(target, is_target_leaf)
+            names = [tensor_name(p) for p in matched.paths]
+            targets = matched.leaves
         planner = Planner()
         reqs = []
         for name, t in zip(names, targets, strict=True):
@@ -144,6 +142,6 @@ def load(
     finally:
         files.close()
     stats.total_s = time.perf_counter() - t_start
-    if treedef is None:
+    if matched is None:
         return dict(zip(names, built, strict=True))
-    return treedef.unflatten(built)
+    return matched.rebuild(dict(zip(matched.paths, built, strict=True)))
