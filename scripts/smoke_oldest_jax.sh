@@ -4,13 +4,21 @@
 # test files. Needs only PyPI (binary wheels; nothing is built from source).
 #   bash scripts/smoke_oldest_jax.sh            # the floors of pyproject.toml's jax and numpy ranges
 #   bash scripts/smoke_oldest_jax.sh 0.7.2      # another JAX version
+#   bash scripts/smoke_oldest_jax.sh newest     # the newest JAX and NumPy the ranges admit
 # Environment: SMOKE_VENV (where the environment goes; reused when it exists), PYTHON (the
 # interpreter to create it with), SMOKE_NUMPY (a NumPy requirement, e.g. "numpy>=2,<2.3").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 floor() { sed -n "s/.*\"$1>=\([0-9.]*\),.*/\1/p" pyproject.toml | head -1; }
+range() { sed -n "s/.*\"\($1>=[^\"]*\)\".*/\1/p" pyproject.toml | head -1; }
 JAX_VERSION="${1:-$(floor jax)}"
-NUMPY_REQ="${SMOKE_NUMPY:-numpy==$(floor numpy).*}"
+if [ "$JAX_VERSION" = newest ]; then
+  JAX_REQ="jax[cpu]$(range jax | sed 's/^jax//')"
+  NUMPY_REQ="${SMOKE_NUMPY:-$(range numpy)}"
+else
+  JAX_REQ="jax[cpu]==$JAX_VERSION"
+  NUMPY_REQ="${SMOKE_NUMPY:-numpy==$(floor numpy).*}"
+fi
 VENV="${SMOKE_VENV:-${TMPDIR:-/tmp}/snapshard-jax-$JAX_VERSION}"
 PYTHON="${PYTHON:-python3}"
 if [ ! -x "$VENV/bin/python" ]; then
@@ -19,7 +27,7 @@ fi
 pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --upgrade pip
 # One resolution for JAX, NumPy and the test tools, so that the pins hold together.
-"${pip[@]}" --only-binary=:all: "jax[cpu]==$JAX_VERSION" "$NUMPY_REQ" \
+"${pip[@]}" --only-binary=:all: "$JAX_REQ" "$NUMPY_REQ" \
   "crc32c>=2.4,<3" "ml_dtypes>=0.5,<0.7" \
   "pytest>=8,<10" "pytest-timeout>=2.3,<3" "hypothesis>=6.100,<7" "psutil>=5.9,<8" "tqdm>=4.66,<5"
 "${pip[@]}" --no-deps -e .
