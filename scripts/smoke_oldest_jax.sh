@@ -28,7 +28,7 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "${pip[@]}" --upgrade pip
 # One resolution for JAX, NumPy and the test tools, so that the pins hold together.
 "${pip[@]}" --only-binary=:all: "$JAX_REQ" "$NUMPY_REQ" \
-  "crc32c>=2.4,<3" "ml_dtypes>=0.5,<0.7" \
+  "crc32c>=2.4,<3" "ml_dtypes>=0.5,<0.7" "xxhash>=3.4,<5" \
   "pytest>=8,<10" "pytest-timeout>=2.3,<3" "hypothesis>=6.100,<7" "psutil>=5.9,<8" "tqdm>=4.66,<5"
 "${pip[@]}" --no-deps -e .
 "$VENV/bin/python" -c "import jax, numpy; print('jax', jax.__version__, 'numpy', numpy.__version__)"
