@@ -284,3 +284,10 @@ def manager_tree(step: int) -> dict[str, Any]:
 
 def manager_metrics(step: int) -> dict[str, Any]:
     return {"loss": 1.0 / step, "accuracy": step / 1000.0, "note": f"step {step}"}
+
+
+def incremental_tree(m: Any) -> dict[str, Any]:
+    """The tree of an incremental step on top of `single_tree` (its base): the sharded
+    arrays, keys and containers as in the base (saved as references to the base's files),
+    the host arrays replaced by the manager's step-200 tree (written by the step itself)."""
+    return {**single_tree(m), "host": manager_tree(200)}
