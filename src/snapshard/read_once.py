@@ -45,7 +45,7 @@ from .coordination.rendezvous import (
 )
 from .dtypes import dtype_from_name
 from .planning.exchange import cuts_rows
-from .planning.layout import slices_to_box
+from .planning.layout import Box, slices_to_box
 from .read_executor import (
     Expand,
     ReadDests,
@@ -63,8 +63,6 @@ if TYPE_CHECKING:
     from jax.sharding import NamedSharding
 
 _READ_AXIS = "snapshard_read"
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import numpy as np
 from .adapters.leaves import SaveArray
 from .errors import SnapshardError
 from .planning import WritePlan
+from .planning.layout import Box
 
 
 @dataclass
@@ -54,7 +55,6 @@ class StagedItem:
         self.deferred = None
 
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 Snapshot = dict[int, dict[Box, np.ndarray]]
 
 

@@ -23,14 +23,13 @@ from ..format import ArrayLeaf, ChunkTable, FileEntry, Leaf, Manifest
 # The restore path's own request and buffer types: reads here run exactly the code (and the
 # checksum verification) of a restore.
 from ..options import ReadOptions
+from ..planning.layout import Box
 from ..read_executor import Dest, ReadStats, aligned_empty, reader_of
 from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from . import local_path
 
 SAFETENSORS_SUFFIX = ".safetensors"
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 @dataclass

@@ -43,10 +43,11 @@ from ..dtypes import dtype_name
 from ..errors import CorruptCheckpointError, SnapshardError, StorageError
 from ..format.manifest import ArrayLeaf, ValueLeaf
 from ..options import SaveOptions
+from ..planning.layout import Box
 from ..read_executor import aligned_empty
 from ..restore import build_from_host, is_target_leaf, load
 from ..saving import classify_leaves, finish, prepare
-from ..staging import Box, Snapshot, host_snapshot
+from ..staging import Snapshot, host_snapshot
 from ..storage import LocalRoot, LocalStorage
 from ..storage.local import STAGING_SUFFIX, move_into_place
 from ..tree import FlatTree, keypath_to_path, path_str

@@ -69,6 +69,14 @@ class BackgroundSaveError(SnapshardError):
 
 
 class CheckpointManager:
+    """Numbered steps of one training run under one directory (see the module docstring).
+
+    `should_save(step)` and `save(step, tree)` (asynchronous by default: it returns once the
+    owned slices are on the host), `restore(step, target)`, `latest_step()` and
+    `all_steps()`, `reached_preemption(step)`, `wait_until_finished()`, `close()` (or use it
+    as a context manager). Every process of the job makes one and calls the same methods in
+    the same order; a background failure is raised by the next call, never swallowed."""
+
     def __init__(
         self,
         directory: Location | CheckpointRoot,

@@ -82,9 +82,11 @@ def host_layout(shape: tuple[int, ...], itemsize: int, process_count: int) -> Ar
     )
 
 
-def slices_to_box(
-    index: tuple[slice, ...], shape: tuple[int, ...]
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A box of an array: (start, stop) per axis, stop exclusive."""
+
+
+def slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
     """The box [start, stop) of a basic (step 1) index into an array of `shape`."""
     start, stop = [], []
     for s, n in zip(index, shape, strict=True):

@@ -70,6 +70,11 @@ class ArrayWritePlan:
 
 @dataclass(frozen=True, eq=False)
 class WritePlan:
+    """Who writes what in one save: one ArrayWritePlan per array, computed alike on every
+    process from the layouts alone. `mode` is the ownership rule that made it
+    ("single_replica", "replica_parallel" or "balanced"; see `plan`), `load` the bytes each
+    process writes where the planner counted them."""
+
     mode: str
     arrays: tuple[ArrayWritePlan, ...]
     num_processes: int
