@@ -7,7 +7,9 @@ restore gives each process back its own. On another process count the restore re
 naming the leaf, unless `load(..., resplit=fn)` says how to re-split the saved values.
 
 A value is a Python value (None, bool, int, float, str, bytes), a NumPy array or scalar, or
-dicts (str keys) and lists of those, encoded as JSON without pickle.
+dicts (str keys) and lists of those, encoded as JSON without pickle; in snapshard.torch also
+tensors (stored as their host bytes, restored as tensors). It is checked when the save
+starts, where the message can name its leaf.
 """
 
 from __future__ import annotations
@@ -28,16 +30,23 @@ Resplit = Callable[[str, list[Any], int, int], Any]
 
 
 class PerProcess:
-    """Wraps a value that each process saves and restores for itself."""
+    """Wraps a value that each process saves and restores for itself (checked by the save
+    that takes it, naming its leaf)."""
 
     __slots__ = ("value",)
 
     def __init__(self, value: Any):
-        encode(value, "PerProcess")  # refuse what cannot be stored now, not in the background
         self.value = value
 
     def __repr__(self) -> str:
         return f"PerProcess({self.value!r})"
+
+
+def checked(value: Any, leaf: str) -> Any:
+    """`value`, once it is known to be storable as the per-process value of `leaf`: a save
+    refuses it in its blocking phase, naming the leaf, not when the background writes it."""
+    encode(value, leaf)
+    return value
 
 
 def encode(v: Any, where: str) -> dict[str, Any]:
@@ -61,7 +70,9 @@ def encode(v: Any, where: str) -> dict[str, Any]:
     if v is None or isinstance(v, bool | int | float | str | bytes):
         return encode_value(v, where)
     raise UnsupportedLeafError(
-        f"leaf {where!r}: a per-process value of type {type(v).__qualname__} cannot be saved"
+        f"leaf {where!r}: a per-process value of type {type(v).__module__}.{type(v).__qualname__} "
+        "cannot be saved; per-process values are None, bool, int, float, str, bytes, NumPy "
+        "arrays, and dicts (str keys), lists and tuples of them (tensors with snapshard.torch)"
     )
 
 

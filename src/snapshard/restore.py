@@ -13,7 +13,7 @@ from . import per_process
 from .adapters.iterators import is_data_iterator, restore_iterator
 from .adapters.loaded import is_jax_array, is_shape_dtype_struct
 from .checksum import crc32c
-from .coordination import default_coordinator
+from .coordination import Coordinator, default_coordinator
 from .dtypes import dtype_from_name
 from .errors import (
     CorruptCheckpointError,
@@ -59,13 +59,18 @@ def _read_values_file(storage: Storage, manifest: Manifest, q: int) -> dict[int,
 
 
 def per_process_values(
-    storage: Storage, manifest: Manifest, leaves: list[PerProcessLeaf], resplit: Resplit | None
+    storage: Storage,
+    manifest: Manifest,
+    leaves: list[PerProcessLeaf],
+    resplit: Resplit | None,
+    coordinator: Coordinator | None = None,
 ) -> dict[Path, Any]:
     """This process's own values of `leaves`; on another process count, `resplit` of all
-    processes' values, else an error naming the leaf."""
+    processes' values, else an error naming the leaf. `coordinator` says which process this
+    is (default: JAX's, or a single process)."""
     if not leaves:
         return {}
-    coord = default_coordinator()
+    coord = coordinator or default_coordinator()
     me, n = coord.process_index, coord.process_count
     index = {id(leaf): i for i, leaf in enumerate(manifest.leaves)}
     url = storage.url

@@ -19,7 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -29,7 +29,12 @@ from .adapters.loaded import is_jax_array
 from .background import BackgroundTask
 from .checksum import block_crcs, crc32c
 from .coordination import Coordinator, default_coordinator
-from .coordination.rendezvous import Rendezvous, namespace, write_then_commit
+from .coordination.rendezvous import (
+    Rendezvous,
+    namespace,
+    report_early_failure,
+    write_then_commit,
+)
 from .errors import (
     CheckpointExistsError,
     CoordinationError,
@@ -97,6 +102,7 @@ class _Prepared:
     digests: np.ndarray  # format.records.DIGEST per leaf
     timings: SaveTimings = field(default_factory=SaveTimings)
     increment: Increment | None = None  # content hashes and references (incremental.py)
+    nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this attempt's files
 
 
 class SaveAdapter(Protocol):
@@ -110,6 +116,15 @@ class SaveAdapter(Protocol):
     def stage(
         self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
     ) -> tuple[list[StagedItem], int]: ...
+
+
+@runtime_checkable
+class ReplicatedSource(Protocol):
+    """A framework's source of an array assumed equal on every process (a plain torch
+    tensor): its value's digest is compared at commit, as a NumPy leaf's is; 0 where the
+    source is sharded (each process holds its own part)."""
+
+    def value_digest(self) -> int: ...
 
 
 def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray]:
@@ -142,8 +157,41 @@ def prepare(
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
-    # Staging named after the job: saves of two jobs to one location never share it.
-    storage.set_attempt(coord.job_token())
+    # The namespace is taken here, in program order, the same on every process.
+    rv = Rendezvous(
+        coord, namespace("save", storage.url), f"save to {storage.url}", options.timeout_s
+    )
+    try:
+        return _prepare(
+            rv, storage, tree, options, overwrite=overwrite, asynchronous=asynchronous,
+            extra=extra, snapshot=snapshot, flat=flat, adapter=adapter, base=base,
+            identical=identical, t0=t0,
+        )  # fmt: skip
+    except BaseException as e:
+        report_early_failure(rv, e)  # the others fail at once, naming this process's error
+        raise
+
+
+def _prepare(
+    rv: Rendezvous,
+    storage: Storage,
+    tree: Any,
+    options: SaveOptions,
+    *,
+    overwrite: bool,
+    asynchronous: bool,
+    extra: dict[str, Any] | None,
+    snapshot: Snapshot | None,
+    flat: FlatTree | None,
+    adapter: SaveAdapter | None,
+    base: Location | Storage | None,
+    identical: frozenset[int],
+    t0: float,
+) -> _Prepared:
+    coord = rv.coord
+    # Staging named after the job and the save's number: saves of two jobs to one location
+    # never share it, and a failed save's clean-up never meets the files of the next one.
+    storage.set_attempt(f"{coord.job_token()}-{rv.prefix.rpartition('/')[2]}")
     if options.compression is not None and not codecs.available():
         raise SnapshardError("compression needs zstd: install snapshard[compress]")
     increment = None
@@ -173,12 +221,9 @@ def prepare(
         )
     # Host values are assumed equal on every process: their digests are compared at commit.
     digests = leaf_digests(leaves, values=coord.process_count > 1)
+    storage.prepare_staging()  # from now on a load of the location can tell a save runs
     t2 = time.perf_counter()
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
-    # The namespace is taken here, in program order, the same on every process.
-    rv = Rendezvous(
-        coord, namespace("save", storage.url), f"save to {storage.url}", options.timeout_s
-    )
     return _Prepared(
         storage, rv, leaves, flat.structure, plan, items, overwrite, options, extra or {},
         digests, timings, increment,
@@ -267,6 +312,8 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
                 leaf.source, np.ndarray | np.generic
             ):  # NumPy: the same value is assumed on every process
                 value = crc32c(np.ascontiguousarray(leaf.source).reshape(-1).view(np.uint8).data)
+            elif values and isinstance(leaf.source, ReplicatedSource):
+                value = leaf.source.value_digest()
         out[i] = (crc32c(desc), value)
     return out
 
@@ -302,7 +349,7 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
     """Write this process's data files and its record file; returns the report that tells
     process 0 what was written (names follow from process and nonce)."""
     pid = prep.rendezvous.coord.process_index
-    nonce = uuid.uuid4().hex[:8]
+    nonce = prep.nonce
     prep.storage.prepare_staging()
     inc = prep.increment
     tuner = None
@@ -414,8 +461,9 @@ def _check_agreement(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
             if mine["value"] != other["value"]:
                 raise CoordinationError(
                     f"{prep.rendezvous.what}: leaf {_name(prep.leaves[i])!r} has another value on "
-                    f"process {q} than on process 0; values that are not jax.Arrays must be the same "
-                    "on every process (wrap per-process values in snapshard.PerProcess)"
+                    f"process {q} than on process 0; leaves that are not sharded arrays "
+                    "(jax.Array, DTensor) must be the same on every process: wrap values that "
+                    "differ by design in snapshard.PerProcess"
                 )
         raise CoordinationError(
             f"{prep.rendezvous.what}: the tree structure differs between process 0 and process {q}"
@@ -574,6 +622,20 @@ def _check_staged_files(prep: _Prepared, expected: dict[str, int]) -> None:
             )
 
 
+def _discard_own(prep: _Prepared) -> None:
+    """The files this process staged for a save that failed, removed (process 0 removes
+    the staging area; this process's files may come after that), and the staging area
+    once it is empty. Never another process's files, which may still be in the making.
+    Best effort: the save's own error is what the caller must see."""
+    mine = f"p{prep.rendezvous.coord.process_index:05d}-{prep.nonce}"
+    try:
+        names = [n for n in prep.storage.list_staging() if n.rpartition("/")[2].startswith(mine)]
+        prep.storage.delete_staging_files(names)
+        prep.storage.discard_staging_if_empty()  # the last process to leave removes it
+    except SnapshardError as e:
+        log.warning("%s: could not remove this process's files: %s", prep.rendezvous.what, e)
+
+
 def finish(prep: _Prepared) -> SaveTimings:
     """The background phase. Raises on this process if the save failed anywhere."""
     t0 = time.perf_counter()
@@ -587,8 +649,9 @@ def finish(prep: _Prepared) -> SaveTimings:
         return report
 
     write_then_commit(
-        prep.rendezvous, write, lambda reports: _commit(prep, reports), prep.storage.discard_staging
-    )
+        prep.rendezvous, write, lambda reports: _commit(prep, reports), prep.storage.discard_staging,
+        lambda: _discard_own(prep),
+    )  # fmt: skip
     t2 = time.perf_counter()
     prep.timings.commit_s = t2 - t1
     prep.timings.total_s = prep.timings.blocking_s + (t2 - t0)

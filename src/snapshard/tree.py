@@ -13,6 +13,8 @@ by field or key (the class itself is not imported back: that would need pickle-l
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -275,9 +277,16 @@ def lost_classes(structure: JsonNode) -> list[tuple[Path, str]]:
     return out
 
 
-def warn_lost_classes(structure: JsonNode, stacklevel: int = 3) -> None:
+JAX_TARGET_HINT = (
+    "pass a target to get the classes back, e.g. load(path, jax.eval_shape(init)) "
+    "or load(path, nnx.eval_shape(init)) for Flax NNX (see docs/flax.md)"
+)
+
+
+def warn_lost_classes(structure: JsonNode, hint: str = JAX_TARGET_HINT) -> None:
     """Warn (ClassesLostWarning) when rebuilding `structure` without a target turns class
-    instances into dicts: name the first one and say how to get the classes back."""
+    instances into dicts: name the first one and say (`hint`) how to get the classes back.
+    The warning points at the caller's line, the first frame outside snapshard."""
     lost = lost_classes(structure)
     if not lost:
         return
@@ -286,8 +295,21 @@ def warn_lost_classes(structure: JsonNode, stacklevel: int = 3) -> None:
     more = f" (and {len(lost) - 1} more)" if len(lost) > 1 else ""
     warnings.warn(
         f"restoring without a target: {where} was saved as {name}{more} and comes back as a "
-        "dict; pass a target to get the classes back, e.g. load(path, jax.eval_shape(init)) "
-        "or load(path, nnx.eval_shape(init)) for Flax NNX (see docs/flax.md)",
+        f"dict; {hint}",
         ClassesLostWarning,
-        stacklevel=stacklevel,
+        stacklevel=caller_stacklevel(),
     )
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` of the first frame outside snapshard (and the contextlib frames of
+    its decorators), as seen by a function of snapshard that calls warnings.warn."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)  # the caller of warnings.warn
+    level = 1
+    while frame.f_back is not None:
+        file = os.path.abspath(frame.f_code.co_filename)
+        if not file.startswith(package) and file != contextlib.__file__:
+            break
+        frame, level = frame.f_back, level + 1
+    return level

@@ -10,7 +10,7 @@ import numpy as np
 from ..dtypes import dtype_name, little_endian
 from ..errors import DeletedArrayError, UnsupportedLeafError
 from ..format.manifest import PerProcessLeaf, ValueLeaf
-from ..per_process import PerProcess
+from ..per_process import PerProcess, checked
 from ..planning.layout import ArrayLayout, host_layout
 from ..tree import Path, path_str
 from .iterators import is_data_iterator, iterator_record
@@ -49,7 +49,7 @@ class SaveArray:
 def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
     name = path_str(path)
     if isinstance(value, PerProcess):
-        return PerProcessLeaf(path, value.value)
+        return PerProcessLeaf(path, checked(value.value, name))
     if is_data_iterator(value):  # a data iterator: its position, per process
         return PerProcessLeaf(path, iterator_record(value, leaf=name))
     if isinstance(value, VALUE_TYPES) and not isinstance(

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ..format import ArrayLeaf, Leaf, Manifest
+from ..format.manifest import PerProcessLeaf
 from ..interop.reader import CheckpointReader
 from .ls import open_for_command
 from .output import (
@@ -29,6 +30,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 def leaf_doc(leaf: Leaf) -> dict[str, Any]:
     base: dict[str, Any] = {"name": leaf.name, "path": list(leaf.path)}
+    if isinstance(leaf, PerProcessLeaf):  # its values are in each process's own file
+        return {**base, "kind": "per_process"}
     if not isinstance(leaf, ArrayLeaf):
         return {**base, "kind": "value", "value": json_value(leaf.value)}
     return {
@@ -81,6 +84,8 @@ def render(doc: dict[str, Any]) -> str:
     for leaf in doc["leaves"]:
         if leaf["kind"] == "value":
             rows.append([leaf["name"], "value", repr(leaf["value"]), "", "", "", ""])
+        elif leaf["kind"] == "per_process":
+            rows.append([leaf["name"], "per process", "", "", "", "", "one value per process"])
         else:
             rows.append(
                 [

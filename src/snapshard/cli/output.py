@@ -125,6 +125,8 @@ def describe_sharding(s: dict[str, Any] | None) -> str:
         return "host"
     if "mesh" in s:
         mesh = ",".join(f"{k}={v}" for k, v in s["mesh"].items())
-        spec = ", ".join("None" if p is None else str(p) for p in s.get("spec", []))
+        # JAX layouts name a partition spec, torch's DTensor placements (`S(0)`, `R`)
+        parts = s["placements"] if "placements" in s else s.get("spec", [])
+        spec = ", ".join("None" if p is None else str(p) for p in parts)
         return f"{kind}({mesh}; {spec})"
     return kind

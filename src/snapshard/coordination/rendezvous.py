@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .. import errors
 from ..errors import CoordinationError
 from .base import Coordinator
 
@@ -46,6 +47,33 @@ def _error_text(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
+_relay_classes: dict[str, type[CoordinationError]] = {}
+
+
+def relayed_error(context: str, doc: dict[str, Any]) -> CoordinationError:
+    """Another process's failure (its report or outcome `doc`), raised here: a
+    CoordinationError that is also of the failure's own class where that is one of
+    snapshard's errors, so that every process raises the same type for one failure (an
+    `except CheckpointExistsError` catches it on every process, not only where it arose)."""
+    message = f"{context}: {doc['error']}"
+    name = str(doc.get("error_type") or "")
+    cls = _relay_classes.get(name)
+    if cls is None:
+        cause = getattr(errors, name, None)
+        cls = CoordinationError
+        if (
+            isinstance(cause, type)
+            and issubclass(cause, errors.SnapshardError)
+            and not issubclass(cause, CoordinationError)
+        ):
+            cls = type(name, (cause, CoordinationError), {"__module__": errors.__name__})
+        _relay_classes[name] = cls
+    try:
+        return cls(message)
+    except TypeError:  # a class whose constructor takes more than a message
+        return CoordinationError(message)
+
+
 @dataclass
 class Rendezvous:
     coord: Coordinator
@@ -69,6 +97,7 @@ class Rendezvous:
         doc = {
             "ok": error is None,
             "error": None if error is None else _error_text(error),
+            "error_type": None if error is None else type(error).__name__,
             **payload,
         }
         self.coord.set(f"{self.prefix}/{key}", json.dumps(doc))
@@ -85,7 +114,7 @@ class Rendezvous:
         """The report at `key`; raises naming `who` when it failed or did not come in time."""
         doc = self._get(key, who)
         if not doc["ok"]:
-            raise CoordinationError(f"{self.what}: {who} failed: {doc['error']}")
+            raise relayed_error(f"{self.what}: {who} failed", doc)
         return doc
 
     def gather(self, key: str) -> dict[int, dict[str, Any]]:
@@ -102,7 +131,7 @@ class Rendezvous:
                 got = self._reports(key)
                 for p, doc in sorted(got.items()):
                     if p in want and not doc["ok"]:
-                        raise CoordinationError(f"{self.what}: process {p} failed: {doc['error']}")
+                        raise relayed_error(f"{self.what}: process {p} failed", doc)
                 if want <= got.keys():
                     return {p: got[p] for p in sorted(want)}
                 left = self.deadline - time.monotonic()
@@ -149,7 +178,7 @@ class Rendezvous:
         except CoordinationError:
             pass
         if not doc["ok"]:
-            raise CoordinationError(f"{self.what} failed: {doc['error']}")
+            raise relayed_error(f"{self.what} failed", doc)
         return doc
 
 
@@ -158,6 +187,7 @@ def write_then_commit(
     write: Callable[[], dict[str, Any]],
     commit: Callable[[list[dict[str, Any]]], None],
     discard: Callable[[], None],
+    discard_own: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """The protocol of every multi-process operation (saves, exports), in one place.
 
@@ -165,13 +195,16 @@ def write_then_commit(
     under `written/<pid>`; process 0 gathers every report, in process order, and runs
     `commit` on them; it publishes the outcome, which the others wait for. Any failure is
     raised on every process, naming the process that failed; process 0 then runs `discard`
-    (nothing was made visible). Returns this process's report.
+    (nothing was made visible), and every other process `discard_own`, which removes what
+    it wrote itself (process 0's `discard` may have run before this process wrote, and
+    another process's files may still be in the making). The failure is raised, not
+    logged: whoever runs the operation decides (a background save logs it once). Returns
+    this process's report.
     """
     pid = rv.coord.process_index
 
     def fail(e: BaseException) -> None:
         rv.publish_outcome(e)
-        log.error("%s failed: %s", rv.what, e)
         discard()
 
     try:
@@ -180,6 +213,8 @@ def write_then_commit(
         rv.report(f"written/{pid}", e)
         if rv.coord.is_leader:
             fail(e)
+        elif discard_own is not None:
+            discard_own()
         raise
     rv.report(f"written/{pid}", **mine)
     rv.start_clock()
@@ -192,8 +227,22 @@ def write_then_commit(
             raise
         rv.publish_outcome()
     else:
-        rv.await_outcome()
+        try:
+            rv.await_outcome()
+        except BaseException:
+            if discard_own is not None:
+                discard_own()
+            raise
     return mine
+
+
+def report_early_failure(rv: Rendezvous, error: BaseException) -> None:
+    """This process failed before its part of a `write_then_commit` operation began (a bad
+    leaf in a save's blocking phase): report it where the others look, so that they fail
+    within a poll, naming it, instead of waiting for the timeout."""
+    rv.report(f"written/{rv.coord.process_index}", error)
+    if rv.coord.is_leader:
+        rv.publish_outcome(error)
 
 
 def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> None:

@@ -110,6 +110,9 @@ class Storage(ABC):
     def discard_staging(self) -> None:
         """Remove the staging area (best effort)."""
 
+    def discard_staging_if_empty(self) -> None:  # noqa: B027 - staging in place has no folder
+        """Remove the staging area if nothing is left in it (best effort)."""
+
     # ---- read side -------------------------------------------------------------------
     @abstractmethod
     def is_committed(self) -> bool: ...

@@ -249,11 +249,22 @@ class LocalStorage(Storage):
         fsync_dir(self.staging)
         if self.final.exists():
             if not overwrite:
-                raise CheckpointExistsError(
-                    f"a checkpoint already exists at {self.url} (pass overwrite=True to replace it)"
-                )
+                raise CheckpointExistsError(self._occupied())
             self._check_replaceable()
         move_into_place(self.staging, self.final, replace=overwrite)
+
+    def _occupied(self) -> str:
+        """Why a save without overwrite cannot take the path: what is there."""
+        if self.is_committed():
+            return f"a checkpoint already exists at {self.url} (pass overwrite=True to replace it)"
+        if not self.final.is_dir():
+            return f"{self.url} exists and is not a directory; save to another path"
+        if any(self.final.iterdir()):
+            return (
+                f"{self.url} is a non-empty directory that is not a snapshard checkpoint (it "
+                "has no manifest.json); save to another path (overwrite=True does not replace it)"
+            )
+        return f"{self.url} is an empty directory; remove it, or pass overwrite=True"
 
     def _check_replaceable(self) -> None:
         if self.final == Path(os.getcwd()) or self.final in Path(os.getcwd()).parents:
@@ -271,6 +282,21 @@ class LocalStorage(Storage):
 
     def discard_staging(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+
+    def discard_staging_if_empty(self) -> None:
+        for d in (self.staging / DATA_DIR, self.staging / INDEX_DIR, self.staging):
+            with contextlib.suppress(OSError):  # not empty: another process's files remain
+                os.rmdir(d)
+
+    def staging_dirs(self) -> list[Path]:
+        """The staging directories of saves to this checkpoint that have not committed
+        (running, or stopped by a failure or a kill), of every job."""
+        prefix = self.final.name + STAGING_SUFFIX
+        try:
+            entries = list(os.scandir(self.final.parent))
+        except OSError:
+            return []
+        return sorted(Path(e.path) for e in entries if e.name.startswith(prefix) and e.is_dir())
 
     # ---- read side: only regular files inside the checkpoint ---------------------------
     def is_committed(self) -> bool:
@@ -355,10 +381,15 @@ class LocalStorage(Storage):
         try:
             fd = self._open(self.final, MANIFEST_NAME)
         except FileNotFoundError:
+            staged = self.staging_dirs()
             if self.final.is_dir():
                 why = "the directory has no manifest.json"
-            elif self.staging.is_dir():
-                why = "only an incomplete save is there"
+            elif staged:
+                why = (
+                    f"a save to it has not committed ({staged[0].name} is there): it is still "
+                    "running (wait for it: AsyncSave.wait(), the manager's "
+                    "wait_until_finished()), or it stopped before its commit"
+                )
             else:
                 why = "the directory does not exist"
             raise CheckpointNotFoundError(f"no checkpoint at {self.url}: {why}") from None

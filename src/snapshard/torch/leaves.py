@@ -2,7 +2,8 @@
 
 A DTensor's layout comes from its mesh and placements alone (see layout.py); a plain tensor
 is taken to be the same on every rank (like a NumPy leaf: written once, by the rank the
-planner picks). Process ids are global ranks.
+planner picks), and the save checks that it is (its digest, compared at commit). Values
+that differ by design are wrapped in snapshard.PerProcess. Process ids are global ranks.
 """
 
 from __future__ import annotations
@@ -15,12 +16,22 @@ import numpy as np
 import torch
 
 from ..adapters.leaves import VALUE_TYPES, SaveArray
+from ..checksum import crc32c
 from ..errors import UnsupportedLeafError
-from ..format.manifest import ValueLeaf
+from ..format.manifest import PerProcessLeaf, ValueLeaf
+from ..per_process import PerProcess, checked
 from ..planning.layout import host_layout
 from ..tree import Path, path_str
-from .dtypes import numpy_dtype
+from .dtypes import host_view, numpy_dtype
 from .layout import PlacementSpec, ShardSpec, TensorLayout, expand_submesh, tensor_layout
+from .values import host_values
+
+# torch objects that are not state: taken as leaves so that the save names them and says
+# what to save instead (flattening would only say that it cannot take them apart).
+NOT_STATE = (
+    torch.dtype, torch.device, torch.Size, torch.nn.Module, torch.optim.Optimizer,
+    torch.Generator,
+)  # fmt: skip
 
 
 def is_dtensor(x: Any) -> bool:
@@ -32,7 +43,38 @@ def is_dtensor(x: Any) -> bool:
 
 
 def is_leaf(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, np.ndarray, np.generic, *VALUE_TYPES))
+    return isinstance(
+        x, (torch.Tensor, np.ndarray, np.generic, PerProcess, *VALUE_TYPES, *NOT_STATE)
+    )
+
+
+def refuse_meta(value: torch.Tensor, leaf: str) -> None:
+    """A tensor on the meta device has a shape and no data: nothing to save."""
+    meta = value.is_meta or (is_dtensor(value) and value.to_local().is_meta)  # type: ignore[attr-defined]
+    if meta:
+        raise UnsupportedLeafError(
+            f"leaf {leaf!r}: the tensor is on the meta device (a shape without data), so "
+            "there is nothing to save; materialise it first (model.to_empty(device=...), then "
+            "initialise or load it)"
+        )
+
+
+def not_state(value: Any, leaf: str) -> UnsupportedLeafError:
+    """The error for a torch object that is not state, saying what to save instead."""
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    if isinstance(value, torch.nn.Module | torch.optim.Optimizer):
+        what = "module" if isinstance(value, torch.nn.Module) else "optimizer"
+        fix = (
+            f"save its state dict instead: {what}.state_dict(), or for FSDP/DTensor models "
+            "get_state_dict(model, optimizer) from torch.distributed.checkpoint.state_dict"
+        )
+    elif isinstance(value, torch.Generator):
+        fix = "save its state instead: generator.get_state() (a tensor; per rank in snapshard.PerProcess)"
+    elif isinstance(value, torch.Size):
+        fix = "save it as a tuple: tuple(size)"
+    else:
+        fix = f"save it as a string, str(value) = {str(value)!r}, and rebuild it after loading"
+    return UnsupportedLeafError(f"leaf {leaf!r}: a {kind} is not a tensor or a value; {fix}")
 
 
 def placement_specs(placements: Any, leaf: str = "?") -> list[PlacementSpec]:
@@ -126,12 +168,26 @@ class TorchSource:
     local: torch.Tensor
     local_starts: np.ndarray | None  # (rows, ndim); None: rows are global boxes of `local`
 
+    def value_digest(self) -> int:
+        """crc32c of a plain tensor's bytes (saving.ReplicatedSource), 0 for a DTensor's
+        shard. A tensor off the CPU is copied to the host for it."""
+        if self.local_starts is not None:
+            return 0
+        t = self.local.detach()
+        view = host_view(t if t.device.type == "cpu" else t.cpu())
+        return crc32c(np.ascontiguousarray(view).reshape(-1).view(np.uint8).data)
+
 
 def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
     name = path_str(path)
     if isinstance(value, VALUE_TYPES) and not isinstance(value, np.generic):
         return ValueLeaf(path, value)
+    if isinstance(value, PerProcess):
+        return PerProcessLeaf(path, checked(host_values(value.value, name), name))
+    if isinstance(value, NOT_STATE):
+        raise not_state(value, name)
     if isinstance(value, torch.Tensor):
+        refuse_meta(value, name)
         dt = numpy_dtype(value.dtype, leaf=name)
         shape = tuple(int(s) for s in value.shape)
         if is_dtensor(value):

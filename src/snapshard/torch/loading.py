@@ -20,9 +20,11 @@ import torch
 from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
-from ..format import ArrayLeaf, ValueLeaf
+from ..format import ArrayLeaf, Manifest, ValueLeaf
+from ..format.manifest import PerProcessLeaf
 from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
+from ..per_process import PerProcess, Resplit
 from ..read_executor import (
     Dest,
     ReadDests,
@@ -33,20 +35,20 @@ from ..read_executor import (
     saved_boxes,
 )
 from ..read_once_policy import wanted
-from ..restore import load as _load_numpy
-from ..restore import missing_target_leaf
+from ..restore import missing_target_leaf, per_process_values
 from ..safetensors.surgery import Transform
 from ..safetensors.virtual import Derived, Stored, VArray
 from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
-from ..tree import Path, flatten, path_str
+from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
-from .dtypes import from_numpy, host_view, numpy_dtype
+from .dtypes import from_numpy, host_view, numpy_dtype, torch_dtype
 from .exchange import BandLeaf, Exchange, Scratch, SharedBands, batches_of
 from .exchange import plan as plan_bands
 from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
 from .read_once import ReadOncePlan, as_box, backend_devices
 from .read_once import plan as plan_read_once
+from .values import into_target
 
 
 class _Fill:
@@ -318,17 +320,70 @@ def _put_back(node: Any, path: Path, values: dict[Path, Any]) -> Any:
     return node
 
 
-def _to_torch(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        return {k: _to_torch(v) for k, v in tree.items()}
-    if isinstance(tree, list):
-        return [_to_torch(v) for v in tree]
-    if isinstance(tree, tuple):
-        return tuple(_to_torch(v) for v in tree)
-    if isinstance(tree, np.ndarray):
-        t = from_numpy(tree)
-        return tree if t is None else t
-    return tree
+TORCH_TARGET_HINT = (
+    "pass a target state dict to get them back: snapshard.torch.load(path, state_dict) "
+    "fills it in place"
+)
+
+
+def _whole_target(manifest: Manifest) -> tuple[Any, dict[Path, Any]]:
+    """A target for the whole checkpoint, when none is given: a CPU tensor per array (a
+    NumPy array for dtypes torch lacks), the saved value per Python value, in plain
+    containers; and the NumPy scalars' paths, which come back as NumPy scalars."""
+    scalars: dict[Path, Any] = {}
+
+    def leaf_target(i: int) -> Any:
+        leaf = manifest.leaves[i]
+        if isinstance(leaf, PerProcessLeaf):
+            return PerProcess(None)
+        if isinstance(leaf, ValueLeaf):
+            return leaf.value
+        dtype = dtype_from_name(leaf.dtype)
+        if leaf.kind == "scalar":
+            scalars[leaf.path] = out = np.empty((), dtype)
+            return out
+        dt = torch_dtype(dtype)
+        return np.empty(leaf.shape, dtype) if dt is None else torch.empty(leaf.shape, dtype=dt)
+
+    return unflatten(manifest.structure, leaf_target), scalars
+
+
+def _empty_containers(structure: Any, path: Path = ()) -> list[Path]:
+    """Paths of the empty dicts, lists and tuples of a flattened target's structure."""
+    if not isinstance(structure, dict) or structure.get("t") == "leaf":
+        return []
+    children = structure.get("c", [])
+    if not children:
+        return [path]
+    keys = structure.get("k") or range(len(children))
+    out = []
+    for k, child in zip(keys, children, strict=True):
+        out += _empty_containers(child, (*path, k))
+    return out
+
+
+def _refuse_empty_containers(structure: Any, names: list[str], url: str) -> None:
+    """An empty container of the target where the checkpoint has leaves would restore none
+    of them, silently: the target says so by leaving the entry out instead."""
+    for path in _empty_containers(structure):
+        prefix = path_str(path) + "/" if path else ""
+        below = [n for n in names if n.startswith(prefix)]
+        if below:
+            where = f"has an empty container at {path_str(path)!r}" if path else "is empty"
+            raise TargetMismatchError(
+                f"{url}: the target {where}, the checkpoint has {len(below)} leaves there "
+                f"(e.g. {below[0]!r}); give the target the entries to fill, or leave the entry "
+                "out of the target to restore the rest without it (a partial restore)"
+            )
+
+
+def _refuse_meta_target(t: torch.Tensor, leaf: str, url: str) -> None:
+    if t.is_meta or (is_dtensor(t) and t.to_local().is_meta):  # type: ignore[attr-defined]
+        raise TargetMismatchError(
+            f"{url}: target leaf {leaf!r} is on the meta device (a shape without memory), so "
+            "nothing can be loaded into it; materialise it first (model.to_empty(device=...)), "
+            "then load"
+        )
 
 
 @collection_paused()
@@ -339,10 +394,15 @@ def load(
     *,
     stats: ReadStats | None = None,
     transform: Transform | None = None,
+    resplit: Resplit | None = None,
 ) -> Any:
     """Restore a checkpoint into `target` (a state dict of tensors, DTensors, NumPy arrays
     and Python values), in place, and return it. Without a target: the whole checkpoint as
     CPU tensors (NumPy arrays for dtypes torch lacks) and Python values.
+
+    Values saved in snapshard.PerProcess come back as this rank's own (a tensor of the
+    target is filled in place); on another world size `resplit(leaf, values, rank, world)`
+    gives this rank's value from every saved rank's, as in snapshard.load.
 
     `transform` maps the saved names to the target's with the surgery transforms of
     snapshard.safetensors (`rename`, `transpose`, `cast`, `chain`), e.g. a JAX model's
@@ -357,54 +417,100 @@ def load(
     of whole rows, then exchanged (torch/exchange.py). Every rank passes the same target
     and options."""
     require(options, ReadOptions)
-    if target is None:
-        if transform is not None:
-            raise ValueError("transform= needs a target: the state dict whose names it maps onto")
-        return _to_torch(_load_numpy(directory, options=options, stats=stats))
+    if target is None and transform is not None:
+        raise ValueError("transform= needs a target: the state dict whose names it maps onto")
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
     owns = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
         manifest, read = open_checkpoint(storage, options, stats)
-        url = storage.url
-        saved = manifest.leaf_by_path()
-        flat = flatten(target, is_leaf)
-        values: dict[Path, Any] = {}
-        arrays: list[_Array] = []
-        mapped = _transformed(saved, transform, url) if transform is not None else None
-        for path, t in zip(flat.paths, flat.leaves, strict=True):
-            perm = None
-            if mapped is not None:
-                leaf, perm = mapped.get(path_str(path), (None, None))
-            else:
-                leaf = saved.get(path)
-            if leaf is None:
-                raise missing_target_leaf(url, path, saved)
-            is_array = isinstance(t, torch.Tensor | np.ndarray)
-            if isinstance(leaf, ValueLeaf):
-                if is_array:
-                    raise TargetMismatchError(
-                        f"{url}: leaf {leaf.name!r} is a saved {type(leaf.value).__name__} value, "
-                        "the target has an array"
-                    )
-                values[path] = leaf.value
-                continue
-            if not is_array:
-                raise TargetMismatchError(
-                    f"{url}: leaf {leaf.name!r} is a saved array, the target has {type(t).__name__}"
-                )
-            shape = leaf.shape if perm is None else tuple(leaf.shape[p] for p in perm)
-            if tuple(t.shape) != shape:
-                raise TargetMismatchError(
-                    f"{url}: leaf {leaf.name!r} has shape {shape} in the checkpoint"
-                    + (" (transposed)" if perm is not None else "")
-                    + f", the target asks for {tuple(t.shape)}"
-                )
-            arrays.append((t, _fills(leaf, t, perm), leaf if perm is None else None))
-        _read_targets(arrays, read, options, stats, url, lambda x: saved_boxes(manifest, x))
+        if target is None:
+            whole, scalars = _whole_target(manifest)
+            out = _load_into(storage, manifest, read, whole, options, stats, None, resplit)
+            out = _put_back(out, (), {p: a[()] for p, a in scalars.items()})
+        else:
+            out = _load_into(storage, manifest, read, target, options, stats, transform, resplit)
     finally:
         if owns:
             storage.close()
     stats.total_s = time.perf_counter() - t_start
+    if target is None:
+        warn_lost_classes(manifest.structure, hint=TORCH_TARGET_HINT)
+    return out
+
+
+def _load_into(
+    storage: Storage,
+    manifest: Manifest,
+    read: ReadDests,
+    target: Any,
+    options: ReadOptions,
+    stats: ReadStats,
+    transform: Transform | None,
+    resplit: Resplit | None,
+) -> Any:
+    """`load` with the checkpoint open: fill `target`, return it."""
+    url = storage.url
+    saved = manifest.leaf_by_path()
+    flat = flatten(target, is_leaf)
+    values: dict[Path, Any] = {}
+    arrays: list[_Array] = []
+    own: list[tuple[Path, PerProcessLeaf, Any]] = []
+    mapped = _transformed(saved, transform, url) if transform is not None else None
+    names = list(mapped) if mapped is not None else [leaf.name for leaf in manifest.leaves]
+    _refuse_empty_containers(flat.structure, names, url)
+    for path, t in zip(flat.paths, flat.leaves, strict=True):
+        perm = None
+        if mapped is not None:
+            leaf, perm = mapped.get(path_str(path), (None, None))
+        else:
+            leaf = saved.get(path)
+        if leaf is None:
+            raise missing_target_leaf(url, path, saved)
+        if isinstance(leaf, PerProcessLeaf):
+            own.append((path, leaf, t.value if isinstance(t, PerProcess) else t))
+            continue
+        is_array = isinstance(t, torch.Tensor | np.ndarray)
+        if isinstance(leaf, ValueLeaf):
+            if is_array:
+                raise TargetMismatchError(
+                    f"{url}: leaf {leaf.name!r} is a saved {type(leaf.value).__name__} value, "
+                    "the target has an array"
+                )
+            values[path] = leaf.value
+            continue
+        if not is_array:
+            raise TargetMismatchError(
+                f"{url}: leaf {leaf.name!r} is a saved array, the target has {type(t).__name__}"
+            )
+        if isinstance(t, torch.Tensor):
+            _refuse_meta_target(t, leaf.name, url)
+        shape = leaf.shape if perm is None else tuple(leaf.shape[p] for p in perm)
+        if tuple(t.shape) != shape:
+            raise TargetMismatchError(
+                f"{url}: leaf {leaf.name!r} has shape {shape} in the checkpoint"
+                + (" (transposed)" if perm is not None else "")
+                + f", the target asks for {tuple(t.shape)}"
+            )
+        arrays.append((t, _fills(leaf, t, perm), leaf if perm is None else None))
+    values.update(_own_values(storage, manifest, own, resplit))
+    _read_targets(arrays, read, options, stats, url, lambda x: saved_boxes(manifest, x))
     return _put_back(target, (), values)
+
+
+def _own_values(
+    storage: Storage,
+    manifest: Manifest,
+    own: list[tuple[Path, PerProcessLeaf, Any]],
+    resplit: Resplit | None,
+) -> dict[Path, Any]:
+    """This rank's values of the per-rank leaves, into their targets."""
+    if not own:
+        return {}
+    leaves = [leaf for _, leaf, _ in own]
+    got = per_process_values(storage, manifest, leaves, resplit, default_coordinator())
+    return {
+        path: into_target(got[leaf.path], t, f"{storage.url}: leaf {leaf.name!r}")
+        for path, leaf, t in own
+    }

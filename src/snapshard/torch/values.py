@@ -1,0 +1,73 @@
+"""Per-rank values (snapshard.PerProcess) in torch state: tensors become host arrays when a
+save takes them, and tensors again when a load gives each rank its own back.
+
+A per-rank value is stored in the rank's own values file (see snapshard.per_process), as
+JSON: a tensor goes there as its bytes, dtype and shape. They are meant for small state that
+differs between ranks by design, `torch.get_rng_state()`, a data loader's position; sharded
+state belongs in DTensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import TargetMismatchError, UnsupportedLeafError
+from .dtypes import from_numpy, host_view, numpy_dtype
+
+
+def host_values(value: Any, leaf: str) -> Any:
+    """`value` with every tensor in it copied to a NumPy array (the save stores those)."""
+    if isinstance(value, torch.Tensor):
+        from .leaves import is_dtensor, refuse_meta
+
+        if is_dtensor(value):
+            raise UnsupportedLeafError(
+                f"leaf {leaf!r}: a DTensor in snapshard.PerProcess; a DTensor is saved as a "
+                "leaf of its own (each rank writes its shards), unwrap it"
+            )
+        refuse_meta(value, leaf)
+        numpy_dtype(value.dtype, leaf=leaf)
+        t = value.detach()
+        return host_view(t if t.device.type == "cpu" else t.cpu()).copy()
+    if isinstance(value, dict):
+        return {k: host_values(v, leaf) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(host_values(v, leaf) for v in value)
+    return value
+
+
+def as_tensors(value: Any) -> Any:
+    """A restored value with its arrays as CPU tensors (NumPy where torch lacks the dtype)."""
+    if isinstance(value, np.ndarray):
+        t = from_numpy(np.array(value))  # (a writable copy: decoded values are read-only)
+        return value if t is None else t
+    if isinstance(value, dict):
+        return {k: as_tensors(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(as_tensors(v) for v in value)
+    return value
+
+
+def into_target(value: Any, target: Any, where: str) -> Any:
+    """This rank's restored value for a target leaf: copied into the target's tensor (in
+    place; its shape must match, its dtype is cast to) where the target holds one, else
+    `as_tensors` of it."""
+    if target is None or not isinstance(target, torch.Tensor):
+        return as_tensors(value)
+    if not isinstance(value, np.ndarray):
+        raise TargetMismatchError(
+            f"{where}: the target has a tensor, this rank's saved value is a {type(value).__name__}"
+        )
+    if tuple(target.shape) != value.shape:
+        raise TargetMismatchError(
+            f"{where}: this rank's saved tensor has shape {value.shape}, the target {tuple(target.shape)}"
+        )
+    saved = as_tensors(value)
+    if not isinstance(saved, torch.Tensor):  # a dtype torch lacks: cast on the host
+        saved = torch.from_numpy(np.asarray(value, dtype=numpy_dtype(target.dtype)))
+    with torch.no_grad():
+        target.copy_(saved)
+    return target

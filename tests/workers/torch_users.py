@@ -1,0 +1,154 @@
+"""A torch.distributed (gloo, CPU) rank of the tests of the mistakes and per-rank state users
+meet (tests/test_torch_users.py). Every rank runs the same scenarios, in order, and reports
+one result per scenario:
+
+    torch_users.py save DIR    per-rank state saved (snapshard.PerProcess of a tensor and of
+                               Python values), then the failures: a plain tensor that differs
+                               between ranks, a meta tensor on one rank (each rank in turn),
+                               an async save onto an existing checkpoint, a save into a plain
+                               non-empty directory
+    torch_users.py load DIR    each rank loads the per-rank state back, into a target and
+                               without one
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from workers._dist import init_torch, report
+
+TIMEOUT = 60.0  # what the save's options allow; a failure must come far sooner
+
+
+def sharded(world: int) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    return distribute_tensor(torch.arange(12.0).reshape(6, 2), mesh, [Shard(0)])
+
+
+def per_rank_state(rank: int, world: int) -> dict[str, Any]:
+    import snapshard
+
+    torch.manual_seed(100 + rank)  # every rank's generator is in another state
+    return {
+        "model": {"w": sharded(world)},
+        "rng": snapshard.PerProcess(torch.get_rng_state()),
+        "loader": snapshard.PerProcess({"position": 10 + rank, "epoch": 1}),
+    }
+
+
+def attempt(fn: Any) -> dict[str, Any]:
+    """Run a save that must fail: its error's type and message, and how long it took."""
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except Exception as e:
+        kinds = [c.__name__ for c in type(e).__mro__ if c.__module__ == "snapshard.errors"]
+        return {
+            "type": type(e).__name__,
+            "kinds": kinds,
+            "message": str(e),
+            "seconds": time.perf_counter() - t0,
+        }
+    return {"type": None, "seconds": time.perf_counter() - t0}
+
+
+class Errors(logging.Handler):
+    """The snapshard error lines logged while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def save(root: str, rank: int, world: int) -> dict[str, Any]:
+    import snapshard.torch as sst
+    from snapshard import SaveOptions
+
+    opts = SaveOptions(timeout_s=TIMEOUT)
+    out: dict[str, Any] = {}
+    sst.save(f"{root}/per_rank", per_rank_state(rank, world), opts)
+
+    # A plain tensor assumed equal on every rank, that is not: the generator's state.
+    torch.manual_seed(rank)
+    differ = {"model": {"w": sharded(world)}, "rng": torch.get_rng_state()}
+    out["differ"] = attempt(lambda: sst.save(f"{root}/differ", differ, opts))
+
+    # A meta tensor on one rank: that rank fails in its blocking phase, the other in seconds.
+    for bad in range(world):
+        w = torch.empty(6, 2, device="meta") if rank == bad else torch.zeros(6, 2)
+        where = f"{root}/meta{bad}"
+        out[f"meta{bad}"] = attempt(lambda w=w, where=where: sst.save(where, {"w": w}, opts))
+        # the ranks still agree on the saves to that location: the next one succeeds
+        sst.save(where, {"w": torch.zeros(6, 2)}, opts)
+
+    # An async save onto an existing checkpoint: the same error type on every rank, logged
+    # once per rank.
+    errors = Errors()
+    logging.getLogger("snapshard").addHandler(errors)
+    job = sst.save_async(f"{root}/per_rank", per_rank_state(rank, world), opts)
+    out["exists"] = attempt(job.wait)
+    logging.getLogger("snapshard").removeHandler(errors)
+    out["exists"]["logged"] = errors.lines
+
+    # A plain directory that is not a checkpoint.
+    if rank == 0:
+        os.makedirs(f"{root}/plain")
+        with open(f"{root}/plain/notes.txt", "w") as f:
+            f.write("not a checkpoint")
+    dist.barrier()
+    out["plain"] = attempt(lambda: sst.save(f"{root}/plain", {"w": sharded(world)}, opts))
+    dist.barrier()
+    out["left"] = sorted(p for p in os.listdir(root) if ".snapshard-tmp" in p)
+    return out
+
+
+def load(root: str, rank: int, world: int) -> dict[str, Any]:
+    import snapshard.torch as sst
+
+    target = per_rank_state(0, world)  # other values, the same structure
+    target["rng"] = torch.zeros_like(torch.get_rng_state())
+    filled = target["rng"]
+    sst.load(f"{root}/per_rank", target)
+    whole = sst.load(f"{root}/per_rank")
+    torch.manual_seed(100 + rank)
+    want = torch.get_rng_state()
+    return {
+        "rng_in_place": target["rng"] is filled,
+        "rng": bool(torch.equal(target["rng"], want)),
+        "loader": target["loader"],
+        "whole_rng": bool(torch.equal(whole["rng"], want)),
+        "whole_loader": whole["loader"],
+        "w": whole["model"]["w"].tolist(),
+    }
+
+
+def main() -> None:
+    cmd, root = sys.argv[1], sys.argv[2]
+    rank, world = init_torch()
+    out = save(root, rank, world) if cmd == "save" else load(root, rank, world)
+    report(rank=rank, **out)
+    # Rank 0 hosts the store: it stays until every rank has reported. torch's teardown is
+    # skipped (see workers._dist.report_torch_results).
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"test/reported/{rank}", "1")
+    if rank == 0:
+        store.wait([f"test/reported/{q}" for q in range(world)], timedelta(seconds=30))
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
