@@ -222,9 +222,12 @@ class Writes:
         return out
 
     def record_file(self, q: int) -> bytes:
+        from snapshard.format import record_file_name as records_name
         from snapshard.format import records
+        from snapshard.format.binding import name_key
 
-        data = records.encode(q, self.ndims, self.segments(q), self.digests)
+        salt = name_key(records_name(q, self.nonces[q]))
+        data = records.encode(q, self.ndims, self.segments(q), self.digests, salt=salt)
         assert len(data) == self.record_sizes[q], (q, len(data), self.record_sizes[q])
         return data
 

@@ -42,7 +42,15 @@ def read_checkpoint(directory: Path):
 
     raw = (directory / "manifest.json").read_bytes()
     doc = json.loads(raw)
-    assert doc["format"] == "snapshard" and doc["version"] == 2
+    assert doc["format"] == "snapshard" and doc["version"] in (2, "2.1")
+    bound = doc["version"] == "2.1"  # checksums keyed by file name and chunk offset
+
+    def name_key(name: str) -> int:
+        return crc32c.crc32c(name.encode()) if bound else 0
+
+    def chunk_key(name: str, offset: int) -> int:
+        mix = ((offset * 0x9E3779B97F4A7C15) % 2**64) >> 32
+        return name_key(name) ^ mix if bound else 0
     at = raw.index(b'"checksum":"') + len(b'"checksum":"')
     assert crc32c.crc32c(raw[:at] + b"00000000" + raw[at + 8 :]) == int(doc["checksum"], 16)
     procs = doc["processes"]
@@ -51,7 +59,8 @@ def read_checkpoint(directory: Path):
     # Every record of every process (a reader at scale fetches only the entries it needs).
     chunks: dict[int, list[tuple[int, dict]]] = {}
     for p, nonce in enumerate(nonces):
-        rec = (directory / f"index/p{p:05d}-{nonce}.idx").read_bytes()
+        record_name = f"index/p{p:05d}-{nonce}.idx"
+        rec = (directory / record_name).read_bytes()
         assert rec[:8] == b"SNAPIDX2"
         assert crc32c.crc32c(rec) == int(procs["record_crc32c"][8 * p : 8 * p + 8], 16)
         directory_at = int.from_bytes(rec[24:32], "little")
@@ -63,7 +72,8 @@ def read_checkpoint(directory: Path):
             nd = len(entry["shape"])
             size = 40 + 16 * nd
             segment = rec[offset : offset + count * size]
-            assert crc32c.crc32c(segment, crc32c.crc32c(struct.pack("<II", p, a))) == check
+            salt = crc32c.crc32c(struct.pack("<II", p, a), name_key(record_name))
+            assert crc32c.crc32c(segment, salt) == check
             for r in range(count):
                 f = struct.unpack_from(f"<IIQQIIQ{nd}q{nd}q", segment, r * size)
                 names = ("file", "flags", "offset", "nbytes", "block", "nblocks", "crc_offset")
@@ -79,9 +89,12 @@ def read_checkpoint(directory: Path):
         for p, c in chunks.get(a, []):
             if c["flags"] & 1:  # a reference: a file of a sibling checkpoint
                 ref = doc["refs"][c["file"]]
-                data = (directory.parent / ref["checkpoint"] / ref["file"]).read_bytes()
+                name = ref["file"]
+                data = (directory.parent / ref["checkpoint"] / name).read_bytes()
             else:
-                data = (directory / f"data/p{p:05d}-{nonces[p]}-{c['file']}.bin").read_bytes()
+                name = f"data/p{p:05d}-{nonces[p]}-{c['file']}.bin"
+                data = (directory / name).read_bytes()
+            key = chunk_key(name, c["offset"])
             codec = (c["flags"] >> 8) & 0xFF
             n, blk = c["nblocks"], c["block"]
             if codec:  # every block compressed on its own; offsets, then crcs of plain blocks
@@ -101,7 +114,7 @@ def read_checkpoint(directory: Path):
                 crcs = np.frombuffer(data, "<u4", n, c["crc_offset"])
             assert len(body) == c["nbytes"] and blk > 0
             for b, want in enumerate(crcs.tolist()):
-                assert crc32c.crc32c(body[b * c["block"] : (b + 1) * c["block"]]) == want
+                assert crc32c.crc32c(body[b * c["block"] : (b + 1) * c["block"]]) ^ key == want
             box = tuple(slice(a, b) for a, b in zip(c["start"], c["stop"], strict=True))
             shape = [b - a for a, b in zip(c["start"], c["stop"], strict=True)]
             out[box] = np.frombuffer(body, dt).reshape(shape)

@@ -41,6 +41,7 @@ from .checksum import crc32c
 from .errors import ChecksumMismatchError, CorruptCheckpointError, SnapshardError
 from .format import checksum_block
 from .format import records as rec
+from .format.binding import chunk_key
 from .storage import FileWriter, Storage
 
 NONE, ZSTD, ZSTD_SHUFFLE = 0, 1, 2
@@ -219,9 +220,12 @@ def write_chunk(
     offset: int,
     codec: int,
     level: int = DEFAULT_LEVEL,
+    *,
+    file_key: int,
 ) -> tuple[Any, ...]:
     """Append a compressed chunk (blocks, then offsets and checksums) to `writer`; returns
-    its record fields like saving.write_chunk. A large chunk's blocks are checksummed and
+    its record fields like saving.write_chunk. The checksums are stored bound to the file
+    (`file_key`, its name key) and the offset (format.binding). A large chunk's blocks are checksummed and
     compressed in the codec threads, group by group, while this thread writes them in order."""
     arr = np.ascontiguousarray(data)
     itemsize = arr.dtype.itemsize
@@ -247,7 +251,8 @@ def write_chunk(
         for z in packed:
             offsets.append(offsets[-1] + len(z))
         crcs.extend(sums)
-    tail = np.asarray(offsets, "<u8").tobytes() + np.asarray(crcs, "<u4").tobytes()
+    bound = np.asarray(crcs, "<u4") ^ np.uint32(chunk_key(file_key, offset))
+    tail = np.asarray(offsets, "<u8").tobytes() + bound.astype("<u4").tobytes()
     writer.write(memoryview(tail))
     return (
         file, codec << rec.CODEC_SHIFT, offset, n, block, len(crcs), offset + offsets[-1],
@@ -315,11 +320,13 @@ def read_range(
     stop: int,
     buffers: Sequence[memoryview],
     verify: bool,
+    key: int,
     leaf: str = "",
     chunk: int = 0,
 ) -> int:
     """Fill `buffers` with bytes [start, stop) of a compressed chunk, decompressing only the
-    blocks they touch (verifying each with `verify`); returns the bytes read from storage.
+    blocks they touch (verifying each with `verify`, against the stored checksums XOR `key`,
+    the chunk's key of format.binding); returns the bytes read from storage.
 
     A whole chunk is one read (blocks, offsets and checksums lie back to back); a part of one
     reads its offsets, its checksums, then its blocks. Blocks wholly inside the range are
@@ -356,7 +363,7 @@ def read_range(
         raise CorruptCheckpointError(f"{where}: malformed compressed block offsets")
     out = _Output(buffers)
     ol = [int(x) for x in ends.tolist()]
-    cl = [int(x) for x in crcs.tolist()] if verify else None
+    cl = [int(x) ^ key for x in crcs.tolist()] if verify else None
     # Blocks wholly inside [start, stop) (relative to b0) take the fast path with zstd alone.
     full0, full1 = -(-start // block) - b0, (stop // block if stop < nbytes else nblocks) - b0
     if codec != ZSTD or not hasattr(_backend(), "ZstdDecompressor"):

@@ -32,6 +32,8 @@ import numpy as np
 
 from .errors import SnapshardError
 from .format import records as rec
+from .format.bases import sibling_storage
+from .format.binding import name_key
 from .format.manifest import ArrayLeaf, FileEntry, Manifest
 from .format.reading import read_manifest
 from .format.refs import check_checkpoint_name, ref_files, split_ref_name
@@ -148,6 +150,8 @@ class Base:
         leaf = self._by_path.get(path)
         if not isinstance(leaf, ArrayLeaf) or leaf.dtype != dtype or tuple(leaf.shape) != shape:
             return {}
+        if not m.bound:  # a 2.0 base's checksums are not bound to its files: write anew
+            return {}
         assert m.finder is not None and m.processes is not None
         a = m.finder.index[id(leaf)]
         want = {box_key(s, e) for s, e in boxes}
@@ -164,7 +168,8 @@ class Base:
             off, length = rec.check_entry(entry, ndim, len(raw), where)
             if not length:
                 continue
-            r = rec.decode_segment(raw[off : off + length], entry, ndim, q, a, where)
+            salt = name_key(m.processes.record_name(q))
+            r = rec.decode_segment(raw[off : off + length], entry, ndim, q, a, where, salt)
             hashes = None
             if flags & rec.FILE_HASHES and (flags >> rec.HASH_SHIFT) & 0xFF == hash_id():
                 hashes = rec.decode_hashes(raw[off + length :], entry, ndim, where)
@@ -326,7 +331,7 @@ def manifest_refs(base: Base | None, reports: list[dict[str, Any]]) -> list[Any]
 def check_refs_committed(storage: Storage, refs: list[Any]) -> list[FileEntry]:
     """Process 0 at commit: every referenced checkpoint is still committed (a reference to
     anything else is never committed); returns the referenced files as manifest entries."""
-    files = ref_files(refs, storage.url)
+    files = ref_files(refs, storage.url, bound=True)  # this library writes 2.1
     names = {split_ref_name(f.name)[0] for f in files if f.name}  # type: ignore[index]
     for name in sorted(names):
         if not sibling_storage(storage, name).is_committed():
@@ -334,17 +339,3 @@ def check_refs_committed(storage: Storage, refs: list[Any]) -> list[FileEntry]:
                 f"save to {storage.url}: referenced checkpoint {name!r} is no longer committed"
             )
     return files
-
-
-def sibling_storage(storage: Storage, name: str) -> Storage:
-    """The checkpoint `name` beside `storage` (same parent, same store and options)."""
-    from .storage.local import LocalStorage
-
-    if isinstance(storage, LocalStorage):
-        return LocalStorage(storage.final.parent / name)
-    from .storage.objstore import ObjectStorage
-
-    if isinstance(storage, ObjectStorage):
-        return ObjectStorage(storage.url, client=storage.client.sibling(name))
-    parent, _ = checkpoint_parent_and_name(storage)
-    return storage_for(f"{parent}/{name}")

@@ -493,7 +493,8 @@ class _RangeReads:
                 crc_bytes = np.empty(4 * (b1 - b0), np.uint8)
                 at = int(t.crc_offset[c]) + 4 * b0
                 self.storage.read_into(self.runs.file, at, [crc_bytes.data])
-            crcs = [0] * b0 + crc_bytes.view("<u4").tolist()
+            key = t.key(c)  # 2.1: the stored checksums are bound to file and offset
+            crcs = [0] * b0 + (crc_bytes.view("<u4") ^ np.uint32(key)).tolist()
         return BlockVerifier(crcs, b0, block, r.stop - r.start)
 
     def read(self, views: list[memoryview]) -> None:
@@ -677,7 +678,7 @@ def _read_compressed(storage: Storage, task: _Task, bufs: list[memoryview], veri
         storage, runs.file, offset=int(t.offset[c]), nbytes=int(t.nbytes[c]),
         block=int(t.block[c]), crc_offset=int(t.crc_offset[c]), codec=codec_of(int(t.flags[c])),
         itemsize=dtype_from_name(runs.leaf.dtype).itemsize, start=r.start, stop=r.stop,
-        buffers=bufs, verify=verify, leaf=runs.leaf.name, chunk=c,
+        buffers=bufs, verify=verify, key=t.key(c), leaf=runs.leaf.name, chunk=c,
     )  # fmt: skip
 
 

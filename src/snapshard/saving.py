@@ -53,6 +53,7 @@ from .format import (
     records,
     validate_structure,
 )
+from .format.binding import chunk_key, name_key
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .gc_pause import collection_paused
@@ -243,10 +244,18 @@ def _split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
 
 
 def write_chunk(
-    writer: FileWriter, data: np.ndarray, start: Any, stop: Any, file: int, offset: int
+    writer: FileWriter,
+    data: np.ndarray,
+    start: Any,
+    stop: Any,
+    file: int,
+    offset: int,
+    *,
+    file_key: int,
 ) -> tuple[Any, ...]:
     """Append the C-order bytes of box [start, stop) to `writer`, checksumming each block as
-    it goes out, then the block checksums (uint32, little-endian) right after them.
+    it goes out, then the block checksums (uint32, little-endian) right after them, bound to
+    the file (`file_key`, its name key) and the offset (format.binding).
 
     Returns the chunk's record fields (file, flags, offset, nbytes, block, nblocks,
     crc_offset, start, stop) for format.records, given the chunk's offset in the file."""
@@ -257,7 +266,8 @@ def write_chunk(
     for a in range(0, len(raw), piece):
         crcs.extend(block_crcs(raw[a : a + piece], block))
         writer.write(raw[a : a + piece])
-    writer.write(memoryview(np.asarray(crcs, dtype="<u4").tobytes()))
+    bound = np.asarray(crcs, dtype="<u4") ^ np.uint32(chunk_key(file_key, offset))
+    writer.write(memoryview(bound.astype("<u4").tobytes()))
     return (
         file, 0, offset, len(raw), block, len(crcs), offset + len(raw),
         [int(x) for x in start], [int(x) for x in stop],
@@ -326,15 +336,18 @@ def _write_file(
     writer = storage.open_writer(name)
     rows = []
     offset = 0
+    key = name_key(name)
     try:
         for it in items:
             codec = codec_of(it) if codec_of is not None else 0
             if codec:
                 row = codecs.write_chunk(
-                    writer, it.materialize(), it.start, it.stop, 0, offset, codec
+                    writer, it.materialize(), it.start, it.stop, 0, offset, codec, file_key=key
                 )
             else:
-                row = write_chunk(writer, it.materialize(), it.start, it.stop, 0, offset)
+                row = write_chunk(
+                    writer, it.materialize(), it.start, it.stop, 0, offset, file_key=key
+                )
             rows.append((it.leaf, row))
             it.release()  # the bytes are in the file now: let the host copy go
             offset = codecs.row_end(row)
@@ -395,11 +408,12 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
             f"{prep.rendezvous.what}: process {pid} wrote {written} chunks, its plan has {len(prep.items)}"
         )
     segments = {i: records_of(rows, ndims[i]) for i, rows in by_leaf.items()}
+    salt = name_key(record_file_name(pid, nonce))
     if inc is not None:
         hashes = inc.segment_hashes(segments)
-        data = records.encode(pid, ndims, segments, prep.digests, hashes, inc.hid)
+        data = records.encode(pid, ndims, segments, prep.digests, hashes, inc.hid, salt=salt)
     else:
-        data = records.encode(pid, ndims, segments, prep.digests)
+        data = records.encode(pid, ndims, segments, prep.digests, salt=salt)
     prep.storage.write_bytes(record_file_name(pid, nonce), data)
     own = {i: leaf.value for i, leaf in enumerate(prep.leaves) if isinstance(leaf, PerProcessLeaf)}
     values = b""

@@ -44,6 +44,7 @@ from snapshard.checksum import crc32c
 from snapshard.cli import main as cli
 from snapshard.errors import SnapshardError
 from snapshard.format import records as rec
+from snapshard.format.binding import name_key
 
 CAP_S = 2.0
 MEMORY = 4 << 30
@@ -240,17 +241,23 @@ def _write_dir(buf: bytearray, a: int, entry: np.ndarray) -> None:
     buf[at : at + rec.DIR_ENTRY_SIZE] = entry.tobytes()
 
 
-def _resegment(buf: bytearray, proc: int, d: np.ndarray, a: int, ndim: int) -> None:
-    """Recompute the checksum of leaf a's segment after an edit."""
+def _resegment(buf: bytearray, proc: int, d: np.ndarray, a: int, ndim: int, salt: int) -> None:
+    """Recompute the checksum of leaf a's segment after an edit (`salt`: see records)."""
     off, n = int(d[a]["offset"]), int(d[a]["count"])
     size = n * rec.record_dtype(ndim).itemsize
-    d[a]["crc"] = rec.segment_crc(bytes(buf[off : off + size]), proc, a)
+    d[a]["crc"] = rec.segment_crc(bytes(buf[off : off + size]), proc, a, salt)
     _write_dir(buf, a, d[a])
 
 
 def _fit(v: int, bits: int) -> int:
     """v as an unsigned field of `bits` bits: too large saturates, negative wraps."""
     return min(v, (1 << bits) - 1) if v >= 0 else v % (1 << bits)
+
+
+def _salt(root: Path, record: Path) -> int:
+    """The segment checksums' salt of a record file (format.binding; 0 before 2.1)."""
+    doc = json.loads((root / "manifest.json").read_bytes())
+    return name_key(f"index/{record.name}") if doc.get("version") == "2.1" else 0
 
 
 def _ndims(root: Path) -> list[int]:
@@ -267,6 +274,7 @@ def _record_op(root: Path, op: dict[str, Any]) -> None:
         return
     a = used[op["leaf"] % len(used)]
     ndims = _ndims(root)
+    salt = _salt(root, p)
     kind = op["op"]
     if kind == "rec_entry":  # a directory entry changed (pointing elsewhere, huge count…)
         v = op["value"]
@@ -296,7 +304,7 @@ def _record_op(root: Path, op: dict[str, Any]) -> None:
             bits = 64 if r.dtype[f].itemsize == 8 else 32
             r[f] = _fit(op["value"], bits)
         buf[off + k * dt.itemsize : off + (k + 1) * dt.itemsize] = r.tobytes()
-        _resegment(buf, proc, d, a, ndims[a])
+        _resegment(buf, proc, d, a, ndims[a], salt)
     elif kind == "rec_dup_record":  # a record duplicated over its neighbour
         dt = rec.record_dtype(ndims[a])
         off, n = int(d[a]["offset"]), int(d[a]["count"])
@@ -305,10 +313,10 @@ def _record_op(root: Path, op: dict[str, Any]) -> None:
         k = op["rec"] % (n - 1)
         one = buf[off + k * dt.itemsize : off + (k + 1) * dt.itemsize]
         buf[off + (k + 1) * dt.itemsize : off + (k + 2) * dt.itemsize] = one
-        _resegment(buf, proc, d, a, ndims[a])
+        _resegment(buf, proc, d, a, ndims[a], salt)
     elif kind == "rec_count":  # fewer records (a chunk dropped), segment checksum recomputed
         d[a]["count"] = max(int(d[a]["count"]) - 1, 0)
-        _resegment(buf, proc, d, a, ndims[a])
+        _resegment(buf, proc, d, a, ndims[a], salt)
     p.write_bytes(bytes(buf))
 
 

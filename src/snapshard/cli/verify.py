@@ -8,7 +8,6 @@ every chunk is read and decoded, which finds missing and undecodable chunks only
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
 import numpy as np
@@ -35,13 +34,11 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def _file_size(storage: Storage, name: str, expected: int) -> int | None:
-    """The size of a data file, or None when it cannot be read at all. On a local filesystem
-    the exact size; elsewhere `expected` if its last byte can be read, else None."""
+    """The size of a file, or None when it cannot be read at all. On a local filesystem
+    the exact size, the file opened as every read opens it (a symbolic link or another kind
+    of file is refused with the reason); elsewhere `expected` if its last byte can be read."""
     if isinstance(storage, LocalStorage):
-        try:
-            return os.stat(storage.final / name).st_size
-        except FileNotFoundError:
-            return None
+        return storage.file_size(name)
     if expected == 0:
         return 0
     try:
@@ -56,7 +53,11 @@ def file_problem(storage: Storage, m: Manifest) -> dict[str, Any] | None:
     for i, f in enumerate(m.files):
         if not f.name:  # an unused slot of the references (format.refs)
             continue
-        size = _file_size(storage, f.name, f.size)
+        refused: str | None = None
+        try:
+            size = _file_size(storage, f.name, f.size)
+        except CorruptCheckpointError as e:  # refused (a symbolic link, say) or missing
+            size, refused = None, str(e)
         if size == f.size:
             continue
         hit = [
@@ -67,7 +68,7 @@ def file_problem(storage: Storage, m: Manifest) -> dict[str, Any] | None:
             and int(leaf.chunks.offset[c] + leaf.chunks.nbytes[c]) > (size or 0)
         ]
         what = "is missing or unreadable" if size is None else f"has {size} bytes"
-        message = f"{storage.url}: data file {f.name!r} {what}, the manifest says {f.size}"
+        message = refused or f"{storage.url}: data file {f.name!r} {what}, the manifest says {f.size}"
         problem: dict[str, Any] = {"file": f.name, "leaf": None, "chunk": None}
         if hit:
             _, leaf_name, chunk = min(hit)
@@ -84,7 +85,10 @@ def record_file_problem(storage: Storage, m: Manifest) -> dict[str, Any] | None:
         return None
     for q, expected in enumerate(m.processes.record_sizes):
         name = m.processes.record_name(q)
-        size = _file_size(storage, name, expected)
+        try:
+            size = _file_size(storage, name, expected)
+        except CorruptCheckpointError as e:
+            return {"message": str(e), "file": name, "leaf": None, "chunk": None}
         if size != expected:
             what = "is missing or unreadable" if size is None else f"has {size} bytes"
             message = f"{storage.url}: record file {name!r} {what}, the manifest says {expected}"

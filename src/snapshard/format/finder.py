@@ -20,12 +20,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..dtypes import NAME_TO_DTYPE
-from ..errors import CorruptCheckpointError, SnapshardError
+from ..errors import CorruptCheckpointError
 from ..planning.layout import ArrayLayout, ShardGroups
 from ..planning.read_plan import ChunkIndex
 from . import records as rec
+from .binding import chunk_keys, name_key
 from .layouts import Mesh, host_holders, mesh_layout, rows_layout
 from .manifest import ArrayLeaf, ChunkTable, LazyChunkTable, Manifest
+from .validate import box_text, check_chunk_tables
 
 if TYPE_CHECKING:
     from ..storage import Storage
@@ -204,8 +206,9 @@ class ChunkFinder:
             if length:
                 wanted.append((a, e, len(leaf.shape), (off, off + length)))
         segments = self._read(name, [r for *_, r in wanted])
+        salt = name_key(name) if m.bound else 0
         return {
-            a: rec.decode_segment(raw, e, nd, q, a, f"{where}, leaf {m.leaves[a].name!r}")
+            a: rec.decode_segment(raw, e, nd, q, a, f"{where}, leaf {m.leaves[a].name!r}", salt)
             for (a, e, nd, _), raw in zip(wanted, segments, strict=True)
         }
 
@@ -243,8 +246,6 @@ class ChunkFinder:
         for a, leaf in leaves.items():
             where = f"{self.storage.url}, leaf {leaf.name!r}"
             built.append((leaf, self._table(leaf, found[a], where), where))
-        from .validate import check_chunk_tables
-
         check_chunk_tables(
             built,
             [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf, _, _ in built],  # (_table checked them)
@@ -265,7 +266,7 @@ class ChunkFinder:
         names the leaf in errors."""
         m = self.manifest
         assert m.processes is not None
-        base, nfiles_of, _ = self._per_process()
+        base, nfiles_of, _, file_keys = self._per_process()
         dt = NAME_TO_DTYPE.get(leaf.dtype)
         if dt is None:
             raise CorruptCheckpointError(f"{where}: unknown dtype {leaf.dtype!r}")
@@ -274,37 +275,27 @@ class ChunkFinder:
         for q, r in parts:
             ref = (r.flags & rec.FLAG_REFERENCE) != 0
             codec = (r.flags & rec.CODEC_MASK) >> rec.CODEC_SHIFT
-            unknown = (r.flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)) | np.where(
-                codec > max(rec.CODECS), r.flags, 0
-            )
-            if np.any(unknown):
-                bad = int(unknown[np.flatnonzero(unknown)[0]])
-                what = (
-                    "refers to another checkpoint"
-                    if bad & rec.FLAG_REFERENCE
-                    else (
-                        f"uses codec {rec.CODECS.get((bad & rec.CODEC_MASK) >> rec.CODEC_SHIFT, bad)}"
-                    )
-                )
-                raise SnapshardError(
-                    f"{where}: a chunk of process {q} {what}, which this version does not read"
-                )
+            rw = f"{where}: a record of {m.processes.record_name(q)}"
+            _check_flags(r.flags, codec, rw)
+            _check_block_counts(r, rw)
             nfiles = nfiles_of[q]
             if np.any(r.file[~ref] >= nfiles) or np.any(r.file[ref] >= len(m.refs)):
                 raise CorruptCheckpointError(
                     f"{where}: a record of process {q} names a file it did not write"
                 )
+            files = np.where(ref, own + r.file, base[q] + r.file)
             tables.append(
                 ChunkTable(
                     r.starts,
                     r.stops,
-                    np.where(ref, own + r.file, base[q] + r.file),
+                    files,
                     r.offset,
                     r.nbytes,
                     r.block,
                     [],
                     r.crc_offset,
                     (r.flags & rec.CODEC_MASK) if np.any(codec) else None,
+                    None if file_keys is None else chunk_keys(file_keys[files], r.offset),
                 )
             )
         t = tables[0] if len(tables) == 1 else ChunkTable.concat(tables, len(leaf.shape))
@@ -314,15 +305,17 @@ class ChunkFinder:
             t.crc_offset = np.zeros(len(t), np.int64)
         return t
 
-    def _per_process(self) -> tuple[np.ndarray, list[int], np.ndarray]:
-        """Each process's first global file number, its data file count, and every data
-        file's size, computed once: per leaf they would cost O(processes) each."""
+    def _per_process(self) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray | None]:
+        """Each process's first global file number, its data file count, every data file's
+        size and (2.1) name key, computed once: per leaf they would cost O(processes) each."""
         got = self.__dict__.get("_per_process_cache")
         if got is None:
-            table = self.manifest.processes
+            m = self.manifest
+            table = m.processes
             assert table is not None
-            sizes = np.asarray([f.size for f in self.manifest.files], dtype=np.int64)
-            got = (table.base, [len(s) for s in table.data_sizes], sizes)
+            sizes = np.asarray([f.size for f in m.files], dtype=np.int64)
+            keys = np.asarray([f.key or 0 for f in m.files], np.int64) if m.bound else None
+            got = (table.base, [len(s) for s in table.data_sizes], sizes, keys)
             self.__dict__["_per_process_cache"] = got
         return got
 
@@ -336,6 +329,35 @@ class ChunkFinder:
                 f"the manifest says {leaf.chunk_count}"
             )
         return t
+
+
+def _check_flags(flags: np.ndarray, codec: np.ndarray, where: str) -> None:
+    """Record flags this version implements: the reference bit and a known codec."""
+    unknown_bits = flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)
+    if np.any(unknown_bits):
+        bits = int(unknown_bits[np.flatnonzero(unknown_bits)[0]])
+        raise CorruptCheckpointError(
+            f"{where} has unknown flag bits {bits:#x}, which this version does not read"
+        )
+    unknown_codec = codec > max(rec.CODECS)
+    if np.any(unknown_codec):
+        raise CorruptCheckpointError(
+            f"{where} uses codec {int(codec[np.flatnonzero(unknown_codec)[0]])}, which this "
+            "version does not read"
+        )
+
+
+def _check_block_counts(r: rec.Records, where: str) -> None:
+    """Each record's block count is the one its size and block size give (the range of its
+    checksums follows from it)."""
+    want = -(-r.nbytes // np.maximum(r.block, 1))
+    bad = (r.nblocks != want) | (r.block <= 0)
+    if np.any(bad):
+        i = int(np.flatnonzero(bad)[0])
+        raise CorruptCheckpointError(
+            f"{where} says {r.nblocks[i]} checksum blocks of {r.block[i]} bytes for "
+            f"{r.nbytes[i]} bytes (chunk {box_text(r.starts[i], r.stops[i])})"
+        )
 
 
 def _check_found(leaf: ArrayLeaf, t: ChunkTable, where: str) -> None:

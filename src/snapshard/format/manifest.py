@@ -23,20 +23,24 @@ from typing import Any
 import numpy as np
 
 from ..checksum import crc32c
+from ..dtypes import NAME_TO_DTYPE
 from ..errors import CorruptCheckpointError
 from ..tree import JsonNode, Path, path_str
 
 FORMAT_NAME = "snapshard"
 INDEX_FORMAT_NAME = "snapshard-index"
 FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
+# 2.1 binds every checksum to its file (format.binding). The manifest states it as the
+# string "2.1": a reader of 2.0 refuses it by name instead of failing every checksum.
+FORMAT_MINOR = 1
+READ_VERSIONS: tuple[int | str, ...] = (1, 2, "2.1")
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"
 INDEX_DIR = "index"
 MIN_CHECKSUM_BLOCK = 4 << 10
 MAX_BLOCKS_PER_CHUNK = 256
-_SAFE_NAME = re.compile(r"^(data|index)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
-_NONCE = re.compile(r"^[0-9a-f]{8}$")
+_SAFE_NAME = re.compile(r"(data|index)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+_NONCE = re.compile(r"[0-9a-f]{8}")
 # Bounds checked before a reader allocates or reads anything a manifest implies.
 MAX_DIM = 1 << 48
 MAX_BYTES = 1 << 56
@@ -73,7 +77,7 @@ def checksum_block(nbytes: int) -> int:
 
 def check_file_name(name: Any, where: str) -> str:
     """A data or index file name from a manifest, refusing anything that could leave the checkpoint."""
-    if not isinstance(name, str) or not _SAFE_NAME.match(name) or ".." in name:
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
         raise CorruptCheckpointError(f"{where}: unsafe or malformed file name {name!r}")
     return name
 
@@ -93,6 +97,8 @@ class ChunkTable:
     crc_offset: np.ndarray | None = None
     # v2: the record flags' codec bits per chunk (None: nothing compressed; see codecs.py)
     flags: np.ndarray | None = None
+    # 2.1: the key each chunk's stored checksums are XORed with (format.binding; None: 0)
+    keys: np.ndarray | None = None
 
     @staticmethod
     def empty(ndim: int) -> ChunkTable:
@@ -107,6 +113,7 @@ class ChunkTable:
             [self.crc32c[i] for i in o.tolist()] if self.crc32c else [],
             None if self.crc_offset is None else self.crc_offset[o],
             None if self.flags is None else self.flags[o],
+            None if self.keys is None else self.keys[o],
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -185,12 +192,22 @@ class ChunkTable:
             None
             if any(t.crc_offset is None for t in tables)
             else np.concatenate([t.crc_offset for t in tables]),
-            None
-            if all(t.flags is None for t in tables)
-            else np.concatenate(
-                [np.zeros(len(t), np.int64) if t.flags is None else t.flags for t in tables]
-            ),
+            _concat_optional([t.flags for t in tables], [len(t) for t in tables]),
+            _concat_optional([t.keys for t in tables], [len(t) for t in tables]),
         )
+
+    def key(self, i: int) -> int:
+        """The key chunk i's stored checksums are XORed with (0 where nothing binds them)."""
+        return 0 if self.keys is None else int(self.keys[i])
+
+
+def _concat_optional(columns: list[np.ndarray | None], lengths: list[int]) -> np.ndarray | None:
+    """Optional columns of tables concatenated, zeros for the tables without (None if none has it)."""
+    if all(c is None for c in columns):
+        return None
+    return np.concatenate(
+        [np.zeros(n, np.int64) if c is None else c for c, n in zip(columns, lengths, strict=True)]
+    )
 
 
 class LazyChunkTable(ChunkTable):
@@ -377,8 +394,8 @@ def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
     ):
         raise CorruptCheckpointError(f"{where}: malformed shape {str(shape)[:200]}")
     dtype = d.get("dtype")
-    if not isinstance(dtype, str):
-        raise CorruptCheckpointError(f"{where}: malformed dtype {str(dtype)[:100]}")
+    if not isinstance(dtype, str) or dtype not in NAME_TO_DTYPE:
+        raise CorruptCheckpointError(f"{where}: unknown dtype {str(dtype)[:100]!r}")
     key_impl = d.get("key_impl")
     if key_impl is not None and not isinstance(key_impl, str):
         raise CorruptCheckpointError(f"{where}: malformed key_impl")
@@ -409,8 +426,12 @@ def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
 
 @dataclass
 class FileEntry:
+    """A data file of a manifest; `key` is its name key (format.binding) where its save
+    binds its checksums to it (2.1), None where it does not (2.0, v1)."""
+
     name: str
     size: int
+    key: int | None = None
 
 
 @dataclass
@@ -437,12 +458,16 @@ class ProcessTable:
     def base(self) -> np.ndarray:
         return np.concatenate([[0], np.cumsum([len(s) for s in self.data_sizes])]).astype(np.int64)
 
-    def files(self) -> list[FileEntry]:
-        return [
-            FileEntry(data_file_name(q, n, j), size)
-            for q, (n, sizes) in enumerate(zip(self.nonces, self.data_sizes, strict=True))
-            for j, size in enumerate(sizes)
-        ]
+    def files(self, bound: bool = True) -> list[FileEntry]:
+        """The data files of every process, in global order (`bound`: with their keys)."""
+        from .binding import name_key
+
+        out = []
+        for q, (n, sizes) in enumerate(zip(self.nonces, self.data_sizes, strict=True)):
+            for j, size in enumerate(sizes):
+                name = data_file_name(q, n, j)
+                out.append(FileEntry(name, size, name_key(name) if bound else None))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -472,7 +497,7 @@ class ProcessTable:
                 f"{where}: the process table does not list {count} processes"
             )
         nonces = [nonce[8 * q : 8 * q + 8] for q in range(count)]
-        if not all(_NONCE.match(n) for n in nonces):
+        if not all(_NONCE.fullmatch(n) for n in nonces):
             raise CorruptCheckpointError(f"{where}: malformed file nonce in the process table")
         try:
             record_crcs = [int(crcs[8 * q : 8 * q + 8], 16) for q in range(count)]
@@ -516,8 +541,18 @@ class Manifest:
     processes: ProcessTable | None = None
     refs: list[Any] = field(default_factory=list)  # dicts, or None for an unused slot
     codecs: list[str] = field(default_factory=list)  # codecs some chunk uses (codecs.py)
+    minor: int = FORMAT_MINOR  # of version 2: 0 for 2.0, 1 for 2.1 (format.binding)
     # v2: the format.finder.ChunkFinder that fetches chunk records (set by read_manifest)
     finder: Any = field(default=None, repr=False, compare=False)
+
+    @property
+    def bound(self) -> bool:
+        """Whether the checksums of its files are bound to them (2.1, format.binding)."""
+        return self.version == 2 and self.minor >= 1
+
+    @property
+    def version_text(self) -> str:
+        return f"2.{self.minor}" if self.version == 2 and self.minor else str(self.version)
 
     @property
     def arrays(self) -> list[ArrayLeaf]:
@@ -533,11 +568,12 @@ class Manifest:
         return {leaf.path: leaf for leaf in self.leaves}
 
     def to_json(self) -> bytes:
-        """The v2 manifest, with its own checksum (see docs/format.md)."""
+        """The 2.1 manifest, with its own checksum (see docs/format.md)."""
         assert self.processes is not None, "a v2 manifest needs its process table"
+        assert self.bound, "this library writes format 2.1 only"
         doc = {
             "format": FORMAT_NAME,
-            "version": 2,
+            "version": f"{FORMAT_VERSION}.{FORMAT_MINOR}",
             "checksum": "00000000",
             "created_unix": self.created_unix,
             "process_count": self.process_count,
@@ -570,12 +606,7 @@ class Manifest:
             raise CorruptCheckpointError(f"{where}: manifest is nested too deeply") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: not a snapshard manifest")
-        version = doc.get("version")
-        if version not in READ_VERSIONS or isinstance(version, bool):
-            raise CorruptCheckpointError(
-                f"{where}: manifest format version {str(version)[:20]} is not supported "
-                f"(this library reads {', '.join(map(str, READ_VERSIONS))})"
-            )
+        version, minor = _version(doc.get("version"), where)
         if version >= 2:
             _check_own_checksum(data, doc, where)
         leaves_raw = doc.get("leaves")
@@ -585,20 +616,27 @@ class Manifest:
         if not isinstance(structure, dict):
             raise CorruptCheckpointError(f"{where}: manifest lacks the tree structure")
         process_count = bounded_int(doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where)
-        extra = doc.get("extra") or {}
+        extra = doc.get("extra", {})
         if not isinstance(extra, dict):
             raise CorruptCheckpointError(f"{where}: malformed extra")
         created = doc.get("created_unix", 0.0)
+        if isinstance(created, bool) or not isinstance(created, int | float) or not math.isfinite(created):
+            raise CorruptCheckpointError(f"{where}: malformed created_unix {str(created)[:50]}")
+        write_mode = doc.get("write_mode", "auto")
+        if not isinstance(write_mode, str):
+            raise CorruptCheckpointError(f"{where}: malformed write_mode {str(write_mode)[:50]}")
         m = Manifest(
             structure=structure,
             leaves=[leaf_from_json(d, where, version) for d in leaves_raw],
             files=[],
             process_count=process_count,
-            write_mode=str(doc.get("write_mode", "auto"))[:100],
-            created_unix=float(created) if isinstance(created, int | float) else 0.0,
+            write_mode=write_mode[:100],
+            created_unix=float(created),
             version=version,
             extra=extra,
+            minor=minor,
         )
+        total = bounded_int(doc.get("total_bytes"), 0, MAX_BYTES, "total_bytes", where)
         if version == 1:
             files_raw = doc.get("files")
             if not isinstance(files_raw, list):
@@ -611,6 +649,7 @@ class Manifest:
                     FileEntry(name, bounded_int(f.get("size"), 0, MAX_BYTES, "file size", where))
                 )
             _interned(m.leaves)
+            _check_total(m, total, where)
             return m
         for key in ("meshes", "layouts", "refs"):
             value = doc.get(key, [])
@@ -624,12 +663,34 @@ class Manifest:
             raise CorruptCheckpointError(f"{where}: malformed codecs list")
         m.codecs = codecs
         m.processes = ProcessTable.from_json(doc.get("processes"), process_count, where)
-        m.files = m.processes.files()
+        m.files = m.processes.files(m.bound)
         if m.refs:  # referenced files follow the own ones (see format.refs)
             from .refs import ref_files
 
-            m.files += ref_files(m.refs, where)
+            m.files += ref_files(m.refs, where, m.bound)
+        _check_total(m, total, where)
         return m
+
+
+def _version(v: Any, where: str) -> tuple[int, int]:
+    """(version, minor) of a manifest's `version`: the integers 1 and 2, or the string "2.1"
+    (no other type: 2.0 and true are not versions)."""
+    if type(v) is int and v in READ_VERSIONS:
+        return v, 0
+    if type(v) is str and v in READ_VERSIONS:
+        major, minor = v.split(".")
+        return int(major), int(minor)
+    raise CorruptCheckpointError(
+        f"{where}: manifest format version {str(v)[:20]!r} is not supported "
+        f"(this library reads {', '.join(map(str, READ_VERSIONS))})"
+    )
+
+
+def _check_total(m: Manifest, stated: int, where: str) -> None:
+    if stated != m.total_bytes:
+        raise CorruptCheckpointError(
+            f"{where}: manifest says total_bytes {stated}, its arrays hold {m.total_bytes}"
+        )
 
 
 class _DuplicateKey(Exception):

@@ -4,6 +4,7 @@ tables. Imports no framework: inspection, the manager and the CLI use it to read
 from __future__ import annotations
 
 from ..storage import Storage
+from .bases import check_bases
 from .finder import attach_lazy_tables
 from .manifest import Manifest
 from .validate import validate_structure
@@ -11,9 +12,12 @@ from .validate import validate_structure
 
 def read_manifest(storage: Storage) -> Manifest:
     """The validated manifest of the checkpoint at `storage` (CheckpointNotFoundError if
-    none is committed there). v2 chunk tables are fetched only when first used."""
+    none is committed there), with the checkpoints it refers to checked (format.bases).
+    v2 chunk tables are fetched only when first used."""
     manifest = Manifest.from_json(storage.read_manifest(), storage.url)
     validate_structure(manifest, storage.url)
     if manifest.version >= 2:
+        if manifest.refs:
+            check_bases(storage, manifest)
         attach_lazy_tables(storage, manifest)
     return manifest

@@ -78,8 +78,10 @@ def record_dtype(ndim: int) -> np.dtype:
     return np.dtype([*fields, ("start", "<i8", (ndim,)), ("stop", "<i8", (ndim,))])
 
 
-def segment_crc(data: bytes | memoryview, process: int, leaf: int) -> int:
-    return crc32c(data, crc32c(struct.pack("<II", process, leaf)))
+def segment_crc(data: bytes | memoryview, process: int, leaf: int, salt: int) -> int:
+    """The checksum of leaf `leaf`'s segment of process `process`; `salt`: the record
+    file's name key from 2.1 on (format.binding), 0 in 2.0."""
+    return crc32c(data, crc32c(struct.pack("<II", process, leaf), salt))
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Records:
     offset: np.ndarray
     nbytes: np.ndarray
     block: np.ndarray
+    nblocks: np.ndarray
     crc_offset: np.ndarray
 
     def __len__(self) -> int:
@@ -109,10 +112,13 @@ def encode(
     digests: np.ndarray,
     hashes: dict[int, np.ndarray] | None = None,
     hash_id: int = 0,
+    *,
+    salt: int,
 ) -> bytes:
     """A record file: `segments` maps leaf number to its structured records (record_dtype);
     `digests` has one DIGEST row per leaf; `hashes`, when given, maps every leaf of
-    `segments` to its chunks' content hashes ((n, HASH_SIZE) uint8, in record order)."""
+    `segments` to its chunks' content hashes ((n, HASH_SIZE) uint8, in record order);
+    `salt`: the file's name key (format.binding), which its segment checksums start from."""
     n = len(ndims)
     directory = np.zeros(n, DIR_ENTRY)
     parts: list[bytes] = [np.ascontiguousarray(digests, DIGEST).tobytes()]
@@ -124,7 +130,7 @@ def encode(
         if recs.dtype != record_dtype(ndims[leaf]):
             raise ValueError(f"records of leaf {leaf} have the wrong layout")
         raw = recs.tobytes()
-        crc = segment_crc(raw, process, leaf)
+        crc = segment_crc(raw, process, leaf, salt)
         directory[leaf] = (pos, len(recs), crc)
         parts.append(raw)
         pos += len(raw)
@@ -183,10 +189,16 @@ def check_entry(entry: np.void, ndim: int, file_size: int, where: str) -> tuple[
 
 
 def decode_segment(
-    data: bytes | memoryview, entry: np.void, ndim: int, process: int, leaf: int, where: str
+    data: bytes | memoryview,
+    entry: np.void,
+    ndim: int,
+    process: int,
+    leaf: int,
+    where: str,
+    salt: int,
 ) -> Records:
-    """The records of one segment, after checking its crc32c."""
-    if segment_crc(data, process, leaf) != int(entry["crc"]):
+    """The records of one segment, after checking its crc32c (`salt`: see segment_crc)."""
+    if segment_crc(data, process, leaf, salt) != int(entry["crc"]):
         raise CorruptCheckpointError(f"{where}: chunk records fail their checksum")
     recs = np.frombuffer(data, record_dtype(ndim))
     return Records(
@@ -197,6 +209,7 @@ def decode_segment(
         offset=recs["offset"].astype(np.int64),
         nbytes=recs["nbytes"].astype(np.int64),
         block=recs["block"].astype(np.int64),
+        nblocks=recs["nblocks"].astype(np.int64),
         crc_offset=recs["crc_offset"].astype(np.int64),
     )
 

@@ -16,13 +16,13 @@ from ..errors import CorruptCheckpointError
 from .manifest import FileEntry, check_file_name
 
 REF_PREFIX = "../"
-_CHECKPOINT = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+_CHECKPOINT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")
 
 
 def check_checkpoint_name(name: Any, where: str) -> str:
     if (
         not isinstance(name, str)
-        or not _CHECKPOINT.match(name)
+        or not _CHECKPOINT.fullmatch(name)
         or ".." in name
         or ".snapshard-" in name
     ):
@@ -43,9 +43,11 @@ def split_ref_name(name: str) -> tuple[str, str] | None:
     return checkpoint, file
 
 
-def ref_files(refs: list[Any], where: str) -> list[FileEntry]:
+def ref_files(refs: list[Any], where: str, bound: bool) -> list[FileEntry]:
     """The referenced files as manifest file entries (a null slot: an empty placeholder that
-    no chunk can lie in)."""
+    no chunk can lie in); `bound` (2.1): with the key of the name the base gave the file,
+    to which the base bound its checksums (format.binding)."""
+    from .binding import name_key
     from .manifest import MAX_BYTES, bounded_int
 
     out = []
@@ -59,7 +61,8 @@ def ref_files(refs: list[Any], where: str) -> list[FileEntry]:
         file = check_file_name(r.get("file"), where)
         if not file.startswith("data/"):
             raise CorruptCheckpointError(f"{where}: a reference names {file!r}, not a data file")
-        out.append(FileEntry(ref_name(cp, file), bounded_int(r.get("size"), 0, MAX_BYTES, "size", where)))
+        size = bounded_int(r.get("size"), 0, MAX_BYTES, "size", where)
+        out.append(FileEntry(ref_name(cp, file), size, name_key(file) if bound else None))
     return out
 
 

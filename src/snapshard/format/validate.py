@@ -14,7 +14,7 @@ from ..dtypes import NAME_TO_DTYPE
 from ..errors import CorruptCheckpointError, ValidationError
 from ..planning.read_plan import ChunkIndex
 from ..tree import iter_leaf_nodes
-from .manifest import MAX_BYTES, MAX_DEPTH, ArrayLeaf, ChunkTable, Manifest
+from .manifest import MAX_BYTES, MAX_DEPTH, ArrayLeaf, ChunkTable, Manifest, PerProcessLeaf
 
 _MAX_GRID_CELLS = 1 << 24
 _HEX = frozenset("0123456789abcdef")
@@ -74,6 +74,16 @@ def _check_leaf_paths(m: Manifest, where: str) -> None:
         stack.extend((c, (*path, k)) for k, c in zip(names, kids, strict=True))
 
 
+def _check_per_process_table(m: Manifest, where: str) -> None:
+    """Leaves saved per process have their values files listed (v2)."""
+    own = [leaf for leaf in m.leaves if isinstance(leaf, PerProcessLeaf)]
+    if own and (m.processes is None or not m.processes.values_sizes):
+        raise CorruptCheckpointError(
+            f"{where}, leaf {own[0].name!r}: a value saved per process, but the manifest lists "
+            "no per-process values files"
+        )
+
+
 def _check_chunk_counts(m: Manifest, where: str) -> None:
     """An array has chunks if and only if it has elements (before any record is read)."""
     for leaf in m.arrays:
@@ -94,6 +104,7 @@ def validate_structure(m: Manifest, where: str) -> None:
     if sorted(refs) != list(range(len(m.leaves))):
         raise CorruptCheckpointError(f"{where}: the tree structure and the leaf list disagree")
     _check_leaf_paths(m, where)
+    _check_per_process_table(m, where)
     paths = [leaf.path for leaf in m.leaves]
     if len(set(paths)) != len(paths):
         seen: set[object] = set()
@@ -142,7 +153,12 @@ def _check_key_data(leaf: ArrayLeaf, name: str) -> None:
     """A typed key's stored data fits its implementation (JAX would refuse it with a bare
     TypeError at the end of the restore)."""
     want = _KEY_DATA.get(str(leaf.key_impl))
-    if want is not None and (leaf.dtype, leaf.shape[-1]) != want:
+    if want is None:
+        raise CorruptCheckpointError(
+            f"{name}: unknown PRNG implementation {str(leaf.key_impl)[:100]!r} (this version "
+            f"rebuilds {', '.join(_KEY_DATA)})"
+        )
+    if (leaf.dtype, leaf.shape[-1]) != want:
         raise CorruptCheckpointError(
             f"{name}: {leaf.key_impl} keys need {want[0]} key data of {want[1]} words, the "
             f"checkpoint has {leaf.dtype} of shape {leaf.shape}"
@@ -226,13 +242,13 @@ def _chunk_checks(
     chunks of several arrays, with `first` marking each array's first chunk."""
     vol = np.prod(t.stops - t.starts, axis=1, dtype=np.int64)
     fsz = sizes[np.clip(t.file, 0, len(sizes) - 1)] if len(sizes) else np.zeros(len(t), np.int64)
-    ends = t.offset + t.nbytes
+    ends, crc_end = stored_extents(t)
     packed = t.flags is not None and bool(np.any(t.flags))
     checks: list[tuple[np.ndarray, Callable[[int], str]]] = [
         (
             np.any((t.starts < 0) | (t.stops > shape) | (t.stops <= t.starts), axis=1),
             lambda i: (
-                f"chunk {i} box {_box(t.starts[i], t.stops[i])} is empty or outside shape "
+                f"chunk {i} box {box_text(t.starts[i], t.stops[i])} is empty or outside shape "
                 f"{tuple(np.broadcast_to(shape, t.starts.shape)[i].tolist())}"
             ),
         ),
@@ -251,16 +267,11 @@ def _chunk_checks(
     if packed:  # compressed chunks (codecs.py): the blocks end where their table starts
         assert t.flags is not None and t.crc_offset is not None
         on = t.flags != 0
-        ends = np.where(on, t.crc_offset, ends)
         checks.append(
             (on & (t.crc_offset < t.offset), lambda i: "a compressed chunk ends before it starts")
         )
     checks.append(((t.offset < 0) | (ends > fsz), lambda i: f"chunk {i} lies outside its file"))
     if t.crc_offset is not None:  # v2: checksums beside the data, nblocks uint32 values
-        nblocks = -(-t.nbytes // np.maximum(t.block, 1))
-        crc_end = t.crc_offset + 4 * nblocks
-        if packed:
-            crc_end = np.where(on, t.crc_offset + 12 * nblocks + 8, crc_end)
         dup = np.zeros(len(t), bool)
         if len(t) > 1:
             dup[:-1] = np.all(t.starts[1:] == t.starts[:-1], axis=1)
@@ -279,7 +290,24 @@ def _chunk_checks(
     return checks
 
 
-def _box(start: np.ndarray, stop: np.ndarray) -> str:
+def stored_extents(t: ChunkTable) -> tuple[np.ndarray, np.ndarray]:
+    """Per chunk, where its stored data ends in its file (a compressed chunk's blocks end
+    where its tables start; others after `nbytes`) and where its tables end (v2: the
+    checksums, after a compressed chunk's block offsets; v1: no tables, the data's end)."""
+    data_end = t.offset + t.nbytes
+    if t.crc_offset is None:
+        return data_end, data_end
+    nblocks = -(-t.nbytes // np.maximum(t.block, 1))
+    table_end = t.crc_offset + 4 * nblocks
+    if t.flags is not None and bool(np.any(t.flags)):
+        on = t.flags != 0
+        data_end = np.where(on, t.crc_offset, data_end)
+        table_end = np.where(on, t.crc_offset + 12 * nblocks + 8, table_end)
+    return data_end, table_end
+
+
+def box_text(start: np.ndarray, stop: np.ndarray) -> str:
+    """A box as `[a:b, c:d]`, for messages."""
     return (
         "["
         + ", ".join(f"{a}:{b}" for a, b in zip(start.tolist(), stop.tolist(), strict=True))
@@ -314,7 +342,7 @@ def coverage_problems(
         for cell in np.argwhere(mask)[:_MAX_REPORTED]:
             s = np.array([bounds[a][c] for a, c in enumerate(cell)])
             e = np.array([bounds[a][c + 1] for a, c in enumerate(cell)])
-            out.append(_box(s, e))
+            out.append(box_text(s, e))
         return out
 
     return boxes(count == 0), boxes(count > 1)
@@ -330,7 +358,7 @@ def _coverage_by_index(
         for j in idx.overlapping(starts[i], stops[i]):
             if j > i:
                 s, e = np.maximum(starts[i], starts[j]), np.minimum(stops[i], stops[j])
-                overlaps.append(_box(s, e))
+                overlaps.append(box_text(s, e))
                 if len(overlaps) >= _MAX_REPORTED:
                     return [], overlaps
     if overlaps:
@@ -356,10 +384,12 @@ def validate_coverage(m: Manifest, where: str) -> None:
     spans: dict[int, list[tuple[int, int, str]]] = {}
     for leaf in m.arrays:
         t = leaf.chunks
+        data_end, table_end = stored_extents(t)
         for i in range(len(t)):
-            spans.setdefault(int(t.file[i]), []).append(
-                (int(t.offset[i]), int(t.offset[i] + t.nbytes[i]), leaf.name)
-            )
+            in_file = spans.setdefault(int(t.file[i]), [])
+            in_file.append((int(t.offset[i]), int(data_end[i]), leaf.name))
+            if t.crc_offset is not None:
+                in_file.append((int(t.crc_offset[i]), int(table_end[i]), leaf.name))
     for f, s in spans.items():
         s.sort()
         for (_, a1, n0), (b0, _, n1) in itertools.pairwise(s):

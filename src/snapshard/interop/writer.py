@@ -30,6 +30,7 @@ from ..format import (
     validate_coverage,
     validate_structure,
 )
+from ..format.binding import name_key
 from ..saving import chunk_span, records_of, refuse_existing, write_chunk
 from ..storage import FileWriter, Location, Storage, storage_for
 from ..tree import JsonNode, Path
@@ -92,7 +93,10 @@ class CheckpointWriter:
         if self._file is None or self._offset >= self.file_bytes:
             self._next_file()
         assert self._file is not None
-        row = write_chunk(self._file, arr, start, stop, len(self.files), self._offset)
+        row = write_chunk(
+            self._file, arr, start, stop, len(self.files), self._offset,
+            file_key=name_key(self._file_name()),
+        )  # fmt: skip
         self._rows[leaf].append(row)
         self._offset += chunk_span(arr.nbytes)
 
@@ -115,8 +119,9 @@ class CheckpointWriter:
             self._close_file()
             ndims = [len(x.shape) if isinstance(x, ArrayLeaf) else 0 for x in self.leaves]
             segments = {i: records_of(rows, ndims[i]) for i, rows in self._rows.items() if rows}
-            data = records.encode(0, ndims, segments, np.zeros(len(self.leaves), records.DIGEST))
             record_name = record_file_name(0, self.nonce)
+            digests = np.zeros(len(self.leaves), records.DIGEST)
+            data = records.encode(0, ndims, segments, digests, salt=name_key(record_name))
             self.storage.write_bytes(record_name, data)
             base = 0
             for i, leaf in enumerate(self.leaves):

@@ -176,11 +176,14 @@ class LocalStorage(Storage):
         # each, 0.163 s with 4).
         return min(self.read_threads, cpus.share())
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, referenced: bool = False):
         text = os.fspath(path)
         if not text:
             raise ValueError("empty checkpoint path")
         self.final = Path(os.path.abspath(text))
+        # A checkpoint reached through another's references (a name read from a file) must
+        # be a directory itself: a symbolic link there would lead outside the parent.
+        self.referenced = referenced
         self.staging = self.final.with_name(self.final.name + STAGING_SUFFIX)
         self.url = str(self.final)
         self._fds: dict[str, int] = {}
@@ -316,9 +319,15 @@ class LocalStorage(Storage):
                 f"{self.url}: file name {name!r} does not name a file of the checkpoint"
             )
         where = base / name
+        nofollow = os.O_NOFOLLOW if self.referenced else 0
         try:
-            dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
         except OSError as e:
+            if self.referenced and e.errno in (errno.ELOOP, errno.ENOTDIR) and base.is_symlink():
+                raise CorruptCheckpointError(
+                    f"{self.url}: the referenced checkpoint is a symbolic link; refusing to "
+                    f"follow it to read {name!r}"
+                ) from None
             if isinstance(e, FileNotFoundError | NotADirectoryError):
                 raise
             raise StorageError.wrap(e, "open of", base) from e
@@ -415,6 +424,14 @@ class LocalStorage(Storage):
                 self._fds[name] = fd
             return fd
 
+    def file_size(self, name: str) -> int:
+        """The size of the committed file `name` (a referenced checkpoint's too), opened as
+        every read opens it: CorruptCheckpointError where it is missing or refused."""
+        ref = split_ref_name(name)
+        if ref is not None:
+            return self._sibling(ref[0]).file_size(ref[1])
+        return os.fstat(self._fd(name)).st_size
+
     def in_memory(self, name: str, offset: int) -> bool | None:
         ref = split_ref_name(name)
         if ref is not None:
@@ -483,7 +500,8 @@ class LocalStorage(Storage):
             sib = self._siblings.get(name)
             if sib is None:
                 check_checkpoint_name(name, self.url)
-                sib = self._siblings[name] = LocalStorage(self.final.parent / name)
+                sib = LocalStorage(self.final.parent / name, referenced=True)
+                self._siblings[name] = sib
             return sib
 
     def close(self) -> None:
