@@ -176,3 +176,21 @@ def test_the_reader_follows_references_and_decompresses_blocks(tmp_path):
     got = read_checkpoint(tmp_path / "3")
     assert got["w"].tobytes() == frozen["w"].tobytes()
     assert np.array_equal(got["ids"], frozen["ids"]) and np.array_equal(got["t"], np.ones(5))
+
+
+@pytest.mark.parametrize("version", ["v2_0", "v2_1"])
+def test_the_reader_reads_both_minor_versions_of_the_golden_corpus(version):
+    import snapshard
+
+    pytest.importorskip("zstandard")
+    golden = Path(__file__).parent / "golden" / version
+    for name in ("single", "compressed", "incremental/step"):
+        got = read_checkpoint(golden / name)
+        want = snapshard.load(golden / name, None)
+        assert got["host"].keys() == want["host"].keys()
+        for k, v in want["host"].items():
+            if not isinstance(v, np.ndarray):
+                continue
+            assert np.asarray(got["host"][k]).tobytes() == np.asarray(v).tobytes(), (name, k)
+        for k, v in want["sharded"].items():
+            assert np.asarray(got["sharded"][k]).tobytes() == np.asarray(v).tobytes(), (name, k)
