@@ -19,7 +19,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -119,13 +119,15 @@ class SaveAdapter(Protocol):
     ) -> tuple[list[StagedItem], int]: ...
 
 
-@runtime_checkable
-class ReplicatedSource(Protocol):
-    """A framework's source of an array assumed equal on every process (a plain torch
-    tensor): its value's digest is compared at commit, as a NumPy leaf's is; 0 where the
-    source is sharded (each process holds its own part)."""
+class ReplicatedSource:
+    """Base of a framework's source of an array that may be assumed equal on every process
+    (a plain torch tensor): its value's digest is compared at commit, as a NumPy leaf's is;
+    0 where the source is sharded (each process holds its own part). A base class, not a
+    runtime-checked Protocol: the check runs once per leaf of every save (5 us against
+    0.1 us)."""
 
-    def value_digest(self) -> int: ...
+    def value_digest(self) -> int:
+        raise NotImplementedError
 
 
 def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray]:

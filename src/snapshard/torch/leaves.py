@@ -21,6 +21,7 @@ from ..errors import UnsupportedLeafError
 from ..format.manifest import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess, checked
 from ..planning.layout import host_layout
+from ..saving import ReplicatedSource
 from ..tree import Path, path_str
 from .dtypes import host_view, numpy_dtype
 from .layout import PlacementSpec, ShardSpec, TensorLayout, expand_submesh, tensor_layout
@@ -161,7 +162,7 @@ def describe(value: Any) -> dict[str, Any]:
 
 
 @dataclass(eq=False)
-class TorchSource:
+class TorchSource(ReplicatedSource):
     """What a torch leaf's rows are read from: the local tensor (the DTensor's shard on this
     rank, or the whole tensor) and where each layout row starts in it."""
 
@@ -175,7 +176,9 @@ class TorchSource:
             return 0
         t = self.local.detach()
         view = host_view(t if t.device.type == "cpu" else t.cpu())
-        return crc32c(np.ascontiguousarray(view).reshape(-1).view(np.uint8).data)
+        if not view.flags.c_contiguous:
+            view = np.ascontiguousarray(view)
+        return crc32c(view.reshape(-1).view(np.uint8).data)
 
 
 def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
