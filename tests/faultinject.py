@@ -2,7 +2,7 @@
 layer and the system below it (system calls on local disk, obstore calls on object stores).
 
 `FaultInjector.install(monkeypatch)` routes the calls of snapshard.storage.local,
-snapshard.storage.lease and snapshard.storage.object_client through counting wrappers:
+snapshard.storage.lease and snapshard.storage.obstore_bucket through counting wrappers:
 
     local   open write fsync read pread mkdir list rename link unlink rmdir read_file rmtree
     object  s3.put s3.get s3.get_range s3.head s3.list s3.delete
@@ -29,7 +29,7 @@ from typing import Any
 import obstore
 from obstore.exceptions import GenericError
 
-from snapshard.storage import lease, local, object_client
+from snapshard.storage import lease, local, obstore_bucket
 
 INJECTED = "injected fault"
 
@@ -245,5 +245,5 @@ class FaultInjector:
             monkeypatch.setattr(
                 pathlib.Path, name, self._path_method(op, getattr(pathlib.Path, name))
             )
-        monkeypatch.setattr(object_client, "obstore", self._obstore_proxy())
+        monkeypatch.setattr(obstore_bucket, "obstore", self._obstore_proxy())
         return self

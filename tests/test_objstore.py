@@ -1,7 +1,7 @@
 """Object-store storage: the commit-marker protocol, resharding restores, request counts.
 
-Every test runs on memory:// and, marked `s3`, on the local S3 server (skipped when
-AWS_ENDPOINT_URL is not set). Faults that only a real server path can show are in
+Every test runs on memory:// and on each local server (S3, GCS, Azure; marked `s3`, `gcs`,
+`azure`, skipped where the server is not configured: see tests/s3env.py). Faults that only a real server path can show are in
 test_objstore_faults.py; several processes in test_objstore_multiprocess.py.
 """
 
@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import snapshard
+from s3env import bucket_url, fresh_prefix, store_params
 from snapshard.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from snapshard.storage import root_for, storage_for
 from snapshard.storage.object_client import TransferConfig
@@ -28,13 +29,12 @@ from conftest import mesh, sharded
 SMALL = TransferConfig(part_size=5 << 20, read_part_size=1 << 20, max_inflight_bytes=4 << 20)
 
 
-@pytest.fixture(params=["memory", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["memory", *store_params()])
 def base(request):
-    """A fresh, empty object-store prefix: a memory bucket, or a prefix in the S3 test bucket."""
-    tag = uuid.uuid4().hex[:12]
+    """A fresh, empty object-store prefix: a memory bucket, or a prefix on a test server."""
     if request.param == "memory":
-        return f"memory://test-{tag}/run"
-    return f"s3://{request.getfixturevalue('s3_bucket')}/{tag}/run"
+        return f"memory://test-{uuid.uuid4().hex[:12]}/run"
+    return f"{fresh_prefix(request, request.param)}/run"
 
 
 def storage(url: str) -> ObjectStorage:
@@ -256,26 +256,53 @@ def test_bad_urls_are_refused_with_the_url(url, problem):
 
 
 def test_gcs_and_azure_urls_select_their_stores():
-    from obstore.store import AzureStore, GCSStore
+    from google.auth.credentials import AnonymousCredentials
+    from obstore.store import AzureStore
 
-    gs = ObjectStorage("gs://some-bucket/ckpt", {"skip_signature": True})
-    assert isinstance(gs.client.store, GCSStore) and gs.url == "gs://some-bucket/ckpt"
+    from snapshard.storage.gcs_bucket import GcsBucket
+    from snapshard.storage.obstore_bucket import ObstoreBucket
+
+    gs = ObjectStorage("gs://some-bucket/ckpt", {"credentials": AnonymousCredentials()})
+    assert isinstance(gs.client.api, GcsBucket) and gs.url == "gs://some-bucket/ckpt"
     az = ObjectStorage("az://container/ckpt", {"account_name": "acct", "skip_signature": True})
-    assert isinstance(az.client.store, AzureStore) and az.client.key("x") == "ckpt/x"
+    assert isinstance(az.client.api, ObstoreBucket) and isinstance(az.client.api.store, AzureStore)
+    assert az.client.key("x") == "ckpt/x"
 
 
-@pytest.mark.s3
-def test_missing_bucket_and_bad_credentials_fail_fast_naming_the_url(s3_bucket):
-    with pytest.raises(
-        StorageError, match=r"s3://no-such-bucket-[0-9a-f]+/x: bucket .* does not exist"
-    ):
-        snapshard.save(f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/x", {"a": np.arange(3)})
-    bad = ObjectStorage(f"s3://{s3_bucket}/x", {"secret_access_key": "wrong"})
-    with pytest.raises(StorageError, match=rf"s3://{s3_bucket}/x: access denied"):
-        snapshard.save(bad, {"a": np.arange(3)})
-    with pytest.raises(StorageError, match="access denied"):
-        ObjectRoot(f"s3://{s3_bucket}", {"secret_access_key": "wrong"}).list()
-    assert ObjectRoot(f"s3://{s3_bucket}/x").list() == {}
+# Options that make each server refuse the request: a wrong key (the GCS emulator checks none).
+WRONG_CREDENTIALS = {
+    "s3": {"secret_access_key": "wrong"},
+    "az": {"access_key": "d3Jvbmcga2V5IG9mIHRoZSByaWdodCBsZW5ndGggZm9yIGF6dXJl"},
+}
+
+
+@pytest.mark.parametrize("scheme", store_params())
+def test_missing_bucket_and_bad_credentials_fail_fast_naming_store_bucket_and_key(request, scheme):
+
+    bucket = bucket_url(request, scheme).partition("://")[2]
+    missing = f"{scheme}://no-such-bucket-{uuid.uuid4().hex[:8]}/x"
+    with pytest.raises(StorageError, match=rf"{missing}: bucket .* does not exist"):
+        snapshard.save(missing, {"a": np.arange(3)})
+    if scheme in WRONG_CREDENTIALS:
+        bad = ObjectStorage(f"{scheme}://{bucket}/x", WRONG_CREDENTIALS[scheme])
+        with pytest.raises(StorageError, match=rf"{scheme}://{bucket}/x: access denied") as info:
+            snapshard.save(bad, {"a": np.arange(3)})
+        assert f"bucket {bucket!r}, key 'x/" in str(info.value) and "set " in str(info.value)
+        with pytest.raises(StorageError, match="access denied"):
+            ObjectRoot(f"{scheme}://{bucket}", WRONG_CREDENTIALS[scheme]).list()
+    assert ObjectRoot(f"{scheme}://{bucket}/{uuid.uuid4().hex}").list() == {}
+
+
+def test_gcs_without_credentials_says_what_to_set(monkeypatch, tmp_path):
+    for var in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))  # no gcloud login
+    monkeypatch.setenv("NO_GCE_CHECK", "True")  # not on GCP: don't wait for its metadata server
+    with pytest.raises(StorageError) as info:
+        ObjectStorage("gs://some-bucket/ckpt")
+    msg = str(info.value)
+    assert msg.startswith("gs://some-bucket: no Google credentials found")
+    assert "GOOGLE_APPLICATION_CREDENTIALS" in msg and "STORAGE_EMULATOR_HOST" in msg
 
 
 def test_checkpoint_manager_on_an_object_store(base, monkeypatch):

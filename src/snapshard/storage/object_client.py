@@ -1,94 +1,40 @@
-"""Access to one object-store bucket through obstore: counted requests, clear errors,
-multipart uploads with bounded memory, and concurrent ranged reads under a byte budget.
+"""Access to one object-store bucket: counted requests, clear errors, multipart uploads
+with bounded memory, and concurrent ranged reads under a byte budget.
 
-Transient failures (5xx, dropped connections, timeouts) are retried inside obstore with
-exponential backoff, bounded by `max_retries` and `retry_timeout` (see DEFAULT_RETRY);
-whatever still fails, and every permanent failure (credentials, permissions, missing
-bucket), becomes a StorageError that names the URL and the object.
+The bytes move through the store's own library behind `Bucket` (obstore for S3, Azure and
+memory; google-cloud-storage for GCS). Transient failures are retried inside that library;
+whatever still fails, and every permanent failure (credentials, permissions, missing bucket),
+becomes a StorageError that names the store, the bucket and the object's key.
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError, StorageError
 from .base import FileWriter
-
-try:
-    import obstore
-    from obstore.exceptions import (
-        AlreadyExistsError,
-        NotSupportedError,
-        PermissionDeniedError,
-        PreconditionError,
-        UnauthenticatedError,
-    )
-    from obstore.store import MemoryStore, from_url
-except ImportError as e:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "object-store locations (s3://, gs://, az://, memory://) need obstore: "
-        "pip install 'snapshard[objstore]'"
-    ) from e
-
-if TYPE_CHECKING:
-    from obstore.store import ObjectStore
+from .bucket import Bucket, Failure, TransferConfig, Upload, brief
 
 T = TypeVar("T")
 
-DEFAULT_RETRY: dict[str, Any] = {
-    "max_retries": 8,
-    "backoff": {
-        "init_backoff": timedelta(milliseconds=100),
-        "max_backoff": timedelta(seconds=10),
-        "base": 2,
-    },
-    "retry_timeout": timedelta(seconds=120),
-}
-_S3_LIST_PAGE = 1000
-_DENIED = ("status code: 403", "status code: 401", "AccessDenied", "SignatureDoesNotMatch")
-_NO_BUCKET = ("NoSuchBucket", "ContainerNotFound", "bucket does not exist")
-_S3_CODE = re.compile(r"<Code>([A-Za-z]+)</Code>")
-_memory_stores: dict[str, MemoryStore] = {}
-_memory_lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class TransferConfig:
-    """How data moves. Host memory held by transfers is bounded by these numbers:
-    uploads, `part_size * (upload_concurrency + 1)` per file being written; downloads,
-    `max_inflight_bytes` per storage (plus the caller's destination buffers)."""
-
-    part_size: int = 16 << 20  # multipart part size; smaller files go up in one PUT
-    upload_concurrency: int = 8  # parts of one file in flight
-    read_part_size: int = 16 << 20  # a longer read is split into concurrent ranged GETs
-    read_concurrency: int = 16  # ranged GETs in flight for one read
-    max_inflight_bytes: int = 256 << 20  # GET responses held at once
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            if getattr(self, f.name) < 1:
-                raise ValueError(f"TransferConfig.{f.name} must be positive")
-        if self.part_size < 5 << 20:
-            raise ValueError("TransferConfig.part_size must be at least 5 MiB (the S3 minimum)")
+GCS_SCHEMES = ("gs",)
 
 
 @dataclass
 class RequestStats:
-    """Requests issued by snapshard (obstore's retries of one request are not counted again).
+    """Requests issued by snapshard (the store library's retries of one request are not
+    counted again).
 
-    post: multipart create and complete; delete: objects deleted (S3 deletes up to 1000 in
-    one request); list: pages of up to 1000 keys.
+    post: multipart create and complete (GCS: the resumable session's start); delete:
+    objects deleted; list: pages of up to 1000 keys.
     """
 
     put: int = 0
@@ -115,7 +61,7 @@ class RequestStats:
         return d
 
 
-class _Counter:
+class RequestCounter:
     """Thread-safe RequestStats."""
 
     def __init__(self) -> None:
@@ -171,35 +117,20 @@ def _check_key(key: str, where: str) -> None:
         raise ValueError(f"{where}: invalid object key {key!r} (empty, '.' or '..' segment)")
 
 
-def make_store(scheme: str, bucket: str, options: Mapping[str, Any] | None) -> ObjectStore:
-    """The obstore store of a bucket. memory:// stores are shared per bucket name in this
-    process, so that a save and a load in one process see the same objects."""
-    if scheme == "memory":
-        if options:
-            raise ValueError("memory:// stores take no options")
-        with _memory_lock:
-            return _memory_stores.setdefault(bucket, MemoryStore())
-    opts = dict(options or {})
-    opts.setdefault("retry_config", DEFAULT_RETRY)
-    try:
-        return from_url(f"{scheme}://{bucket}", **opts)
-    except Exception as e:
-        raise StorageError(f"{scheme}://{bucket}: cannot configure the store: {_brief(e)}") from e
+def make_bucket(scheme: str, bucket: str, options: Mapping[str, Any] | None) -> Bucket:
+    """The bucket of a URL's scheme, through that store's library (imported only here, so
+    that an installation needs only the library of the stores it uses)."""
+    if scheme in GCS_SCHEMES:
+        from .gcs_bucket import GcsBucket
 
+        return GcsBucket(bucket, options)
+    from .obstore_bucket import ObstoreBucket
 
-def _brief(e: BaseException) -> str:
-    """The first line of an obstore error, with the S3 error code when there is one."""
-    text = str(e)
-    line = text.split("\n", 1)[0]
-    line = line.split(": <?xml", 1)[0]
-    code = _S3_CODE.search(text)
-    if code and code.group(1) not in line:
-        line += f" [{code.group(1)}]"
-    return line[:400]
+    return ObstoreBucket(scheme, bucket, options)
 
 
 class ObjectClient:
-    """One key prefix in one bucket. Children share the store, counters and read pool."""
+    """One key prefix in one bucket. Children share the bucket, counters and read pool."""
 
     def __init__(
         self,
@@ -207,41 +138,41 @@ class ObjectClient:
         options: Mapping[str, Any] | None = None,
         transfer: TransferConfig | None = None,
         *,
-        _parent: ObjectClient | None = None,
-        _prefix: str = "",
+        parent: ObjectClient | None = None,
+        prefix: str = "",
     ):
         self.scheme: str
         self.bucket: str
         self.prefix: str
-        self.store: ObjectStore
+        self.api: Bucket
         self.transfer: TransferConfig
-        self._counter: _Counter
-        self._shared: _ReadPool
-        if _parent is not None:
-            self.scheme, self.bucket = _parent.scheme, _parent.bucket
-            self.prefix = _prefix
-            self.store, self.transfer = _parent.store, _parent.transfer
-            self._counter, self._shared = _parent._counter, _parent._shared
+        self.counter: RequestCounter
+        self.reads: ReadPool
+        if parent is not None:
+            self.scheme, self.bucket = parent.scheme, parent.bucket
+            self.prefix = prefix
+            self.api, self.transfer = parent.api, parent.transfer
+            self.counter, self.reads = parent.counter, parent.reads
         else:
             self.scheme, self.bucket, self.prefix = split_url(url)
-            self.store = make_store(self.scheme, self.bucket, options)
+            self.api = make_bucket(self.scheme, self.bucket, options)
             self.transfer = transfer or TransferConfig()
-            self._counter = _Counter()
-            self._shared = _ReadPool(self.transfer)
+            self.counter = RequestCounter()
+            self.reads = ReadPool(self.transfer)
         self.url = f"{self.scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
 
     # ---- naming ------------------------------------------------------------------------
     def child(self, name: str) -> ObjectClient:
         _check_key(name, self.url)
         prefix = f"{self.prefix}/{name}" if self.prefix else name
-        return ObjectClient(self.url, _parent=self, _prefix=prefix)
+        return ObjectClient(self.url, parent=self, prefix=prefix)
 
     def sibling(self, name: str) -> ObjectClient:
         """The client of prefix `name` beside this one (a referenced checkpoint)."""
         _check_key(name, self.url)
         parent = self.prefix.rpartition("/")[0]
         prefix = f"{parent}/{name}" if parent else name
-        return ObjectClient(self.url, _parent=self, _prefix=prefix)
+        return ObjectClient(self.url, parent=self, prefix=prefix)
 
     def key(self, rel: str) -> str:
         _check_key(rel, self.url)
@@ -249,69 +180,66 @@ class ObjectClient:
 
     @property
     def stats(self) -> RequestStats:
-        return self._counter.snapshot()
+        return self.counter.snapshot()
 
     # ---- errors ------------------------------------------------------------------------
-    def _call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
-        """Run one obstore call; permanent and exhausted failures become StorageError.
-        A missing object stays FileNotFoundError (its meaning depends on the caller)."""
-        name = rel or "(prefix)"
+    def call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
+        """Run one call of the store's library; permanent and exhausted failures become
+        StorageError naming the store, bucket and key. A missing object stays
+        FileNotFoundError (its meaning depends on the caller)."""
         try:
             return fn()
-        except (AlreadyExistsError, PreconditionError, NotSupportedError):
-            raise
-        except (OSError, obstore.exceptions.BaseError) as e:
-            # Listings report every failure as a generic error: classify by the status too.
-            if isinstance(e, PermissionDeniedError | UnauthenticatedError) or any(
-                m in str(e) for m in _DENIED
-            ):
-                raise StorageError(
-                    f"{self.url}: access denied to {what} {name!r}; check the credentials "
-                    f"and the bucket's permissions ({_brief(e)})"
-                ) from e
-            if any(m in str(e) for m in _NO_BUCKET):
-                raise StorageError(
-                    f"{self.url}: bucket {self.bucket!r} does not exist ({what} {name!r})"
-                ) from e
-            if isinstance(e, FileNotFoundError):
+        except Exception as e:
+            kind = self.api.classify(e)
+            if kind is None or kind is Failure.EXISTS:
                 raise
-            raise StorageError(f"{self.url}: {what} {name!r} failed: {_brief(e)}") from e
+            # A write or a listing finds nothing only when the bucket itself is missing.
+            if kind is Failure.MISSING and what in ("write of", "upload of", "listing of"):
+                kind = Failure.NO_BUCKET
+            if kind is Failure.MISSING:
+                raise FileNotFoundError(f"{self.url}: {self.key(rel) if rel else rel}") from e
+            raise self.storage_error(kind, what, rel, e) from e
+
+    def storage_error(self, kind: Failure, what: str, rel: str, e: BaseException) -> StorageError:
+        name = rel or "(prefix)"
+        where = f"{self.api.store_name} bucket {self.bucket!r}, key {self.key(rel) or '(root)'!r}"
+        if kind is Failure.DENIED:
+            return StorageError(
+                f"{self.url}: access denied to {what} {name!r} ({where}); check the "
+                f"credentials and the bucket's permissions: {self.api.credentials_hint} "
+                f"({brief(e)})"
+            )
+        if kind is Failure.NO_BUCKET:
+            return StorageError(
+                f"{self.url}: bucket {self.bucket!r} does not exist ({what} {name!r}, "
+                f"{self.api.store_name})"
+            )
+        return StorageError(f"{self.url}: {what} {name!r} failed ({where}): {brief(e)}")
 
     # ---- small objects -----------------------------------------------------------------
     def put(self, rel: str, data: bytes, *, create: bool = False) -> bool:
-        """Write a small object in one PUT. With create, only if absent: False if it exists
-        (where the store cannot do a conditional put, a plain PUT is made)."""
+        """Write a small object in one request. With create, only if absent: False if it
+        exists (where the store cannot do a conditional put, a plain one is made)."""
         key = self.key(rel)
-
-        def put(mode: str) -> None:
-            obstore.put(self.store, key, data, mode=mode, use_multipart=False)  # type: ignore[arg-type]
-
-        self._counter.add(put=1, bytes_sent=len(data))
-        try:
-            self._call("write of", rel, lambda: put("create" if create else "overwrite"))
-        except (AlreadyExistsError, PreconditionError):
-            return False
-        except NotSupportedError:
-            self._counter.add(put=1, bytes_sent=len(data))
-            self._call("write of", rel, lambda: put("overwrite"))
-        return True
+        self.counter.add(put=1, bytes_sent=len(data))
+        return self.call("write of", rel, lambda: self.api.put(key, data, create=create))
 
     def get(self, rel: str) -> bytes | None:
         """A whole object, or None if it does not exist."""
         key = self.key(rel)
-        self._counter.add(get=1)
+        self.counter.add(get=1)
         try:
-            data = self._call("read of", rel, lambda: bytes(obstore.get(self.store, key).bytes()))
+            data = self.call("read of", rel, lambda: self.api.get(key))
         except FileNotFoundError:
             return None
-        self._counter.add(bytes_received=len(data))
+        self.counter.add(bytes_received=len(data))
         return data
 
     def exists(self, rel: str) -> bool:
         key = self.key(rel)
-        self._counter.add(head=1)
+        self.counter.add(head=1)
         try:
-            self._call("lookup of", rel, lambda: obstore.head(self.store, key))
+            self.call("lookup of", rel, lambda: self.api.head(key))
         except FileNotFoundError:
             return False
         return True
@@ -321,27 +249,25 @@ class ObjectClient:
         base = f"{self.prefix}/" if self.prefix else ""
 
         def run() -> dict[str, int]:
-            out: dict[str, int] = {}
-            for page in obstore.list(
-                self.store, prefix=self.prefix or None, chunk_size=_S3_LIST_PAGE
-            ):
-                for meta in page:
-                    path = meta["path"]
-                    if path.startswith(base):
-                        out[path[len(base) :]] = int(meta["size"])
-            return out
+            return {
+                path[len(base) :]: size
+                for path, size in self.api.list(self.prefix)
+                if path.startswith(base)
+            }
 
-        out = self._call("listing of", "", run)
-        self._counter.add(list=max(1, -(-len(out) // _S3_LIST_PAGE)))
+        out = self.call("listing of", "", run)
+        self.counter.add(list=max(1, -(-len(out) // self.api.list_page)))
         return out
 
     def delete(self, rels: Sequence[str]) -> None:
         if not rels:
             return
         keys = [self.key(r) for r in rels]
-        self._counter.add(delete=len(keys))
-        with contextlib.suppress(FileNotFoundError):  # already gone
-            self._call("deletion of", rels[0], lambda: obstore.delete(self.store, keys))
+        self.counter.add(delete=len(keys))
+        try:
+            self.call("deletion of", rels[0], lambda: self.api.delete(keys))
+        except FileNotFoundError:
+            return  # already gone
 
     # ---- data --------------------------------------------------------------------------
     def writer(self, rel: str) -> FileWriter:
@@ -363,25 +289,21 @@ class ObjectClient:
             for start, vs in pieces:
                 self._get_range(rel, start, vs)
             return
-        self._shared.run([partial(self._get_range, rel, s, vs) for s, vs in pieces])
+        self.reads.run([partial(self._get_range, rel, s, vs) for s, vs in pieces])
 
     def _get_range(self, rel: str, start: int, views: list[memoryview]) -> None:
         n = sum(len(v) for v in views)
         key = self.key(rel)
-        budget = self._shared.budget
+        budget = self.reads.budget
         budget.acquire(n)
         try:
-            self._counter.add(get=1)
+            self.counter.add(get=1)
             try:
-                data = self._call(
-                    "read of",
-                    rel,
-                    lambda: obstore.get_range(self.store, key, start=start, end=start + n),
-                )
+                data = self.call("read of", rel, lambda: self.api.get_range(key, start, start + n))
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.url}: data file {rel!r} is missing") from None
             got = memoryview(data).cast("B")
-            self._counter.add(bytes_received=len(got))
+            self.counter.add(bytes_received=len(got))
             if len(got) < n:
                 raise CorruptCheckpointError(
                     f"{self.url}: file {rel!r} is truncated (wanted bytes up to {start + n})"
@@ -394,7 +316,7 @@ class ObjectClient:
             budget.release(n)
 
     def close(self) -> None:
-        self._shared.close()
+        self.reads.close()
 
 
 def _slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
@@ -413,7 +335,7 @@ def _slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
     return out
 
 
-class _ReadPool:
+class ReadPool:
     """Threads for the pieces of long reads, and the byte budget all reads share."""
 
     def __init__(self, transfer: TransferConfig):
@@ -441,29 +363,22 @@ class _ReadPool:
 
 
 class PartWriter(FileWriter):
-    """A file uploaded in parts of `part_size` bytes, `upload_concurrency` at a time.
+    """A file uploaded in parts of `part_size` bytes.
 
     Bytes are copied into part buffers (the caller may reuse its buffers once `write`
-    returns); a full part is handed to obstore, which uploads it and then frees it, and
-    waits when too many parts are in flight, so memory stays bounded. A file smaller than
-    one part goes up in a single PUT when it is closed. Nothing is visible before `close`
-    returns; `abort` cancels the multipart upload.
+    returns); a full part is handed to the store's upload, which sends it and then frees
+    it, and waits when too many parts are in flight, so memory stays bounded. A file
+    smaller than one part goes up in a single request when it is closed. Nothing is
+    visible before `close` returns; `abort` cancels the upload.
     """
 
     def __init__(self, client: ObjectClient, rel: str):
         self.client = client
         self.rel = rel
-        t = client.transfer
-        self.part_size = t.part_size
-        self._writer = client._call(
-            "upload of",
-            rel,
-            lambda: obstore.open_writer(
-                client.store,
-                client.key(rel),
-                buffer_size=t.part_size,
-                max_concurrency=t.upload_concurrency,
-            ),
+        self.part_size = client.transfer.part_size
+        key = client.key(rel)
+        self._upload: Upload = client.call(
+            "upload of", rel, lambda: client.api.open_upload(key, client.transfer)
         )
         self._part = np.empty(0, dtype=np.uint8)
         self._fill = 0
@@ -475,14 +390,14 @@ class PartWriter(FileWriter):
         self._part = np.empty(0, dtype=np.uint8)
         self._fill = 0
         self._parts += 1
-        self._upload_call(lambda: self._writer.write(part.data))
+        self._upload_call(lambda: self._upload.write(part.data))
 
     def _upload_call(self, fn: Callable[[], object]) -> None:
         try:
-            self.client._call("upload of", self.rel, fn)
+            self.client.call("upload of", self.rel, fn)
         except FileNotFoundError as e:
             raise StorageError(
-                f"{self.client.url}: upload of {self.rel!r} failed: {_brief(e)}"
+                f"{self.client.url}: upload of {self.rel!r} failed: {brief(e)}"
             ) from e
 
     def write(self, data: memoryview) -> None:
@@ -502,16 +417,14 @@ class PartWriter(FileWriter):
         multipart = self._parts > 0
         if self._fill:
             self._hand_over()
-        self._upload_call(self._writer.close)
+        self._upload_call(self._upload.close)
         if multipart:
-            self.client._counter.add(post=2, put=self._parts, bytes_sent=self.size)
+            posts = self.client.api.multipart_posts
+            self.client.counter.add(post=posts, put=self._parts, bytes_sent=self.size)
         else:
-            self.client._counter.add(put=1, bytes_sent=self.size)
+            self.client.counter.add(put=1, bytes_sent=self.size)
         return self.size
 
     def abort(self) -> None:
         self._part = np.empty(0, dtype=np.uint8)
-        # obstore aborts the multipart upload when its context exits with an error; an
-        # upload that already failed or closed has nothing left to cancel.
-        with contextlib.suppress(Exception):
-            self._writer.__exit__(RuntimeError, RuntimeError("aborted"), None)
+        self._upload.abort()
