@@ -210,18 +210,42 @@ def _concat_optional(columns: list[np.ndarray | None], lengths: list[int]) -> np
     )
 
 
+class _LoadedFirst:
+    """A field of LazyChunkTable that ChunkTable gives a class default: read before the
+    table is fetched, it fetches it (the default would be read instead of __getattr__ being
+    called). Once fetched, the instance's own value is found first."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        obj.fetch()
+        return obj.__dict__[self.name]
+
+
 class LazyChunkTable(ChunkTable):
     """The chunks of a v2 array, fetched from the record files on first use (tools such as
     verify and diff that walk every chunk; a restore fetches only what its boxes touch)."""
 
+    crc_offset = _LoadedFirst()
+    flags = _LoadedFirst()
+    keys = _LoadedFirst()
+
     def __init__(self, load: Callable[[], ChunkTable]):  # no fields yet: see __getattr__
         self.__dict__["_load"] = load
+
+    def fetch(self) -> None:
+        """Fetch the table's records now (once)."""
+        load = self.__dict__.pop("_load", None)
+        if load is not None:
+            self.__dict__.update(load().__dict__)
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_load" not in self.__dict__:
             raise AttributeError(name)
-        table = self.__dict__.pop("_load")()
-        self.__dict__.update(table.__dict__)
+        self.fetch()
         return getattr(self, name)
 
 
