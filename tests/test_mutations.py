@@ -48,8 +48,12 @@ V1 = {
 SENTINEL = "outside-the-checkpoint"
 BATCH = 30
 WORKERS = 2
-EXAMPLES = {"json": 130, "binary": 100}
-SPECIAL = ("fifo", "symlink")  # classes that need storage to refuse what it opens
+EXAMPLES = {"json": 160, "binary": 130}
+SPECIAL = ("fifo", "symlink", "binding")  # classes that need storage to refuse what it opens
+# Format 2.x sources: a full save, a zstd+shuffle one and an incremental one whose refs name
+# its base BASE, a sibling (each mutation gets fresh copies of both, side by side).
+V2 = ("v2", "zstd", "inc")
+BASE = "incbase"
 
 HOSTILE: list[Any] = [
     10**30, 2**63, 2**64 + 1, -1, 0, 1, -(2**63) - 1, None, True, "x", "", 1.5, float("nan"),
@@ -125,6 +129,7 @@ def prepare_outside(name: str, src: Path, decoy: Path | None, outside: Path) -> 
     d = outside / name
     (d / "data").mkdir(parents=True)
     (d / "as_data").mkdir()
+    (d / "as_index").mkdir()
     own = sorted((src / "data").iterdir())
     if decoy is not None:
         theirs = sorted((decoy / "data").iterdir())
@@ -138,6 +143,22 @@ def prepare_outside(name: str, src: Path, decoy: Path | None, outside: Path) -> 
     for mine, other in zip(own, theirs, strict=True):
         shutil.copy(other, d / "as_data" / mine.name)
     (d / "manifest.json").write_bytes(sentinel_manifest(src))
+
+
+def prepare_outside_base(base: Path, decoy: Path, outside: Path) -> None:
+    """For the incremental source: a copy of its base (`base_copy/`, what a symlinked base
+    would lead to) and the decoy base's data files under the base's names (`base_as_data/`)."""
+    shutil.copytree(base, outside / "base_copy")
+    (outside / "base_as_data").mkdir()
+    mine, theirs = sorted((base / "data").iterdir()), sorted((decoy / "data").iterdir())
+    for m, o in zip(mine, theirs, strict=True):
+        assert m.stat().st_size == o.stat().st_size
+        shutil.copy(o, outside / "base_as_data" / m.name)
+
+
+def only(directory: Path) -> Path:
+    (f,) = directory.iterdir()
+    return f
 
 
 # ---- drawing mutations ---------------------------------------------------------------------
@@ -188,6 +209,11 @@ def is_free(doc: Any, e: dict[str, Any]) -> bool:
             if last in ("kind", "t", "type", "name") and v in VALID_ALTERNATIVES.get(last, [v]):
                 return True
     return False
+
+
+def major(doc: Any) -> int:
+    """The major format version of a manifest (2.0 is `2`, 2.1 is `"2.1"`)."""
+    return 1 if doc["version"] == 1 else 2
 
 
 def json_edit(doc: Any, version: int) -> st.SearchStrategy[dict[str, Any]]:
@@ -311,7 +337,26 @@ def named_edits(docs: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
                 {"e": "set", "path": ["processes", "record_sizes", 0], "value": 2**63},
                 {"e": "set", "path": ["process_count"], "value": 10**30},
                 {"e": "set", "path": ["meshes", 0, "shape", 0], "value": 2**63},
+                # issue 36: strict JSON types and values, decoding errors naming the leaf
+                {"e": "set", "path": ["version"], "value": 2.0},
+                {"e": "set", "path": ["version"], "value": 2},  # 2.1's checksums read as 2.0
+                {"e": "set", "path": ["version"], "value": True},
+                {"e": "set", "path": ["process_count"], "value": True},
+                {"e": "set", "path": ["total_bytes"], "value": -5},
+                {"e": "set", "path": [*leaf, "kind"], "value": "per_process"},
+                *({"e": "set", "path": [*leaf, "dtype"], "value": v} for v in ("object", "float128", "<i1")),
             ]
+            if keys:
+                edits.append({"e": "set", "path": ["leaves", keys[0], "key_impl"], "value": "bogus"})
+            used = [k for k, r in enumerate(doc.get("refs", [])) if r]
+            if used:
+                ref = ["refs", used[0]]
+                edits += [
+                    {"e": "set", "path": [*ref, "checkpoint"], "value": BASE + "\n"},
+                    {"e": "set", "path": [*ref, "checkpoint"], "value": "nothere"},
+                    {"e": "set", "path": [*ref, "size"], "value": doc["refs"][used[0]]["size"] + 1},
+                    {"e": "set", "path": [*ref, "file"], "value": doc["refs"][used[0]]["file"][:-5] + "9.bin"},
+                ]
         out += [(name, [e]) for e in edits]
     return out
 
@@ -336,8 +381,8 @@ def json_mutations(docs: dict[str, Any]) -> list[dict[str, Any]]:
     per = {
         name: st.tuples(
             st.just(name),
-            st.lists(json_edit(doc, doc["version"]), min_size=1, max_size=2),
-            st.booleans() if doc["version"] >= 2 else st.just(True),
+            st.lists(json_edit(doc, major(doc)), min_size=1, max_size=2),
+            st.booleans() if major(doc) >= 2 else st.just(True),
             st.sampled_from([0, 1, 1, 1]),  # mostly a recomputed checksum
         )
         for name, doc in docs.items()
@@ -381,12 +426,12 @@ def binary_mutations(docs: dict[str, Any]) -> list[dict[str, Any]]:
         st.builds(lambda a, r: [{"op": "rec_dup_record", "leaf": a, "rec": r}], st.integers(0, 30), st.integers(0, 8)),
         st.builds(lambda a: [{"op": "rec_count", "leaf": a}], st.integers(0, 30)),
     )  # fmt: skip
-    v2 = st.tuples(st.just("v2"), st.one_of(raw, records, records), st.booleans())
+    v2 = st.tuples(st.sampled_from(V2), st.one_of(raw, records, records), st.booleans())
     v1 = st.tuples(st.sampled_from(sorted(V1)), raw, st.just(False))
     out = []
     for name, ops, fix in draw_all(st.one_of(v2, v2, v1), EXAMPLES["binary"]):
         is_record = ops[0]["op"].startswith("rec_") or ops[0].get("file") == "index:0"
-        if fix and name == "v2" and is_record:
+        if fix and name in V2 and is_record:
             ops = [*ops, {"op": "fix_record_crcs"}]
         out.append(
             {"src": name, "cls": "records" if is_record else "files", "free": False, "ops": ops}
@@ -394,9 +439,27 @@ def binary_mutations(docs: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def binding_mutations() -> list[dict[str, Any]]:
+    """Issue 36: files of another save renamed into place, and referenced checkpoints that
+    are symbolic links, not committed or hold another save's files. Every one must fail."""
+    ops: list[tuple[str, list[dict[str, Any]]]] = [
+        ("v2", [{"op": "foreign_file", "file": "data:0"}]),
+        ("v2", [{"op": "foreign_file", "file": "data:1"}]),
+        ("v2", [{"op": "foreign_file", "file": "index:0"}]),
+        ("v2", [{"op": "foreign_file", "file": "index:0"}, {"op": "fix_record_crcs"}]),
+        ("inc", [{"op": "foreign_file", "file": "data:0"}]),
+    ]
+    ops += [
+        ("inc", [{"op": "base", "do": do}])
+        for do in ("symlink_outside", "symlink_inside", "unmanifest", "garbage", "staging",
+                   "foreign_data", "no_base")
+    ]  # fmt: skip
+    return [{"src": src, "cls": "binding", "free": False, "must_fail": True, "ops": o} for src, o in ops]
+
+
 def special_mutations() -> list[dict[str, Any]]:
-    out = []
-    for name in ["v2", *sorted(V1)]:
+    out = binding_mutations()
+    for name in [*V2, *sorted(V1)]:
         for f in ("data:0", "index:0", "manifest"):
             out.append(
                 {"src": name, "cls": "fifo", "free": False, "ops": [{"op": "fifo", "file": f}]}
@@ -472,6 +535,8 @@ def verdict(m: dict[str, Any], outcomes: dict[str, Any]) -> str:
     loads = [outcomes[k][0] for k in ("load", "load_target") if k in outcomes]
     if "different" in loads:
         return "free" if m["free"] else "wrong"
+    if m.get("must_fail") and ("error" not in loads or "verify_ok" in classes):
+        return "wrong"  # a file of another save, or a base it must not read, went unnoticed
     if "verify_ok" in classes and "error" in loads:
         return "wrong"  # verify passes a checkpoint that load refuses
     return "error" if "error" in loads or "verify_damaged" in classes else "identical"
@@ -485,10 +550,17 @@ def mutation_results(
     t = tree()
     snapshard.save(base / "v2", t)
     snapshard.save(base / "decoy", decoy_of(t))
-    sources = {"v2": base / "v2", **V1}
+    snapshard.save(base / "zstd", t, options=snapshard.SaveOptions(compression="zstd+shuffle"))
+    hashed = snapshard.SaveOptions(hashes=True)
+    snapshard.save(base / BASE, t, options=hashed)
+    snapshard.save(base / "decoybase", decoy_of(t), options=hashed)  # the base's layout
+    snapshard.save(base / "inc", {**t, "s": np.float32(3.5)}, base=base / BASE)
+    sources = {name: base / name for name in V2} | V1
     outside = base / "outside"
     for name, src in sources.items():
         prepare_outside(name, src, base / "decoy" if name == "v2" else None, outside)
+    prepare_outside_base(base / BASE, base / "decoybase", outside / "inc")
+    shutil.copy(only(base / "decoy" / "index"), outside / "v2" / "as_index" / only(base / "v2" / "index").name)
     docs = {name: json.loads((src / "manifest.json").read_bytes()) for name, src in sources.items()}
     muts = json_mutations(docs) + binary_mutations(docs)
     special = special_mutations()  # spread out: their hangs cost time in every batch alike
@@ -500,6 +572,7 @@ def mutation_results(
     job = {
         "sources": {k: str(v) for k, v in sources.items()},
         "decoys": {"v2": str(base / "decoy")},
+        "bases": {"inc": {BASE: str(base / BASE)}},
         "outside": str(outside),
         "scratch": str(base),
     }
@@ -514,7 +587,7 @@ def mutation_results(
 
 
 def print_table(out: list[tuple[dict[str, Any], str, Any]]) -> None:
-    rows = ["json", "json-stale-checksum", "records", "files", "fifo", "symlink"]
+    rows = ["json", "json-stale-checksum", "records", "files", "fifo", "symlink", "binding"]
     cols = ["tried", "error", "identical", "free", "other", "wrong", "hang", "outside"]
     print("\nmutation outcomes (error: clean snapshard error; identical: loads identical data; "
           "free: a valid edit; wrong: silent wrong data)")  # fmt: skip
@@ -558,7 +631,8 @@ def test_special_files(mutation_results: list[Any], cls: str) -> None:
 def test_every_mutation_class_was_tried(mutation_results: list[Any]) -> None:
     kinds = Counter(op["op"] for m, v, _ in mutation_results if v != "skip" for op in m["ops"])
     for op in ("json", "flip", "truncate", "extend", "rec_entry", "rec_swap", "rec_field",
-               "fifo", "symlink_file", "symlink_dir", "symlink_manifest"):  # fmt: skip
+               "fifo", "symlink_file", "symlink_dir", "symlink_manifest", "foreign_file",
+               "base"):  # fmt: skip
         assert kinds[op], op
     edits = Counter(
         e["e"]

@@ -378,11 +378,54 @@ def apply(root: Path, outside: Path, src: str, ops: list[dict[str, Any]]) -> Non
         elif kind == "symlink_dir":  # data/ replaced by a link to a directory outside
             shutil.rmtree(root / "data")
             os.symlink(outside / src / "as_data", root / "data")
+        elif kind == "foreign_file":  # the same-named file of another save of the layout
+            p = _pick(root, op["file"])
+            sub = "as_data" if op["file"].startswith("data") else "as_index"
+            shutil.copy(outside / src / sub / p.name, p)
+        elif kind == "base":
+            _base_op(root.parent, outside / src, op["do"])
         elif kind == "symlink_manifest":
             (root / "manifest.json").unlink()
             os.symlink(outside / src / "manifest.json", root / "manifest.json")
         else:
             raise ValueError(kind)
+
+
+BASE = "incbase"  # the base the incremental source refers to (tests/test_mutations.py)
+
+
+def _base_op(parent: Path, outside: Path, do: str) -> None:
+    """Damage the referenced checkpoint beside the copy (`outside`: see prepare_outside_base)."""
+    base = parent / BASE
+    if do == "symlink_outside":
+        shutil.rmtree(base)
+        os.symlink(outside / "base_copy", base)
+    elif do == "symlink_inside":
+        base.rename(parent / f"{BASE}-real")
+        os.symlink(parent / f"{BASE}-real", base)
+    elif do == "unmanifest":
+        (base / "manifest.json").unlink()
+    elif do == "garbage":
+        (base / "manifest.json").write_bytes(b'{"format": "snapshard", "vers')
+    elif do == "staging":
+        base.rename(parent / f"{BASE}.snapshard-tmp")
+    elif do == "foreign_data":
+        for f in sorted((base / "data").iterdir()):
+            shutil.copy(outside / "base_as_data" / f.name, f)
+    elif do == "no_base":
+        shutil.rmtree(base)
+    else:
+        raise ValueError(do)
+
+
+def _fresh_bases(ckpt: Path, bases: dict[str, str]) -> None:
+    """Pristine copies of the checkpoints a source refers to, beside its copy."""
+    for name, path in bases.items():
+        for left in (name, f"{name}-real", f"{name}.snapshard-tmp"):
+            p = ckpt.parent / left
+            if p.exists() or p.is_symlink():
+                _rmtree(p)
+        shutil.copytree(path, ckpt.parent / name, symlinks=True)
 
 
 # ---- running one mutation --------------------------------------------------------------
@@ -441,6 +484,7 @@ def run_one(
     if ckpt.exists() or ckpt.is_symlink():
         _rmtree(ckpt)
     shutil.copytree(job["sources"][src], ckpt, symlinks=True)
+    _fresh_bases(ckpt, job.get("bases", {}).get(src, {}))
     out: dict[str, Any] = {"id": m["id"]}
     try:
         apply(ckpt, outside, src, m["ops"])
