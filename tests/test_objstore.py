@@ -7,6 +7,7 @@ test_objstore_faults.py; several processes in test_objstore_multiprocess.py.
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import jax
@@ -323,3 +324,46 @@ def test_checkpoint_manager_on_an_object_store(base, monkeypatch):
         assert ObjectRoot(base).list() == {"2": True, "3": True}
         assert mgr.latest_step() == 3
         assert mgr.restore()["x"].tolist() == [3] * 1000
+
+
+def test_the_command_line_on_an_object_store(base, capsys):
+    from snapshard.cli import main
+
+    snapshard.save(f"{base}/1", {"w": np.arange(1000.0), "n": 3})
+    snapshard.save(f"{base}/2", {"w": np.arange(1000.0) + 1, "n": 3})
+
+    def run(*argv: str) -> tuple[int, str]:
+        code = main(list(argv))
+        return code, capsys.readouterr().out
+
+    code, listing = run("ls", base)
+    assert code == 0 and [line.split()[:2] for line in listing.splitlines()[1:]] == [
+        ["1", "complete"],
+        ["2", "complete"],
+    ]
+    code, info = run("info", f"{base}/1")
+    assert code == 0 and "w" in info and "1000" in info
+    assert run("verify", f"{base}/1")[0] == 0
+    code, diff = run("diff", f"{base}/1", f"{base}/2", "--values", "--json")
+    assert code == 1 and [v["name"] for v in json.loads(diff)["values"]] == ["w"]
+    assert run("convert", f"{base}/1", f"{base}/3")[0] == 0
+    assert snapshard.load(f"{base}/3")["w"].tolist() == list(np.arange(1000.0))
+
+
+def test_safetensors_load_from_an_object_store_reads_only_the_needed_ranges(base, tmp_path):
+    from safetensors.numpy import save_file
+
+    import snapshard.safetensors as sst
+
+    rng = np.random.default_rng(3)
+    tensors = {"w": rng.standard_normal((512, 1024), dtype=np.float32), "b": np.arange(64.0)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    up = ObjectStorage(base)
+    up.client.put("model.safetensors", (tmp_path / "model.safetensors").read_bytes())
+    stats = snapshard.ReadStats()
+    out = sst.load(f"{base}/model.safetensors", {"b": np.zeros(64)}, stats=stats)
+    assert out["b"].tobytes() == tensors["b"].tobytes()
+    assert stats.bytes_read <= tensors["b"].nbytes, "only b's bytes, not the 2 MiB of w"
+    m = mesh(2, 4)
+    w = jax.ShapeDtypeStruct((512, 1024), np.float32, sharding=NamedSharding(m, P("data", "model")))
+    assert bit_exact(sst.load(f"{base}/model.safetensors", {"w": w})["w"], tensors["w"])

@@ -3,8 +3,6 @@ several ranks is read from storage once and broadcast to its other holders."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,11 +26,10 @@ def test_replicated_boxes_are_read_once_and_broadcast(tmp_path):
         assert on_default == sum(r["False"]["bytes_read"] for r in ranks)
 
 
-@pytest.mark.s3
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_on_an_object_store_read_once_is_the_default(s3_bucket):
-    ranks = _run(f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}")
+def test_on_an_object_store_read_once_is_the_default(remote_prefix):
+    ranks = _run(remote_prefix)
     _check(ranks)
     unique = ranks[0]["unique"]
     assert sum(r["None"]["bytes_read"] for r in ranks) <= 1.05 * unique

@@ -18,6 +18,7 @@ import pytest
 
 import multiproc
 import snapshard
+from s3env import bucket_url, store_params
 from snapshard.errors import WriterLeaseError
 from snapshard.storage import root_for
 from snapshard.storage.lease import LEASE_DIR, LocalLeaseFiles, WriterLease
@@ -25,11 +26,11 @@ from snapshard.storage.lease import LEASE_DIR, LocalLeaseFiles, WriterLease
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["local", *store_params()])
 def root_url(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "run")
-    return f"s3://{request.getfixturevalue('s3_bucket')}/lease-{uuid.uuid4().hex[:8]}/run"
+    return f"{bucket_url(request, request.param)}/lease-{uuid.uuid4().hex[:8]}/run"
 
 
 def test_a_second_lease_is_refused_naming_the_holder_until_released(root_url):
