@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import snapshard
+from s3env import fresh_prefix, store_params
 from snapshard import CheckpointManager, SaveOptions, incremental
 from snapshard.cli import main as cli_main
 from snapshard.errors import SnapshardError
@@ -263,14 +264,13 @@ def test_kill_9_during_incremental_save_or_retention(tmp_path, point, at):
     assert check_every_committed_step(tmp_path) == [8, 9]
 
 
-@pytest.fixture(params=["memory", pytest.param("s3", marks=pytest.mark.s3)])
+@pytest.fixture(params=["memory", *store_params()])
 def store_root(request):
     import uuid
 
-    tag = uuid.uuid4().hex[:8]
     if request.param == "memory":
-        return f"memory://incr-{tag}/run"
-    return f"s3://{request.getfixturevalue('s3_bucket')}/{tag}/run"
+        return f"memory://incr-{uuid.uuid4().hex[:8]}/run"
+    return f"{fresh_prefix(request, request.param)}/run"
 
 
 def test_object_store_chain_under_retention(store_root):
