@@ -643,3 +643,15 @@ def test_every_mutation_class_was_tried(mutation_results: list[Any]) -> None:
     )
     for e in ("set", "del", "dup", "swap", "dupkey", "double_shape"):
         assert edits[e], e
+
+
+def test_every_error_names_its_file_or_leaf(mutation_results: list[Any]) -> None:
+    """A load's refusal says where: the checkpoint's path (hence the file) or the leaf."""
+    unnamed = [
+        f"{m['src']} {json.dumps(m['ops'], default=str)[:200]} -> {step}: {detail}"
+        for m, _, o in mutation_results
+        for step, (cls, detail) in o.items()
+        if step in ("load", "load_target") and cls == "error"
+        and "/ckpt" not in detail and "leaf" not in detail
+    ]  # fmt: skip
+    assert not unnamed, "\n".join(unnamed[:20])
