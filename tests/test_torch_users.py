@@ -105,6 +105,15 @@ def test_a_plain_non_empty_directory_is_not_called_a_checkpoint(two_ranks):
     assert sorted(p.name for p in (root / "plain").iterdir()) == ["notes.txt"]
 
 
+def test_a_rank_whose_writes_fail_fails_every_rank_naming_it(two_ranks):
+    _, saved, _ = two_ranks
+    for bad in (0, 1):
+        for r in saved:
+            got = r[f"full{bad}"]
+            assert f"No space left on device (rank {bad})" in got["message"], got
+            assert got["seconds"] < 10, got
+
+
 def test_failed_saves_leave_no_temporary_directories(two_ranks):
     root, saved, _ = two_ranks
     assert [r["left"] for r in saved] == [[], []]

@@ -638,16 +638,18 @@ def _check_staged_files(prep: _Prepared, expected: dict[str, int]) -> None:
             )
 
 
-def _discard_own(prep: _Prepared) -> None:
+def _discard_own(prep: _Prepared, settled: bool) -> None:
     """The files this process staged for a save that failed, removed (process 0 removes
-    the staging area; this process's files may come after that), and the staging area
-    once it is empty. Never another process's files, which may still be in the making.
-    Best effort: the save's own error is what the caller must see."""
+    the staging area; this process's files may come after that), and once process 0 has
+    failed the save (`settled`), the staging area if that leaves it empty. Never another
+    process's files, which may still be in the making. Best effort: the save's own error
+    is what the caller must see."""
     mine = f"p{prep.rendezvous.coord.process_index:05d}-{prep.nonce}"
     try:
         names = [n for n in prep.storage.list_staging() if n.rpartition("/")[2].startswith(mine)]
         prep.storage.delete_staging_files(names)
-        prep.storage.discard_staging_if_empty()  # the last process to leave removes it
+        if settled:  # process 0 writes no more: the last process to leave removes it
+            prep.storage.discard_staging_if_empty()
     except SnapshardError as e:
         log.warning("%s: could not remove this process's files: %s", prep.rendezvous.what, e)
 
@@ -666,7 +668,7 @@ def finish(prep: _Prepared) -> SaveTimings:
 
     write_then_commit(
         prep.rendezvous, write, lambda reports: _commit(prep, reports), prep.storage.discard_staging,
-        lambda: _discard_own(prep),
+        lambda settled: _discard_own(prep, settled),
     )  # fmt: skip
     t2 = time.perf_counter()
     prep.timings.commit_s = t2 - t1

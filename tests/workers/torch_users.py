@@ -5,8 +5,8 @@ one result per scenario:
     torch_users.py save DIR    per-rank state saved (snapshard.PerProcess of a tensor and of
                                Python values), then the failures: a plain tensor that differs
                                between ranks, a meta tensor on one rank (each rank in turn),
-                               an async save onto an existing checkpoint, a save into a plain
-                               non-empty directory
+                               an async save onto an existing checkpoint, one rank's writes
+                               failing (each in turn), a save into a plain non-empty directory
     torch_users.py load DIR    each rank loads the per-rank state back, into a target and
                                without one
 """
@@ -103,6 +103,25 @@ def save(root: str, rank: int, world: int) -> dict[str, Any]:
     out["exists"] = attempt(job.wait)
     logging.getLogger("snapshard").removeHandler(errors)
     out["exists"]["logged"] = errors.lines
+
+    # One rank's writing fails (a full disk): both fail, naming it, and nothing is left.
+    from snapshard import saving
+
+    write_own = saving._write_own
+    for bad in range(world):
+
+        def disk_full(prep: Any, bad: int = bad) -> Any:
+            if rank != bad:
+                return write_own(prep)
+            prep.storage.prepare_staging()
+            raise OSError(28, f"No space left on device (rank {rank})")
+
+        saving._write_own = disk_full
+        where = f"{root}/full{bad}"
+        out[f"full{bad}"] = attempt(
+            lambda where=where: sst.save(where, {"w": sharded(world)}, opts)
+        )
+    saving._write_own = write_own
 
     # A plain directory that is not a checkpoint.
     if rank == 0:

@@ -167,6 +167,12 @@ class Rendezvous:
             return
         self.report("outcome", error, **payload)
 
+    def failed_outcome(self) -> CoordinationError | None:
+        """Process 0's failure of the operation, if it has published one (no waiting)."""
+        text = self.coord.try_get(f"{self.prefix}/outcome")
+        doc = json.loads(text) if text is not None else None
+        return relayed_error(f"{self.what} failed", doc) if doc and not doc["ok"] else None
+
     def await_outcome(self) -> dict[str, Any]:
         """The others: wait for process 0's outcome (returned, with its payload), raising
         it if the operation failed. The last process to read it deletes the keys."""
@@ -187,7 +193,7 @@ def write_then_commit(
     write: Callable[[], dict[str, Any]],
     commit: Callable[[list[dict[str, Any]]], None],
     discard: Callable[[], None],
-    discard_own: Callable[[], None] | None = None,
+    discard_own: Callable[[bool], None] | None = None,
 ) -> dict[str, Any]:
     """The protocol of every multi-process operation (saves, exports), in one place.
 
@@ -195,9 +201,12 @@ def write_then_commit(
     under `written/<pid>`; process 0 gathers every report, in process order, and runs
     `commit` on them; it publishes the outcome, which the others wait for. Any failure is
     raised on every process, naming the process that failed; process 0 then runs `discard`
-    (nothing was made visible), and every other process `discard_own`, which removes what
-    it wrote itself (process 0's `discard` may have run before this process wrote, and
-    another process's files may still be in the making). The failure is raised, not
+    (nothing was made visible), and every other process `discard_own(settled)`, which
+    removes what it wrote itself (process 0's `discard` may have run before this process
+    wrote, and another process's files may still be in the making); `settled`: process 0
+    has failed the operation, so what is left of the staging area may go once empty. A
+    process whose write fails after process 0 failed the operation (its staging area
+    removed under it) raises process 0's error, the cause. The failure is raised, not
     logged: whoever runs the operation decides (a background save logs it once). Returns
     this process's report.
     """
@@ -213,8 +222,12 @@ def write_then_commit(
         rv.report(f"written/{pid}", e)
         if rv.coord.is_leader:
             fail(e)
-        elif discard_own is not None:
-            discard_own()
+            raise
+        cause = rv.failed_outcome()
+        if discard_own is not None:
+            discard_own(cause is not None)
+        if cause is not None:
+            raise cause from e
         raise
     rv.report(f"written/{pid}", **mine)
     rv.start_clock()
@@ -231,7 +244,7 @@ def write_then_commit(
             rv.await_outcome()
         except BaseException:
             if discard_own is not None:
-                discard_own()
+                discard_own(True)
             raise
     return mine
 
@@ -239,10 +252,14 @@ def write_then_commit(
 def report_early_failure(rv: Rendezvous, error: BaseException) -> None:
     """This process failed before its part of a `write_then_commit` operation began (a bad
     leaf in a save's blocking phase): report it where the others look, so that they fail
-    within a poll, naming it, instead of waiting for the timeout."""
-    rv.report(f"written/{rv.coord.process_index}", error)
-    if rv.coord.is_leader:
-        rv.publish_outcome(error)
+    within a poll, naming it, instead of waiting for the timeout. Best effort: where the
+    store itself failed, the caller's own error is what it must see."""
+    try:
+        rv.report(f"written/{rv.coord.process_index}", error)
+        if rv.coord.is_leader:
+            rv.publish_outcome(error)
+    except Exception as e:
+        log.debug("%s: could not report the failure to the other processes: %s", rv.what, e)
 
 
 def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> None:
