@@ -24,7 +24,7 @@ from ..errors import CorruptCheckpointError
 from ..planning.layout import ArrayLayout, ShardGroups
 from ..planning.read_plan import ChunkIndex
 from . import records as rec
-from .binding import chunk_keys, name_key
+from .binding import name_key
 from .layouts import Mesh, host_holders, mesh_layout, rows_layout
 from .manifest import ArrayLeaf, ChunkTable, LazyChunkTable, Manifest
 from .validate import box_text, check_chunk_tables
@@ -295,7 +295,7 @@ class ChunkFinder:
                     [],
                     r.crc_offset,
                     (r.flags & rec.CODEC_MASK) if np.any(codec) else None,
-                    None if file_keys is None else chunk_keys(file_keys[files], r.offset),
+                    file_keys,
                 )
             )
         t = tables[0] if len(tables) == 1 else ChunkTable.concat(tables, len(leaf.shape))

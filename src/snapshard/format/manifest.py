@@ -26,6 +26,7 @@ from ..checksum import crc32c
 from ..dtypes import NAME_TO_DTYPE
 from ..errors import CorruptCheckpointError
 from ..tree import JsonNode, Path, path_str
+from .binding import chunk_key, name_key
 
 FORMAT_NAME = "snapshard"
 INDEX_FORMAT_NAME = "snapshard-index"
@@ -97,8 +98,9 @@ class ChunkTable:
     crc_offset: np.ndarray | None = None
     # v2: the record flags' codec bits per chunk (None: nothing compressed; see codecs.py)
     flags: np.ndarray | None = None
-    # 2.1: the key each chunk's stored checksums are XORed with (format.binding; None: 0)
-    keys: np.ndarray | None = None
+    # 2.1: the name key of every file of the manifest, by global file number, shared by
+    # all its tables (format.binding; None: the checksums are not bound)
+    file_keys: np.ndarray | None = None
 
     @staticmethod
     def empty(ndim: int) -> ChunkTable:
@@ -113,7 +115,7 @@ class ChunkTable:
             [self.crc32c[i] for i in o.tolist()] if self.crc32c else [],
             None if self.crc_offset is None else self.crc_offset[o],
             None if self.flags is None else self.flags[o],
-            None if self.keys is None else self.keys[o],
+            self.file_keys,
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -193,12 +195,15 @@ class ChunkTable:
             if any(t.crc_offset is None for t in tables)
             else np.concatenate([t.crc_offset for t in tables]),
             _concat_optional([t.flags for t in tables], [len(t) for t in tables]),
-            _concat_optional([t.keys for t in tables], [len(t) for t in tables]),
+            next((t.file_keys for t in tables if t.file_keys is not None), None),
         )
 
     def key(self, i: int) -> int:
-        """The key chunk i's stored checksums are XORed with (0 where nothing binds them)."""
-        return 0 if self.keys is None else int(self.keys[i])
+        """The key chunk i's stored checksums are XORed with (0 where nothing binds them);
+        computed for the chunks read, not for every chunk found."""
+        if self.file_keys is None:
+            return 0
+        return chunk_key(int(self.file_keys[self.file[i]]), int(self.offset[i]))
 
 
 def _concat_optional(columns: list[np.ndarray | None], lengths: list[int]) -> np.ndarray | None:
@@ -231,7 +236,7 @@ class LazyChunkTable(ChunkTable):
 
     crc_offset = _LoadedFirst()
     flags = _LoadedFirst()
-    keys = _LoadedFirst()
+    file_keys = _LoadedFirst()
 
     def __init__(self, load: Callable[[], ChunkTable]):  # no fields yet: see __getattr__
         self.__dict__["_load"] = load
@@ -484,8 +489,6 @@ class ProcessTable:
 
     def files(self, bound: bool = True) -> list[FileEntry]:
         """The data files of every process, in global order (`bound`: with their keys)."""
-        from .binding import name_key
-
         out = []
         for q, (n, sizes) in enumerate(zip(self.nonces, self.data_sizes, strict=True)):
             for j, size in enumerate(sizes):
