@@ -1,6 +1,17 @@
-"""Save and restore of a sharded pytree to the local S3 server: snapshard vs orbax-checkpoint.
+"""Save and restore of a sharded pytree on object stores: against orbax-checkpoint on S3, and
+against each store's plain client on S3, GCS and Azure.
 
     python bench/bench_objstore.py [--size-mib 1024] [--rounds 3]
+    python bench/bench_objstore.py --plain [--stores s3,gs,az] [--rounds 3] [--size-mib N]
+
+--plain: the peer-bench state (24 float32 and 3 bfloat16 arrays of (4096, 5120) and 24
+float32 biases of 5120: 2041 MiB; the arrays' rows sharded over 8 CPU devices, the biases
+replicated) saved and restored with snapshard on each configured store, and the same bytes
+(one object per array) put and got by the store's plain client, 4 at a time (obstore for S3
+and Azure, google-cloud-storage for GCS), in interleaved rounds after a warm-up round; it
+prints medians, the throughput ratios and the bytes a restore read against those it needed.
+--size-mib scales the state down (fewer layers). The servers and their settings as
+.ci/run starts and exports them (../shared/objstore/).
 
 Needs the server (../shared/objstore/s3-server.sh start) and AWS_ENDPOINT_URL, the
 credentials and AWS_ALLOW_HTTP=true in the environment (as .ci/run exports them); orbax
@@ -221,13 +232,145 @@ def fmt_counts(c: dict[str, int]) -> str:
     return f"{total} ({parts})"
 
 
+PEER_ROWS, PEER_COLS = 4096, 5120
+STORE_ENV = {
+    "s3": "AWS_ENDPOINT_URL",
+    "gs": "STORAGE_EMULATOR_HOST",
+    "az": "AZURITE_BLOB_STORAGE_URL",
+}
+
+
+def peer_state(size_mib: int | None) -> dict[str, Any]:
+    """The peer-bench state; with size_mib, fewer of its layers (at least one)."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+    rows, layer = NamedSharding(mesh, P("x", None)), PEER_ROWS * PEER_COLS * 4
+    layers = 24 if size_mib is None else max(1, min(24, size_mib * MiB // layer))
+
+    def put(shape, dtype, sharding, seed):
+        fn = jax.jit(lambda k: 0.02 * jax.random.normal(k, shape, dtype), out_shardings=sharding)
+        return fn(jax.random.key(seed))
+
+    w = [put((PEER_ROWS, PEER_COLS), np.float32, rows, i) for i in range(layers)]
+    b = [put((PEER_COLS,), np.float32, NamedSharding(mesh, P()), 100 + i) for i in range(layers)]
+    embed = [put((PEER_ROWS, PEER_COLS), jax.numpy.bfloat16, rows, 200 + i) for i in range(3)]
+    return {"layers": [{"w": a, "b": c} for a, c in zip(w, b, strict=True)], "embed": embed}
+
+
+class PlainClient:
+    """The store's own client moving whole objects, `threads` at a time."""
+
+    threads = 4
+
+    def __init__(self, scheme: str, bucket: str):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(self.threads)
+        if scheme == "gs":
+            from google.cloud import storage
+
+            blobs = storage.Client().bucket(bucket)
+            self.put_one = lambda key, data: blobs.blob(key).upload_from_string(data)
+            self.get_one = lambda key: blobs.blob(key).download_as_bytes()
+        else:
+            import obstore
+
+            from snapshard.storage.obstore_bucket import make_store
+
+            store = make_store(scheme, bucket, None)
+            self.put_one = lambda key, data: obstore.put(store, key, data)
+            self.get_one = lambda key: obstore.get(store, key).bytes()
+
+    def put(self, prefix: str, objects: list[bytes]) -> None:
+        list(
+            self.pool.map(lambda i: self.put_one(f"{prefix}/{i}", objects[i]), range(len(objects)))
+        )
+
+    def get(self, prefix: str, n: int) -> int:
+        return sum(len(b) for b in self.pool.map(lambda i: self.get_one(f"{prefix}/{i}"), range(n)))
+
+
+def bucket_of(scheme: str) -> str:
+    if scheme == "s3":
+        from s3env import create_bucket
+
+        return create_bucket("snapshard-bench")
+    var = "GCS_BUCKETS" if scheme == "gs" else "AZURE_CONTAINERS"
+    return os.environ.get(var, "ckpt").split(",")[0]
+
+
+def plain_round(scheme: str, bucket: str, tree: Any, host: list[bytes]) -> dict[str, float]:
+    """One save and restore with snapshard, then the same bytes through the plain client."""
+    import snapshard
+
+    tag = uuid.uuid4().hex[:8]
+    url = f"{scheme}://{bucket}/bench-{tag}/ckpt"
+    out: dict[str, float] = {}
+    t0 = time.perf_counter()
+    snapshard.save(url, tree)
+    out["save"] = time.perf_counter() - t0
+    stats = snapshard.ReadStats()
+    t0 = time.perf_counter()
+    jax.block_until_ready(snapshard.load(url, abstract(tree), stats=stats))
+    out["restore"] = time.perf_counter() - t0
+    out["read_ratio"] = stats.bytes_read / stats.bytes_needed
+    remove(url.rsplit("/", 1)[0])
+    plain = PlainClient(scheme, bucket)
+    prefix = f"plain-{tag}"
+    t0 = time.perf_counter()
+    plain.put(prefix, host)
+    out["put"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got = plain.get(prefix, len(host))
+    out["get"] = time.perf_counter() - t0
+    assert got == sum(len(h) for h in host)
+    remove(f"{scheme}://{bucket}/{prefix}")
+    return out
+
+
+def plain_bench(args: argparse.Namespace) -> None:
+    stores = [s for s in args.stores.split(",") if os.environ.get(STORE_ENV[s])]
+    if not stores:
+        raise SystemExit(f"no store configured: set one of {sorted(STORE_ENV.values())}")
+    tree = peer_state(args.size_mib if args.size_mib != 1024 else None)
+    host = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
+    size = sum(len(h) for h in host) / MiB
+    print(f"state: {size:.0f} MiB, {len(host)} leaves; stores {stores}", flush=True)
+    buckets = {s: bucket_of(s) for s in stores}
+    runs: dict[str, list[dict[str, float]]] = {s: [] for s in stores}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for s in stores if r % 2 == 0 else stores[::-1]:
+            res = plain_round(s, buckets[s], tree, host)
+            print(
+                f"round {r} {s}: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True
+            )
+            if r:
+                runs[s].append(res)
+    print()
+    print(
+        "| store | save (s) | plain put (s) | save / put throughput | restore (s) | "
+        "plain get (s) | restore / get throughput | read / needed |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for s in stores:
+        m = {k: statistics.median(r[k] for r in runs[s]) for k in runs[s][0]}
+        print(
+            f"| {s} | {m['save']:.2f} | {m['put']:.2f} | {m['put'] / m['save']:.2f} | "
+            f"{m['restore']:.2f} | {m['get']:.2f} | {m['get'] / m['restore']:.2f} | "
+            f"{m['read_ratio']:.3f} |"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size-mib", type=int, default=1024, help="approximate size of the tree")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bucket", default=None, help="an existing bucket (default: a new one)")
+    ap.add_argument("--plain", action="store_true", help="against each store's plain client")
+    ap.add_argument("--stores", default="s3,gs,az", help="with --plain: the stores to measure")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.plain:
+        return plain_bench(args)
     if not os.environ.get("AWS_ENDPOINT_URL"):
         raise SystemExit("set AWS_ENDPOINT_URL and the credentials of the S3 server first")
     if args.child:

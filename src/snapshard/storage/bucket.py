@@ -69,8 +69,9 @@ class Upload(ABC):
         not touch the part's memory again."""
 
     @abstractmethod
-    def close(self) -> None:
-        """Finish the upload: the object appears whole."""
+    def close(self) -> tuple[int, int]:
+        """Finish the upload: the object appears whole. Returns the requests it took:
+        (POSTs that started or completed it, PUTs that carried its bytes)."""
 
     @abstractmethod
     def abort(self) -> None:
@@ -83,7 +84,6 @@ class Bucket(ABC):
     store_name: str  # "S3", "GCS", "Azure Blob", "memory": for error messages
     credentials_hint: str  # what to set when the store refuses the credentials
     list_page: int = 1000  # keys per listing request
-    multipart_posts: int = 2  # requests, beside the parts, of an upload in parts
 
     @abstractmethod
     def put(self, key: str, data: bytes, *, create: bool) -> bool:

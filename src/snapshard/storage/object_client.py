@@ -382,19 +382,17 @@ class PartWriter(FileWriter):
         )
         self._part = np.empty(0, dtype=np.uint8)
         self._fill = 0
-        self._parts = 0
         self.size = 0
 
     def _hand_over(self) -> None:
         part = self._part[: self._fill]
         self._part = np.empty(0, dtype=np.uint8)
         self._fill = 0
-        self._parts += 1
         self._upload_call(lambda: self._upload.write(part.data))
 
-    def _upload_call(self, fn: Callable[[], object]) -> None:
+    def _upload_call(self, fn: Callable[[], T]) -> T:
         try:
-            self.client.call("upload of", self.rel, fn)
+            return self.client.call("upload of", self.rel, fn)
         except FileNotFoundError as e:
             raise StorageError(
                 f"{self.client.url}: upload of {self.rel!r} failed: {brief(e)}"
@@ -414,15 +412,10 @@ class PartWriter(FileWriter):
                 self._hand_over()
 
     def close(self) -> int:
-        multipart = self._parts > 0
         if self._fill:
             self._hand_over()
-        self._upload_call(self._upload.close)
-        if multipart:
-            posts = self.client.api.multipart_posts
-            self.client.counter.add(post=posts, put=self._parts, bytes_sent=self.size)
-        else:
-            self.client.counter.add(put=1, bytes_sent=self.size)
+        post, put = self._upload_call(self._upload.close)
+        self.client.counter.add(post=post, put=put, bytes_sent=self.size)
         return self.size
 
     def abort(self) -> None:

@@ -144,12 +144,16 @@ class ObstoreUpload(Upload):
 
     def __init__(self, writer: Any):
         self._writer = writer
+        self._parts = 0
 
     def write(self, part: memoryview) -> None:
         self._writer.write(part)
+        self._parts += 1
 
-    def close(self) -> None:
+    def close(self) -> tuple[int, int]:
         self._writer.close()
+        # More than one part: a multipart upload (create, parts, complete); else one PUT.
+        return (2, self._parts) if self._parts > 1 else (0, 1)
 
     def abort(self) -> None:
         # obstore aborts the multipart upload when its context exits with an error; an
