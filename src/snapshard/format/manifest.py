@@ -708,7 +708,7 @@ def _version(v: Any, where: str) -> tuple[int, int]:
         major, minor = v.split(".")
         return int(major), int(minor)
     raise CorruptCheckpointError(
-        f"{where}: manifest format version {str(v)[:20]!r} is not supported "
+        f"{where}: manifest format version {str(v)[:20]} is not supported "
         f"(this library reads {', '.join(map(str, READ_VERSIONS))})"
     )
 
