@@ -171,7 +171,10 @@ def prepare(
             identical=identical, t0=t0,
         )  # fmt: skip
     except BaseException as e:
-        report_early_failure(rv, e)  # the others fail at once, naming this process's error
+        cause = report_early_failure(rv, e)  # the others fail at once, naming this error
+        if cause is not None:  # process 0 failed the save first: its error is the cause
+            storage.discard_staging_if_empty()
+            raise cause from e
         raise
 
 

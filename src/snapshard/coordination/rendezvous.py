@@ -249,17 +249,22 @@ def write_then_commit(
     return mine
 
 
-def report_early_failure(rv: Rendezvous, error: BaseException) -> None:
+def report_early_failure(rv: Rendezvous, error: BaseException) -> CoordinationError | None:
     """This process failed before its part of a `write_then_commit` operation began (a bad
     leaf in a save's blocking phase): report it where the others look, so that they fail
-    within a poll, naming it, instead of waiting for the timeout. Best effort: where the
-    store itself failed, the caller's own error is what it must see."""
+    within a poll, naming it, instead of waiting for the timeout. Returns process 0's
+    failure of the operation where it came first (then `error` may be only its
+    consequence: the staging area removed under this process), to be raised instead.
+    Best effort: where the store itself failed, the caller's own error is what it must see."""
     try:
         rv.report(f"written/{rv.coord.process_index}", error)
         if rv.coord.is_leader:
             rv.publish_outcome(error)
+            return None
+        return rv.failed_outcome()
     except Exception as e:
         log.debug("%s: could not report the failure to the other processes: %s", rv.what, e)
+        return None
 
 
 def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> None:
