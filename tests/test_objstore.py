@@ -385,3 +385,35 @@ def test_an_orbax_checkpoint_on_an_object_store_is_read(request, scheme, tmp_pat
     for k in ("w", "emb", "odd", "bias"):
         assert out["params"][k].tobytes() == np.asarray(tree["params"][k]).tobytes(), k
     assert out["step"] == 1000 and out["name"] == "run-7"
+
+
+def failing_part_upload(scheme: str):
+    """(upload class, an error of the store's own library) for a part upload that fails."""
+    if scheme == "gs":
+        from google.api_core.exceptions import ServiceUnavailable
+
+        from snapshard.storage.gcs_bucket import GcsUpload
+
+        return GcsUpload, ServiceUnavailable("injected: part upload failed")
+    from obstore.exceptions import GenericError
+
+    from snapshard.storage.obstore_bucket import ObstoreUpload
+
+    return ObstoreUpload, GenericError("injected: part upload failed")
+
+
+@pytest.mark.parametrize("scheme", store_params())
+def test_a_failed_part_upload_is_a_storage_error_and_leaves_nothing(request, scheme, monkeypatch):
+    url = f"{fresh_prefix(request, scheme)}/run/step_1"
+    upload, error = failing_part_upload(scheme)
+
+    def write(self, part):
+        raise error
+
+    monkeypatch.setattr(upload, "write", write)
+    with pytest.raises(StorageError, match=rf"{url}: upload of 'data/.*injected") as info:
+        snapshard.save(storage(url), arrays())
+    assert "bucket" in str(info.value) and "key '" in str(info.value)
+    monkeypatch.undo()
+    assert ObjectRoot(url.rsplit("/", 1)[0]).list() == {}
+    assert storage(url).client.listing() == {}
