@@ -183,7 +183,10 @@ def test_loading_while_a_save_of_the_directory_runs_says_so(tmp_path, monkeypatc
     monkeypatch.setattr(saving, "_write_own", held)
     job = sst.save_async(tmp_path / "c", {"w": torch.ones(4)})
     try:
-        with pytest.raises(CheckpointNotFoundError, match=r"a save to it has not committed"):
+        with pytest.raises(
+            CheckpointNotFoundError,
+            match=r"only an incomplete save is there .*: it is still running",
+        ):
             sst.load(tmp_path / "c")
     finally:
         release.set()

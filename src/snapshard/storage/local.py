@@ -395,9 +395,9 @@ class LocalStorage(Storage):
                 why = "the directory has no manifest.json"
             elif staged:
                 why = (
-                    f"a save to it has not committed ({staged[0].name} is there): it is still "
-                    "running (wait for it: AsyncSave.wait(), the manager's "
-                    "wait_until_finished()), or it stopped before its commit"
+                    f"only an incomplete save is there ({staged[0].name}): it is still running "
+                    "(wait for it: AsyncSave.wait(), the manager's wait_until_finished()), or "
+                    "it stopped before its commit"
                 )
             else:
                 why = "the directory does not exist"
