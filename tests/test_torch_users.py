@@ -236,3 +236,10 @@ def test_relayed_errors_keep_their_type_and_stay_coordination_errors():
     )
     other = relayed_error("x", {"error": "OSError: boom", "error_type": "OSError"})
     assert type(other) is CoordinationError
+
+
+def test_snapshard_load_refuses_an_empty_container_too(tmp_path):
+    snapshard.save(tmp_path / "c", {"data": {"a": np.ones(2), "b": 3}, "step": 7})
+    with pytest.raises(TargetMismatchError, match=r"empty container at 'data', .* 2 leaves"):
+        snapshard.load(tmp_path / "c", {"data": {}, "step": 0})
+    assert snapshard.load(tmp_path / "c", {"step": 0}) == {"step": 7}

@@ -4,7 +4,7 @@ read executor (read_executor.py) over the checkpoint's source (sources.py)."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,15 @@ from .read_executor import build as build_request
 from .read_once import execute as execute_read_once
 from .sources import open_checkpoint
 from .storage import Location, Storage, storage_for
-from .tree import Path, TargetTree, flatten_target, path_str, unflatten, warn_lost_classes
+from .tree import (
+    Path,
+    TargetTree,
+    empty_containers,
+    flatten_target,
+    path_str,
+    unflatten,
+    warn_lost_classes,
+)
 
 
 def is_target_leaf(x: Any) -> bool:
@@ -140,8 +148,28 @@ def missing_target_leaf(url: str, path: Path, saved: Mapping[Path, Any]) -> Targ
     )
 
 
+def refuse_empty_containers(url: str, target: Any, names: Iterable[str]) -> None:
+    """An empty container of the target where the checkpoint has leaves (`names`) would
+    restore none of them, silently: a partial restore leaves the entry out instead."""
+    empty = empty_containers(target)
+    if not empty:
+        return
+    names = list(names)
+    for path in empty:
+        prefix = path_str(path) + "/" if path else ""
+        below = [n for n in names if n.startswith(prefix)]
+        if below:
+            where = f"has an empty container at {path_str(path)!r}" if path else "is empty"
+            raise TargetMismatchError(
+                f"{url}: the target {where}, the checkpoint has {len(below)} leaves there "
+                f"(e.g. {below[0]!r}); give the target the entries to fill, or leave the entry "
+                "out of the target to restore the rest without it (a partial restore)"
+            )
+
+
 def _match_target(manifest: Manifest, target: Any, url: str) -> TargetTree:
     """The target's leaves by path, each checked to be in the checkpoint."""
+    refuse_empty_containers(url, target, (leaf.name for leaf in manifest.leaves))
     tree = flatten_target(target, is_target_leaf)
     saved = manifest.leaf_by_path()
     for path in tree.paths:

@@ -222,6 +222,23 @@ def _replace_leaves(node: Any, path: Path, values: dict[Path, Any]) -> Any:
     return node
 
 
+def empty_containers(node: Any, path: Path = ()) -> list[Path]:
+    """Paths of the empty plain containers of a tree (dict, list, tuple, namedtuple,
+    OrderedDict, defaultdict; registered classes are not entered): a restore target that
+    has one where the checkpoint has leaves would restore none of them."""
+    if type(node) in (dict, collections.OrderedDict, collections.defaultdict):
+        items: list[tuple[PathKey, Any]] = list(node.items())
+    elif type(node) in (list, tuple):
+        items = list(enumerate(node))
+    elif _is_namedtuple(node):
+        items = list(zip(node._fields, node, strict=True))
+    else:
+        return []
+    if not items:
+        return [path]
+    return [p for k, child in items for p in empty_containers(child, (*path, k))]
+
+
 def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:
     """Rebuild plain containers from a stored structure; leaf i becomes `leaf_values(i)`."""
 

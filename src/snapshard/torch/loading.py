@@ -35,7 +35,7 @@ from ..read_executor import (
     saved_boxes,
 )
 from ..read_once_policy import wanted
-from ..restore import missing_target_leaf, per_process_values
+from ..restore import missing_target_leaf, per_process_values, refuse_empty_containers
 from ..safetensors.surgery import Transform
 from ..safetensors.virtual import Derived, Stored, VArray
 from ..sources import open_checkpoint
@@ -348,35 +348,6 @@ def _whole_target(manifest: Manifest) -> tuple[Any, dict[Path, Any]]:
     return unflatten(manifest.structure, leaf_target), scalars
 
 
-def _empty_containers(structure: Any, path: Path = ()) -> list[Path]:
-    """Paths of the empty dicts, lists and tuples of a flattened target's structure."""
-    if not isinstance(structure, dict) or structure.get("t") == "leaf":
-        return []
-    children = structure.get("c", [])
-    if not children:
-        return [path]
-    keys = structure.get("k") or range(len(children))
-    out = []
-    for k, child in zip(keys, children, strict=True):
-        out += _empty_containers(child, (*path, k))
-    return out
-
-
-def _refuse_empty_containers(structure: Any, names: list[str], url: str) -> None:
-    """An empty container of the target where the checkpoint has leaves would restore none
-    of them, silently: the target says so by leaving the entry out instead."""
-    for path in _empty_containers(structure):
-        prefix = path_str(path) + "/" if path else ""
-        below = [n for n in names if n.startswith(prefix)]
-        if below:
-            where = f"has an empty container at {path_str(path)!r}" if path else "is empty"
-            raise TargetMismatchError(
-                f"{url}: the target {where}, the checkpoint has {len(below)} leaves there "
-                f"(e.g. {below[0]!r}); give the target the entries to fill, or leave the entry "
-                "out of the target to restore the rest without it (a partial restore)"
-            )
-
-
 def _refuse_meta_target(t: torch.Tensor, leaf: str, url: str) -> None:
     if t.is_meta or (is_dtensor(t) and t.to_local().is_meta):  # type: ignore[attr-defined]
         raise TargetMismatchError(
@@ -459,7 +430,7 @@ def _load_into(
     own: list[tuple[Path, PerProcessLeaf, Any]] = []
     mapped = _transformed(saved, transform, url) if transform is not None else None
     names = list(mapped) if mapped is not None else [leaf.name for leaf in manifest.leaves]
-    _refuse_empty_containers(flat.structure, names, url)
+    refuse_empty_containers(url, target, names)
     for path, t in zip(flat.paths, flat.leaves, strict=True):
         perm = None
         if mapped is not None:
