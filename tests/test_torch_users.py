@@ -55,6 +55,7 @@ def test_each_rank_gets_its_own_per_rank_tensor_and_values_back(two_ranks):
         assert r["loader"] == {"position": 10 + rank, "epoch": 1}
         assert r["whole_rng"] and r["whole_loader"] == r["loader"]  # without a target too
         assert r["w"] == np.arange(12.0).reshape(6, 2).tolist()
+    assert loaded[1]["alone_s"] < 10  # a load without target never waits for other ranks
 
 
 def test_per_rank_values_resplit_onto_one_rank(two_ranks):

@@ -8,7 +8,7 @@ one result per scenario:
                                an async save onto an existing checkpoint, one rank's writes
                                failing (each in turn), a save into a plain non-empty directory
     torch_users.py load DIR    each rank loads the per-rank state back, into a target and
-                               without one
+                               without one; then rank 1 alone loads the whole checkpoint
 """
 
 from __future__ import annotations
@@ -137,12 +137,19 @@ def save(root: str, rank: int, world: int) -> dict[str, Any]:
 
 def load(root: str, rank: int, world: int) -> dict[str, Any]:
     import snapshard.torch as sst
+    from snapshard import ReadOptions
 
     target = per_rank_state(0, world)  # other values, the same structure
     target["rng"] = torch.zeros_like(torch.get_rng_state())
     filled = target["rng"]
     sst.load(f"{root}/per_rank", target)
     whole = sst.load(f"{root}/per_rank")
+    alone = None
+    if rank == 1:  # one rank looks into a checkpoint by itself: nothing waits for the others
+        t0 = time.perf_counter()
+        sst.load(f"{root}/per_rank", options=ReadOptions(read_once=True, timeout_s=20))
+        alone = time.perf_counter() - t0
+    dist.barrier()
     torch.manual_seed(100 + rank)
     want = torch.get_rng_state()
     return {
@@ -152,6 +159,7 @@ def load(root: str, rank: int, world: int) -> dict[str, Any]:
         "whole_rng": bool(torch.equal(whole["rng"], want)),
         "whole_loader": whole["loader"],
         "w": whole["model"]["w"].tolist(),
+        "alone_s": alone,
     }
 
 

@@ -10,6 +10,7 @@ values of the target are replaced by the saved ones. Entries the target omits ar
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -398,7 +399,10 @@ def load(
         manifest, read = open_checkpoint(storage, options, stats)
         if target is None:
             whole, scalars = _whole_target(manifest)
-            out = _load_into(storage, manifest, read, whole, options, stats, None, resplit)
+            # Each rank on its own, as before a target existed: a rank may load a whole
+            # checkpoint alone (to look into it), so nothing waits for the other ranks.
+            alone = dataclasses.replace(options, read_once=False)
+            out = _load_into(storage, manifest, read, whole, alone, stats, None, resplit)
             out = _put_back(out, (), {p: a[()] for p, a in scalars.items()})
         else:
             out = _load_into(storage, manifest, read, target, options, stats, transform, resplit)
