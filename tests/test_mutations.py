@@ -599,6 +599,16 @@ def print_table(out: list[tuple[dict[str, Any], str, Any]]) -> None:
         total.update(c)
         print(f"{r:<21}" + "".join(f"{c[k]:>10}" for k in cols))
     print(f"{'all':<21}" + "".join(f"{total[k]:>10}" for k in cols))
+    loads = Counter(
+        (m["src"], o[k][0])
+        for m, v, o in out
+        if v != "skip"
+        for k in ("load", "load_target")
+        if k in o
+    )
+    print("loads by source (error / identical / different / other):")
+    for src in sorted({s for s, _ in loads}):
+        print(f"  {src:<10}" + " / ".join(str(loads[(src, c)]) for c in ("error", "identical", "different", "other")))
     for m, v, o in out:
         if v in ("other", "wrong", "hang", "outside"):
             print(f"  {v}: {m['cls']} {m['src']} {json.dumps(m['ops'], default=str)[:300]}")

@@ -101,6 +101,8 @@ class ChunkTable:
     # 2.1: the name key of every file of the manifest, by global file number, shared by
     # all its tables (format.binding; None: the checksums are not bound)
     file_keys: np.ndarray | None = None
+    # v2: the records' checksum block counts (checked against nbytes and block)
+    nblocks: np.ndarray | None = None
 
     @staticmethod
     def empty(ndim: int) -> ChunkTable:
@@ -116,6 +118,7 @@ class ChunkTable:
             None if self.crc_offset is None else self.crc_offset[o],
             None if self.flags is None else self.flags[o],
             self.file_keys,
+            None if self.nblocks is None else self.nblocks[o],
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -196,6 +199,9 @@ class ChunkTable:
             else np.concatenate([t.crc_offset for t in tables]),
             _concat_optional([t.flags for t in tables], [len(t) for t in tables]),
             next((t.file_keys for t in tables if t.file_keys is not None), None),
+            None
+            if any(t.nblocks is None for t in tables)
+            else np.concatenate([t.nblocks for t in tables]),
         )
 
     def key(self, i: int) -> int:
@@ -237,6 +243,7 @@ class LazyChunkTable(ChunkTable):
     crc_offset = _LoadedFirst()
     flags = _LoadedFirst()
     file_keys = _LoadedFirst()
+    nblocks = _LoadedFirst()
 
     def __init__(self, load: Callable[[], ChunkTable]):  # no fields yet: see __getattr__
         self.__dict__["_load"] = load

@@ -279,6 +279,7 @@ def _chunk_checks(
                 dup[:-1] &= ~first[1:]
         checks += [
             (t.block <= 0, lambda i: "a chunk has checksum block size 0"),
+
             (
                 (t.crc_offset < 0)
                 | (crc_end > fsz)
@@ -287,6 +288,15 @@ def _chunk_checks(
             ),
             (dup, lambda i: f"chunks {i} and {i + 1} start at the same place"),
         ]
+        if t.nblocks is not None:  # the records' own counts (the checksum range follows)
+            stated = t.nblocks
+            checks.append((
+                stated != -(-t.nbytes // np.maximum(t.block, 1)),
+                lambda i: (
+                    f"chunk {i} says {stated[i]} checksum blocks of {t.block[i]} bytes for "
+                    f"{t.nbytes[i]} bytes"
+                ),
+            ))  # fmt: skip
     return checks
 
 
