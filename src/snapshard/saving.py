@@ -461,32 +461,69 @@ def _check_agreement(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
     differs, the differing process's record file says which leaf."""
     ours = reports[0]["digest"]
     for q, r in enumerate(reports):
-        if r["digest"] == ours:
-            continue
-        name = record_file_name(q, r["nonce"])
-        raw = prep.storage.read_staging(name)
-        a, b = records.digest_range(len(prep.leaves))
-        theirs = np.frombuffer(raw[a:b], records.DIGEST) if len(raw) >= b else None
-        if theirs is None or len(theirs) != len(prep.digests):
-            raise CoordinationError(
-                f"{prep.rendezvous.what}: process {q} saved a tree with other leaves than process 0"
+        if r["digest"] != ours:
+            raw = prep.storage.read_staging(record_file_name(q, r["nonce"]))
+            raise _disagreement(prep, q, records.staged_digests(raw))
+
+
+def _disagreement(prep: _Prepared, q: int, theirs: np.ndarray | None) -> CoordinationError:
+    """What differs between process 0's tree and process q's (`theirs`: the digests of q's
+    record file, None where it cannot be read), naming the leaves where it can."""
+    what, mine = prep.rendezvous.what, prep.digests
+    if theirs is None:
+        return CoordinationError(f"{what}: process {q}'s record file cannot be read back")
+    if len(theirs) == len(mine):
+        differ = np.flatnonzero(mine["description"] != theirs["description"])
+        if len(differ) == 1:  # one leaf in place: its kind, dtype, shape or layout changed
+            return CoordinationError(
+                f"{what}: leaf {_name(prep.leaves[int(differ[0])])!r} differs between process 0 "
+                f"and process {q} (kind, dtype, shape or layout)"
             )
-        for i, (mine, other) in enumerate(zip(prep.digests, theirs, strict=True)):
-            if mine["description"] != other["description"]:
-                raise CoordinationError(
-                    f"{prep.rendezvous.what}: leaf {_name(prep.leaves[i])!r} differs between "
-                    f"process 0 and process {q} (kind, dtype or shape)"
-                )
-            if mine["value"] != other["value"]:
-                raise CoordinationError(
-                    f"{prep.rendezvous.what}: leaf {_name(prep.leaves[i])!r} has another value on "
+        if len(differ) == 0:
+            values = np.flatnonzero(mine["value"] != theirs["value"])
+            if len(values):
+                return CoordinationError(
+                    f"{what}: leaf {_name(prep.leaves[int(values[0])])!r} has another value on "
                     f"process {q} than on process 0; leaves that are not sharded arrays "
                     "(jax.Array, DTensor) must be the same on every process: wrap values that "
                     "differ by design in snapshard.PerProcess"
                 )
-        raise CoordinationError(
-            f"{prep.rendezvous.what}: the tree structure differs between process 0 and process {q}"
+            return CoordinationError(
+                f"{what}: the tree structure differs between process 0 and process {q}"
+            )
+    return _other_leaves(prep, q, theirs)
+
+
+def _other_leaves(prep: _Prepared, q: int, theirs: np.ndarray) -> CoordinationError:
+    """Process q's leaves are not process 0's. A leaf's description digest covers its path,
+    kind, dtype, shape and layout: process 0's leaves whose digest q lacks are named, and
+    q's leaves that process 0 lacks are placed after the last leaf both have."""
+    mine = prep.digests["description"].tolist()
+    ours = {d: i for i, d in enumerate(mine)}
+    their_set = set(theirs["description"].tolist())
+    lacking = [_name(prep.leaves[i]) for i, d in enumerate(mine) if d not in their_set]
+    extra: list[str] = []
+    last_common = None
+    for d in theirs["description"].tolist():
+        if d in ours:
+            last_common = _name(prep.leaves[ours[d]])
+        else:
+            extra.append("first" if last_common is None else f"after {last_common!r}")
+    count = lambda n: f"{n} leaf" if n == 1 else f"{n} leaves"  # noqa: E731
+    parts = [f"process {q} saved {count(len(theirs))}, process 0 saved {count(len(mine))}"]
+    if extra:
+        parts.append(
+            f"process {q} has {len(extra)} that process 0 has not ({', '.join(extra[:3])}"
+            + (", ..." if len(extra) > 3 else "")
+            + " in its tree)"
         )
+    if lacking:
+        parts.append(
+            ", ".join(repr(n) for n in lacking[:3])
+            + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
+            + f" of process 0 not on process {q} (or with another kind, dtype, shape or layout)"
+        )
+    return CoordinationError(f"{prep.rendezvous.what}: the trees differ: " + "; ".join(parts))
 
 
 def _name(leaf: Leaf | SaveArray) -> str:

@@ -6,6 +6,8 @@ usage: per_process.py MODE CKPT
    differ   process 1's NumPy leaf has other values: the save must fail naming the leaf
    shape    process 1's NumPy leaf has another shape
    key      a process-local PRNG key on each process (not the same value)
+   extra    process 1's tree has a key more ('extra', before 'lr' in its tree)
+   missing  process 1's tree lacks 'lr'
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def main() -> None:
         tree["shared"] = np.arange(4 + pid)
     elif mode == "key":
         tree["key"] = jax.random.key(pid)
+    elif mode == "extra" and pid == 1:
+        tree = {"shared": tree["shared"], "extra": np.zeros(2), "lr": 0.1}
+    elif mode == "missing" and pid == 1:
+        del tree["lr"]
     try:
         snapshard.save(ckpt, tree, options=SaveOptions(timeout_s=60))
     except snapshard.SnapshardError as e:

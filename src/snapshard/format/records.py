@@ -173,6 +173,15 @@ def digest_range(leaves: int) -> tuple[int, int]:
     return start, start + leaves * DIGEST.itemsize
 
 
+def staged_digests(data: bytes) -> np.ndarray | None:
+    """The digests of a record file just written (the committer's check that processes
+    saved the same tree), its leaf count taken from its own header; None if it is short."""
+    if len(data) < HEADER_SIZE:
+        return None
+    a, b = digest_range(int(HEADER.unpack_from(data)[3]))
+    return np.frombuffer(data[a:b], DIGEST) if len(data) >= b else None
+
+
 def decode_entries(data: bytes) -> np.ndarray:
     return np.frombuffer(data, DIR_ENTRY)
 
