@@ -294,6 +294,16 @@ def test_missing_bucket_and_bad_credentials_fail_fast_naming_store_bucket_and_ke
     assert ObjectRoot(f"{scheme}://{bucket}/{uuid.uuid4().hex}").list() == {}
 
 
+def test_azure_without_an_account_says_what_to_set(monkeypatch):
+    for var in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_USE_EMULATOR"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(StorageError) as info:
+        ObjectStorage("az://container/ckpt")
+    msg = str(info.value)
+    assert msg.startswith("az://container: cannot configure the Azure Blob store")
+    assert "AZURE_STORAGE_ACCOUNT_NAME" in msg and "AZURE_STORAGE_USE_EMULATOR" in msg
+
+
 def test_gcs_without_credentials_says_what_to_set(monkeypatch, tmp_path):
     for var in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
         monkeypatch.delenv(var, raising=False)

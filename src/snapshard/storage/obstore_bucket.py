@@ -69,7 +69,11 @@ def make_store(scheme: str, bucket: str, options: Mapping[str, Any] | None) -> O
     try:
         return from_url(f"{scheme}://{bucket}", **opts)
     except Exception as e:
-        raise StorageError(f"{scheme}://{bucket}: cannot configure the store: {brief(e)}") from e
+        store = STORE_NAMES.get(scheme, scheme)
+        raise StorageError(
+            f"{scheme}://{bucket}: cannot configure the {store} store: {brief(e)}; "
+            f"{CREDENTIALS_HINTS.get(store, 'check the store options')}"
+        ) from e
 
 
 class ObstoreBucket(Bucket):
