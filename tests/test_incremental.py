@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -93,13 +94,20 @@ def test_changed_bytes_are_written_and_partial_restores_cross_references(tmp_pat
     assert np.array_equal(part["frozen"]["w"], t2["frozen"]["w"])
 
 
-def test_base_without_hashes_refers_to_nothing(tmp_path):
+def test_base_without_hashes_refers_to_nothing_and_says_so(tmp_path):
+    from snapshard.incremental import UnprovableBaseWarning
+
     snapshard.save(tmp_path / "a", tree(1))
-    t = snapshard.save(tmp_path / "b", tree(1), base=tmp_path / "a")
+    with pytest.warns(UnprovableBaseWarning, match=r"no xxh3-128 content hashes for \d+ bytes"):
+        t = snapshard.save(tmp_path / "b", tree(1), base=tmp_path / "a")
     assert t.bytes_written == sum(
         x.nbytes for x in jax.tree_util.tree_leaves(tree(1)) if isinstance(x, np.ndarray)
     )
     assert not [r for r in manifest(tmp_path / "b")["refs"] if r]
+    with warnings.catch_warnings():  # a base with hashes: nothing to warn of
+        warnings.simplefilter("error", UnprovableBaseWarning)
+        t = snapshard.save(tmp_path / "c", tree(1), base=tmp_path / "b")
+    assert t.bytes_written == 0
 
 
 def test_other_shape_or_dtype_is_never_referred_to(tmp_path):

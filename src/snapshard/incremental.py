@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -212,6 +213,11 @@ def box_key(start: Any, stop: Any) -> bytes:
     return np.asarray(start, np.int64).tobytes() + b"|" + np.asarray(stop, np.int64).tobytes()
 
 
+class UnprovableBaseWarning(UserWarning):
+    """An incremental save's base cannot prove its chunks equal to the new ones (no content
+    hashes, or an older format): they are written again instead of referred to."""
+
+
 @dataclass
 class Increment:
     """What one process's save needs to record hashes and, given a base, references."""
@@ -227,6 +233,7 @@ class Increment:
     referenced_bytes: int = 0
     _base: Base | None = None
     ref_codecs: set[int] = field(default_factory=set)  # codecs of the chunks referred to
+    unhashed_bytes: int = 0  # base chunks of the same boxes without a hash to compare
 
     def __post_init__(self) -> None:
         if self.base_location is not None:
@@ -268,6 +275,9 @@ class Increment:
                 data = it.materialize()
                 h = chunk_hash(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data, self.hid)
             self.hashes[(it.leaf, key)] = h
+            if found is not None and not same and found.hash == UNKNOWN_HASH:
+                with lock:
+                    self.unhashed_bytes += it.nbytes
             if found is None or not (same or (h != UNKNOWN_HASH and h == found.hash)):
                 return it
             row = (
@@ -296,7 +306,32 @@ class Increment:
                 kept = light + list(pool.map(run, heavy))
         else:
             kept = [run(it) for it in items]
+        self._warn_unprovable(items)
         return [it for it in kept if it is not None]
+
+    def _warn_unprovable(self, items: list[StagedItem]) -> None:
+        """Say so when the base cannot prove chunks equal, so that they are all written
+        again: a save with a base is meant to refer to what did not change."""
+        base = self.base
+        if base is None:
+            return
+        if not base.manifest.bound and items:
+            why = "it is format 2.0, whose checksums are not bound to their files"
+        elif self.unhashed_bytes:
+            why = (
+                f"it records no {rec.HASHES.get(self.hid, '?')} content hashes for "
+                f"{self.unhashed_bytes} bytes of chunks of the same boxes (saved without "
+                "SaveOptions(hashes=True), or with another hash function)"
+            )
+        else:
+            return
+        warnings.warn(
+            f"incremental save onto {base.storage.url}: {why}; those chunks are written "
+            "again. Give the base hashes (SaveOptions(hashes=True); CheckpointManager("
+            "incremental=True) does) so that later saves refer to it",
+            UnprovableBaseWarning,
+            stacklevel=2,
+        )
 
     def segment_hashes(self, segments: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
         """Per leaf, the hash of each record in the segment's (sorted) order."""
