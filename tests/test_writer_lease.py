@@ -266,7 +266,9 @@ def test_every_process_of_a_job_learns_that_the_root_is_held(tmp_path):
         holder.release()
     r0, r1 = procs[0].result(), procs[1].result()
     assert r0["error_type"] == "WriterLeaseError" and f"pid {os.getpid()}" in r0["error"]
-    assert r1["error_type"] == "CoordinationError"
+    assert not r0["relayed"]
+    # Process 1 learns it from process 0: the same type (relayed: also a CoordinationError)
+    assert r1["error_type"] == "WriterLeaseError" and r1["relayed"]
     assert "WriterLeaseError" in r1["error"] and f"pid {os.getpid()}" in r1["error"]
     procs = multiproc.run("manager_start.py", 2, 1, tmp_path / "run", timeout=90)
     assert all(p.result()["ok"] for p in procs)

@@ -20,7 +20,8 @@ def main() -> None:
         with snapshard.CheckpointManager(sys.argv[1], save_options=SaveOptions(timeout_s=30), read_options=ReadOptions(timeout_s=30)) as m:
             report(ok=True, steps=m.all_steps(), pid=pid)
     except Exception as e:
-        report(ok=False, error_type=type(e).__name__, error=str(e), pid=pid)
+        relayed = isinstance(e, snapshard.CoordinationError)  # learnt from another process
+        report(ok=False, error_type=type(e).__name__, error=str(e), pid=pid, relayed=relayed)
 
 
 if __name__ == "__main__":
