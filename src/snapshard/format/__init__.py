@@ -1,4 +1,4 @@
-"""The on-disk format (documented in docs/format.md): v2 written, v1 and v2 read."""
+"""The on-disk format (documented in docs/format.md): 2.1 written; 1, 2.0 and 2.1 read."""
 
 from . import records
 from .manifest import (

@@ -1,9 +1,10 @@
 """The manifest: the one file every reader parses. See docs/format.md.
 
-Format v2 (written): the tree, per leaf its path, dtype, shape and layout, per distinct
+Format v2: the tree, per leaf its path, dtype, shape and layout, per distinct
 layout a compact description (format.layouts), and per process its data files, its record
 file and that file's checksum; nothing per chunk. Chunk records live in the per-process
-record files (format.records) and checksums beside the data they cover.
+record files (format.records) and checksums beside the data they cover. 2.1 (written)
+binds every stored checksum to its file (format.binding); 2.0 (read) did not.
 
 Format v1 (read): the same tree, with every chunk of every array inline as JSON, and
 per-process JSON indexes that the committer merged.
