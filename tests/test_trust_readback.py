@@ -310,3 +310,16 @@ def test_a_2_0_manifest_is_still_read(tmp_path) -> None:
     m = read_manifest(LocalStorage(golden))
     assert (m.version, m.minor, m.bound) == (2, 0, False)
     assert struct.calcsize("<II") == 8  # (the segment salt of 2.0 is crc32c of these alone)
+
+
+def test_an_incremental_save_on_a_2_0_base_writes_its_chunks_anew(tmp_path) -> None:
+    """A 2.0 base's checksums are not bound to its files: a 2.1 save never refers to them."""
+    from golden import values
+    from test_golden_v1 import assert_same, expected, numpy_target
+
+    shutil.copytree(Path(__file__).parent / "golden" / "v2_0" / "single", tmp_path / "old")
+    full = values.single_tree(values.mesh())
+    snapshard.save(tmp_path / "new", full, base=tmp_path / "old")
+    doc = json.loads((tmp_path / "new" / "manifest.json").read_bytes())
+    assert doc["version"] == "2.1" and not any(doc["refs"])
+    assert_same(snapshard.load(tmp_path / "new", numpy_target(full)), expected(full, plain=False))
