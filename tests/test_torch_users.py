@@ -166,6 +166,17 @@ def test_torch_objects_that_are_not_state_say_what_to_save(tmp_path, leaf, says)
     assert not list(tmp_path.iterdir())
 
 
+def test_per_process_containers_of_tensors_come_back_as_tensors(tmp_path):
+    from collections import namedtuple
+
+    Pos = namedtuple("Pos", "epoch offsets")
+    value = {"pos": Pos(2, torch.arange(3)), "seen": [torch.ones(2, dtype=torch.bfloat16), 5]}
+    sst.save(tmp_path / "c", {"loader": snapshard.PerProcess(value)})
+    got = sst.load(tmp_path / "c", {"loader": None})["loader"]
+    assert got["pos"][0] == 2 and torch.equal(got["pos"][1], torch.arange(3))
+    assert got["seen"][0].dtype == torch.bfloat16 and got["seen"][1] == 5
+
+
 def test_per_process_messages_name_the_leaf_not_the_class(tmp_path):
     with pytest.raises(UnsupportedLeafError, match=r"leaf 'cursor': a per-process value of type"):
         sst.save(tmp_path / "c", {"cursor": snapshard.PerProcess(object())})

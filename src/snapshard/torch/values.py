@@ -34,8 +34,9 @@ def host_values(value: Any, leaf: str) -> Any:
         return host_view(t if t.device.type == "cpu" else t.cpu()).copy()
     if isinstance(value, dict):
         return {k: host_values(v, leaf) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(host_values(v, leaf) for v in value)
+    if isinstance(value, list | tuple):  # (a namedtuple is stored as a tuple)
+        items = [host_values(v, leaf) for v in value]
+        return items if isinstance(value, list) else tuple(items)
     return value
 
 
@@ -47,7 +48,8 @@ def as_tensors(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: as_tensors(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(as_tensors(v) for v in value)
+        items = [as_tensors(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
     return value
 
 
