@@ -263,7 +263,9 @@ def test_gcs_and_azure_urls_select_their_stores():
     from snapshard.storage.gcs_bucket import GcsBucket
     from snapshard.storage.obstore_bucket import ObstoreBucket
 
-    gs = ObjectStorage("gs://some-bucket/ckpt", {"credentials": AnonymousCredentials()})
+    gs = ObjectStorage(
+        "gs://some-bucket/ckpt", {"credentials": AnonymousCredentials(), "project": "test"}
+    )
     assert isinstance(gs.client.api, GcsBucket) and gs.url == "gs://some-bucket/ckpt"
     az = ObjectStorage("az://container/ckpt", {"account_name": "acct", "skip_signature": True})
     assert isinstance(az.client.api, ObstoreBucket) and isinstance(az.client.api.store, AzureStore)
