@@ -126,7 +126,7 @@ def test_ls_and_info_of_an_orbax_manager_directory(tmp_path, capsys):
 
 def test_info(saved, capsys):
     code, doc = run_json(capsys, "info", saved)
-    assert code == 0 and doc["format"] == "snapshard" and doc["version"] == 2
+    assert code == 0 and doc["format"] == "snapshard" and doc["version"] == "2.1"
     leaves = {leaf["name"]: leaf for leaf in doc["leaves"]}
     w = leaves["w"]
     assert w["shape"] == [64, 48] and w["dtype"] == "float32" and w["bytes"] == 64 * 48 * 4

@@ -58,7 +58,7 @@ def checkpoint_doc(reader: CheckpointReader) -> dict[str, Any]:
         "leaves": [leaf_doc(leaf) for leaf in m.leaves],
     }
     if reader.format == "snapshard":
-        doc.update(version=m.version, write_mode=m.write_mode)
+        doc.update(version=m.version_text, write_mode=m.write_mode)  # "2.1": as the manifest says
         if "step" in m.extra:
             doc["step"] = m.extra["step"]
         if m.extra.get("metrics") is not None:
