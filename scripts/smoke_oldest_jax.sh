@@ -6,7 +6,8 @@
 #   bash scripts/smoke_oldest_jax.sh 0.7.2      # another JAX version
 #   bash scripts/smoke_oldest_jax.sh newest     # the newest JAX and NumPy the ranges admit
 # Environment: SMOKE_VENV (where the environment goes; reused when it exists), PYTHON (the
-# interpreter to create it with), SMOKE_NUMPY (a NumPy requirement, e.g. "numpy>=2,<2.3").
+# interpreter to create it with), SMOKE_NUMPY (a NumPy requirement, e.g. "numpy>=2,<2.3"),
+# SMOKE_PACKAGES and SMOKE_TESTS (more requirements, and the test files they serve).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 floor() { sed -n "s/.*\"$1>=\([0-9.]*\),.*/\1/p" pyproject.toml | head -1; }
@@ -29,9 +30,14 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 # One resolution for JAX, NumPy and the test tools, so that the pins hold together.
 "${pip[@]}" --only-binary=:all: "$JAX_REQ" "$NUMPY_REQ" \
   "crc32c>=2.4,<3" "ml_dtypes>=0.5,<0.7" "xxhash>=3.4,<5" \
-  "pytest>=8,<10" "pytest-timeout>=2.3,<3" "hypothesis>=6.100,<7" "psutil>=5.9,<8" "tqdm>=4.66,<5"
+  "pytest>=8,<10" "pytest-timeout>=2.3,<3" "hypothesis>=6.100,<7" "psutil>=5.9,<8" "tqdm>=4.66,<5" \
+  ${SMOKE_PACKAGES:-}
 "${pip[@]}" --no-deps -e .
 "$VENV/bin/python" -c "import jax, numpy; print('jax', jax.__version__, 'numpy', numpy.__version__)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_roundtrip.py tests/test_async_save.py tests/test_resume.py tests/test_mesh_context.py \
   tests/test_cli.py -k "not orbax and not safetensors"
+if [ -n "${SMOKE_TESTS:-}" ]; then
+  # shellcheck disable=SC2086
+  "$VENV/bin/python" -m pytest -q -p no:cacheprovider $SMOKE_TESTS
+fi
