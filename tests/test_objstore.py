@@ -119,6 +119,20 @@ def test_partial_restore_reads_only_the_needed_ranges(base):
     assert used.put == used.post == used.delete == 0
 
 
+def test_a_location_holding_nothing_is_not_found_without_asking_tensorstore(base, monkeypatch):
+    """No snapshard manifest and no Orbax metadata: CheckpointNotFoundError at once (TensorStore,
+    which waits for credentials of its own, is never asked)."""
+    pytest.importorskip("tensorstore")
+    from snapshard.interop import orbax
+
+    def never(location):
+        raise AssertionError(f"TensorStore asked about {location}")
+
+    monkeypatch.setattr(orbax, "open_orbax", never)
+    with pytest.raises(CheckpointNotFoundError):
+        snapshard.load(f"{base}/nothing_here")
+
+
 def test_only_the_marker_makes_a_checkpoint_exist(base):
     st = storage(f"{base}/step_1")
     assert not st.is_committed()

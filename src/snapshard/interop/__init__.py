@@ -43,6 +43,14 @@ def local_path(location: str) -> str | None:
     return parsed.path if parsed.scheme == "file" else location
 
 
+def _holds_orbax_markers(storage: Storage) -> bool:
+    """Whether an object-store location holds Orbax's metadata files (through snapshard's
+    own client, whose errors name the store and what to set)."""
+    from ..storage.objstore import ObjectStorage
+
+    return not isinstance(storage, ObjectStorage) or any(storage.holds(m) for m in ORBAX_MARKERS)
+
+
 def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> CheckpointSource:
     """The Orbax checkpoint at the storage's location; `not_found` again when there is none."""
     location = storage.url
@@ -51,6 +59,8 @@ def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> Checkp
         local is not None and not os.path.isdir(local)
     ):
         raise not_found
+    if local is None and not _holds_orbax_markers(storage):
+        raise not_found  # never ask TensorStore: where it has no credentials it waits long
     try:
         from .orbax import open_orbax  # TensorStore is an optional dependency
     except ImportError:

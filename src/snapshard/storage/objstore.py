@@ -156,6 +156,10 @@ class ObjectStorage(Storage):
     def close(self) -> None:
         self.client.close()
 
+    def holds(self, name: str) -> bool:
+        """Whether an object `name` exists under the prefix (one HEAD request)."""
+        return self.client.exists(name)
+
 
 def _files_of(manifest: bytes, url: str) -> set[str]:
     """The data and index files a manifest names."""
