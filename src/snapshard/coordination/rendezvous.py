@@ -76,6 +76,11 @@ def relayed_error(context: str, doc: dict[str, Any]) -> CoordinationError:
 
 @dataclass
 class Rendezvous:
+    """One multi-process operation's keys in the coordinator's key-value store: each
+    process `report`s under `prefix`, process 0 `gather`s the reports and
+    `publish_outcome`s, the others `await_outcome`; every wait gives up at `deadline`
+    (`start_clock`), naming the process it waited for and the operation (`what`)."""
+
     coord: Coordinator
     prefix: str
     what: str  # how errors name the operation, e.g. "save to /ckpt/100"

@@ -238,7 +238,3 @@ def decode_hashes(data: bytes | memoryview, entry: np.void, ndim: int, where: st
         raise CorruptCheckpointError(f"{where}: the chunks' content hashes fail their checksum")
     return np.frombuffer(table, np.uint8).reshape(count, HASH_SIZE)
 
-
-def hash_span(count: int) -> int:
-    """Bytes of a segment's hash table (with FILE_HASHES), after its records."""
-    return HASH_SIZE * count + 4

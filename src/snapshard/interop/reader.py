@@ -18,7 +18,7 @@ import numpy as np
 
 from ..dtypes import dtype_from_name
 from ..errors import SnapshardError
-from ..format import ArrayLeaf, ChunkTable, FileEntry, Leaf, Manifest
+from ..format import ArrayLeaf, FileEntry, Leaf, Manifest
 
 # The restore path's own request and buffer types: reads here run exactly the code (and the
 # checksum verification) of a restore.
@@ -124,23 +124,6 @@ def _safetensors_reader(location: str) -> CheckpointReader:
     read = reader_of(files.storage, manifest, ReadOptions(verify=False), stats)
     owned = files.storage if files.owns_storage else None
     return CheckpointReader(location, "safetensors", manifest, read, owned, stats)
-
-
-def whole_array_chunk(shape: tuple[int, ...], itemsize: int) -> ChunkTable:
-    """A chunk table with one box covering the array (none if it has no elements)."""
-    nd = len(shape)
-    if math.prod(shape) == 0:
-        return ChunkTable.empty(nd)
-    z = np.zeros(1, np.int64)
-    return ChunkTable(
-        np.zeros((1, nd), np.int64),
-        np.asarray([shape], np.int64).reshape(1, nd),
-        z,
-        z,
-        np.asarray([math.prod(shape) * itemsize], np.int64),
-        z,
-        [""],
-    )
 
 
 def slabs(start: Any, stop: Any, itemsize: int, max_bytes: int) -> Iterator[Box]:
