@@ -363,6 +363,29 @@ def _write_file(
     return size, rows
 
 
+def write_data_files(
+    storage: Storage,
+    pid: int,
+    nonce: str,
+    items: list[StagedItem],
+    count: int,
+    codec_of: Any = None,
+) -> list[tuple[int, list[tuple[int, tuple[Any, ...]]]]]:
+    """Process `pid`'s items into at most `count` data files of nearly equal size, written in
+    parallel (one thread per file); per file, its size and its (leaf, chunk record) rows."""
+    groups = _split_files(items, count)
+    names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
+    if len(groups) <= 1:
+        return [_write_file(storage, n, g, codec_of) for n, g in zip(names, groups, strict=True)]
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
+        return list(
+            pool.map(
+                lambda a: _write_file(storage, a[0], a[1], codec_of),
+                zip(names, groups, strict=True),
+            )
+        )
+
+
 def _write_own(prep: _Prepared) -> dict[str, Any]:
     """Write this process's data files and its record file; returns the report that tells
     process 0 what was written (names follow from process and nonce)."""
@@ -378,28 +401,15 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         count = tuner.choose(sum(it.nbytes for it in prep.items))
     t_data = time.perf_counter()
     items = prep.items if inc is None else inc.split(prep.items, prep.leaves, count)
-    groups = _split_files(items, count)
-    names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
     codec_of = None
     if prep.options.compression is not None:
         option = prep.options.compression
         codec_of = lambda it: codecs.codec_for(option, prep.leaves[it.leaf].dtype)  # noqa: E731
-    if len(groups) > 1:
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
-            results = list(
-                pool.map(
-                    lambda a: _write_file(prep.storage, a[0], a[1], codec_of),
-                    zip(names, groups, strict=True),
-                )
-            )
-    else:
-        results = [
-            _write_file(prep.storage, n, g, codec_of) for n, g in zip(names, groups, strict=True)
-        ]
+    results = write_data_files(prep.storage, pid, nonce, items, count, codec_of)
     data_bytes = sum(it.nbytes for it in items)
     if tuner is not None:
         tuner.record(count, data_bytes, time.perf_counter() - t_data)
-    prep.timings.data_files = len(groups)
+    prep.timings.data_files = len(results)
     by_leaf: dict[int, list[tuple[Any, ...]]] = {}
     for j, (_, rows) in enumerate(results):
         for leaf, row in rows:
@@ -631,14 +641,7 @@ def _commit(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
         layouts=layouts,
         processes=table,
     )
-    expected = {f.name: f.size for f in manifest.files}
-    expected.update({table.record_name(q): size for q, size in enumerate(table.record_sizes)})
-    expected.update(
-        {
-            values_file_name(q, n): size
-            for q, (n, size) in enumerate(zip(table.nonces, table.values_sizes, strict=False))
-        }
-    )
+    expected = staged_files(table)
     # Bytes stored = each array's bytes plus its checksums: the tiling, from the sizes alone.
     planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays else 0
     planned -= sum(int(r.get("referenced_bytes", 0)) + int(r.get("packed_saved", 0)) for r in reports)
@@ -652,29 +655,48 @@ def _commit(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
         manifest.files = manifest.files + check_refs_committed(prep.storage, manifest.refs)
     used = {int(c) for r in reports for c in [*r.get("codecs", []), *r.get("ref_codecs", [])]}
     manifest.codecs = [records.CODECS[c] for c in sorted(used)]
-    validate_structure(manifest, url)
-    _check_staged_files(prep, expected)
-    prep.storage.commit(manifest.to_json(), overwrite=prep.overwrite)
+    commit_manifest(prep.storage, manifest, expected, overwrite=prep.overwrite)
 
 
-def _check_staged_files(prep: _Prepared, expected: dict[str, int]) -> None:
+def staged_files(table: ProcessTable) -> dict[str, int]:
+    """Every file the processes of a save staged (data, records, values), with its size."""
+    expected = {f.name: f.size for f in table.files()}
+    expected.update({table.record_name(q): size for q, size in enumerate(table.record_sizes)})
+    expected.update(
+        {
+            values_file_name(q, n): size
+            for q, (n, size) in enumerate(zip(table.nonces, table.values_sizes, strict=False))
+        }
+    )
+    return expected
+
+
+def commit_manifest(
+    storage: Storage, manifest: Manifest, expected: dict[str, int], *, overwrite: bool
+) -> None:
+    """The last step of every save: the manifest validated, the staged files exactly
+    `expected` (name: size), then the storage's commit (rename, or marker written last)."""
+    validate_structure(manifest, storage.url)
+    check_staged_files(storage, expected)
+    storage.commit(manifest.to_json(), overwrite=overwrite)
+
+
+def check_staged_files(storage: Storage, expected: dict[str, int]) -> None:
     """Files on storage are exactly those of this save, with the sizes reported.
 
     Files of an earlier attempt that died (other nonces) are removed first.
     """
-    listing = prep.storage.list_staging()
+    listing = storage.list_staging()
     stale = [n for n in listing if n not in expected]
     if stale:
         log.warning(
-            "save to %s: removing %d stale file(s) of an earlier attempt",
-            prep.storage.url,
-            len(stale),
+            "save to %s: removing %d stale file(s) of an earlier attempt", storage.url, len(stale)
         )
-        prep.storage.delete_staging_files(stale)
+        storage.delete_staging_files(stale)
     for name, size in expected.items():
         if listing.get(name) != size:
             raise CoordinationError(
-                f"save to {prep.storage.url}: file {name!r} has {listing.get(name)} bytes on storage, its process reported {size}"
+                f"save to {storage.url}: file {name!r} has {listing.get(name)} bytes on storage, its process reported {size}"
             )
 
 

@@ -5,6 +5,7 @@
     snapshard.torch.load(path, target_state_dict)     # in place, onto any mesh / world size
     snapshard.torch.metadata(path)                    # shapes, dtypes, saved placements
     snapshard.torch.CheckpointManager(directory)      # numbered steps, policies, retention
+    dcp.save(state, storage_writer=snapshard.torch.StorageWriter(path))  # DCP, snapshard format
 
 Same planner, format and storage as the JAX side: a checkpoint written by one is read by
 the other. Needs the `torch` extra. See docs/torch.md.
@@ -17,6 +18,8 @@ from ..inspection import metadata
 from ..options import ReadOptions, SaveOptions
 from .coordination import TorchStoreCoordinator, default_coordinator
 from .dcp import convert_dcp
+from .dcp_reading import StorageReader
+from .dcp_storage import StorageWriter
 from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
 from .leaves import dtensor_layout
 from .loading import load
@@ -31,6 +34,8 @@ __all__ = [
     "ReadOptions",
     "SaveOptions",
     "ShardSpec",
+    "StorageReader",
+    "StorageWriter",
     "TensorLayout",
     "TorchStoreCoordinator",
     "convert_dcp",
