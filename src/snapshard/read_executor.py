@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -89,7 +89,7 @@ class Dest:
     start: np.ndarray
     stop: np.ndarray
     buf: np.ndarray
-    devices: list[Any] = field(default_factory=list)
+    devices: tuple[Any, ...] = ()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -154,17 +154,17 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
 def request_boxes(req: Request, sharding: Any) -> Request:
     shape = req.saved.shape
     itemsize = dtype_from_name(req.saved.dtype).itemsize
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...], list[Any]]]
+    boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]]
     if sharding is None:
-        boxes = [(tuple(0 for _ in shape), shape, [])]
+        boxes = [(tuple(0 for _ in shape), shape, ())]
     else:
         from .adapters.jax_arrays import local_device_boxes
 
         boxes = local_device_boxes(sharding, shape)
     for start, stop, devices in boxes:
         s, e = np.asarray(start, dtype=np.int64), np.asarray(stop, dtype=np.int64)
-        nbytes = math.prod(int(x) for x in e - s) * itemsize
-        req.dests.append(Dest(req.saved, s, e, aligned_empty(nbytes), list(devices)))
+        nbytes = math.prod(b - a for a, b in zip(start, stop, strict=True)) * itemsize
+        req.dests.append(Dest(req.saved, s, e, aligned_empty(nbytes), devices))
     return req
 
 
@@ -232,6 +232,9 @@ _MAX_SCATTER_PIECES = 64
 # this many bytes: the per-window work is small beside the copies, and a window stays in
 # the CPU's cache between the read and the copies.
 _WINDOW_BYTES = 1 << 20
+# Small reads are handed to the read threads in jobs of up to this many bytes (`_jobs`).
+_JOB_BYTES = 1 << 20
+_JOBS_PER_THREAD = 4
 # The largest reads of a restore probed for whether its bytes are in memory (`_cached`).
 _PROBED_READS = 8
 # How far a restore from the device asks for bytes ahead of its reads (`_Prefetch`).
@@ -373,18 +376,15 @@ def _coalesce_grids(
 
 def _scatter_views(task: _Task, dests: list[Dest]) -> list[memoryview]:
     """The range as iovecs: destination pieces, with scratch for the bytes between them."""
-    runs, r = task.runs, task.rng
+    r = task.rng
     bufs: list[memoryview] = []
     gaps: list[tuple[int, int]] = []  # (position in bufs, size)
     pos = r.start
-    for p in range(r.p0, r.p1):
-        s = int(runs.src[p])
+    for di, s, off, n in _pieces_of(task):
         if s > pos:
             gaps.append((len(bufs), s - pos))
             bufs.append(memoryview(b""))
-        n = int(runs.length[p])
-        off = int(runs.dst[p])
-        bufs.append(dests[int(runs.dest[p])].buf.data[off : off + n])
+        bufs.append(dests[di].buf.data[off : off + n])
         pos = s + n
     if pos < r.stop:
         gaps.append((len(bufs), r.stop - pos))
@@ -396,6 +396,18 @@ def _scatter_views(task: _Task, dests: list[Dest]) -> list[memoryview]:
             bufs[i] = scratch[at : at + n]
             at += n
     return bufs
+
+
+def _pieces_of(task: _Task) -> Iterable[tuple[int, int, int, int]]:
+    """(dest index, offset in the chunk, offset in the dest, length) of each run of a range,
+    in chunk order. The one run of a chunk's only overlap (a box restored onto the saved
+    layout) needs no per-run arrays: building them would cost more than its read."""
+    runs, r = task.runs, task.rng
+    if len(runs.grids) == 1 and runs.grids[0][1].count == 1:
+        di, g = runs.grids[0]
+        return [(di, g.src_base, g.dst_base, g.run_bytes)]
+    src, dst, length, dest = runs.src, runs.dst, runs.length, runs.dest
+    return ((int(dest[p]), int(src[p]), int(dst[p]), int(length[p])) for p in range(r.p0, r.p1))
 
 
 def _copy_from_scratch(task: _Task, scratch: np.ndarray, dests: list[Dest]) -> None:
@@ -694,17 +706,18 @@ def build(req: Request) -> Any:
     if req.kind in ("numpy", "scalar"):
         a = host(req.dests[0], req.dtype)
         return a[()] if req.kind == "scalar" else a
-    from .adapters.jax_arrays import assemble, key_array, to_devices  # keys and jax.Arrays
+    from .adapters.jax_arrays import array_from_host_boxes, key_array  # keys, jax.Arrays
 
     if req.kind == "key":
         # Key arrays are small: every process reads all of the key data and builds its part.
         impl = req.saved.key_impl
         data = host(req.dests[0], saved_dtype)
         return key_array(data, impl, req.sharding)
-    per_device: dict[Any, Any] = {}
-    for d in req.dests:
-        per_device.update(zip(d.devices, to_devices(host(d, req.dtype), d.devices), strict=True))
-    return assemble(req.saved.shape, req.sharding, per_device)
+    boxes = [
+        (tuple(d.start.tolist()), tuple(d.stop.tolist()), host(d, req.dtype), d.devices)
+        for d in req.dests
+    ]
+    return array_from_host_boxes(req.saved.shape, req.sharding, boxes)
 
 
 # The boxes the processes that saved an array held, as (n, ndim) starts and stops (None:
@@ -767,27 +780,47 @@ def _read_dests(
         threads = storage.cached_read_threads() if cached is True else storage.read_threads
     ahead = _Prefetch(storage, tasks) if cached is False else None
 
-    def run(t: _Task) -> None:
-        if ahead is not None:
-            ahead.started()
-        _run_task(storage, t, dests, verify)
+    def run(job: list[_Task]) -> None:
+        for t in job:
+            if ahead is not None:
+                ahead.started()
+            _run_task(storage, t, dests, verify)
 
     try:
         if threads > 1 and len(tasks) > 1:
+            jobs = _jobs(tasks, threads)
             with ThreadPoolExecutor(
-                min(threads, len(tasks)), thread_name_prefix="snapshard-read"
+                min(threads, len(jobs)), thread_name_prefix="snapshard-read"
             ) as pool:
-                for f in [pool.submit(run, t) for t in tasks]:
+                for f in [pool.submit(run, job) for job in jobs]:
                     f.result()
         else:
             try:
-                for t in tasks:
-                    run(t)
+                run(tasks)
             finally:  # the pool's threads end with the pool; this one lives on
                 _scratch.__dict__.pop("buf", None)
     finally:
         if ahead is not None:
             ahead.stop()
+
+
+def _jobs(tasks: list[_Task], threads: int) -> list[list[_Task]]:
+    """Consecutive reads (largest first) grouped into the read threads' jobs: a large read
+    alone, small ones together up to _JOB_BYTES, and at least _JOBS_PER_THREAD jobs per
+    thread where there are reads enough, so that the threads still share the work evenly.
+    A restore of many small arrays would otherwise pay the pool's submit and lock per read,
+    more than the read itself."""
+    sizes = [t.rng.stop - t.rng.start for t in tasks]
+    limit = max(1, min(_JOB_BYTES, sum(sizes) // (threads * _JOBS_PER_THREAD)))
+    jobs: list[list[_Task]] = []
+    held = limit
+    for t, n in zip(tasks, sizes, strict=True):
+        if held + n > limit:
+            jobs.append([])
+            held = 0
+        jobs[-1].append(t)
+        held += n
+    return jobs
 
 
 def _cached(storage: Storage, tasks: list[_Task]) -> bool | None:
@@ -897,7 +930,7 @@ def execute(
     if any(len(d.devices) > 1 and d.devices[0].platform == "cpu" for r in reqs for d in r.dests):
         from .adapters.jax_arrays import start_cpu_donation_check
 
-        start_cpu_donation_check()  # overlaps the reads (see to_devices)
+        start_cpu_donation_check()  # overlaps the reads (see array_from_host_boxes)
     results: dict[int, Any] = {}
     for batch in batches(reqs, lambda r: r.nbytes, budget):
         t0 = time.perf_counter()

@@ -79,15 +79,21 @@ def key_dtype_is_prng(dtype: Any) -> bool:
         return False
 
 
+DeviceBox = tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]
+"""A box (start, stop) this process holds and its local devices, in device-id order."""
+
+
+@lru_cache(maxsize=4096)
 def local_device_boxes(
     sharding: jax.sharding.Sharding, shape: tuple[int, ...]
-) -> list[tuple[tuple[int, ...], tuple[int, ...], list[Any]]]:
-    """Unique boxes this process must hold for `sharding`, each with its devices."""
+) -> tuple[DeviceBox, ...]:
+    """Unique boxes this process must hold for `sharding`, each with its devices; the same
+    object for equal inputs (arrays sharded alike ask once)."""
     groups: dict[tuple[tuple[int, ...], tuple[int, ...]], list[Any]] = {}
     index_map: dict[Any, Index] = dict(sharding.addressable_devices_indices_map(shape))
     for d, idx in index_map.items():
         groups.setdefault(slices_to_box(idx, shape), []).append(d)
-    return [(s, e, sorted(ds, key=lambda d: d.id)) for (s, e), ds in groups.items()]
+    return tuple((s, e, tuple(sorted(ds, key=lambda d: d.id))) for (s, e), ds in groups.items())
 
 
 _cpu_donation_safe: bool | None = None
@@ -97,7 +103,7 @@ _cpu_donation_lock = threading.Lock()
 def cpu_donation_keeps_memory() -> bool:
     """Whether donating a CPU array leaves alone the memory that others see: a NumPy view of
     its buffer (zero-copy staging of a save, staging.py) and a host buffer that arrays on
-    several devices alias (replicas of a restore, `to_devices`). XLA's CPU client does not
+    several devices alias (replicas of a restore, `array_from_host_boxes`). XLA's CPU client does not
     reuse a buffer that something else still references: the output gets a fresh one.
     Checked once per process, on two devices of our own, outside any context mesh; JAX
     arrays are otherwise immutable, so this is all that could change the shared bytes."""
@@ -130,20 +136,46 @@ def start_cpu_donation_check() -> None:
         threading.Thread(target=cpu_donation_keeps_memory, name="snapshard-probe").start()
 
 
-def to_devices(host: np.ndarray, devices: list[Any]) -> list[jax.Array]:
-    """One single-device array per device holding `host`'s bytes. On CPU devices they share
-    `host`'s memory where that is safe (see `cpu_donation_keeps_memory`): a box replicated on
-    several devices of this process then costs no copy and no memory beyond the one buffer
-    read. Elsewhere the first array is made from `host` and the others are copies of it."""
-    if len(devices) > 1 and all(d.platform == "cpu" for d in devices) and cpu_donation_keeps_memory():
-        return [jax.device_put(host, d) for d in devices]
-    first = jax.device_put(host, devices[0])
-    return [first] + [jax.device_put(first, d) for d in devices[1:]]
+HostBox = tuple[tuple[int, ...], tuple[int, ...], np.ndarray, tuple[Any, ...]]
+"""A box (start, stop) of an array, its bytes on the host and the local devices holding it."""
 
 
-def assemble(
-    shape: tuple[int, ...], sharding: jax.sharding.Sharding, per_device: dict[Any, jax.Array]
+def array_from_host_boxes(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, boxes: list[HostBox]
 ) -> jax.Array:
+    """The jax.Array on `sharding` whose local shards are `boxes`' host arrays.
+
+    One `make_array_from_callback`: a single batched transfer per array, not a call per
+    shard. On CPU devices a box held by several devices is the same host array for each, so
+    they share its memory where that is safe (see `cpu_donation_keeps_memory`): a box
+    replicated within the process then costs no copy and no memory beyond the one buffer
+    read. Elsewhere the first device gets the host bytes and the others copies of them on
+    the devices (`_replicated_on_devices`)."""
+    replicated = any(len(devices) > 1 for *_, devices in boxes)
+    if replicated and not (
+        all(d.platform == "cpu" for *_, devices in boxes for d in devices)
+        and cpu_donation_keeps_memory()
+    ):
+        return _replicated_on_devices(shape, sharding, boxes)
+    hosts = {(start, stop): host for start, stop, host, _ in boxes}
+
+    def host_of(index: Index | None) -> np.ndarray:
+        assert index is not None  # shards of jax.Arrays have indices
+        return hosts[slices_to_box(index, shape)]
+
+    return jax.make_array_from_callback(shape, sharding, host_of)
+
+
+def _replicated_on_devices(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, boxes: list[HostBox]
+) -> jax.Array:
+    """The array from one host-to-device copy per box and device-to-device copies for the
+    other devices holding it."""
+    per_device: dict[Any, jax.Array] = {}
+    for *_, host, devices in boxes:
+        first = jax.device_put(host, devices[0])
+        per_device[devices[0]] = first
+        per_device.update((d, jax.device_put(first, d)) for d in devices[1:])
     devs = list(sharding.addressable_devices_indices_map(shape))
     return jax.make_array_from_single_device_arrays(shape, sharding, [per_device[d] for d in devs])
 
