@@ -2,16 +2,23 @@
 layer and the system below it (system calls on local disk, obstore calls on object stores).
 
 `FaultInjector.install(monkeypatch)` routes the calls of snapshard.storage.local,
-snapshard.storage.lease and snapshard.storage.obstore_bucket through counting wrappers:
+snapshard.storage.lease, snapshard.storage.obstore_bucket and snapshard.storage.gcs_bucket
+through counting wrappers:
 
     local   open write fsync read pread mkdir list rename link unlink rmdir read_file rmtree
     object  s3.put s3.get s3.get_range s3.head s3.list s3.delete
-            s3.open_upload s3.upload_part s3.close_upload
+            s3.open_upload s3.upload_part s3.close_upload, and on GCS s3.compose
+
+The object operations have the same names on every store (S3, Azure and memory through
+obstore; GCS through google-cloud-storage, where each wrapped `GcsBucket` method is one call
+of that library and a composite upload's parts, each an upload of its own, are its
+`s3.upload_part`s, made from the upload's threads).
 
 With nothing armed the calls pass through and are counted (`counts`), so a fault-free run
 enumerates every operation index of a save or a restore; `arm(op, k)` makes the k-th call
 (0-based) of `op` fail, once, with an error carrying "injected fault": an OSError (EIO) on
-local disk, an obstore GenericError on object stores. `shutil.rmtree(ignore_errors=True)`
+local disk, an obstore GenericError on obstore's stores, a 503 (ServiceUnavailable, raised
+where the library's retries no longer apply) on GCS. `shutil.rmtree(ignore_errors=True)`
 fails the way it really does: silently, leaving the tree in place.
 """
 
@@ -30,6 +37,13 @@ import obstore
 from obstore.exceptions import GenericError
 
 from snapshard.storage import lease, local, obstore_bucket
+
+try:
+    from google.api_core.exceptions import ServiceUnavailable
+
+    from snapshard.storage import gcs_bucket
+except ImportError:  # no google-cloud-storage: no GCS faults to inject
+    gcs_bucket = None  # type: ignore[assignment]
 
 INJECTED = "injected fault"
 
@@ -226,6 +240,38 @@ class FaultInjector:
 
         return ObstoreProxy()
 
+    # ---- GCS -----------------------------------------------------------------------------
+    def _gcs_wrappers(self) -> dict[tuple[Any, str], Callable[..., Any]]:
+        """(class, method) -> its counting wrapper, for GcsBucket and GcsUpload."""
+        injector = self
+
+        def counted(op: str, fn: Callable[..., Any], detail: Callable[..., str]) -> Any:
+            def call(obj: Any, *args: Any, **kwargs: Any) -> Any:
+                if injector._hit(op, detail(obj, *args)):
+                    raise ServiceUnavailable(f"{INJECTED}: {injector.fired}")
+                return fn(obj, *args, **kwargs)
+
+            return call
+
+        def key(obj: Any, k: Any = "", *rest: Any) -> str:
+            return k if isinstance(k, str) else ", ".join(k)
+
+        bucket, upload = gcs_bucket.GcsBucket, gcs_bucket.GcsUpload
+        ops = {
+            (bucket, "put"): "s3.put",
+            (bucket, "get"): "s3.get",
+            (bucket, "get_range"): "s3.get_range",
+            (bucket, "head"): "s3.head",
+            (bucket, "list"): "s3.list",
+            (bucket, "delete"): "s3.delete",
+            (bucket, "open_upload"): "s3.open_upload",
+            (bucket, "upload_part"): "s3.upload_part",
+            (bucket, "compose"): "s3.compose",
+        }
+        out = {(c, m): counted(op, getattr(c, m), key) for (c, m), op in ops.items()}
+        out[(upload, "close")] = counted("s3.close_upload", upload.close, lambda u: u._key)
+        return out
+
     # ---- installing ----------------------------------------------------------------------
     def install(self, monkeypatch: Any) -> FaultInjector:
         self._fd_paths: dict[int, str] = {}
@@ -246,4 +292,7 @@ class FaultInjector:
                 pathlib.Path, name, self._path_method(op, getattr(pathlib.Path, name))
             )
         monkeypatch.setattr(obstore_bucket, "obstore", self._obstore_proxy())
+        if gcs_bucket is not None:
+            for (cls, name), wrapper in self._gcs_wrappers().items():
+                monkeypatch.setattr(cls, name, wrapper)
         return self

@@ -62,8 +62,6 @@ def test_a_save_killed_before_its_marker_is_never_committed_and_is_cleaned(base)
 
 
 def test_a_failed_upload_on_one_process_fails_the_save_everywhere(base):
-    if base.startswith("gs://"):
-        pytest.skip("tests/faultinject.py injects faults into obstore's calls, not GCS's library")
     ckpt = f"{base}/ckpt"
     args = ("save_restore.py", 2, 4, "save", ckpt, "--fail-in-write", 1, "--timeout", 60)
     procs = multiproc.run(*args, timeout=90, check=False)

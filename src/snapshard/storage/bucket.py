@@ -69,9 +69,10 @@ class Upload(ABC):
         not touch the part's memory again."""
 
     @abstractmethod
-    def close(self) -> tuple[int, int]:
-        """Finish the upload: the object appears whole. Returns the requests it took:
-        (POSTs that started or completed it, PUTs that carried its bytes)."""
+    def close(self) -> dict[str, int]:
+        """Finish the upload: the object appears whole. Returns the requests it took, by
+        `RequestStats` field: `post` (starts, completions, composes), `put` (requests
+        that carried its bytes), `delete` (temporary objects removed)."""
 
     @abstractmethod
     def abort(self) -> None:

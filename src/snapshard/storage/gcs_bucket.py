@@ -4,14 +4,20 @@ The client finds its credentials the way Google's libraries do (application defa
 credentials: GOOGLE_APPLICATION_CREDENTIALS, gcloud's login, the metadata server) and an
 emulator through STORAGE_EMULATOR_HOST. The commit marker and the writer lease are created
 with `ifGenerationMatch=0`, GCS's create-only precondition. A file of several parts goes up
-as a resumable upload (invisible until its last chunk); one of a single part in one request.
+as a parallel composite upload (parts as temporary objects side by side, then `compose`;
+invisible until the last compose); one of a single part in one upload.
 Transient failures are retried by the library's own policy (`DEFAULT_RETRY`: exponential
 backoff on 429, 5xx and dropped connections, 120 s per call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+import contextlib
+import threading
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import StorageError
@@ -23,7 +29,6 @@ try:
     from google.api_core import exceptions as api_exceptions
     from google.api_core.retry import Retry
     from google.cloud import storage
-    from google.cloud.storage.fileio import BlobWriter
     from google.cloud.storage.retry import DEFAULT_RETRY
     from google.resumable_media import common as resumable_common
 except ImportError as e:  # pragma: no cover - depends on the installation
@@ -37,6 +42,8 @@ CREDENTIALS_HINT = (
     "for an emulator set STORAGE_EMULATOR_HOST (e.g. http://127.0.0.1:4443)"
 )
 _CHUNK_ALIGN = 256 << 10  # resumable-upload chunks are multiples of 256 KiB
+_MAX_ONE_REQUEST = 8 << 20  # google-cloud-storage sends larger uploads as a resumable session
+MAX_COMPOSE = 32  # sources of one compose request (the JSON API's limit)
 _LIBRARY_ERRORS = (
     api_exceptions.GoogleAPIError,
     google.auth.exceptions.GoogleAuthError,
@@ -123,6 +130,19 @@ class GcsBucket(Bucket):
         except api_exceptions.RequestRangeNotSatisfiable:
             return b""  # the object ends before `start`: the caller reports it truncated
 
+    def upload_part(self, key: str, data: memoryview) -> None:
+        """One unconditional upload (a part, or a file of one part): safe to retry."""
+        # A session's single chunk must hold the whole part (its default is 100 MiB).
+        chunk = -(-len(data) // _CHUNK_ALIGN) * _CHUNK_ALIGN
+        blob = self.bucket.blob(key, chunk_size=max(chunk, _CHUNK_ALIGN))
+        blob.upload_from_string(bytes(data), retry=self.retry, timeout=self.timeout)
+
+    def compose(self, key: str, sources: Sequence[str]) -> None:
+        """`key` becomes the concatenation of `sources` (at most MAX_COMPOSE). Composing
+        the same sources again gives the same object: safe to retry."""
+        blobs = [self.bucket.blob(name) for name in sources]
+        self.bucket.blob(key).compose(blobs, retry=self.retry, timeout=self.timeout)
+
     def open_upload(self, key: str, transfer: TransferConfig) -> Upload:
         return GcsUpload(self, key, transfer)
 
@@ -144,51 +164,135 @@ class GcsBucket(Bucket):
 
 
 class GcsUpload(Upload):
-    """Parts go up through a resumable session, opened once a second part comes (a file of
-    one part goes up in one request at `close`). The object appears when the last chunk
-    is sent; an upload left unfinished is never visible and GCS drops it after a week.
+    """A file of several parts goes up as a parallel composite upload: each part is a
+    temporary object of its own, up to `upload_concurrency` of them in flight (the writer
+    blocks when that many are), then the JSON API's `compose` joins them into the object
+    (32 sources a call, in a tree for more) and the parts are deleted. One session's
+    chunks would go one after the other; parts go side by side. The object appears only
+    at the last compose; a failure deletes the parts it made. A file of one part goes up
+    in one request at `close`.
 
-    The JSON API takes a session's chunks one after the other, so a chunk holds
-    `upload_concurrency` parts: the memory S3's parallel parts would hold, in fewer round
-    trips (each chunk is a request; 16 MiB chunks took twice as long as 128 MiB ones)."""
+    Parts are named after the file (`<key>.part-<token>-<level>-<index>`), so that the
+    save's own clean-up of a process's files, and the removal of an incomplete save,
+    find them too (a process killed mid-upload leaves them until then)."""
 
     def __init__(self, bucket: GcsBucket, key: str, transfer: TransferConfig):
         self._bucket = bucket
-        chunk = transfer.part_size * transfer.upload_concurrency
-        self._blob = bucket.bucket.blob(
-            key, chunk_size=max(_CHUNK_ALIGN, chunk // _CHUNK_ALIGN * _CHUNK_ALIGN)
-        )
-        self._pending: memoryview | None = None
-        self._session: BlobWriter | None = None
-        self._size = 0
+        self._key = key
+        self._concurrency = transfer.upload_concurrency
+        self._slots = threading.Semaphore(transfer.upload_concurrency)
+        self._token = uuid.uuid4().hex[:8]
+        self._first: memoryview | None = None  # held until a second part comes
+        self._parts: list[str] = []  # the temporary objects of level 0, in order
+        self._made: list[str] = []  # every temporary object that may exist
+        self._futures: list[Future[None]] = []
+        self._error: BaseException | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._counts: Counter[str] = Counter()
+
+    def _name(self, level: int, index: int) -> str:
+        return f"{self._key}.part-{self._token}-{level}-{index:05d}"
 
     def write(self, part: memoryview) -> None:
-        if self._pending is not None:
-            if self._session is None:
-                self._session = BlobWriter(
-                    self._blob,
-                    ignore_flush=True,
-                    retry=self._bucket.retry,
-                    timeout=self._bucket.timeout,
-                )
-            self._session.write(self._pending)
-        self._pending = part
-        self._size += len(part)
+        if self._first is None and not self._parts:
+            self._first = part
+            return
+        if self._first is not None:
+            first, self._first = self._first, None
+            self._send_part(first)
+        self._send_part(part)
 
-    def close(self) -> tuple[int, int]:
-        pending, self._pending = self._pending, None
-        if self._session is None:
-            self._blob.upload_from_string(
-                bytes(pending or b""), retry=self._bucket.retry, timeout=self._bucket.timeout
-            )
-            return 0, 1
-        if pending is not None:
-            self._session.write(pending)
-        self._session.close()
-        chunk = self._blob.chunk_size or self._size
-        return 1, -(-self._size // chunk)  # the session's start; its chunks
+    def _send_part(self, data: memoryview) -> None:
+        """Upload one part in the background; waits while `upload_concurrency` are in
+        flight, and raises the error of one that failed."""
+        self._raise_failed()
+        self._slots.acquire()
+        if self._error is not None:  # failed while this part waited for a slot
+            self._slots.release()
+            raise self._error
+        name = self._name(0, len(self._parts))
+        self._parts.append(name)
+        self._made.append(name)
+        self._counts.update(_upload_requests(len(data)))
+        future = self._executor().submit(self._bucket.upload_part, name, data)
+        future.add_done_callback(self._part_done)
+        self._futures.append(future)
+
+    def _part_done(self, future: Future[None]) -> None:
+        error = future.exception()
+        if error is not None and self._error is None:
+            self._error = error
+        self._slots.release()
+
+    def _raise_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._concurrency, thread_name_prefix="snapshard-gcs")
+        return self._pool
+
+    def close(self) -> dict[str, int]:
+        if not self._parts:
+            first, self._first = self._first, None
+            data = first if first is not None else memoryview(b"")
+            self._bucket.upload_part(self._key, data)
+            return dict(_upload_requests(len(data)))
+        try:
+            self._finish()
+        except BaseException:
+            self.abort()
+            raise
+        return dict(self._counts)
+
+    def _finish(self) -> None:
+        """Wait for the parts, compose them level by level, delete the temporary objects."""
+        for future in self._futures:
+            future.result()
+        self._raise_failed()
+        sources, level = self._parts, 1
+        while len(sources) > MAX_COMPOSE:
+            groups = [sources[i : i + MAX_COMPOSE] for i in range(0, len(sources), MAX_COMPOSE)]
+            targets = [self._name(level, j) for j in range(len(groups))]
+            self._made += targets
+            self._in_parallel(self._bucket.compose, list(zip(targets, groups, strict=True)))
+            self._counts["post"] += len(groups)
+            sources, level = targets, level + 1
+        self._bucket.compose(self._key, sources)
+        self._counts["post"] += 1
+        self._delete_made()
+
+    def _in_parallel(self, fn: Callable[..., None], calls: list[tuple[Any, ...]]) -> None:
+        for future in [self._executor().submit(fn, *args) for args in calls]:
+            future.result()
+
+    def _delete_made(self) -> None:
+        # Forgotten only once all are gone: after a failure, abort tries them all again.
+        self._in_parallel(self._bucket.delete, [([name],) for name in self._made])
+        self._counts["delete"] += len(self._made)
+        self._made = []
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)
 
     def abort(self) -> None:
-        # The session is never finished, so the object never appears.
-        self._pending = None
-        self._session = None
+        """Wait for the parts in flight (a request cannot be recalled), then delete every
+        temporary object this upload made. Best effort: never raises."""
+        self._first = None
+        for future in self._futures:
+            with contextlib.suppress(BaseException):
+                future.result()
+        self._futures = []
+        with contextlib.suppress(Exception):
+            self._delete_made()
+        self._shutdown()
+
+
+def _upload_requests(size: int) -> Counter[str]:
+    """The requests google-cloud-storage makes for one upload of `size` bytes: one
+    multipart POST up to its 8 MiB limit, else a resumable session (POST) and one PUT."""
+    return Counter(put=1) if size <= _MAX_ONE_REQUEST else Counter(post=1, put=1)

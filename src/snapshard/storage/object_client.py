@@ -33,8 +33,9 @@ class RequestStats:
     """Requests issued by snapshard (the store library's retries of one request are not
     counted again).
 
-    post: multipart create and complete (GCS: the resumable session's start); delete:
-    objects deleted; list: pages of up to 1000 keys.
+    post: multipart create and complete (GCS: resumable sessions' starts and composes);
+    delete: objects deleted (GCS: a composite upload's parts too); list: pages of up to
+    1000 keys.
     """
 
     put: int = 0
@@ -414,8 +415,8 @@ class PartWriter(FileWriter):
     def close(self) -> int:
         if self._fill:
             self._hand_over()
-        post, put = self._upload_call(self._upload.close)
-        self.client.counter.add(post=post, put=put, bytes_sent=self.size)
+        requests = self._upload_call(self._upload.close)
+        self.client.counter.add(**requests, bytes_sent=self.size)
         return self.size
 
     def abort(self) -> None:

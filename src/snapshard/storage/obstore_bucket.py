@@ -154,10 +154,10 @@ class ObstoreUpload(Upload):
         self._writer.write(part)
         self._parts += 1
 
-    def close(self) -> tuple[int, int]:
+    def close(self) -> dict[str, int]:
         self._writer.close()
         # More than one part: a multipart upload (create, parts, complete); else one PUT.
-        return (2, self._parts) if self._parts > 1 else (0, 1)
+        return {"post": 2, "put": self._parts} if self._parts > 1 else {"put": 1}
 
     def abort(self) -> None:
         # obstore aborts the multipart upload when its context exits with an error; an

@@ -1,0 +1,151 @@
+"""GCS composite uploads against the emulator (fake-gcs-server, marked `gcs`).
+
+A file of several parts goes up as temporary part objects composed into the file: it comes
+back bit-exact (one compose, and a tree of composes for more than 32 sources), no part is
+left after a success or after a failure at any of its calls, and nothing of a save is
+visible before its marker.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+
+import snapshard
+from faultinject import INJECTED, FaultInjector
+from s3env import fresh_prefix
+from snapshard.errors import StorageError
+from snapshard.storage import gcs_bucket
+from snapshard.storage.object_client import ObjectClient, TransferConfig
+from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
+
+from conftest import mesh, sharded
+
+pytestmark = pytest.mark.gcs
+
+PART = 5 << 20
+SMALL = TransferConfig(part_size=PART, upload_concurrency=3)
+
+
+@pytest.fixture
+def prefix(request) -> str:
+    return fresh_prefix(request, "gs")
+
+
+def payload(parts: float) -> bytes:
+    """Random bytes, `parts` parts long (a tail of less than a part included)."""
+    return np.random.default_rng(5).bytes(int(parts * PART))
+
+
+def upload(client: ObjectClient, rel: str, data: bytes) -> None:
+    """Through the part writer, in pieces that do not line up with the parts."""
+    writer = client.writer(rel)
+    try:
+        view = memoryview(data)
+        for i in range(0, len(view), 3 << 20):
+            writer.write(view[i : i + (3 << 20)])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def parts_left(client: ObjectClient) -> list[str]:
+    return [name for name in client.listing() if ".part-" in name]
+
+
+@pytest.mark.parametrize("max_compose", [32, 3])
+def test_a_file_of_several_parts_round_trips_bit_exact(prefix, monkeypatch, max_compose):
+    # 3 sources a compose: 8 parts become a tree of two levels (3 + 3 + 2, then 3).
+    monkeypatch.setattr(gcs_bucket, "MAX_COMPOSE", max_compose)
+    client = ObjectClient(prefix, transfer=SMALL)
+    data = payload(7.4)
+    before = client.stats
+    upload(client, "data/f.bin", data)
+    assert client.get("data/f.bin") == data
+    assert client.listing() == {"data/f.bin": len(data)}
+    spent = client.stats - before
+    composes = 1 if max_compose == 32 else 4
+    assert spent.delete == 8 + composes - 1  # every part and every intermediate object
+
+
+def test_a_file_of_one_part_goes_up_without_parts(prefix):
+    client = ObjectClient(prefix, transfer=SMALL)
+    data = payload(0.6)
+    before = client.stats
+    upload(client, "one.bin", data)
+    assert client.get("one.bin") == data
+    spent = client.stats - before
+    assert (spent.post, spent.put, spent.delete) == (0, 1, 0)
+
+
+@pytest.mark.parametrize(
+    "op, k",
+    [
+        ("s3.upload_part", 0),  # the first part, in the upload's threads
+        ("s3.upload_part", 5),  # a later one, while others are in flight
+        ("s3.close_upload", 0),  # every part up, nothing composed
+        ("s3.compose", 0),  # an intermediate compose
+        ("s3.compose", 3),  # the last compose
+        ("s3.delete", 2),  # removing the parts after the file is whole
+    ],
+)
+def test_a_failure_at_any_call_of_an_upload_leaves_no_part(prefix, monkeypatch, op, k):
+    monkeypatch.setattr(gcs_bucket, "MAX_COMPOSE", 3)
+    injector = FaultInjector().install(monkeypatch)
+    client = ObjectClient(prefix, transfer=SMALL)
+    injector.arm(op, k)
+    with pytest.raises(StorageError, match=rf"upload of 'f.bin' failed .*{INJECTED}"):
+        upload(client, "f.bin", payload(7.4))
+    assert injector.fired is not None and injector.fired.startswith(f"{op} #{k}")
+    assert parts_left(client) == []
+    if op != "s3.delete":  # a failed clean-up after the last compose: the file is whole
+        assert client.listing() == {}
+
+
+def big_tree() -> tuple[np.ndarray, dict]:
+    w = np.random.default_rng(9).standard_normal((4096, 2560), dtype=np.float32)  # 40 MiB
+    return w, {"w": sharded(w, mesh(2, 4), "data", None), "n": 3}
+
+
+def test_a_save_of_composite_files_restores_bit_exact_and_leaves_no_part(prefix):
+    w, tree = big_tree()
+    url = f"{prefix}/ckpt"
+    snapshard.save(ObjectStorage(url, transfer=SMALL), tree)
+    listing = ObjectStorage(url).client.listing()
+    assert COMMIT_MARKER in listing and not [n for n in listing if ".part-" in n]
+    out = snapshard.load(url)
+    assert np.asarray(out["w"]).tobytes() == w.tobytes() and out["n"] == 3
+
+
+def test_nothing_of_a_save_is_visible_before_its_marker(prefix, monkeypatch):
+    """Each data file appears only at its last compose; the checkpoint only at its marker."""
+    url = f"{prefix}/ckpt"
+    seen: list[tuple[str, bool, bool]] = []
+    compose = gcs_bucket.GcsBucket.compose
+
+    def watch(self, key, sources):
+        final = ".part-" not in key
+        seen.append((key, final, self.bucket.get_blob(key) is not None))
+        seen.append((COMMIT_MARKER, final, ObjectRoot(prefix).list().get("ckpt", False)))
+        compose(self, key, sources)
+
+    monkeypatch.setattr(gcs_bucket.GcsBucket, "compose", watch)
+    _, tree = big_tree()
+    snapshard.save(ObjectStorage(url, transfer=SMALL), tree)
+    assert any(final for _, final, _ in seen), "the save composed no data file"
+    assert not any(visible for _, _, visible in seen), seen
+    assert ObjectRoot(prefix).list() == {"ckpt": True}
+
+
+def test_a_save_whose_part_upload_fails_commits_nothing_and_leaves_nothing(prefix, monkeypatch):
+    injector = FaultInjector().install(monkeypatch)
+    injector.arm("s3.upload_part", 2)
+    url = f"{prefix}/ckpt-{uuid.uuid4().hex[:6]}"
+    with pytest.raises(StorageError, match=INJECTED):
+        snapshard.save(ObjectStorage(url, transfer=SMALL), big_tree()[1])
+    monkeypatch.undo()
+    assert ObjectRoot(prefix).list() == {}
+    assert ObjectStorage(url).client.listing() == {}
