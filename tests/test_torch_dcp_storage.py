@@ -280,3 +280,12 @@ def test_a_failed_write_on_one_rank_commits_nothing(tmp_path):
     staged = [p.name for d in tmp_path.glob("failed.snapshard-tmp-*") for p in d.rglob("*")]
     assert not [n for n in staged if n.startswith("p00001-")]
     assert snapshard.storage.root_for(str(tmp_path)).list().get("failed") in (None, False)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_async_save_in_dcps_checkpointing_process(tmp_path):
+    for p in _run("process", 2, tmp_path):
+        res = p.result()
+        assert res["loaded"] == res["saved"]
+    assert cli(["verify", str(tmp_path / "process")]) == 0

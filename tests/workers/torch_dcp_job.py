@@ -8,6 +8,9 @@ StorageReader, DCP's storage interfaces over snapshard's format.
     torch_dcp_job.py load DIR   every rank: a fresh FSDP2 model over this world size filled
                                 from each of them with dcp.load through StorageReader, and from
                                 DIR/dcp with snapshard.torch.load (tensors and plain values)
+    torch_dcp_job.py process DIR  every rank: dcp.async_save in DCP's checkpointing process
+                                (AsyncCheckpointerType.PROCESS) to DIR/process, then
+                                dcp.load of it into a fresh model
     torch_dcp_job.py fail DIR   every rank: dcp.save to DIR/failed with rank 1's data file
                                 writes failing; reports each rank's error
 
@@ -87,6 +90,25 @@ def load(root: str, world: int) -> dict:
     return out
 
 
+def in_a_process(root: str, world: int) -> dict:
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where DCP's process finds its store
+    model, opt = build("1d", world)
+    train(model, opt, 2, seed=1)
+    state = state_of(model, opt, 2)
+    saved = digests(state)
+    writer = sst.StorageWriter(os.path.join(root, "process"))
+    kind = AsyncCheckpointerType.PROCESS
+    dcp.async_save(state, storage_writer=writer, async_checkpointer_type=kind).result()
+    model, opt = fresh(world)
+    target = state_of(model, opt, 0)
+    target["plain"] = torch.zeros(6)
+    target["loader"] = {"epoch": 0, "seen": [], "weights": ()}
+    dcp.load(target, storage_reader=sst.StorageReader(os.path.join(root, "process")))
+    return {"saved": saved, "loaded": digests(target)}
+
+
 def fail(root: str, rank: int) -> dict:
     from snapshard.storage import local
 
@@ -115,6 +137,8 @@ def main() -> None:
         result = save(root, world)
     elif cmd == "load":
         result = load(root, world)
+    elif cmd == "process":
+        result = in_a_process(root, world)
     elif cmd == "fail":
         result = fail(root, rank)
     else:
