@@ -67,6 +67,8 @@ from .tree import FlatTree, Path, flatten
 log = logging.getLogger("snapshard")
 
 _WRITE_PIECE = 16 << 20
+# Writes shorter than this are gathered before they reach the storage (`CoalescingWriter`).
+_COALESCE_BYTES = 1 << 20
 
 
 @dataclass
@@ -236,6 +238,38 @@ def _prepare(
     )  # fmt: skip
 
 
+class CoalescingWriter(FileWriter):
+    """Writes shorter than _COALESCE_BYTES gathered into one buffer and handed on together:
+    a file of many small chunks would otherwise cost two writes (system calls, on local
+    files) per chunk, its bytes and its checksums."""
+
+    def __init__(self, writer: FileWriter) -> None:
+        self.writer = writer
+        self.held = bytearray()
+
+    def write(self, data: memoryview) -> None:
+        if len(data) >= _COALESCE_BYTES:
+            self.flush()
+            self.writer.write(data)
+            return
+        self.held += data
+        if len(self.held) >= _COALESCE_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.held:
+            self.writer.write(memoryview(self.held))
+            self.held = bytearray()
+
+    def close(self) -> int:
+        self.flush()
+        return self.writer.close()
+
+    def abort(self) -> None:
+        self.held = bytearray()
+        self.writer.abort()
+
+
 def _split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
     """Items into n files of nearly equal size (largest first, each to the lightest file)."""
     n = max(1, min(n, len(items)))
@@ -266,13 +300,19 @@ def write_chunk(
     crc_offset, start, stop) for format.records, given the chunk's offset in the file."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
     block = checksum_block(len(raw))
-    piece = max(block, (_WRITE_PIECE // block) * block)
-    crcs: list[int] = []
-    for a in range(0, len(raw), piece):
-        crcs.extend(block_crcs(raw[a : a + piece], block))
-        writer.write(raw[a : a + piece])
-    bound = np.asarray(crcs, dtype="<u4") ^ np.uint32(chunk_key(file_key, offset))
-    writer.write(memoryview(bound.astype("<u4").tobytes()))
+    key = chunk_key(file_key, offset)
+    if 0 < len(raw) <= block:  # one block (every small chunk): no per-block arrays
+        crcs = [crc32c(raw)]
+        writer.write(raw)
+        writer.write(memoryview((crcs[0] ^ key).to_bytes(4, "little")))
+    else:
+        piece = max(block, (_WRITE_PIECE // block) * block)
+        crcs = []
+        for a in range(0, len(raw), piece):
+            crcs.extend(block_crcs(raw[a : a + piece], block))
+            writer.write(raw[a : a + piece])
+        bound = np.asarray(crcs, dtype="<u4") ^ np.uint32(key)
+        writer.write(memoryview(bound.astype("<u4").tobytes()))
     return (
         file, 0, offset, len(raw), block, len(crcs), offset + len(raw),
         [int(x) for x in start], [int(x) for x in stop],
@@ -338,7 +378,7 @@ def _write_file(
 ) -> tuple[int, list[tuple[int, tuple[Any, ...]]]]:
     """Write items back to back into one file; returns its size and the chunk records.
     `codec_of(item)` gives each item's codec (codecs.py; None: nothing compressed)."""
-    writer = storage.open_writer(name)
+    writer = CoalescingWriter(storage.open_writer(name))
     rows = []
     offset = 0
     key = name_key(name)
@@ -546,6 +586,8 @@ def _layouts(prep: _Prepared) -> tuple[list[Leaf], list[dict[str, Any]], list[di
     mesh_docs: list[dict[str, Any]] = []
     layouts: dict[str, int] = {}
     layout_docs: list[dict[str, Any]] = []
+    # Arrays laid out alike share their layout object: describe each once.
+    per_layout: dict[int, tuple[int, bool]] = {}  # id(layout): (layout id, many candidates)
     plans = iter(prep.plan.arrays)
     out: list[Leaf] = []
     for leaf in prep.leaves:
@@ -556,14 +598,18 @@ def _layouts(prep: _Prepared) -> tuple[list[Leaf], list[dict[str, Any]], list[di
             out.append(leaf)
             continue
         plan = next(plans)
-        desc = _describe(leaf, meshes, mesh_docs)
-        key = json.dumps(desc, sort_keys=True)
-        lid = layouts.setdefault(key, len(layouts))
-        if lid == len(layout_docs):
-            layout_docs.append(desc)
+        known = per_layout.get(id(leaf.layout))
+        if known is None:
+            desc = _describe(leaf, meshes, mesh_docs)
+            lid = layouts.setdefault(json.dumps(desc, sort_keys=True), len(layouts))
+            if lid == len(layout_docs):
+                layout_docs.append(desc)
+            groups = leaf.layout.shards
+            known = (lid, bool(groups.count) and int(groups.num_candidates.max()) > 8)
+            per_layout[id(leaf.layout)] = known
+        lid, many_candidates = known
         writers = None
-        groups = leaf.layout.shards
-        if groups.count and int(groups.num_candidates.max()) > 8:
+        if many_candidates:
             w = np.unique(plan.writer)
             if len(w) <= 64:
                 writers = tuple(int(x) for x in w)

@@ -63,9 +63,14 @@ def _on_host(data: Any, asynchronous: bool = True) -> np.ndarray | None:
     outlives the call that staged it), else None."""
     if data.device.platform != "cpu":
         return None
-    from .adapters.jax_arrays import cpu_donation_keeps_memory  # data is a jax.Array
+    return np.asarray(data) if _views_safe(asynchronous) else None
 
-    return np.asarray(data) if not asynchronous or cpu_donation_keeps_memory() else None
+
+def _views_safe(asynchronous: bool) -> bool:
+    """Whether a CPU shard may be staged as a view of its buffer (see the module's doc)."""
+    from .adapters.jax_arrays import cpu_donation_keeps_memory  # a jax.Array is being staged
+
+    return not asynchronous or cpu_donation_keeps_memory()
 
 
 def host_snapshot(arrays: list[tuple[int, SaveArray]], process: int) -> Snapshot:
@@ -106,8 +111,13 @@ def host_snapshot(arrays: list[tuple[int, SaveArray]], process: int) -> Snapshot
 
 
 def _rel(arr: SaveArray, row: int, start: np.ndarray, stop: np.ndarray) -> tuple[slice, ...]:
-    origin = arr.layout.starts[row] if arr.devices is not None else np.zeros_like(start)
-    return tuple(slice(int(a), int(b)) for a, b in zip(start - origin, stop - origin, strict=True))
+    if arr.devices is None:
+        return tuple(slice(x, y) for x, y in zip(start.tolist(), stop.tolist(), strict=True))
+    origin = arr.layout.starts[row].tolist()
+    return tuple(
+        slice(x - o, y - o)
+        for x, y, o in zip(start.tolist(), stop.tolist(), origin, strict=True)
+    )
 
 
 def planned_items(
@@ -116,14 +126,15 @@ def planned_items(
     """This process's items of `plan` that hold bytes, in plan order: the item (nothing
     staged yet), the index of its array in `arrays`, the array, and the layout row the
     item is cut from. Every framework's staging walks this."""
-    for a, k in plan.items_of(process):
+    for a, ks in plan.items_by_array(process):
         leaf_index, arr = arrays[a]
         p = plan.arrays[a]
-        nbytes = int(p.nbytes[k])
-        if nbytes == 0:
-            continue
-        item = StagedItem(leaf_index, arr.name, p.starts[k], p.stops[k], nbytes)
-        yield item, a, arr, int(p.source_row[k])
+        starts, stops = p.starts[ks], p.stops[ks]
+        rows = p.source_row[ks].tolist()
+        for j, nbytes in enumerate(p.nbytes[ks].tolist()):
+            if nbytes:
+                item = StagedItem(leaf_index, arr.name, starts[j], stops[j], nbytes)
+                yield item, a, arr, rows[j]
 
 
 def stage(
@@ -144,6 +155,7 @@ def stage(
     copying: list[tuple[StagedItem, Any]] = []
     used = 0
     shard_maps: dict[int, dict[Any, Any]] = {}
+    views: bool | None = None  # whether CPU shards may be staged as views; asked once
     for item, a, arr, row in planned_items(arrays, plan, process):
         leaf_index, nbytes = item.leaf, item.nbytes
         rel = _rel(arr, row, item.start, item.stop)
@@ -158,11 +170,13 @@ def stage(
             continue
         if a not in shard_maps:
             shard_maps[a] = {s.device: s for s in arr.source.addressable_shards}
-        data = shard_maps[a][arr.devices[row]].data
-        view = _on_host(data, asynchronous)
-        if view is not None:
-            item.host = view[rel]
-            continue
+        device = arr.devices[row]
+        data = shard_maps[a][device].data
+        if device.platform == "cpu":
+            views = _views_safe(asynchronous) if views is None else views
+            if views:
+                item.host = np.asarray(data)[rel]
+                continue
         whole = all(s.start == 0 and s.stop == n for s, n in zip(rel, data.shape, strict=True))
         src = data if whole else data[rel]
         if budget is not None and used + nbytes > budget:

@@ -34,7 +34,8 @@ def main() -> None:
     real_delete_files, real_delete = references._delete_files, local.LocalStorage.delete
 
     def write(self, data):
-        if point == "write" and saves["n"] == at and self.size > 0:
+        if point == "write" and saves["n"] == at:
+            real_write(self, data[: len(data) // 2])  # small chunks come in one write: tear it
             die()
         return real_write(self, data)
 

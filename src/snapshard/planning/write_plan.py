@@ -16,7 +16,7 @@ ask another who writes what. Modes:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Literal
@@ -99,9 +99,17 @@ class WritePlan:
     def items_of(self, process: int) -> list[tuple[int, int]]:
         """(array index, item index) of every box `process` writes, in plan order."""
         out: list[tuple[int, int]] = []
-        for i, a in enumerate(self.arrays):
-            out.extend((i, int(k)) for k in a.items_of(process))
+        for i, ks in self.items_by_array(process):
+            out.extend((i, k) for k in ks.tolist())
         return out
+
+    def items_by_array(self, process: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(array index, indices of its items) of every array `process` writes boxes of,
+        in plan order: what per-item work takes to fetch each array's columns once."""
+        for i, a in enumerate(self.arrays):
+            ks = a.items_of(process)
+            if len(ks):
+                yield i, ks
 
 
 def _whole(sg: ShardGroups, choice: np.ndarray) -> ArrayWritePlan:
