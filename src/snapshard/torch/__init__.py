@@ -19,7 +19,7 @@ from ..options import ReadOptions, SaveOptions
 from .coordination import TorchStoreCoordinator, default_coordinator
 from .dcp import convert_dcp
 from .dcp_reading import StorageReader
-from .dcp_storage import StorageWriter
+from .dcp_storage import DcpStorageError, StorageWriter
 from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
 from .leaves import dtensor_layout
 from .loading import load
@@ -30,6 +30,7 @@ __all__ = [
     "TORCH",
     "AsyncSave",
     "CheckpointManager",
+    "DcpStorageError",
     "HostBuffers",
     "ReadOptions",
     "SaveOptions",

@@ -176,6 +176,7 @@ class StorageReader(_DcpStorageReader):
         self.path = os.fspath(path) if path is not None else None
         self.options = options
         self.stats = ReadStats()
+        self.is_coordinator = False
         self._opened: tuple[_Entries, ReadDests] | None = None
 
     @property
