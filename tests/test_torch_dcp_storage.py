@@ -240,6 +240,17 @@ def test_memory_store_url(tmp_path):
     _same(target, _state())
 
 
+def test_on_each_object_store(remote_prefix):
+    url = f"{remote_prefix}/ck"
+    dcp.save(_state(), storage_writer=sst.StorageWriter(url))
+    target = _target()
+    dcp.load(target, storage_reader=sst.StorageReader(url))
+    _same(target, _state())
+    tensors = {"model": {"w": torch.zeros(4, 6)}}
+    sst.load(url, tensors)
+    assert torch.equal(tensors["model"]["w"], _state()["model"]["w"])
+
+
 def _run(cmd: str, n: int, root) -> list:
     return multiproc.run("torch_dcp_job.py", n, 1, cmd, str(root), timeout=240, env=ENV)
 
