@@ -279,6 +279,16 @@ def test_fsdp_state_through_dcp_on_two_ranks_onto_two_and_one(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+def test_fsdp_state_with_empty_shards_from_four_ranks_onto_two(tmp_path):
+    # Over 4 ranks the 5-row tensors shard as 2, 2, 1, 0 rows: a rank writes an empty chunk.
+    want = _run("save", 4, tmp_path)[0].result()["saved"]
+    assert cli(["verify", str(tmp_path / "dcp")]) == 0
+    for p in _run("load", 2, tmp_path):
+        assert p.result()["dcp"] == want and p.result()["async"] == want
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_failed_write_on_one_rank_commits_nothing(tmp_path):
     ranks = _run("fail", 2, tmp_path)
     for p in ranks:
