@@ -49,6 +49,36 @@ def report(**values: object) -> None:
     sys.stdout.flush()
 
 
+def exit_after_failure(code: int) -> None:
+    """Leave a jax.distributed job whose operation failed, skipping JAX's shutdown barrier
+    (with the operation failed it may never complete). Process 0 hosts the coordination
+    service: when it goes, the other processes' JAX clients abort them, so it leaves only
+    once every other process has exited (its pid gone, or a zombie waiting to be reaped).
+    For failures that every process lives through (a process that died never reports)."""
+    import os
+    import time
+
+    from snapshard.coordination import default_coordinator
+
+    coord = default_coordinator()
+    pid = coord.process_index
+    coord.set(f"test/exiting/{pid}", str(os.getpid()))
+    if pid == 0:
+        pids = [int(coord.get(f"test/exiting/{q}", 30)) for q in range(1, coord.process_count)]
+        deadline = time.monotonic() + 30
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    os._exit(code)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def failing_torch_load(rank: int, fail_rank: int, load) -> None:
     """Run `load()` on every rank with `fail_rank`'s storage reads failing; report the
     outcome and exit. Rank 0 hosts the store: it stays until every rank has seen the

@@ -14,10 +14,9 @@ usage: read_once.py save CKPT
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
-from _dist import init, report
+from _dist import exit_after_failure, init, report
 
 
 def global_arrays():
@@ -136,16 +135,7 @@ def restore(args) -> None:
             out = snapshard.load(args.ckpt, target, options, stats=stats)
     except Exception as e:
         report(ok=False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
-        # Process 0 hosts the coordination service: it stays until every process has seen
-        # the failure. Then skip jax.distributed's shutdown barrier.
-        from snapshard.coordination import default_coordinator
-
-        coord = default_coordinator()
-        coord.set(f"test/failed/{pid}", "1")
-        if pid == 0:
-            for q in range(1, n):
-                coord.get(f"test/failed/{q}", 30)
-        os._exit(3)
+        exit_after_failure(3)
     finally:
         ambient.__exit__(None, None, None)
     seconds = time.perf_counter() - t0
