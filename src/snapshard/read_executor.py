@@ -161,10 +161,14 @@ def request_boxes(req: Request, sharding: Any) -> Request:
         from .adapters.jax_arrays import local_device_boxes
 
         boxes = local_device_boxes(sharding, shape)
-    for start, stop, devices in boxes:
+    sizes = [math.prod(b - a for a, b in zip(s, e, strict=True)) * itemsize for s, e, _ in boxes]
+    # One allocation per leaf, cut at 64-byte aligned offsets: a buffer per box would cost
+    # an allocation per shard.
+    offsets = np.cumsum([0, *(-(-n // _ALIGN) * _ALIGN for n in sizes)]).tolist()
+    whole = aligned_empty(offsets[-1])
+    for (start, stop, devices), at, nbytes in zip(boxes, offsets[:-1], sizes, strict=True):
         s, e = np.asarray(start, dtype=np.int64), np.asarray(stop, dtype=np.int64)
-        nbytes = math.prod(b - a for a, b in zip(start, stop, strict=True)) * itemsize
-        req.dests.append(Dest(req.saved, s, e, aligned_empty(nbytes), devices))
+        req.dests.append(Dest(req.saved, s, e, whole[at : at + nbytes], devices))
     return req
 
 
@@ -326,17 +330,15 @@ def plan_tasks(
         t = tables[key]
         block = int(t.block[c]) if _verified(verify, t, c) else None
         nbytes = int(t.nbytes[c])
-        if all(g.source_contiguous for _, g in grids):
+        runs = _ChunkRuns(leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
+        if len(grids) == 1 and grids[0][1].source_contiguous:
+            # One overlap, one byte range of the chunk (a box restored onto the saved layout).
+            ranges = [grids[0][1].source_range(nbytes, block)]
+        elif all(g.source_contiguous for _, g in grids):
             # Each overlap is one byte range of the chunk: coalesce those, not every run.
             grids.sort(key=lambda dg: dg[1].src_base)
             ranges = _coalesce_grids([g for _, g in grids], nbytes, block, max_gap)
-            runs = _ChunkRuns(
-                leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids
-            )
         else:
-            runs = _ChunkRuns(
-                leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids
-            )
             lo = min(g.src_base for _, g in grids)
             hi = max(g.src_end for _, g in grids)
             needed = sum(g.count * g.run_bytes for _, g in grids)

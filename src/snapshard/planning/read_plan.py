@@ -44,7 +44,7 @@ class ChunkIndex:
         if self._by_box is None:
             boxes = np.ascontiguousarray(np.concatenate([self.starts, self.stops], axis=1))
             self._by_box = {row.tobytes(): i for i, row in enumerate(boxes)}
-        key = np.concatenate([np.asarray(start, np.int64), np.asarray(stop, np.int64)]).tobytes()
+        key = np.asarray(start, np.int64).tobytes() + np.asarray(stop, np.int64).tobytes()
         return self._by_box.get(key, -1)
 
     def overlapping(self, start: np.ndarray, stop: np.ndarray) -> np.ndarray:
