@@ -429,9 +429,10 @@ def _manifest(
             out.append(ValueLeaf(leaf.path, decode_value(values[i], leaf.fqn)))
             continue
         if leaf.is_tensor:
-            shape, chunks = leaf.shape, leaf.chunks
+            shape, chunks, kind = leaf.shape, leaf.chunks, "dcp"
         elif i in pickled:
             shape, chunks = (pickled[i][0],), [((0,), (pickled[i][0],), pickled[i][1])]
+            kind = "dcp pickle"  # what `snapshard info` shows for it
         else:
             raise DcpStorageError(f"leaf {leaf.fqn!r}: no rank reported writing it")
         doc = describe_rows(_layout(shape, leaf.dtype.itemsize, chunks))
@@ -442,7 +443,7 @@ def _manifest(
         count = sum(1 for _, sizes, _ in chunks if math.prod(sizes) > 0)
         out.append(
             ArrayLeaf(
-                leaf.path, "array", leaf.dtype.name, shape, {"type": "dcp", "chunks": len(chunks)},
+                leaf.path, "array", leaf.dtype.name, shape, {"type": kind, "chunks": len(chunks)},
                 layout=lid, chunk_count=count,
             )
         )  # fmt: skip
