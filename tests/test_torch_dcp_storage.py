@@ -143,6 +143,21 @@ def test_dcp_save_then_snapshard_load(tmp_path):
     assert bytes(arrays["blob"]) == _pickled(want["blob"])
 
 
+def test_pickled_objects_only_with_trust_pickle(tmp_path):
+    path = tmp_path / "ck"
+    dcp.save(_state(), storage_writer=sst.StorageWriter(path))
+    with pytest.raises(
+        sst.DcpStorageError, match=r"3 leaves hold objects DCP pickled .*trust_pickle"
+    ):
+        sst.load_pickled(str(path))
+    objects = sst.load_pickled(str(path), trust_pickle=True)
+    assert objects["optim/param_groups/0/betas"] == (0.9, 0.99)
+    assert objects["optim/param_groups/0/params"] == ["w"]
+    assert isinstance(objects["blob"], Opaque) and objects["blob"].n == 7
+    sst.save(str(tmp_path / "plain"), {"w": torch.ones(2)})
+    assert sst.load_pickled(str(tmp_path / "plain")) == {}  # nothing pickled: nothing refused
+
+
 def _pickled(obj: object) -> bytes:
     out = io.BytesIO()
     torch.save(obj, out)

@@ -18,7 +18,7 @@ from ..inspection import metadata
 from ..options import ReadOptions, SaveOptions
 from .coordination import TorchStoreCoordinator, default_coordinator
 from .dcp import convert_dcp
-from .dcp_reading import StorageReader
+from .dcp_reading import StorageReader, load_pickled
 from .dcp_storage import DcpStorageError, StorageWriter
 from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
 from .leaves import dtensor_layout
@@ -44,6 +44,7 @@ __all__ = [
     "dtensor_layout",
     "expand_submesh",
     "load",
+    "load_pickled",
     "local_shape_and_offset",
     "metadata",
     "release_shared_memory",

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageRea
 from torch.futures import Future
 
 from ..dtypes import dtype_from_name
-from ..errors import SnapshardError
+from ..errors import CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
@@ -245,9 +245,7 @@ class StorageReader(_DcpStorageReader):
             else:
                 tensors.append(_TensorRead(item, leaf, planner))
         for item, leaf in pickled:
-            buf = aligned_empty(leaf.nbytes)
-            read([Dest(leaf, np.zeros(1, np.int64), np.asarray(leaf.shape, np.int64), buf)])
-            planner.load_bytes(item, io.BytesIO(buf.tobytes()))
+            planner.load_bytes(item, io.BytesIO(_stored_bytes(read, leaf)))
         for batch in batches(tensors, lambda r: r.buffered, self.options.memory_budget):
             read([r.dest() for r in batch if r.nbytes])
             for r in batch:
@@ -255,6 +253,45 @@ class StorageReader(_DcpStorageReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+
+def _stored_bytes(read: ReadDests, leaf: ArrayLeaf) -> bytes:
+    """The bytes of a uint8 leaf (DCP's pickled object), checked against their checksums."""
+    buf = aligned_empty(leaf.nbytes)
+    read([Dest(leaf, np.zeros(1, np.int64), np.asarray(leaf.shape, np.int64), buf)])
+    return buf.tobytes()
+
+
+def load_pickled(
+    path: Location, *, trust_pickle: bool = False, options: ReadOptions = ReadOptions()
+) -> dict[str, Any]:
+    """The objects DCP pickled into a checkpoint written through StorageWriter (its
+    `BYTE_IO` entries that are not plain values), by leaf name (`optim/param_groups/0/betas`),
+    unpickled with torch.load. Unpickling runs whatever code the bytes name: it happens only
+    with `trust_pickle=True`, for checkpoints from a source you trust; without it a
+    checkpoint that holds such objects is refused, naming them."""
+    require(options, ReadOptions)
+    with storage_for(path) as storage:
+        manifest, read = open_checkpoint(storage, options, ReadStats())
+        names = list(manifest.extra.get(PICKLED_KEY, {}).get("pickled", []))
+        if names and not trust_pickle:
+            shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+            raise DcpStorageError(
+                f"{storage.url}: {len(names)} leaves hold objects DCP pickled ({shown}); "
+                "pass trust_pickle=True to unpickle them, only for a checkpoint from a source "
+                "you trust"
+            )
+        arrays = {leaf.name: leaf for leaf in manifest.arrays}
+        out = {}
+        for name in names:
+            leaf = arrays.get(name)
+            if leaf is None or leaf.dtype != "uint8" or len(leaf.shape) != 1:
+                raise CorruptCheckpointError(
+                    f"{storage.url}: leaf {name!r} is listed as pickled bytes but is no uint8 "
+                    "array of one axis"
+                )
+            out[name] = torch.load(io.BytesIO(_stored_bytes(read, leaf)), weights_only=False)
+        return out
 
 
 def _saved_bytes(value: Any) -> io.BytesIO:
