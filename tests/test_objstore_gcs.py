@@ -16,7 +16,7 @@ import pytest
 import snapshard
 from faultinject import INJECTED, FaultInjector
 from s3env import fresh_prefix
-from snapshard.errors import StorageError
+from snapshard.errors import CorruptCheckpointError, StorageError
 from snapshard.storage import gcs_bucket
 from snapshard.storage.object_client import ObjectClient, TransferConfig
 from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
@@ -149,3 +149,15 @@ def test_a_save_whose_part_upload_fails_commits_nothing_and_leaves_nothing(prefi
     monkeypatch.undo()
     assert ObjectRoot(prefix).list() == {}
     assert ObjectStorage(url).client.listing() == {}
+
+
+def test_ranged_reads_fill_the_views_in_order_and_a_short_object_is_truncated(prefix):
+    client = ObjectClient(prefix, transfer=TransferConfig(read_part_size=1 << 20))
+    data = payload(0.5)  # 2.5 MiB: three ranged GETs of at most 1 MiB
+    client.put("r.bin", data)
+    bufs = [bytearray(100), bytearray(1_500_000), bytearray(len(data) - 1_500_107)]
+    client.read_into("r.bin", 7, [memoryview(b) for b in bufs])
+    assert b"".join(bufs) == data[7:]
+    for offset in (len(data) - 10, len(data) + 5):  # the object ends inside, or before
+        with pytest.raises(CorruptCheckpointError, match="is truncated"):
+            client.read_into("r.bin", offset, [memoryview(bytearray(100))])

@@ -300,19 +300,14 @@ class ObjectClient:
         try:
             self.counter.add(get=1)
             try:
-                data = self.call("read of", rel, lambda: self.api.get_range(key, start, start + n))
+                got = self.call("read of", rel, lambda: self.api.read_range_into(key, start, views))
             except FileNotFoundError:
                 raise CorruptCheckpointError(f"{self.url}: data file {rel!r} is missing") from None
-            got = memoryview(data).cast("B")
-            self.counter.add(bytes_received=len(got))
-            if len(got) < n:
+            self.counter.add(bytes_received=got)
+            if got < n:
                 raise CorruptCheckpointError(
                     f"{self.url}: file {rel!r} is truncated (wanted bytes up to {start + n})"
                 )
-            pos = 0
-            for v in views:
-                v[:] = got[pos : pos + len(v)]
-                pos += len(v)
         finally:
             budget.release(n)
 
