@@ -304,6 +304,19 @@ def test_fsdp_state_with_empty_shards_from_four_ranks_onto_two(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
+@pytest.mark.s3
+def test_fsdp_state_through_dcp_on_s3_from_two_ranks(request):
+    from s3env import fresh_prefix
+
+    root = fresh_prefix(request, "s3")  # each rank writes its objects; rank 0's marker commits
+    want = _run("save", 2, root)[0].result()["saved"]
+    assert cli(["verify", f"{root}/dcp"]) == 0
+    for p in _run("load", 2, root):
+        assert p.result()["dcp"] == want and p.result()["async"] == want
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
 def test_a_failed_write_on_one_rank_commits_nothing(tmp_path):
     ranks = _run("fail", 2, tmp_path)
     for p in ranks:
