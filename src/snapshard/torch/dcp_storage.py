@@ -107,6 +107,13 @@ class RankReport:
     codecs: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """A leaf's place in the tree rebuilt from DCP's paths (flattened into the numbering)."""
+
+    fqn: str
+
+
 def _nested(paths: list[tuple[str, Path]], where: str) -> Any:
     """The state dict's shape rebuilt from the leaves' paths: dicts, and lists where the
     keys of a level are 0..n-1 (as DCP's unflattening makes them)."""
@@ -130,11 +137,6 @@ def _nested(paths: list[tuple[str, Path]], where: str) -> Any:
             raise DcpStorageError(f"save to {where}: leaf {fqn!r} has the path of another leaf")
         node[path[-1]] = _Slot(fqn)
     return listed(root)
-
-
-@dataclass(frozen=True)
-class _Slot:
-    fqn: str
 
 
 def _path_of(fqn: str, mappings: Any) -> Path:
