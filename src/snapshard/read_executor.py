@@ -23,13 +23,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import accumulate
 from typing import Any, TypeVar
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from .adapters.loaded import is_jax_array, is_prng_key_dtype, is_shape_dtype_struct
-from .checksum import BlockVerifier
+from .checksum import BlockVerifier, crc32c
 from .dtypes import dtype_from_name
 from .errors import (
     ChecksumMismatchError,
@@ -164,7 +165,7 @@ def request_boxes(req: Request, sharding: Any) -> Request:
     sizes = [math.prod(b - a for a, b in zip(s, e, strict=True)) * itemsize for s, e, _ in boxes]
     # One allocation per leaf, cut at 64-byte aligned offsets: a buffer per box would cost
     # an allocation per shard.
-    offsets = np.cumsum([0, *(-(-n // _ALIGN) * _ALIGN for n in sizes)]).tolist()
+    offsets = [0, *accumulate(-(-n // _ALIGN) * _ALIGN for n in sizes)]
     whole = aligned_empty(offsets[-1])
     for (start, stop, devices), at, nbytes in zip(boxes, offsets[:-1], sizes, strict=True):
         s, e = np.asarray(start, dtype=np.int64), np.asarray(stop, dtype=np.int64)
@@ -781,16 +782,21 @@ def _read_dests(
     if threads is None:
         threads = storage.cached_read_threads() if cached is True else storage.read_threads
     ahead = _Prefetch(storage, tasks) if cached is False else None
+    # (The prefetch follows the reads one by one, in order: with it, none are merged.)
+    units: list[_Task | _ChunkRun] = [*tasks] if ahead else _merge_whole_chunks(tasks, verify)
 
-    def run(job: list[_Task]) -> None:
-        for t in job:
+    def run(job: list[_Task | _ChunkRun]) -> None:
+        for u in job:
+            if isinstance(u, _ChunkRun):
+                _read_chunk_run(storage, u, dests)
+                continue
             if ahead is not None:
                 ahead.started()
-            _run_task(storage, t, dests, verify)
+            _run_task(storage, u, dests, verify)
 
     try:
-        if threads > 1 and len(tasks) > 1:
-            jobs = _jobs(tasks, threads)
+        if threads > 1 and len(units) > 1:
+            jobs = _jobs(units, threads)
             with ThreadPoolExecutor(
                 min(threads, len(jobs)), thread_name_prefix="snapshard-read"
             ) as pool:
@@ -798,7 +804,7 @@ def _read_dests(
                     f.result()
         else:
             try:
-                run(tasks)
+                run(units)
             finally:  # the pool's threads end with the pool; this one lives on
                 _scratch.__dict__.pop("buf", None)
     finally:
@@ -806,17 +812,99 @@ def _read_dests(
             ahead.stop()
 
 
-def _jobs(tasks: list[_Task], threads: int) -> list[list[_Task]]:
+@dataclass
+class _ChunkRun:
+    """Whole chunks of one checksum block lying back to back in one file, each followed by
+    its checksum: read with one request, then checked chunk by chunk."""
+
+    tasks: list[_Task]
+    nbytes: int  # in the file, checksums included
+
+
+def _whole_chunk(task: _Task, verify: bool) -> bool:
+    """Whether a read is a whole verified chunk of one block, uncompressed, its checksum
+    right after it and its bytes one piece of one destination (a small array restored
+    onto its saved layout)."""
+    runs, r = task.runs, task.rng
+    t, c = runs.table, runs.chunk
+    if len(runs.grids) != 1 or runs.grids[0][1].count != 1 or t.crc_offset is None:
+        return False
+    n = int(t.nbytes[c])
+    g = runs.grids[0][1]
+    return (
+        0 < n <= int(t.block[c])
+        and r.start == 0 and r.stop == n and g.src_base == 0 and g.run_bytes == n
+        and _verified(verify, t, c)
+        and int(t.crc_offset[c]) == runs.file_offset + n
+        and (t.flags is None or not t.flags[c])
+    )  # fmt: skip
+
+
+def _merge_whole_chunks(tasks: list[_Task], verify: bool) -> list[_Task | _ChunkRun]:
+    """The reads with whole one-block chunks that follow each other in a file merged into
+    _ChunkRuns of up to _JOB_BYTES (after the other reads, which stay in their order): a
+    restore of many small arrays would otherwise make a request, and pay Python's cost of
+    a read, per chunk."""
+    out: list[_Task | _ChunkRun] = []
+    whole: list[_Task] = []
+    for t in tasks:
+        (whole if _whole_chunk(t, verify) else out).append(t)
+    whole.sort(key=lambda t: (t.runs.file, t.runs.file_offset))
+    run: _ChunkRun | None = None
+    for t in whole:
+        n = t.rng.stop + 4  # the chunk and its checksum
+        last = run.tasks[-1].runs if run is not None else None
+        if (
+            run is not None and last is not None
+            and last.file == t.runs.file
+            and last.file_offset + int(last.table.nbytes[last.chunk]) + 4 == t.runs.file_offset
+            and run.nbytes + n <= _JOB_BYTES
+        ):  # fmt: skip
+            run.tasks.append(t)
+            run.nbytes += n
+        else:
+            run = _ChunkRun([t], n)
+            out.append(run)
+    return out
+
+
+def _read_chunk_run(storage: Storage, run: _ChunkRun, dests: list[Dest]) -> None:
+    """One request for a _ChunkRun's chunks and checksums, straight into the destinations,
+    then each chunk checked against its checksum as `_RangeReads` would."""
+    crc_bytes = np.empty(4 * len(run.tasks), np.uint8)
+    bufs: list[memoryview] = []
+    for i, t in enumerate(run.tasks):
+        di, g = t.runs.grids[0]
+        bufs.append(dests[di].buf.data[g.dst_base : g.dst_base + g.run_bytes])
+        bufs.append(crc_bytes.data[4 * i : 4 * i + 4])
+    first = run.tasks[0].runs
+    storage.read_into(first.file, first.file_offset, bufs)
+    stored = crc_bytes.view("<u4").tolist()
+    for i, t in enumerate(run.tasks):
+        expected = stored[i] ^ t.runs.table.key(t.runs.chunk)
+        actual = crc32c(bufs[2 * i])
+        if actual != expected:
+            raise ChecksumMismatchError(
+                file=f"{storage.url}/{t.runs.file}", leaf=t.runs.leaf.name, chunk=t.runs.chunk,
+                block=0, expected=expected, actual=actual,
+            )  # fmt: skip
+
+
+def _size(unit: _Task | _ChunkRun) -> int:
+    return unit.nbytes if isinstance(unit, _ChunkRun) else unit.rng.stop - unit.rng.start
+
+
+def _jobs(units: list[_Task | _ChunkRun], threads: int) -> list[list[_Task | _ChunkRun]]:
     """Consecutive reads (largest first) grouped into the read threads' jobs: a large read
     alone, small ones together up to _JOB_BYTES, and at least _JOBS_PER_THREAD jobs per
     thread where there are reads enough, so that the threads still share the work evenly.
     A restore of many small arrays would otherwise pay the pool's submit and lock per read,
     more than the read itself."""
-    sizes = [t.rng.stop - t.rng.start for t in tasks]
+    sizes = [_size(u) for u in units]
     limit = max(1, min(_JOB_BYTES, sum(sizes) // (threads * _JOBS_PER_THREAD)))
-    jobs: list[list[_Task]] = []
+    jobs: list[list[_Task | _ChunkRun]] = []
     held = limit
-    for t, n in zip(tasks, sizes, strict=True):
+    for t, n in zip(units, sizes, strict=True):
         if held + n > limit:
             jobs.append([])
             held = 0
