@@ -1,7 +1,7 @@
-"""Save and restore of a sharded pytree on object stores: against orbax-checkpoint on S3, and
-against each store's plain client on S3, GCS and Azure.
+"""Save and restore of a sharded pytree on object stores: against orbax-checkpoint on S3 and
+GCS, and against each store's plain client on S3, GCS and Azure.
 
-    python bench/bench_objstore.py [--size-mib 1024] [--rounds 3]
+    python bench/bench_objstore.py [--size-mib 1024] [--rounds 3] [--store s3|gs]
     python bench/bench_objstore.py --plain [--stores s3,gs,az] [--rounds 3] [--size-mib N]
 
 --plain: the peer-bench state (24 float32 and 3 bfloat16 arrays of (4096, 5120) and 24
@@ -21,6 +21,11 @@ deletions after each round, without which its memory grows by every byte ever wr
 mesh; both libraries save to and restore from the same server, in interleaved rounds
 (the order alternates), and the table gives medians, ratios and the requests each made,
 counted on the wire by a proxy in a separate run (so that the proxy costs no timed time).
+
+--store gs: the same comparison on GCS (STORAGE_EMULATOR_HOST for the emulator, and for
+TensorStore TENSORSTORE_GCS_HTTP_URL and GOOGLE_AUTH_TOKEN_FOR_TESTING, as .ci/run exports
+them); orbax's directory operations on gs:// go through gcsfs (anonymous on an emulator).
+Requests are counted on the wire for S3 only (the counting proxy speaks S3).
 
 orbax-checkpoint 0.12.8 on S3, as configured here: its TensorStore S3 driver pointed at the
 server's endpoint (orbax builds no S3 spec itself, so the bench adds one), zarr rather than
@@ -117,9 +122,29 @@ class Snapshard:
 class Orbax:
     name = "orbax"
 
-    def __init__(self) -> None:
+    def __init__(self, scheme: str = "s3") -> None:
         import orbax.checkpoint as ocp
-        from orbax.checkpoint._src.path import atomicity, gcs_utils
+        from orbax.checkpoint._src.path import atomicity
+
+        if scheme == "s3":
+            self._s3_driver()
+        elif os.environ.get("STORAGE_EMULATOR_HOST"):
+            # gcsfs (orbax's directory operations) reads the emulator's address itself;
+            # it needs no credentials there.
+            os.environ.setdefault("FSSPEC_GS_TOKEN", "anon")
+            os.environ.setdefault("FSSPEC_GCS_TOKEN", "anon")
+            # gcsfs's bucket-type probe goes over gRPC, which the emulator does not serve.
+            os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+        self.ocp = ocp
+        self.ckpt = ocp.Checkpointer(
+            ocp.PyTreeCheckpointHandler(use_ocdbt=False),
+            temporary_path_class=atomicity.CommitFileTemporaryPath,
+        )
+
+    @staticmethod
+    def _s3_driver() -> None:
+        """Point TensorStore's S3 driver at the server (orbax builds no S3 spec itself)."""
+        from orbax.checkpoint._src.path import gcs_utils
         from orbax.checkpoint._src.serialization import tensorstore_utils as tsu
 
         endpoint = os.environ["AWS_ENDPOINT_URL"]
@@ -147,11 +172,6 @@ class Orbax:
         )
         tsu._use_gcs_driver = lambda p: p.startswith("s3://") or use_native(p)
         gcs_utils.get_kvstore_for_gcs = s3_spec
-        self.ocp = ocp
-        self.ckpt = ocp.Checkpointer(
-            ocp.PyTreeCheckpointHandler(use_ocdbt=False),
-            temporary_path_class=atomicity.CommitFileTemporaryPath,
-        )
 
     def save(self, url: str, tree: Any) -> None:
         self.ckpt.save(url, args=self.ocp.args.PyTreeSave(tree))
@@ -180,8 +200,8 @@ def same(a: Any, b: Any) -> bool:
     )
 
 
-def one_round(lib: Any, bucket: str, tree: Any, target: Any, check: bool) -> tuple[float, float]:
-    url = f"s3://{bucket}/{lib.name}-{uuid.uuid4().hex[:8]}/ckpt"
+def one_round(lib: Any, url_base: str, tree: Any, target: Any, check: bool) -> tuple[float, float]:
+    url = f"{url_base}/{lib.name}-{uuid.uuid4().hex[:8]}/ckpt"
     t0 = time.perf_counter()
     lib.save(url, tree)
     t1 = time.perf_counter()
@@ -367,23 +387,22 @@ def main() -> None:
     ap.add_argument("--bucket", default=None, help="an existing bucket (default: a new one)")
     ap.add_argument("--plain", action="store_true", help="against each store's plain client")
     ap.add_argument("--stores", default="s3,gs,az", help="with --plain: the stores to measure")
+    ap.add_argument("--store", default="s3", choices=("s3", "gs"), help="against orbax: where")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plain:
         return plain_bench(args)
-    if not os.environ.get("AWS_ENDPOINT_URL"):
+    if args.store == "s3" and not os.environ.get("AWS_ENDPOINT_URL"):
         raise SystemExit("set AWS_ENDPOINT_URL and the credentials of the S3 server first")
     if args.child:
         return child(args)
-    from s3env import create_bucket
-
-    bucket = args.bucket or create_bucket("snapshard-bench")
+    bucket = args.bucket or bucket_of(args.store)
     tree = build_tree(args.size_mib)
     target = abstract(tree)
-    libs = [Snapshard(), Orbax()]
+    libs = [Snapshard(), Orbax(args.store)]
     print(
         f"tree: {nbytes(tree) / MiB:.0f} MiB, {len(jax.tree_util.tree_leaves(tree))} leaves, "
-        f"mesh (2, 4) of 8 CPU devices; bucket {bucket}",
+        f"mesh (2, 4) of 8 CPU devices; {args.store}://{bucket}",
         flush=True,
     )
     times: dict[str, dict[str, list[float]]] = {
@@ -392,12 +411,12 @@ def main() -> None:
     for r in range(args.rounds + 1):  # round 0 warms up (compilation, connections)
         order = libs if r % 2 == 0 else libs[::-1]
         for lib in order:
-            s, t = one_round(lib, bucket, tree, target, check=(r == 0))
+            s, t = one_round(lib, f"{args.store}://{bucket}", tree, target, check=(r == 0))
             if r:
                 times[lib.name]["save"].append(s)
                 times[lib.name]["restore"].append(t)
             print(f"round {r} {lib.name}: save {s:.2f} s, restore {t:.2f} s", flush=True)
-    counts = count_requests(args, bucket)
+    counts = count_requests(args, bucket) if args.store == "s3" else None
     size = nbytes(tree) / MiB
     print()
     print(
@@ -408,10 +427,12 @@ def main() -> None:
     for phase in ("save", "restore"):
         a = statistics.median(times["snapshard"][phase])
         b = statistics.median(times["orbax"][phase])
-        print(
-            f"| {phase} | {a:.2f} | {b:.2f} | {b / a:.2f} | {size / a:.0f} | "
-            f"{fmt_counts(counts['snapshard'][phase])} | {fmt_counts(counts['orbax'][phase])} |"
+        mine, theirs = (
+            (fmt_counts(counts["snapshard"][phase]), fmt_counts(counts["orbax"][phase]))
+            if counts
+            else ("not counted", "not counted")
         )
+        print(f"| {phase} | {a:.2f} | {b:.2f} | {b / a:.2f} | {size / a:.0f} | {mine} | {theirs} |")
 
 
 if __name__ == "__main__":
