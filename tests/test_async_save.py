@@ -78,9 +78,9 @@ def test_host_budget_defers_copies_beyond_it(ckpt, monkeypatch):
 def test_a_deferred_array_deleted_before_its_copy_fails_with_a_clear_error(ckpt, monkeypatch):
     monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", False)
     gate = threading.Event()
-    real_write = local.LocalFileWriter.write
+    real_open = local.LocalStorage.open_writer  # held before any item is copied or written
     monkeypatch.setattr(
-        local.LocalFileWriter, "write", lambda self, d: (gate.wait(10), real_write(self, d))
+        local.LocalStorage, "open_writer", lambda self, n: (gate.wait(10), real_open(self, n))[1]
     )
     m = mesh(2, 4)
     a = sharded(np.ones((64, 64), np.float32), m, None, "model")
