@@ -13,18 +13,42 @@ the other. Needs the `torch` extra. See docs/torch.md.
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from ..coordination.peer_memory import release_kept as release_shared_memory
 from ..inspection import metadata
 from ..options import ReadOptions, SaveOptions
 from .coordination import TorchStoreCoordinator, default_coordinator
-from .dcp import convert_dcp
-from .dcp_reading import StorageReader, load_pickled
-from .dcp_storage import DcpStorageError, StorageWriter
 from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
 from .leaves import dtensor_layout
 from .loading import load
 from .manager import TORCH, CheckpointManager
 from .saving import AsyncSave, HostBuffers, save, save_async
+
+if TYPE_CHECKING:
+    from .dcp import convert_dcp
+    from .dcp_reading import StorageReader, load_pickled
+    from .dcp_storage import DcpStorageError, StorageWriter
+
+# What needs torch.distributed.checkpoint is imported on first use (it takes about as long
+# to import as the rest of snapshard.torch).
+_LAZY = {
+    "convert_dcp": "dcp",
+    "StorageReader": "dcp_reading",
+    "load_pickled": "dcp_reading",
+    "DcpStorageError": "dcp_storage",
+    "StorageWriter": "dcp_storage",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'snapshard.torch' has no attribute {name!r}")
+
 
 __all__ = [
     "TORCH",
