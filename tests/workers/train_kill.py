@@ -39,7 +39,8 @@ def install_kill(point: str, at: int) -> None:
         return real_stage(*a, **k)
 
     def write(self, data):
-        if point == "write" and calls["n"] == at and self.size > 0:
+        if point == "write" and calls["n"] == at:
+            real_write(self, data[: len(data) // 2])  # small files come in one write: tear it
             die()  # after the first bytes of a data file are out
         return real_write(self, data)
 
