@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,11 +41,6 @@ from .leaves import is_leaf
 
 class PickleRefusedError(SnapshardError):
     """A DCP checkpoint was to be read without the caller's trust in its pickled metadata."""
-
-
-def is_dcp_checkpoint(location: str) -> bool:
-    """Whether `location` is a local directory holding a DCP checkpoint (a `.metadata` file)."""
-    return os.path.isdir(location) and os.path.isfile(os.path.join(location, ".metadata"))
 
 
 def refusal(location: str) -> PickleRefusedError:
