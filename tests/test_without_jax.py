@@ -90,3 +90,18 @@ def test_targets_rebuild_the_same_with_and_without_jax():
     values = {p: str(p) for p in with_jax.paths}
     assert with_jax.rebuild(values) == without.rebuild(values)
     assert type(without.rebuild(values)["p"]) is Pair
+
+
+def test_importing_snapshard_loads_neither_framework():
+    """The top-level names, the safetensors entry points and the CLI import neither JAX nor
+    torch: a framework is imported where one of its values is met (`abstract_target`, which
+    runs a JAX function abstractly, is JAX's alone)."""
+    import subprocess
+
+    code = (
+        "import sys, snapshard, snapshard.safetensors, snapshard.cli\n"
+        "names = [getattr(snapshard, n) for n in snapshard.__all__ if n != 'abstract_target']\n"
+        "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
