@@ -84,11 +84,7 @@ def failing_torch_load(rank: int, fail_rank: int, load) -> None:
     outcome and exit. Rank 0 hosts the store: it stays until every rank has seen the
     outcome. The process group's shutdown is skipped (a failed load leaves no collective
     to finish)."""
-    import os
     import time
-    from datetime import timedelta
-
-    import torch.distributed as dist
 
     if rank == fail_rank:
         from snapshard.storage import local
@@ -103,12 +99,7 @@ def failing_torch_load(rank: int, fail_rank: int, load) -> None:
         report(rank=rank, error=None)
     except Exception as e:
         report(rank=rank, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"test/failed/{rank}", "1")
-    if rank == 0:
-        world = dist.get_world_size()
-        store.wait([f"test/failed/{q}" for q in range(world)], timedelta(seconds=30))
-    os._exit(0)
+    leave_torch_job(rank)
 
 
 def report_torch_results(rank: int, want: dict, **result: object) -> None:
@@ -116,17 +107,26 @@ def report_torch_results(rank: int, want: dict, **result: object) -> None:
     exit once every rank has reported. As in `failing_torch_load`, torch's teardown is
     skipped: under load it sometimes aborted a rank at exit ("terminate called without an
     active exception"), after its results were in."""
-    import os
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     unique = sum(v.numel() * v.element_size() for v in want.values())
     dist.barrier()
     report(rank=rank, unique=unique, **result)
+    leave_torch_job(rank)
+
+
+def leave_torch_job(rank: int) -> None:
+    """Exit a torch rank whose results are reported, without torch's teardown (under load
+    it sometimes aborted a rank at exit, "terminate called without an active exception").
+    Rank 0 hosts the store: it stays until every rank has come here."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     store = dist.distributed_c10d._get_default_store()
     store.set(f"test/reported/{rank}", "1")
-    if rank == 0:  # the store's host stays until every rank is done with it
+    if rank == 0:
         world = dist.get_world_size()
         store.wait([f"test/reported/{q}" for q in range(world)], timedelta(seconds=30))
     os._exit(0)

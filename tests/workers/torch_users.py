@@ -17,13 +17,12 @@ import logging
 import os
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from workers._dist import init_torch, report
+from workers._dist import init_torch, leave_torch_job, report
 
 TIMEOUT = 60.0  # what the save's options allow; a failure must come far sooner
 
@@ -168,13 +167,7 @@ def main() -> None:
     rank, world = init_torch()
     out = save(root, rank, world) if cmd == "save" else load(root, rank, world)
     report(rank=rank, **out)
-    # Rank 0 hosts the store: it stays until every rank has reported. torch's teardown is
-    # skipped (see workers._dist.report_torch_results).
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"test/reported/{rank}", "1")
-    if rank == 0:
-        store.wait([f"test/reported/{q}" for q in range(world)], timedelta(seconds=30))
-    os._exit(0)
+    leave_torch_job(rank)
 
 
 if __name__ == "__main__":
