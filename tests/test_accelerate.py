@@ -1,0 +1,87 @@
+"""snapshard.accelerate: Accelerator.save_state / load_state with the models' weights in a
+snapshard checkpoint, through Accelerate's state hooks, with a real Accelerator on CPU."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("accelerate")
+
+from accelerate import Accelerator  # noqa: E402
+
+import snapshard.accelerate as sa  # noqa: E402
+import snapshard.torch as sst  # noqa: E402
+
+
+def setup(seed: int):
+    torch.manual_seed(seed)
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model, opt = accelerator.prepare(model, opt)
+    return accelerator, model, opt
+
+
+def step(accelerator, model, opt, i: int) -> None:
+    g = torch.Generator().manual_seed(100 + i)
+    x = torch.randn(8, 4, generator=g)
+    loss = (model(x) - x.sum(1, keepdim=True).sin()).pow(2).mean()
+    accelerator.backward(loss)
+    opt.step()
+    opt.zero_grad()
+
+
+def test_save_state_and_load_state_go_through_snapshard(tmp_path):
+    accelerator, model, opt = setup(0)
+    sa.use_snapshard(accelerator)
+    for i in range(3):
+        step(accelerator, model, opt, i)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert sa.NAME in files and "model.safetensors" not in files, files
+    assert "optimizer.bin" in files  # Accelerate's hooks see the models only
+    target = {"model_0": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+    saved = sst.load(tmp_path / "ckpt" / sa.NAME, target)
+    for k, v in model.state_dict().items():
+        assert torch.equal(saved["model_0"][k], v), k
+    for i in range(3, 5):
+        step(accelerator, model, opt, i)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+
+    accelerator2, model2, opt2 = setup(1)  # other initial weights
+    sa.use_snapshard(accelerator2)
+    assert not torch.equal(model2[0].weight, model[0].weight)
+    accelerator2.load_state(str(tmp_path / "ckpt"))
+    for k, v in saved["model_0"].items():
+        assert torch.equal(model2.state_dict()[k], v), k
+    for i in range(3, 5):
+        step(accelerator2, model2, opt2, i)
+    for k, v in want.items():
+        assert torch.equal(model2.state_dict()[k], v), k
+
+
+def test_removing_the_hooks_gives_accelerate_its_own_files_back(tmp_path):
+    accelerator, model, _ = setup(0)
+    for handle in sa.use_snapshard(accelerator):
+        handle.remove()
+    accelerator.save_state(str(tmp_path / "plain"))
+    files = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert "model.safetensors" in files and sa.NAME not in files
+    # a directory saved without snapshard still loads with the hooks on
+    accelerator2, model2, _ = setup(1)
+    sa.use_snapshard(accelerator2)
+    accelerator2.load_state(str(tmp_path / "plain"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(model2.state_dict()[k], v), k
+
+
+def test_a_damaged_snapshard_checkpoint_fails_the_load_naming_it(tmp_path):
+    accelerator, _, _ = setup(0)
+    sa.use_snapshard(accelerator)
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / sa.NAME / "manifest.json").write_text("{")
+    accelerator2, _, _ = setup(1)
+    sa.use_snapshard(accelerator2)
+    with pytest.raises(Exception, match=sa.NAME):
+        accelerator2.load_state(str(tmp_path / "ckpt"))
