@@ -48,3 +48,79 @@ def test_bad_config_is_refused(tmp_path):
             sd_adapter=None,
             base_folder=str(tmp_path),
         )
+
+
+class _Adapter:
+    """A state dict adapter as torchtitan's models have: torchtitan names <-> HF names."""
+
+    def to_hf(self, sd):
+        return {f"hf.{k}": v for k, v in sd.items()}
+
+    def from_hf(self, sd):
+        return {k.removeprefix("hf."): v for k, v in sd.items()}
+
+
+def _parts(seed):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+
+
+def _build(tmp_path, model, **config):
+    from snapshard.torchtitan import CheckpointManager
+
+    return CheckpointManager.Config(enable=True, **config).build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=_Adapter(),
+        base_folder=str(tmp_path),
+    )
+
+
+def test_initial_load_from_dcp_and_last_step_hf_export_round_trip(tmp_path):
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import snapshard.safetensors as sts
+
+    src = _parts(0)
+    dcp.save(dict(src.state_dict()), checkpoint_id=str(tmp_path / "dcp"))  # torchtitan's layout
+    model = _parts(1)
+    mgr = _build(
+        tmp_path, model, folder="a", initial_load_path=str(tmp_path / "dcp"),
+        last_save_in_hf=True, export_dtype="bfloat16",
+    )  # fmt: skip
+    assert mgr.load() is True  # nothing in the folder: the initial checkpoint
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in src.state_dict().items())
+    assert mgr.save(3, last_step=False) is False  # interval 500
+    assert mgr.save(7, last_step=True) is True
+    mgr.close()
+    hf = sts.load(tmp_path / "a" / "step-7-hf")
+    assert sorted(hf) == sorted(f"hf.{k}" for k in src.state_dict())
+    assert hf["hf.0.weight"].dtype.name == "bfloat16"
+
+    again = _parts(2)
+    mgr = _build(
+        tmp_path, again, folder="b", initial_load_path=str(tmp_path / "a" / "step-7-hf"),
+        initial_load_in_hf=True,
+    )  # fmt: skip
+    assert mgr.load() is True
+    want = {k: v.to(torch.bfloat16).float() for k, v in src.state_dict().items()}
+    assert all(torch.equal(again.state_dict()[k], v) for k, v in want.items())
+    mgr.close()
+
+
+def test_load_only_saves_nothing_and_a_missing_step_is_named(tmp_path):
+    mgr = _build(tmp_path, _parts(0), interval=1, load_only=True)
+    assert mgr.save(1) is False and mgr.save(2, last_step=True) is False
+    with pytest.raises(FileNotFoundError, match="no checkpoint of step 5"):
+        mgr.load(step=5)
+    mgr.close()
+    mgr = _build(tmp_path, _parts(0), initial_load_path=str(tmp_path / "nothing"))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        mgr.load()
+    mgr.close()

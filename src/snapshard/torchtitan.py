@@ -118,6 +118,13 @@ class CheckpointManager(BaseCheckpointManager):
             raise ValueError(
                 "checkpoint.initial_load_in_hf is True, but sd_adapter is not provided"
             )
+        if config.initial_load_in_hf_quantized:
+            raise ValueError("checkpoint.initial_load_in_hf_quantized is not supported here")
+        if config.create_seed_checkpoint:
+            raise ValueError(
+                "checkpoint.create_seed_checkpoint is not supported here: start from "
+                "initial_load_path (a DCP, snapshard or Hugging Face checkpoint) instead"
+            )
         unknown = set(config.exclude_from_loading) - set(self.states)
         if unknown:
             raise ValueError(
