@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+import multiproc
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("accelerate")
 
@@ -85,3 +87,21 @@ def test_a_damaged_snapshard_checkpoint_fails_the_load_naming_it(tmp_path):
     sa.use_snapshard(accelerator2)
     with pytest.raises(Exception, match=sa.NAME):
         accelerator2.load_state(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.multiprocess
+def test_two_gloo_ranks_save_and_load_through_the_hooks(tmp_path):
+    done = multiproc.run(
+        "accelerate_ranks.py", 2, 1, tmp_path, timeout=120, env={"OMP_NUM_THREADS": "1"}
+    )
+    results = [p.result() for p in done]
+    assert [r["type"] for r in results] == ["DistributedType.MULTI_CPU"] * 2
+    assert [r["procs"] for r in results] == [2, 2]
+    assert [r["same"] for r in results] == [True, True]  # reloaded over zeroed weights
+    assert sa.NAME in results[0]["files"] and "model.safetensors" not in results[0]["files"]
+    assert results[0]["weights"] == results[1]["weights"]  # DDP kept the ranks in step
+    weights = results[0]["weights"]
+    target = {"model_0": {k: torch.empty(torch.tensor(v).shape) for k, v in weights.items()}}
+    saved = sst.load(tmp_path / "ckpt" / sa.NAME, target)
+    for k, v in weights.items():
+        assert saved["model_0"][k].tolist() == v, k
