@@ -35,7 +35,9 @@ from .errors import SnapshardError
 from .format import records as rec
 from .format.bases import sibling_storage
 from .format.binding import name_key
-from .format.manifest import ArrayLeaf, FileEntry, Manifest
+from .format.files import FileEntry
+from .format.leaves import ArrayLeaf
+from .format.manifest import Manifest
 from .format.reading import read_manifest
 from .format.refs import check_checkpoint_name, ref_files, split_ref_name
 from .staging import StagedItem

@@ -39,6 +39,7 @@ from .errors import (
 )
 from .format import ArrayLeaf, ChunkTable, Manifest
 from .format.finder import ChunkFinder, loaded_table
+from .format.kinds import LeafKind
 from .format.validate import coverage_problems
 from .options import ReadOptions
 from .planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
@@ -117,9 +118,9 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
     name = saved.name
     saved_dtype = dtype_from_name(saved.dtype)
     if target is None:
-        if saved.kind == "prng_key":
+        if saved.kind == LeafKind.PRNG_KEY:
             return request_boxes(Request(saved, "key", saved_dtype), None)
-        kind = "scalar" if saved.kind == "scalar" else "numpy"
+        kind = "scalar" if saved.kind == LeafKind.SCALAR else "numpy"
         return request_boxes(Request(saved, kind, saved_dtype), None)
     if is_jax_array(target) or is_shape_dtype_struct(target):
         from .adapters.jax_arrays import resolve_target_sharding
@@ -134,7 +135,7 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
             "jax.ShapeDtypeStruct or np.ndarray"
         )
     wants_key = is_prng_key_dtype(dtype)
-    if wants_key and saved.kind != "prng_key":
+    if wants_key and saved.kind != LeafKind.PRNG_KEY:
         raise TargetMismatchError(
             f"{url}: leaf {name!r} was saved as {saved.dtype} data, the target asks for PRNG keys"
         )

@@ -20,7 +20,8 @@ from .errors import (
     TargetMismatchError,
 )
 from .format import Manifest, ValueLeaf
-from .format.manifest import ArrayLeaf, PerProcessLeaf, values_file_name
+from .format.leaves import ArrayLeaf, PerProcessLeaf
+from .format.naming import values_file_name
 from .gc_pause import collection_paused
 from .options import ReadOptions, require
 from .per_process import PerProcess, Resplit

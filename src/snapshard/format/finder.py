@@ -25,8 +25,10 @@ from ..planning.layout import ArrayLayout, ShardGroups
 from ..planning.read_plan import ChunkIndex
 from . import records as rec
 from .binding import name_key
+from .chunks import ChunkTable, LazyChunkTable
 from .layouts import Mesh, host_holders, mesh_layout, rows_layout
-from .manifest import ArrayLeaf, ChunkTable, LazyChunkTable, Manifest
+from .leaves import ArrayLeaf
+from .manifest import Manifest
 from .validate import check_chunk_tables
 
 if TYPE_CHECKING:

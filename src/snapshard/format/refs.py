@@ -13,7 +13,10 @@ import re
 from typing import Any
 
 from ..errors import CorruptCheckpointError
-from .manifest import FileEntry, check_file_name
+from .binding import name_key
+from .bounds import MAX_BYTES, bounded_int
+from .files import FileEntry
+from .naming import check_file_name
 
 REF_PREFIX = "../"
 _CHECKPOINT = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}")
@@ -47,9 +50,6 @@ def ref_files(refs: list[Any], where: str, bound: bool) -> list[FileEntry]:
     """The referenced files as manifest file entries (a null slot: an empty placeholder that
     no chunk can lie in); `bound` (2.1): with the key of the name the base gave the file,
     to which the base bound its checksums (format.binding)."""
-    from .binding import name_key
-    from .manifest import MAX_BYTES, bounded_int
-
     out = []
     for r in refs:
         if r is None:

@@ -14,7 +14,11 @@ from ..dtypes import NAME_TO_DTYPE
 from ..errors import CorruptCheckpointError, ValidationError
 from ..planning.read_plan import ChunkIndex
 from ..tree import iter_leaf_nodes
-from .manifest import MAX_BYTES, MAX_DEPTH, ArrayLeaf, ChunkTable, Manifest, PerProcessLeaf
+from .bounds import MAX_BYTES, MAX_DEPTH
+from .chunks import ChunkTable
+from .kinds import LeafKind
+from .leaves import ArrayLeaf, PerProcessLeaf
+from .manifest import Manifest
 
 _MAX_GRID_CELLS = 1 << 24
 _HEX = frozenset("0123456789abcdef")
@@ -132,13 +136,13 @@ def validate_structure(m: Manifest, where: str) -> None:
         dt = NAME_TO_DTYPE.get(leaf.dtype)
         if dt is None:
             raise CorruptCheckpointError(f"{name}: unknown dtype {leaf.dtype!r}")
-        if leaf.kind == "prng_key" and (not leaf.key_impl or not leaf.shape):
+        if leaf.kind == LeafKind.PRNG_KEY and (not leaf.key_impl or not leaf.shape):
             raise CorruptCheckpointError(
                 f"{name}: PRNG key without implementation or key-data axis"
             )
-        if leaf.kind == "prng_key":
+        if leaf.kind == LeafKind.PRNG_KEY:
             _check_key_data(leaf, name)
-        if leaf.kind == "scalar" and leaf.shape:
+        if leaf.kind == LeafKind.SCALAR and leaf.shape:
             raise CorruptCheckpointError(f"{name}: a scalar with shape {leaf.shape}")
         if m.version == 1:
             check_chunks(leaf, leaf.chunks, dt.itemsize, sizes, name)

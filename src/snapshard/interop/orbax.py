@@ -22,6 +22,7 @@ import tensorstore as ts
 from ..dtypes import dtype_name
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
+from ..format.kinds import LeafKind
 from ..tree import JsonNode, Path, path_str
 from . import local_path, step_order
 from .orbax_meta import (
@@ -240,7 +241,7 @@ def _load_item(item: _Dir, prefix: Path) -> _Item:
             leaves.append(
                 ArrayLeaf(
                     path=path,
-                    kind="prng_key" if key_impl else "array",
+                    kind=LeafKind.PRNG_KEY if key_impl else LeafKind.ARRAY,
                     dtype=dtype_name(np_dtype, leaf=path_str(path)),
                     shape=shape,
                     sharding={"type": "host"}

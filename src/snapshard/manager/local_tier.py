@@ -41,7 +41,8 @@ from ..coordination import Coordinator, SingleProcessCoordinator
 from ..coordination.transfer import PendingExchange, exchange, start_exchange
 from ..dtypes import dtype_name
 from ..errors import CorruptCheckpointError, SnapshardError, StorageError
-from ..format.manifest import ArrayLeaf, ValueLeaf
+from ..format.kinds import LeafKind
+from ..format.leaves import ArrayLeaf, ValueLeaf
 from ..options import SaveOptions
 from ..planning.layout import Box
 from ..read_executor import aligned_empty
@@ -306,13 +307,13 @@ def build_from_local(entry: dict[str, Any], target: Any, path: TreePath, where: 
         if not isinstance(v, np.ndarray | np.generic):
             return v  # a Python value
         a = np.asarray(v)
-        kind, key_impl, shape = ("scalar" if isinstance(v, np.generic) else "array"), None, a.shape
+        kind, key_impl, shape = (LeafKind.SCALAR if isinstance(v, np.generic) else LeafKind.ARRAY), None, a.shape
         boxes = {((0,) * a.ndim, a.shape): a}
     else:
         boxes = {parse_box_key(k): a for k, a in entry["shards"].items()}
         a = next(iter(boxes.values()))
         key_impl = entry.get("key_impl")
-        kind = "prng_key" if key_impl is not None else "array"
+        kind = LeafKind.PRNG_KEY if key_impl is not None else LeafKind.ARRAY
         # The saved layout is the target's (their fingerprints match); keys add the data axis.
         shape = (*target.shape, a.shape[-1]) if key_impl is not None else tuple(target.shape)
     saved = ArrayLeaf(path, kind, dtype_name(a.dtype), tuple(shape), key_impl=key_impl)

@@ -60,7 +60,7 @@ def _own_files(storage: Storage) -> set[str]:
     out = {f.name for f in t.files()}
     out |= {t.record_name(q) for q in range(len(t))}
     if t.values_sizes:
-        from ..format.manifest import values_file_name
+        from ..format.naming import values_file_name
 
         out |= {values_file_name(q, n) for q, n in enumerate(t.nonces)}
     return out

@@ -21,6 +21,7 @@ import numpy as np
 from ..dtypes import dtype_name
 from ..errors import TargetMismatchError, UnsupportedLeafError
 from ..format import ArrayLeaf, ChunkTable
+from ..format.kinds import LeafKind
 
 
 @dataclass(frozen=True, eq=False)
@@ -327,7 +328,7 @@ def leaf_of(name: str, x: VArray) -> ArrayLeaf:
         raise UnsupportedLeafError(x.error)
     return ArrayLeaf(
         path=(name,),
-        kind="array",
+        kind=LeafKind.ARRAY,
         dtype=dtype_name(x.dtype, leaf=name),
         shape=x.shape,
         chunks=chunk_table(x),

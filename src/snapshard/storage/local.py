@@ -28,7 +28,7 @@ from ..errors import (
     CorruptCheckpointError,
     StorageError,
 )
-from ..format.manifest import DATA_DIR, INDEX_DIR, MANIFEST_NAME
+from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME
 from ..format.refs import check_checkpoint_name, split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
 from .lease import LEASE_DIR, LeaseFiles, LocalLeaseFiles

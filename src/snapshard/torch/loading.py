@@ -22,7 +22,7 @@ from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, Manifest, ValueLeaf
-from ..format.manifest import PerProcessLeaf
+from ..format.leaves import PerProcessLeaf
 from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
 from ..per_process import PerProcess, Resplit

@@ -1,0 +1,206 @@
+"""Chunk tables: the chunks of one array, column by column, as a reader holds them (v1
+parses them from the manifest, v2 fetches them from the record files: format.finder)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from .binding import chunk_key
+
+MIN_CHECKSUM_BLOCK = 4 << 10
+MAX_BLOCKS_PER_CHUNK = 256
+
+
+def checksum_block(nbytes: int) -> int:
+    """Bytes per checksum block of a chunk: at least 4 KiB, at most 256 blocks per chunk.
+
+    Small blocks let a partial read verify what it reads without reading much more; the cap
+    keeps the manifest small for large chunks.
+    """
+    if nbytes <= MIN_CHECKSUM_BLOCK:
+        return max(nbytes, 1)
+    per = -(-nbytes // MAX_BLOCKS_PER_CHUNK)
+    return max(MIN_CHECKSUM_BLOCK, -(-per // 4096) * 4096)
+
+
+@dataclass
+class ChunkTable:
+    """The chunks of one array, column by column."""
+
+    starts: np.ndarray  # (C, ndim) int64
+    stops: np.ndarray  # (C, ndim) int64
+    file: np.ndarray  # (C,) index into the file list
+    offset: np.ndarray  # (C,) byte offset in the file
+    nbytes: np.ndarray  # (C,)
+    block: np.ndarray  # (C,) checksum block size
+    crc32c: list[str]  # v1: (C,) hex, 8 digits per block; v2: empty
+    # v2: where the chunk's crc32c values (uint32, one per block) lie in its file
+    crc_offset: np.ndarray | None = None
+    # v2: the record flags' codec bits per chunk (None: nothing compressed; see codecs.py)
+    flags: np.ndarray | None = None
+    # 2.1: the name key of every file of the manifest, by global file number, shared by
+    # all its tables (format.binding; None: the checksums are not bound)
+    file_keys: np.ndarray | None = None
+    # v2: the records' checksum block counts (checked against nbytes and block)
+    nblocks: np.ndarray | None = None
+
+    @staticmethod
+    def empty(ndim: int) -> ChunkTable:
+        z = np.zeros(0, dtype=np.int64)
+        return ChunkTable(
+            np.zeros((0, ndim), np.int64), np.zeros((0, ndim), np.int64), z, z, z, z, [], z
+        )
+
+    def _take(self, o: np.ndarray) -> ChunkTable:
+        return ChunkTable(
+            self.starts[o], self.stops[o], self.file[o], self.offset[o], self.nbytes[o], self.block[o],
+            [self.crc32c[i] for i in o.tolist()] if self.crc32c else [],
+            None if self.crc_offset is None else self.crc_offset[o],
+            None if self.flags is None else self.flags[o],
+            self.file_keys,
+            None if self.nblocks is None else self.nblocks[o],
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def block_crcs(self, i: int) -> np.ndarray:
+        """v1 only: the checksums of chunk i, from the manifest (v2 keeps them in the file)."""
+        return np.frombuffer(bytes.fromhex(self.crc32c[i]), dtype=">u4").astype(np.uint32)
+
+    # Whether chunk i is stored as exactly its box (a subclass may store a larger box).
+    stores_own_boxes = True
+
+    def storage_box(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """The box whose C-order bytes chunk i stores. For manifest chunks it is the chunk's
+        box; tables built by readers of other formats may store a larger box of which only
+        [starts[i], stops[i]) belongs to the array (see snapshard.safetensors)."""
+        return self.starts[i], self.stops[i]
+
+    @staticmethod
+    def from_rows(rows: list[dict[str, Any]], ndim: int, where: str) -> ChunkTable:
+        if not rows:
+            return ChunkTable.empty(ndim)
+        try:
+            starts = np.array([r["start"] for r in rows], dtype=np.int64).reshape(len(rows), ndim)
+            stops = np.array([r["stop"] for r in rows], dtype=np.int64).reshape(len(rows), ndim)
+            cols = {
+                k: np.array([r[k] for r in rows], dtype=np.int64)
+                for k in ("file", "offset", "nbytes", "block")
+            }
+            crcs = [str(r["crc32c"]) for r in rows]
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise CorruptCheckpointError(f"{where}: malformed chunk entry ({e})") from None
+        return ChunkTable(
+            starts, stops, cols["file"], cols["offset"], cols["nbytes"], cols["block"], crcs
+        )
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "start": self.starts[i].tolist(),
+                "stop": self.stops[i].tolist(),
+                "file": int(self.file[i]),
+                "offset": int(self.offset[i]),
+                "nbytes": int(self.nbytes[i]),
+                "block": int(self.block[i]),
+                "crc32c": self.crc32c[i],
+            }
+            for i in range(len(self))
+        ]
+
+    def sorted_by_box(self) -> ChunkTable:
+        """The chunks in box order (start, lexicographically): arrays with the same chunk
+        boxes then have equal box columns, which readers share (see intern_boxes)."""
+        if len(self) < 2:
+            return self
+        return self._take(np.lexsort(self.starts.T[::-1]))
+
+    def intern_boxes(self, seen: dict[bytes, tuple[np.ndarray, np.ndarray]]) -> None:
+        """Share the box columns with an earlier table of equal boxes (one index serves both)."""
+        key = self.starts.tobytes() + b"|" + self.stops.tobytes()
+        self.starts, self.stops = seen.setdefault(key, (self.starts, self.stops))
+
+    @staticmethod
+    def concat(tables: list[ChunkTable], ndim: int) -> ChunkTable:
+        tables = [t for t in tables if len(t)]
+        if not tables:
+            return ChunkTable.empty(ndim)
+        return ChunkTable(
+            np.concatenate([t.starts for t in tables]),
+            np.concatenate([t.stops for t in tables]),
+            np.concatenate([t.file for t in tables]),
+            np.concatenate([t.offset for t in tables]),
+            np.concatenate([t.nbytes for t in tables]),
+            np.concatenate([t.block for t in tables]),
+            [c for t in tables for c in t.crc32c],
+            None
+            if any(t.crc_offset is None for t in tables)
+            else np.concatenate([t.crc_offset for t in tables]),
+            _concat_optional([t.flags for t in tables], [len(t) for t in tables]),
+            next((t.file_keys for t in tables if t.file_keys is not None), None),
+            None
+            if any(t.nblocks is None for t in tables)
+            else np.concatenate([t.nblocks for t in tables]),
+        )
+
+    def key(self, i: int) -> int:
+        """The key chunk i's stored checksums are XORed with (0 where nothing binds them);
+        computed for the chunks read, not for every chunk found."""
+        if self.file_keys is None:
+            return 0
+        return chunk_key(int(self.file_keys[self.file[i]]), int(self.offset[i]))
+
+
+def _concat_optional(columns: list[np.ndarray | None], lengths: list[int]) -> np.ndarray | None:
+    """Optional columns of tables concatenated, zeros for the tables without (None if none has it)."""
+    if all(c is None for c in columns):
+        return None
+    return np.concatenate(
+        [np.zeros(n, np.int64) if c is None else c for c, n in zip(columns, lengths, strict=True)]
+    )
+
+
+class _LoadedFirst:
+    """A field of LazyChunkTable that ChunkTable gives a class default: read before the
+    table is fetched, it fetches it (the default would be read instead of __getattr__ being
+    called). Once fetched, the instance's own value is found first."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        obj.fetch()
+        return obj.__dict__[self.name]
+
+
+class LazyChunkTable(ChunkTable):
+    """The chunks of a v2 array, fetched from the record files on first use (tools such as
+    verify and diff that walk every chunk; a restore fetches only what its boxes touch)."""
+
+    crc_offset = _LoadedFirst()
+    flags = _LoadedFirst()
+    file_keys = _LoadedFirst()
+    nblocks = _LoadedFirst()
+
+    def __init__(self, load: Callable[[], ChunkTable]):  # no fields yet: see __getattr__
+        self.__dict__["_load"] = load
+
+    def fetch(self) -> None:
+        """Fetch the table's records now (once)."""
+        load = self.__dict__.pop("_load", None)
+        if load is not None:
+            self.__dict__.update(load().__dict__)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or "_load" not in self.__dict__:
+            raise AttributeError(name)
+        self.fetch()
+        return getattr(self, name)

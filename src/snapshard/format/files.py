@@ -1,0 +1,110 @@
+"""The data files of a manifest and, in v2, the process table that names them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import CorruptCheckpointError
+from .binding import name_key
+from .bounds import MAX_BYTES, MAX_FILES_PER_PROCESS, bounded_int
+from .naming import NONCE, data_file_name, record_file_name
+
+
+@dataclass
+class FileEntry:
+    """A data file of a manifest; `key` is its name key (format.binding) where its save
+    binds its checksums to it (2.1), None where it does not (2.0, v1)."""
+
+    name: str
+    size: int
+    key: int | None = None
+
+
+@dataclass
+class ProcessTable:
+    """v2: what each process wrote: the nonce naming its files, the size of each data file,
+    and the size and crc32c of its record file. Process q's data file j is global file
+    `base[q] + j` of the manifest's flat file list."""
+
+    nonces: list[str]
+    data_sizes: list[list[int]]
+    record_sizes: list[int]
+    record_crcs: list[int]
+    # sizes and crc32c of the per-process values files (empty lists: no such leaves)
+    values_sizes: list[int] = field(default_factory=list)
+    values_crcs: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.nonces)
+
+    def record_name(self, q: int) -> str:
+        return record_file_name(q, self.nonces[q])
+
+    @property
+    def base(self) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([len(s) for s in self.data_sizes])]).astype(np.int64)
+
+    def files(self, bound: bool = True) -> list[FileEntry]:
+        """The data files of every process, in global order (`bound`: with their keys)."""
+        out = []
+        for q, (n, sizes) in enumerate(zip(self.nonces, self.data_sizes, strict=True)):
+            for j, size in enumerate(sizes):
+                name = data_file_name(q, n, j)
+                out.append(FileEntry(name, size, name_key(name) if bound else None))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "nonce": "".join(self.nonces),
+            "data_sizes": self.data_sizes,
+            "record_sizes": self.record_sizes,
+            "record_crc32c": "".join(f"{c:08x}" for c in self.record_crcs),
+            **(
+                {"values_sizes": self.values_sizes,
+                 "values_crc32c": "".join(f"{c:08x}" for c in self.values_crcs)}
+                if self.values_sizes else {}
+            ),
+        }  # fmt: skip
+
+    @staticmethod
+    def from_json(d: Any, count: int, where: str) -> ProcessTable:
+        if not isinstance(d, dict):
+            raise CorruptCheckpointError(f"{where}: manifest lacks its process table")
+        nonce, crcs = d.get("nonce"), d.get("record_crc32c")
+        sizes, rsizes = d.get("data_sizes"), d.get("record_sizes")
+        if not (
+            isinstance(nonce, str) and isinstance(crcs, str) and isinstance(sizes, list)
+            and isinstance(rsizes, list) and len(nonce) == len(crcs) == 8 * count
+            and len(sizes) == len(rsizes) == count
+        ):  # fmt: skip
+            raise CorruptCheckpointError(
+                f"{where}: the process table does not list {count} processes"
+            )
+        nonces = [nonce[8 * q : 8 * q + 8] for q in range(count)]
+        if not all(NONCE.fullmatch(n) for n in nonces):
+            raise CorruptCheckpointError(f"{where}: malformed file nonce in the process table")
+        try:
+            record_crcs = [int(crcs[8 * q : 8 * q + 8], 16) for q in range(count)]
+        except ValueError:
+            raise CorruptCheckpointError(f"{where}: malformed record checksum") from None
+        data_sizes = []
+        for s in sizes:
+            if not isinstance(s, list) or len(s) > MAX_FILES_PER_PROCESS:
+                raise CorruptCheckpointError(f"{where}: malformed data file sizes")
+            data_sizes.append([bounded_int(x, 0, MAX_BYTES, "file size", where) for x in s])
+        record_sizes = [bounded_int(x, 0, MAX_BYTES, "record file size", where) for x in rsizes]
+        table = ProcessTable(nonces, data_sizes, record_sizes, record_crcs)
+        if "values_sizes" in d:
+            vsizes, vcrcs = d.get("values_sizes"), d.get("values_crc32c")
+            if not (isinstance(vsizes, list) and len(vsizes) == count and isinstance(vcrcs, str)
+                    and len(vcrcs) == 8 * count):  # fmt: skip
+                raise CorruptCheckpointError(f"{where}: malformed per-process value table")
+            table.values_sizes = [bounded_int(x, 0, MAX_BYTES, "values file size", where) for x in vsizes]
+            try:
+                table.values_crcs = [int(vcrcs[8 * q : 8 * q + 8], 16) for q in range(count)]
+            except ValueError:
+                raise CorruptCheckpointError(f"{where}: malformed values checksum") from None
+        return table

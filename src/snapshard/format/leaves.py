@@ -1,0 +1,173 @@
+"""The leaves of a manifest (arrays, values, per-process values) and their JSON form."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import NAME_TO_DTYPE, dtype_from_name
+from ..errors import CorruptCheckpointError
+from ..tree import Path, path_str
+from .bounds import MAX_BYTES, MAX_DIM, MAX_NDIM, MAX_PROCESSES, bounded_int
+from .chunks import ChunkTable
+from .kinds import ARRAY_KINDS, LeafKind
+from .values import decode_value, encode_value
+
+
+@dataclass
+class ArrayLeaf:
+    """An array leaf: a jax.Array, np.ndarray, NumPy scalar ('scalar') or typed PRNG key.
+
+    v2: `layout` numbers the manifest's layout descriptions; `writers`, when present, are
+    the only processes that wrote chunks of it (listed where the holders are many)."""
+
+    path: Path
+    kind: str
+    dtype: str
+    shape: tuple[int, ...]
+    sharding: dict[str, Any] | None = None
+    key_impl: str | None = None
+    chunks: ChunkTable = field(default_factory=lambda: ChunkTable.empty(0))
+    layout: int | None = None
+    writers: tuple[int, ...] | None = None
+    chunk_count: int | None = None  # v2: the number of chunks, known without the records
+
+    @property
+    def num_chunks(self) -> int:
+        return self.chunk_count if self.chunk_count is not None else len(self.chunks)
+
+    @property
+    def name(self) -> str:
+        return path_str(self.path)
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        """The shape the user sees (a key array's stored shape has the key data axis)."""
+        return self.shape[:-1] if self.kind == LeafKind.PRNG_KEY else self.shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_from_name(self.dtype).itemsize
+
+
+@dataclass
+class ValueLeaf:
+    """A Python value stored in the manifest itself: int, float, bool, str, bytes or None."""
+
+    path: Path
+    value: Any
+
+    @property
+    def name(self) -> str:
+        return path_str(self.path)
+
+
+@dataclass
+class PerProcessLeaf(ValueLeaf):
+    """v2: a value each process saved for itself (snapshard.PerProcess), kept in that
+    process's values file; `value` is filled in by a restore (None until then)."""
+
+
+Leaf = ArrayLeaf | ValueLeaf
+
+
+def _path_from_json(p: Any, where: str) -> Path:
+    if not isinstance(p, list) or not all(
+        isinstance(k, str | int) and not isinstance(k, bool) for k in p
+    ):
+        raise CorruptCheckpointError(f"{where}: malformed leaf path {str(p)[:200]}")
+    return tuple(p)
+
+
+def leaf_to_json(leaf: Leaf, chunks: bool = True) -> dict[str, Any]:
+    if isinstance(leaf, PerProcessLeaf):
+        return {"path": list(leaf.path), "kind": LeafKind.PER_PROCESS}
+    if isinstance(leaf, ValueLeaf):
+        return {
+            "path": list(leaf.path),
+            "kind": LeafKind.VALUE,
+            "value": encode_value(leaf.value, leaf.name),
+        }
+    out: dict[str, Any] = {
+        "path": list(leaf.path),
+        "kind": leaf.kind,
+        "dtype": leaf.dtype,
+        "shape": list(leaf.shape),
+        "sharding": leaf.sharding,
+    }
+    if leaf.key_impl is not None:
+        out["key_impl"] = leaf.key_impl
+    if leaf.layout is not None:
+        out["layout"] = leaf.layout
+    if leaf.writers is not None:
+        out["writers"] = list(leaf.writers)
+    if leaf.chunk_count is not None:
+        out["chunk_count"] = leaf.chunk_count
+    if chunks:
+        out["chunks"] = leaf.chunks.rows()
+    return out
+
+
+def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"{where}: malformed leaf entry")
+    path = _path_from_json(d.get("path"), where)
+    kind = d.get("kind")
+    where = f"{where}, leaf {path_str(path)!r}"
+    if kind == LeafKind.VALUE:
+        return ValueLeaf(path, decode_value(d.get("value"), where))
+    if kind == LeafKind.PER_PROCESS and version >= 2:
+        return PerProcessLeaf(path, None)
+    if not isinstance(kind, str) or kind not in ARRAY_KINDS:
+        raise CorruptCheckpointError(f"{where}: unknown leaf kind {str(kind)[:100]!r}")
+    shape = d.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_NDIM
+        or not all(
+            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM for s in shape
+        )
+        or math.prod(shape) > MAX_BYTES
+    ):
+        raise CorruptCheckpointError(f"{where}: malformed shape {str(shape)[:200]}")
+    dtype = d.get("dtype")
+    if not isinstance(dtype, str) or dtype not in NAME_TO_DTYPE:
+        raise CorruptCheckpointError(f"{where}: unknown dtype {str(dtype)[:100]!r}")
+    key_impl = d.get("key_impl")
+    if key_impl is not None and not isinstance(key_impl, str):
+        raise CorruptCheckpointError(f"{where}: malformed key_impl")
+    sharding = d.get("sharding")
+    leaf = ArrayLeaf(
+        path=path,
+        kind=kind,
+        dtype=dtype,
+        shape=tuple(shape),
+        sharding=sharding if isinstance(sharding, dict) else None,
+        key_impl=key_impl,
+    )
+    if version == 1:
+        rows = d.get("chunks", [])
+        if not isinstance(rows, list):
+            raise CorruptCheckpointError(f"{where}: malformed chunk list")
+        leaf.chunks = ChunkTable.from_rows(rows, len(shape), where)
+        return leaf
+    leaf.layout = bounded_int(d.get("layout"), 0, 1 << 31, "layout number", where)
+    leaf.chunk_count = bounded_int(d.get("chunk_count"), 0, MAX_BYTES, "chunk count", where)
+    writers = d.get("writers")
+    if writers is not None:
+        if not isinstance(writers, list) or len(writers) > MAX_PROCESSES:
+            raise CorruptCheckpointError(f"{where}: malformed writer list")
+        leaf.writers = tuple(bounded_int(w, 0, MAX_PROCESSES, "writer", where) for w in writers)
+    return leaf
+
+
+def interned(leaves: list[Leaf]) -> list[Leaf]:
+    """v1: share the box columns of chunk tables with equal boxes (format.chunks)."""
+    seen: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}
+    for leaf in leaves:
+        if isinstance(leaf, ArrayLeaf) and len(leaf.chunks):
+            leaf.chunks.intern_boxes(seen)
+    return leaves

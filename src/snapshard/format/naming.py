@@ -1,0 +1,43 @@
+"""The names of the format: the format and version tags, the manifest, and the data,
+record and values files each process writes (see docs/format.md). Pure: no I/O here."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..errors import CorruptCheckpointError
+
+FORMAT_NAME = "snapshard"
+INDEX_FORMAT_NAME = "snapshard-index"
+FORMAT_VERSION = 2
+# 2.1 binds every checksum to its file (format.binding). The manifest states it as the
+# string "2.1": a reader of 2.0 refuses it by name instead of failing every checksum.
+FORMAT_MINOR = 1
+READ_VERSIONS: tuple[int | str, ...] = (1, 2, "2.1")
+MANIFEST_NAME = "manifest.json"
+DATA_DIR = "data"
+INDEX_DIR = "index"
+_SAFE_NAME = re.compile(r"(data|index)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}")
+NONCE = re.compile(r"[0-9a-f]{8}")
+# The checksum of a v2 manifest is the crc32c of the file with its 8 digits as zeros.
+CHECKSUM_KEY = b'"checksum":"'
+
+
+def data_file_name(process: int, nonce: str, number: int) -> str:
+    return f"{DATA_DIR}/p{process:05d}-{nonce}-{number}.bin"
+
+
+def record_file_name(process: int, nonce: str) -> str:
+    return f"{INDEX_DIR}/p{process:05d}-{nonce}.idx"
+
+
+def values_file_name(process: int, nonce: str) -> str:
+    return f"{INDEX_DIR}/p{process:05d}-{nonce}.values.json"
+
+
+def check_file_name(name: Any, where: str) -> str:
+    """A data or index file name from a manifest, refusing anything that could leave the checkpoint."""
+    if not isinstance(name, str) or not _SAFE_NAME.fullmatch(name) or ".." in name:
+        raise CorruptCheckpointError(f"{where}: unsafe or malformed file name {name!r}")
+    return name
