@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import codecs, per_process, write_tuning
-from .adapters.leaves import SaveArray, classify, is_save_leaf
-from .adapters.loaded import is_jax_array
+from .adapters.jax_save import JaxAdapter
+from .adapters.leaves import MeshSpec, SaveArray
 from .background import BackgroundTask
 from .checksum import block_crcs, crc32c
 from .coordination import Coordinator, default_coordinator
@@ -60,7 +60,7 @@ from .gc_pause import collection_paused
 from .incremental import Increment, check_refs_committed, manifest_refs
 from .options import SaveOptions, require
 from .planning import WritePlan, plan_writes
-from .staging import Snapshot, StagedItem, stage
+from .staging import Snapshot, StagedItem
 from .storage import FileWriter, Location, Storage, is_object_store_url, storage_for
 from .tree import FlatTree, Path, flatten
 
@@ -106,11 +106,14 @@ class _Prepared:
     timings: SaveTimings = field(default_factory=SaveTimings)
     increment: Increment | None = None  # content hashes and references (incremental.py)
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this attempt's files
+    adapter: SaveAdapter = field(default_factory=JaxAdapter)
 
 
 class SaveAdapter(Protocol):
-    """Hook for a framework other than JAX (snapshard.torch): which values are leaves, how
-    they become SaveArrays, and how this process's planned items reach host memory."""
+    """What a framework's wing supplies to the save executor (adapters/jax_save.py for JAX,
+    torch/saving.py for PyTorch): which values are leaves, how they become SaveArrays, how
+    this process's planned items reach host memory, an array's mesh for the manifest's
+    compact layouts, and what to give back once the save has ended."""
 
     def is_leaf(self, x: Any) -> bool: ...
 
@@ -118,7 +121,18 @@ class SaveAdapter(Protocol):
 
     def stage(
         self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
-    ) -> tuple[list[StagedItem], int]: ...
+    ) -> tuple[list[StagedItem], int]:
+        """This process's items of `plan` on the host, and the host bytes copied for them;
+        `copy`: the caller goes on before the items are written (save_async)."""
+        ...
+
+    def mesh_of(self, arr: SaveArray) -> MeshSpec | None:
+        """The array's device mesh and partition spec where it has one (None: rows)."""
+        ...
+
+    def release(self) -> None:
+        """Called once the save has ended, however it ended (reused host buffers go back)."""
+        ...
 
 
 class ReplicatedSource:
@@ -132,7 +146,11 @@ class ReplicatedSource:
         raise NotImplementedError
 
 
-def classify_leaves(flat: FlatTree, process_count: int) -> list[Leaf | SaveArray]:
+def classify_leaves(
+    flat: FlatTree, process_count: int, adapter: SaveAdapter | None = None
+) -> list[Leaf | SaveArray]:
+    """Every leaf of `flat` as a SaveArray or a manifest leaf (JAX's adapter by default)."""
+    classify = (adapter or JaxAdapter()).classify
     return [classify(p, v, process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)]
 
 
@@ -152,12 +170,15 @@ def prepare(
     base: Location | Storage | None = None,
     identical: frozenset[int] = frozenset(),
 ) -> _Prepared:
-    """The blocking phase: plan, then bring every owned slice to host memory (from
-    `snapshot`, the host copy of the tree's device arrays, when one was already made).
+    """The blocking phase: plan, then bring every owned slice to host memory through
+    `adapter`, the framework's wing (None: JAX's, which stages from `snapshot`, the host copy
+    of the tree's device arrays, when one was already made; other adapters ignore it).
     `asynchronous`: the caller goes on before `finish` writes the bytes (save_async, the
     manager), so staging must not depend on the tree staying as it is (staging.stage)."""
     t0 = time.perf_counter()
     require(options, SaveOptions)
+    if adapter is None:
+        adapter = JaxAdapter(options.host_budget, snapshot)
     if not isinstance(location, Storage) and not os.fspath(location):
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
@@ -169,8 +190,7 @@ def prepare(
     try:
         return _prepare(
             rv, storage, tree, options, overwrite=overwrite, asynchronous=asynchronous,
-            extra=extra, snapshot=snapshot, flat=flat, adapter=adapter, base=base,
-            identical=identical, t0=t0,
+            extra=extra, flat=flat, adapter=adapter, base=base, identical=identical, t0=t0,
         )  # fmt: skip
     except BaseException as e:
         cause = report_early_failure(rv, e)  # the others fail at once, naming this error
@@ -189,9 +209,8 @@ def _prepare(
     overwrite: bool,
     asynchronous: bool,
     extra: dict[str, Any] | None,
-    snapshot: Snapshot | None,
     flat: FlatTree | None,
-    adapter: SaveAdapter | None,
+    adapter: SaveAdapter,
     base: Location | Storage | None,
     identical: frozenset[int],
     t0: float,
@@ -205,28 +224,14 @@ def _prepare(
     increment = None
     if base is not None or options.hashes:
         increment = Increment(base, storage, identical)
-    flat = flat or flatten(tree, adapter.is_leaf if adapter else is_save_leaf)
-    if adapter is not None:
-        n = coord.process_count
-        leaves = [adapter.classify(p, v, n) for p, v in zip(flat.paths, flat.leaves, strict=True)]
-    else:
-        leaves = classify_leaves(flat, coord.process_count)
+    flat = flat or flatten(tree, adapter.is_leaf)
+    leaves = classify_leaves(flat, coord.process_count, adapter)
     arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
     plan = plan_writes(
         [a.layout for _, a in arrays], options.mode, num_processes=coord.process_count
     )
     t1 = time.perf_counter()
-    if adapter is not None:
-        items, copied = adapter.stage(arrays, plan, coord.process_index, copy=asynchronous)
-    else:
-        items, copied = stage(
-            arrays,
-            plan,
-            coord.process_index,
-            budget=options.host_budget,
-            asynchronous=asynchronous,
-            snapshot=snapshot,
-        )
+    items, copied = adapter.stage(arrays, plan, coord.process_index, copy=asynchronous)
     # Host values are assumed equal on every process: their digests are compared at commit.
     digests = leaf_digests(leaves, values=coord.process_count > 1)
     storage.prepare_staging()  # from now on a load of the location can tell a save runs
@@ -234,7 +239,7 @@ def _prepare(
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
     return _Prepared(
         storage, rv, leaves, flat.structure, plan, items, overwrite, options, extra or {},
-        digests, timings, increment,
+        digests, timings, increment, adapter=adapter,
     )  # fmt: skip
 
 
@@ -600,7 +605,7 @@ def _layouts(prep: _Prepared) -> tuple[list[Leaf], list[dict[str, Any]], list[di
         plan = next(plans)
         known = per_layout.get(id(leaf.layout))
         if known is None:
-            desc = _describe(leaf, meshes, mesh_docs)
+            desc = _describe(leaf, prep.adapter, meshes, mesh_docs)
             lid = layouts.setdefault(json.dumps(desc, sort_keys=True), len(layouts))
             if lid == len(layout_docs):
                 layout_docs.append(desc)
@@ -623,7 +628,10 @@ def _layouts(prep: _Prepared) -> tuple[list[Leaf], list[dict[str, Any]], list[di
 
 
 def _describe(
-    arr: SaveArray, meshes: dict[tuple[Any, ...], int], mesh_docs: list[dict[str, Any]]
+    arr: SaveArray,
+    adapter: SaveAdapter,
+    meshes: dict[tuple[Any, ...], int],
+    mesh_docs: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The compact description of an array's layout (format.layouts), checked against the
     layout itself: a description that would mislead a reader falls back to explicit rows."""
@@ -631,7 +639,7 @@ def _describe(
     if cached is not None:
         desc, mesh = cached  # type: ignore[misc]
     else:
-        desc, mesh = _description(arr)
+        desc, mesh = _description(arr, adapter.mesh_of(arr))
         arr.layout._cache["description"] = (desc, mesh)
     if mesh is not None:
         mid = meshes.setdefault(mesh.key(), len(meshes))
@@ -641,14 +649,10 @@ def _describe(
     return desc
 
 
-def _description(arr: SaveArray) -> tuple[dict[str, Any], Mesh | None]:
+def _description(arr: SaveArray, found: MeshSpec | None) -> tuple[dict[str, Any], Mesh | None]:
+    """`found`: the array's mesh and spec, from its framework's adapter."""
     if arr.devices is None and isinstance(arr.source, np.ndarray | np.generic):
         return {"kind": "host"}, None
-    found = None
-    if is_jax_array(arr.source):
-        from .adapters.jax_arrays import mesh_and_spec
-
-        found = mesh_and_spec(arr.source.sharding, len(arr.shape))
     if found is not None:
         axes, shape, processes, spec = found
         mesh = Mesh(axes, shape, processes)
@@ -763,7 +767,15 @@ def _discard_own(prep: _Prepared, settled: bool) -> None:
 
 
 def finish(prep: _Prepared) -> SaveTimings:
-    """The background phase. Raises on this process if the save failed anywhere."""
+    """The background phase. Raises on this process if the save failed anywhere; the
+    adapter's `release` runs once it has ended, however it ended."""
+    try:
+        return _finish(prep)
+    finally:
+        prep.adapter.release()
+
+
+def _finish(prep: _Prepared) -> SaveTimings:
     t0 = time.perf_counter()
     t1 = t0
 
@@ -793,7 +805,6 @@ def refuse_existing(storage: Storage, overwrite: bool) -> None:
         )
 
 
-@collection_paused()
 def save(
     directory: Location | Storage,
     tree: Any,
@@ -814,14 +825,37 @@ def save(
     instead of being written (see snapshard.incremental); such a save records the chunks'
     content hashes, so that a later save may use it as base in turn.
     """
+    return save_through(
+        JaxAdapter(options.host_budget), directory, tree, options, overwrite=overwrite,
+        coordinator=coordinator, base=base,
+    )  # fmt: skip
+
+
+@collection_paused()
+def save_through(
+    adapter: SaveAdapter,
+    directory: Location | Storage,
+    tree: Any,
+    options: SaveOptions,
+    *,
+    overwrite: bool,
+    coordinator: Coordinator | None,
+    base: Location | Storage | None,
+) -> SaveTimings:
+    """A synchronous save through a framework's adapter (every wing's `save`)."""
     storage = storage_for(directory)
     refuse_existing(storage, overwrite)
-    prep = prepare(storage, tree, options, overwrite=overwrite, coordinator=coordinator, base=base)
+    prep = prepare(
+        storage, tree, options, overwrite=overwrite, coordinator=coordinator, base=base,
+        adapter=adapter,
+    )  # fmt: skip
     return finish(prep)
 
 
 class AsyncSave(BackgroundTask[SaveTimings]):
-    """A save whose background phase is running: `wait()` returns its timings or raises."""
+    """A save whose background phase is running, for every framework: `wait()` returns its
+    timings or raises. Whatever the framework's adapter holds for the save (torch's reused
+    host buffers) goes back when it ends, whether it succeeded or not (`finish`)."""
 
     def __init__(self, prep: _Prepared):
         self._prep = prep
@@ -857,6 +891,6 @@ def save_async(
     """
     prep = prepare(
         directory, tree, options, overwrite=overwrite, coordinator=coordinator,
-        asynchronous=True, extra=extra, base=base,
+        asynchronous=True, extra=extra, base=base, adapter=JaxAdapter(options.host_budget),
     )  # fmt: skip
     return AsyncSave(prep)

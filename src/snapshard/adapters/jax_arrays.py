@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import TargetMismatchError
 from ..planning.layout import ArrayLayout, slices_to_box
+from .leaves import MeshSpec
 
 Index = tuple[slice, ...]
 
@@ -180,9 +181,7 @@ def _replicated_on_devices(
     return jax.make_array_from_single_device_arrays(shape, sharding, [per_device[d] for d in devs])
 
 
-def mesh_and_spec(
-    sharding: Any, ndim: int
-) -> tuple[tuple[str, ...], tuple[int, ...], np.ndarray, list[list[str]]] | None:
+def mesh_and_spec(sharding: Any, ndim: int) -> MeshSpec | None:
     """A NamedSharding as (mesh axis names, axis sizes, process of each mesh position, and
     per array axis the mesh axes it is cut over), for the manifest's compact layouts; None
     for other shardings."""

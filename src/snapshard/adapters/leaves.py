@@ -18,6 +18,11 @@ from .loaded import is_jax_array
 
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 
+MeshSpec = tuple[tuple[str, ...], tuple[int, ...], np.ndarray, list[list[str]]]
+"""An array's device mesh and partition spec, for the manifest's compact layouts: mesh axis
+names, axis sizes, the process of each mesh position (flat), and per array axis the mesh
+axes it is cut over."""
+
 
 def is_save_leaf(x: Any) -> bool:
     return (

@@ -22,15 +22,13 @@ import torch
 
 from .. import saving as _saving
 from ..adapters.leaves import SaveArray
-from ..background import BackgroundTask
 from ..format.manifest import Leaf
-from ..gc_pause import collection_paused
 from ..manager.framework import StartedSave
 from ..options import SaveOptions
 from ..planning import WritePlan
 from ..read_executor import aligned_empty
 from ..staging import StagedItem, planned_items
-from ..storage import Location, Storage, storage_for
+from ..storage import Location, Storage
 from ..tree import Path
 from . import leaves as _leaves
 from .coordination import default_coordinator
@@ -82,6 +80,15 @@ class TorchAdapter:
 
     def is_leaf(self, x: Any) -> bool:
         return _leaves.is_leaf(x)
+
+    def mesh_of(self, arr: SaveArray) -> None:
+        """DTensor layouts are stored as explicit rows."""
+        return None
+
+    def release(self) -> None:
+        """The host buffers this save took go back to the pool for the next one."""
+        if self.buffers is not None:
+            self.buffers.give_back(self.taken)
 
     def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray:
         return _leaves.classify(path, value, process_count)
@@ -152,7 +159,7 @@ def start_save(
     **prepare_args: Any,
 ) -> StartedSave:
     """The blocking phase of a save of a torch state dict (`prepare_args`: the keywords of
-    saving.prepare).
+    saving.prepare), for the manager's TORCH framework.
 
     Asynchronous (the default): every byte this rank writes is copied into host buffers
     (from `buffers`, the process's pool by default) before returning, whatever
@@ -161,28 +168,18 @@ def start_save(
     of their memory, so the caller must not change them before `finish()` returns.
     `snapshot` is taken for the manager's sake and unused."""
     del snapshot
-    adapter = TorchAdapter((buffers or _buffers) if asynchronous else None)
     prep = _saving.prepare(
-        directory,
-        state_dict,
-        options,
-        coordinator=coordinator or default_coordinator(),
-        asynchronous=asynchronous,
-        adapter=adapter,
-        **prepare_args,
-    )
-
-    def finish() -> _saving.SaveTimings:
-        try:
-            return _saving.finish(prep)
-        finally:
-            if adapter.buffers is not None:
-                adapter.buffers.give_back(adapter.taken)
-
-    return StartedSave(prep.timings, finish)
+        directory, state_dict, options, coordinator=coordinator or default_coordinator(),
+        asynchronous=asynchronous, adapter=adapter_for(asynchronous, buffers), **prepare_args,
+    )  # fmt: skip
+    return StartedSave(prep.timings, lambda: _saving.finish(prep))
 
 
-@collection_paused()
+def adapter_for(asynchronous: bool, buffers: HostBuffers | None = None) -> TorchAdapter:
+    """The adapter of one save: asynchronous saves copy into reused host buffers."""
+    return TorchAdapter((buffers or _buffers) if asynchronous else None)
+
+
 def save(
     directory: Location | Storage,
     state_dict: Any,
@@ -196,31 +193,14 @@ def save(
     the same structure. Leaves: tensors (taken to be equal on every rank), DTensors (each
     rank writes only the boxes the shared plan gives it), NumPy arrays, Python values.
     `options`, `overwrite` and `base` as in snapshard.save."""
-    storage = storage_for(directory)
-    _saving.refuse_existing(storage, overwrite)
-    started = start_save(
-        storage, state_dict, options, asynchronous=False, overwrite=overwrite,
-        coordinator=coordinator, base=base,
+    return _saving.save_through(
+        adapter_for(False), directory, state_dict, options, overwrite=overwrite,
+        coordinator=coordinator or default_coordinator(), base=base,
     )  # fmt: skip
-    return started.finish()
 
 
-class AsyncSave(_saving.AsyncSave):
-    """A torch save whose background phase runs: `wait()` returns its timings or raises.
-    Its host buffers go back for reuse when it ends (whether it succeeded or not)."""
-
-    def __init__(self, started: StartedSave, url: str):
-        self._started = started
-        self._url = url
-        BackgroundTask.__init__(self, started.finish, f"save to {url}")
-
-    @property
-    def location(self) -> str:
-        return self._url
-
-    @property
-    def timings(self) -> _saving.SaveTimings:
-        return self._started.timings
+# One AsyncSave serves both wings: the adapter gives its host buffers back when it ends.
+AsyncSave = _saving.AsyncSave
 
 
 def save_async(
@@ -235,9 +215,9 @@ def save_async(
 ) -> AsyncSave:
     """Start a save; returns once every byte this rank writes is copied to host memory, so
     the caller may step the optimizer at once. `wait()` returns the timings or raises."""
-    storage = storage_for(directory)
-    started = start_save(
-        storage, state_dict, options, overwrite=overwrite, coordinator=coordinator,
-        base=base, extra=extra,
+    prep = _saving.prepare(
+        directory, state_dict, options, overwrite=overwrite,
+        coordinator=coordinator or default_coordinator(), asynchronous=True,
+        adapter=adapter_for(True), base=base, extra=extra,
     )  # fmt: skip
-    return AsyncSave(started, storage.url)
+    return AsyncSave(prep)
