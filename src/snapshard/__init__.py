@@ -12,8 +12,7 @@ snapshard.format) can be imported without JAX.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .errors import (
     CheckpointExistsError,
@@ -29,6 +28,7 @@ from .errors import (
     ValidationError,
     WriterLeaseError,
 )
+from .lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from .adapters.targets import abstract_target
@@ -62,12 +62,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'snapshard' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [

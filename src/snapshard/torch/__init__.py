@@ -13,11 +13,11 @@ the other. Needs the `torch` extra. See docs/torch.md.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..coordination.peer_memory import release_kept as release_shared_memory
 from ..inspection import metadata
+from ..lazy import lazy_getattr
 from ..options import ReadOptions, SaveOptions
 from .coordination import TorchStoreCoordinator, default_coordinator
 from .layout import ShardSpec, TensorLayout, expand_submesh, local_shape_and_offset, tensor_layout
@@ -42,12 +42,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'snapshard.torch' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 __all__ = [
