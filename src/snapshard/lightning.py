@@ -4,6 +4,8 @@ snapshard checkpoint (a directory at the path Lightning names, `epoch=0-step=4.c
     trainer = lightning.Trainer(plugins=[snapshard.lightning.CheckpointIO()])
     # saving in a background thread:
     plugins=[snapshard.lightning.AsyncCheckpointIO(snapshard.lightning.CheckpointIO())]
+    # sharded state (FSDP2/TP, FSDP): the strategies, which bypass the CheckpointIO
+    trainer = lightning.Trainer(strategy=snapshard.lightning.ModelParallelStrategy(...))
 
 Lightning's checkpoint dict holds tensors and Python objects. Tensors, NumPy arrays and
 plain values (`int`, `float`, `bool`, `str`, `None`) in dicts, lists and tuples are stored
@@ -16,6 +18,7 @@ docs/integrations.md.
 
 from __future__ import annotations
 
+import io
 import pickle
 import shutil
 import warnings
@@ -25,8 +28,19 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch.plugins.io import AsyncCheckpointIO as _LightningAsyncCheckpointIO
 from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
+from lightning.pytorch.strategies import FSDPStrategy as _LightningFSDPStrategy
+from lightning.pytorch.strategies import ModelParallelStrategy as _LightningModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from typing_extensions import override
 
 from . import torch as sst
@@ -43,6 +57,8 @@ class UntrustedPickleError(ValueError):
 
 
 def _encode(value: Any, path: str, pickled: list[str]) -> Any:
+    """Lightning's checkpoint dict as snapshard leaves and values; `pickled` collects the
+    paths of the objects that had to be pickled."""
     if isinstance(value, (torch.Tensor, np.ndarray)) or type(value) in _PLAIN:
         return value
     if type(value) in (dict, OrderedDict):
@@ -75,6 +91,20 @@ def _decode(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_decode(v) for v in value)
     return value
+
+
+def _refuse_untrusted(
+    state: Any, path: Any, trust_pickle: bool, weights_only: bool | None, owner: str
+) -> None:
+    names = _pickled_paths(state)
+    if names and (not trust_pickle or weights_only):
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        why = "weights_only=True was asked" if weights_only else "trust_pickle is not set"
+        raise UntrustedPickleError(
+            f"{path}: {len(names)} entries hold pickled objects ({shown}) and {why}; "
+            f"use snapshard.lightning.{owner}(trust_pickle=True) for a checkpoint "
+            "from a source you trust"
+        )
 
 
 def _map(checkpoint: Any, map_location: Any) -> Any:
@@ -136,15 +166,7 @@ class CheckpointIO(_LightningCheckpointIO):
             # Lightning's state comes back as plain dicts, which is what it loads from.
             warnings.simplefilter("ignore", ClassesLostWarning)
             state = sst.load(str(path), None, self.read_options)
-        names = _pickled_paths(state)
-        if names and (not self.trust_pickle or weights_only):
-            shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
-            why = "weights_only=True was asked" if weights_only else "trust_pickle is not set"
-            raise UntrustedPickleError(
-                f"{path}: {len(names)} entries hold pickled objects ({shown}) and {why}; "
-                "use snapshard.lightning.CheckpointIO(trust_pickle=True) for a checkpoint "
-                "from a source you trust"
-            )
+        _refuse_untrusted(state, path, self.trust_pickle, weights_only, "CheckpointIO")
         return _map(_decode(state), map_location)
 
     def remove_checkpoint(self, path: Any) -> None:
@@ -197,4 +219,193 @@ class AsyncCheckpointIO(_LightningAsyncCheckpointIO):
         return super().load_checkpoint(*args, **kwargs)
 
 
-__all__ = ["PICKLED", "AsyncCheckpointIO", "CheckpointIO", "UntrustedPickleError"]
+# The entries of a sharded checkpoint: the model's state dict, one per optimizer, and the
+# rest of Lightning's dict (loops, callbacks, hyper-parameters) as the bytes of torch.save.
+MODEL = "model"
+OTHER = "lightning"
+_SHARDED = StateDictOptions(full_state_dict=False)
+
+
+def _optimizer_key(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+def save_sharded(
+    path: str, checkpoint: dict[str, Any], rank: int, options: SaveOptions = SaveOptions()
+) -> None:
+    """Write Lightning's checkpoint dict, whose `state_dict` and `optimizer_states` hold
+    sharded state dicts (DTensors, ShardedTensors), as one snapshard checkpoint through
+    `dcp.save` with snapshard's storage writer: every rank calls it; one commit for all.
+    The other entries are pickled by rank 0 alone, as Lightning writes its `meta.pt`."""
+    state: dict[str, Any] = {MODEL: checkpoint.pop("state_dict")}
+    for i, optimizer_state in enumerate(checkpoint.pop("optimizer_states", [])):
+        state[_optimizer_key(i)] = optimizer_state
+    if rank == 0:
+        buffer = io.BytesIO()
+        torch.save(checkpoint, buffer)
+        state[OTHER] = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    dcp.save(state, storage_writer=sst.StorageWriter(path, options, overwrite=True))
+
+
+def load_sharded(
+    path: str,
+    model: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    *,
+    strict: bool = True,
+    trust_pickle: bool = False,
+    weights_only: bool | None = None,
+    options: ReadOptions = ReadOptions(),
+) -> dict[str, Any]:
+    """Restore a checkpoint `save_sharded` wrote into `model` and `optimizers` in place
+    (each rank reads the shards it holds, onto any mesh or world size), and return the rest
+    of Lightning's dict. Its pickle is read with torch.load's `weights_only` unpickler
+    (tensors, containers, plain values) unless `trust_pickle` is set; `weights_only=True`
+    keeps it even then."""
+    saved = sst.metadata(path)
+    if not isinstance(saved, dict) or OTHER not in saved or MODEL not in saved:
+        raise ValueError(
+            f"{path}: not a Lightning sharded checkpoint written by snapshard "
+            f"(no {MODEL!r} and {OTHER!r} entries)"
+        )
+    state: dict[str, Any] = {MODEL: get_model_state_dict(model, options=_SHARDED)}
+    for i, optimizer in enumerate(optimizers):
+        state[_optimizer_key(i)] = get_optimizer_state_dict(model, optimizer, options=_SHARDED)
+    state[OTHER] = torch.empty(saved[OTHER].shape, dtype=torch.uint8)
+    dcp.load(state, storage_reader=sst.StorageReader(path, options))
+    set_model_state_dict(model, state[MODEL], options=StateDictOptions(strict=strict))
+    for i, optimizer in enumerate(optimizers):
+        set_optimizer_state_dict(model, optimizer, state[_optimizer_key(i)], options=_SHARDED)
+    restricted = weights_only or not trust_pickle
+    try:
+        rest = torch.load(io.BytesIO(state[OTHER].numpy().tobytes()), weights_only=restricted)
+    except pickle.UnpicklingError as e:
+        raise UntrustedPickleError(
+            f"{path}: Lightning's entries ({OTHER!r}) hold objects torch.load's weights_only "
+            "unpickler refuses; pass trust_pickle=True to the strategy for a checkpoint from "
+            f"a source you trust ({e})"
+        ) from e
+    if not isinstance(rest, dict):
+        raise ValueError(f"{path}: entry {OTHER!r} is not Lightning's checkpoint dict")
+    return rest
+
+
+class _ShardedCheckpoints:
+    """What the two strategies share: their sharded checkpoints through snapshard."""
+
+    def _setup_snapshard(
+        self, options: SaveOptions, read_options: ReadOptions, trust_pickle: bool
+    ) -> None:
+        self.snapshard_options = options
+        self.snapshard_read_options = read_options
+        self.trust_pickle = trust_pickle
+
+    def _save_snapshard(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+        strategy: Any = self  # a Lightning strategy: the class this is mixed into
+        path = str(strategy.broadcast(str(filepath)))
+        if "://" not in path and Path(path).is_file():
+            if strategy.global_rank == 0:
+                Path(path).unlink()  # a full checkpoint saved there before
+            strategy.barrier()
+        save_sharded(path, checkpoint, strategy.global_rank, self.snapshard_options)
+
+    def _load_snapshard(self, path: str, weights_only: bool | None) -> Any:
+        strategy: Any = self
+        module = strategy.lightning_module
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers] if fitting else []
+        return load_sharded(
+            path,
+            strategy.model,
+            optimizers,
+            strict=module.strict_loading,
+            trust_pickle=self.trust_pickle,
+            weights_only=weights_only,
+            options=self.snapshard_read_options,
+        )
+
+
+def _lightning_layout(path: str) -> bool:
+    """A checkpoint in Lightning's own layout: a file, or a directory with its meta.pt."""
+    local = Path(path)
+    return "://" not in path and (local.is_file() or (local / "meta.pt").is_file())
+
+
+class ModelParallelStrategy(_ShardedCheckpoints, _LightningModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2, tensor parallelism), with its distributed
+    checkpoints written and read by snapshard: `Trainer.save_checkpoint` and
+    `ModelCheckpoint` write one snapshard checkpoint (atomic, checksummed, restorable onto
+    another mesh) through DCP with snapshard's storage; checkpoints in Lightning's own layout
+    still load. `save_distributed_checkpoint=False` keeps Lightning's full-state file."""
+
+    def __init__(
+        self,
+        *args: Any,
+        options: SaveOptions = SaveOptions(),
+        read_options: ReadOptions = ReadOptions(),
+        trust_pickle: bool = False,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self._setup_snapshard(options, read_options, trust_pickle)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._save_distributed_checkpoint or storage_options is not None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._save_snapshard(checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        path = str(self.broadcast(str(checkpoint_path)))
+        if _lightning_layout(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        return self._load_snapshard(path, weights_only)
+
+
+class FSDPStrategy(_ShardedCheckpoints, _LightningFSDPStrategy):
+    """Lightning's FSDPStrategy, with `state_dict_type="sharded"` checkpoints written and
+    read by snapshard, as `ModelParallelStrategy` here does; `"full"` keeps Lightning's
+    file. Lightning runs this strategy on GPUs only."""
+
+    def __init__(
+        self,
+        *args: Any,
+        options: SaveOptions = SaveOptions(),
+        read_options: ReadOptions = ReadOptions(),
+        trust_pickle: bool = False,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
+        self._setup_snapshard(options, read_options, trust_pickle)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self._state_dict_type != "sharded" or storage_options is not None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        self._save_snapshard(checkpoint, filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
+        path = str(self.broadcast(str(checkpoint_path)))
+        if _lightning_layout(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        return self._load_snapshard(path, weights_only)
+
+
+__all__ = [
+    "MODEL",
+    "OTHER",
+    "PICKLED",
+    "AsyncCheckpointIO",
+    "CheckpointIO",
+    "FSDPStrategy",
+    "ModelParallelStrategy",
+    "UntrustedPickleError",
+    "load_sharded",
+    "save_sharded",
+]
