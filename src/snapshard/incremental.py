@@ -33,7 +33,6 @@ import numpy as np
 
 from .errors import SnapshardError
 from .format import records as rec
-from .format.bases import sibling_storage
 from .format.binding import name_key
 from .format.files import FileEntry
 from .format.leaves import ArrayLeaf
@@ -41,7 +40,7 @@ from .format.manifest import Manifest
 from .format.reading import read_manifest
 from .format.refs import check_checkpoint_name, ref_files, split_ref_name
 from .staging import StagedItem
-from .storage import Location, Storage, storage_for
+from .storage import Location, Storage, parse_location, storage_for
 
 _xxhash: Any
 try:  # a maintained binding, 30x faster than blake2b here; optional
@@ -71,12 +70,7 @@ def chunk_hash(raw: memoryview | bytes, hid: int | None = None) -> bytes:
 
 
 def checkpoint_parent_and_name(location: Location | Storage) -> tuple[str, str]:
-    url = location.url if isinstance(location, Storage) else os.fspath(location)
-    if "://" not in url:
-        url = os.path.abspath(url)
-    url = url.rstrip("/")
-    parent, _, name = url.rpartition("/")
-    return parent, name
+    return parse_location(location.url if isinstance(location, Storage) else location).parent_and_name()
 
 
 @dataclass
@@ -371,7 +365,7 @@ def check_refs_committed(storage: Storage, refs: list[Any]) -> list[FileEntry]:
     files = ref_files(refs, storage.url, bound=True)  # this library writes 2.1
     names = {split_ref_name(f.name)[0] for f in files if f.name}  # type: ignore[index]
     for name in sorted(names):
-        if not sibling_storage(storage, name).is_committed():
+        if not storage.sibling(name).is_committed():
             raise SnapshardError(
                 f"save to {storage.url}: referenced checkpoint {name!r} is no longer committed"
             )

@@ -9,26 +9,13 @@ its manifest and the referenced data files; see design.md).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..storage import Storage, storage_for
 from .manifest import Manifest
 
-
-def sibling_storage(storage: Storage, name: str) -> Storage:
-    """The checkpoint `name` beside `storage` (same parent, same store and options); on a
-    filesystem, refusing to follow a symbolic link in its place."""
-    from ..storage.local import LocalStorage
-
-    if isinstance(storage, LocalStorage):
-        return LocalStorage(storage.final.parent / name, referenced=True)
-    from ..storage.objstore import ObjectStorage
-
-    if isinstance(storage, ObjectStorage):
-        return ObjectStorage(storage.url, client=storage.client.sibling(name))
-    url = storage.url.rstrip("/")
-    return storage_for(f"{url.rpartition('/')[0]}/{name}")
+if TYPE_CHECKING:
+    from ..storage import Storage
 
 
 def check_bases(storage: Storage, m: Manifest) -> None:
@@ -57,7 +44,7 @@ def check_bases(storage: Storage, m: Manifest) -> None:
 
 
 def _base_manifest(storage: Storage, name: str) -> Manifest:
-    sibling = sibling_storage(storage, name)
+    sibling = storage.sibling(name)
     try:
         raw = sibling.read_manifest()
         base = Manifest.from_json(raw, sibling.url)

@@ -3,11 +3,15 @@ tables. Imports no framework: inspection, the manager and the CLI use it to read
 
 from __future__ import annotations
 
-from ..storage import Storage
+from typing import TYPE_CHECKING
+
 from .bases import check_bases
 from .finder import attach_lazy_tables
 from .manifest import Manifest
 from .validate import validate_structure
+
+if TYPE_CHECKING:
+    from ..storage import Storage
 
 
 def read_manifest(storage: Storage) -> Manifest:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import re
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 from ..errors import CheckpointNotFoundError, SnapshardError
+from ..storage.location import parse_location
 
 if TYPE_CHECKING:
     from ..sources import CheckpointSource
@@ -37,10 +37,7 @@ def step_order(name: str) -> list[Any]:
 
 def local_path(location: str) -> str | None:
     """The filesystem path of a local location (a path or file:// URL); None for a URL."""
-    parsed = urlparse(location)
-    if parsed.scheme not in ("", "file"):
-        return None
-    return parsed.path if parsed.scheme == "file" else location
+    return parse_location(location).local_path
 
 
 def _holds_orbax_markers(storage: Storage) -> bool:
@@ -54,8 +51,9 @@ def _holds_orbax_markers(storage: Storage) -> bool:
 def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> CheckpointSource:
     """The Orbax checkpoint at the storage's location; `not_found` again when there is none."""
     location = storage.url
-    local = local_path(location)
-    if urlparse(location).scheme not in ORBAX_SCHEMES or (
+    parsed = parse_location(location)
+    local = parsed.local_path
+    if parsed.scheme not in ORBAX_SCHEMES or (
         local is not None and not os.path.isdir(local)
     ):
         raise not_found

@@ -14,7 +14,6 @@ import math
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import numpy as np
 import tensorstore as ts
@@ -23,6 +22,7 @@ from ..dtypes import dtype_name
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
+from ..storage.location import parse_location
 from ..tree import JsonNode, Path, path_str
 from . import local_path, step_order
 from .orbax_meta import (
@@ -59,16 +59,14 @@ _MAX_GRID = 1 << 20
 
 def kvstore_spec(location: str) -> dict[str, Any]:
     """The TensorStore key-value store of a directory: a local path, file://, s3:// or gs://."""
-    local = local_path(location)
-    if local is not None:
-        return {"driver": "file", "path": os.path.abspath(local).rstrip("/") + "/"}
-    parsed = urlparse(location)
-    prefix = parsed.path.strip("/")
-    prefix = prefix + "/" if prefix else ""
+    parsed = parse_location(location)
+    if parsed.local_path is not None:
+        return {"driver": "file", "path": os.path.abspath(parsed.local_path).rstrip("/") + "/"}
+    prefix = parsed.path + "/" if parsed.path else ""
     if parsed.scheme == "gs":
-        return {"driver": "gcs", "bucket": parsed.netloc, "path": prefix}
+        return {"driver": "gcs", "bucket": parsed.bucket, "path": prefix}
     if parsed.scheme == "s3":
-        spec: dict[str, Any] = {"driver": "s3", "bucket": parsed.netloc, "path": prefix}
+        spec: dict[str, Any] = {"driver": "s3", "bucket": parsed.bucket, "path": prefix}
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         if endpoint:
             spec["endpoint"] = endpoint

@@ -13,12 +13,11 @@ import os
 import posixpath
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 import numpy as np
 
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError
-from ..storage import LocalStorage, Location, Storage, storage_for
+from ..storage import LocalStorage, Location, Storage, parse_location, storage_for
 from .header import LENGTH_BYTES, Header, header_length, parse_header
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -43,20 +42,12 @@ class FileSet:
 
 def _split(location: str) -> tuple[str, str | None]:
     """(directory, file name or None) of a location naming a directory, a file or an index."""
-    path = urlparse(location).path if "://" in location else location
-    if path.endswith((SUFFIX, ".json")):
-        if "://" in location:
-            head, _, name = location.rstrip("/").rpartition("/")
-            return head, name
-        return os.path.dirname(os.path.abspath(location)) or ".", os.path.basename(location)
-    return location, None
-
-
-def _local_dir(location: str) -> str | None:
-    scheme = urlparse(location).scheme
-    if scheme == "file":
-        return urlparse(location).path
-    return location if scheme == "" else None
+    loc = parse_location(location)
+    if location.endswith("/") or not loc.path.endswith((SUFFIX, ".json")):
+        return location, None
+    if loc.scheme:
+        return loc.parent_and_name()
+    return os.path.dirname(os.path.abspath(location)) or ".", os.path.basename(location)
 
 
 def _safe_name(name: Any, where: str) -> str:
@@ -147,7 +138,7 @@ def open_files(location: Location | Storage) -> tuple[FileSet, dict[str, str] | 
         storage, name, owns = location, None, False
     else:
         directory, name = _split(os.fspath(location))
-        local = _local_dir(directory)
+        local = parse_location(directory).local_path
         if local is not None and not os.path.isdir(local):
             raise CheckpointNotFoundError(
                 f"no safetensors file or directory at {os.fspath(location)}"

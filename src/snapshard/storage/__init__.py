@@ -3,28 +3,27 @@
 from __future__ import annotations
 
 import os
-from urllib.parse import urlparse
 
 from .base import CheckpointRoot, FileWriter, Storage
 from .local import LocalRoot, LocalStorage
+from .location import (
+    OBJECT_STORE_SCHEMES,
+    ParsedLocation,
+    parse_location,
+    require_supported,
+)
 
 Location = str | os.PathLike[str]
-OBJECT_STORE_SCHEMES = ("s3", "gs", "az", "azure", "abfs", "memory")
 
 
 def is_object_store_url(location: Location) -> bool:
-    return urlparse(os.fspath(location)).scheme in OBJECT_STORE_SCHEMES
+    return parse_location(location).is_object_store
 
 
 def _local_or_object(location: Location) -> tuple[str, bool]:
     """The location as text (a plain path for file://), and whether it is an object store."""
-    text = os.fspath(location)
-    scheme = urlparse(text).scheme
-    if scheme in ("", "file"):
-        return (urlparse(text).path if scheme == "file" else text), False
-    if scheme in OBJECT_STORE_SCHEMES:
-        return text, True
-    raise ValueError(f"unsupported checkpoint location {text!r} (scheme {scheme!r})")
+    loc = require_supported(parse_location(location))
+    return (loc.text, True) if loc.is_object_store else (loc.path, False)
 
 
 def storage_for(location: Location | Storage) -> Storage:
@@ -52,13 +51,16 @@ def root_for(location: Location | CheckpointRoot) -> CheckpointRoot:
 
 
 __all__ = [
+    "OBJECT_STORE_SCHEMES",
     "CheckpointRoot",
     "FileWriter",
     "LocalRoot",
     "LocalStorage",
     "Location",
+    "ParsedLocation",
     "Storage",
     "is_object_store_url",
+    "parse_location",
     "root_for",
     "storage_for",
 ]

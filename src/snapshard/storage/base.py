@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from .location import parse_location
+
 if TYPE_CHECKING:
     from .lease import LeaseFiles
 
@@ -66,6 +68,14 @@ class Storage(ABC):
     def will_need(self, name: str, offset: int, nbytes: int) -> None:  # noqa: B027
         """Start fetching bytes [offset, offset + nbytes) of file `name` from the device
         without waiting for them (a hint; nothing where the storage has no such means)."""
+
+    def sibling(self, name: str) -> Storage:
+        """The checkpoint `name` beside this one: same parent, same store (a base or a
+        referenced checkpoint of an incremental save). Backends with options or handles to
+        share override it."""
+        from . import storage_for
+
+        return storage_for(parse_location(self.url).sibling(name))
 
     def _check_guard(self) -> None:
         if self.commit_guard is not None:

@@ -496,13 +496,18 @@ class LocalStorage(Storage):
             raise StorageError.wrap(e, "deletion of", self.url) from e
         shutil.rmtree(trash, ignore_errors=True)
 
+    def sibling(self, name: str) -> LocalStorage:
+        """The checkpoint `name` beside this one, opened as a referenced checkpoint: its
+        files are read, never followed through a symbolic link in its place."""
+        return LocalStorage(self.final.parent / name, referenced=True)
+
     def _sibling(self, name: str) -> LocalStorage:
         """The referenced checkpoint `name` beside this one (its handles cached here)."""
         with self._lock:
             sib = self._siblings.get(name)
             if sib is None:
                 check_checkpoint_name(name, self.url)
-                sib = LocalStorage(self.final.parent / name, referenced=True)
+                sib = self.sibling(name)
                 self._siblings[name] = sib
             return sib
 

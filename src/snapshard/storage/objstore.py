@@ -156,6 +156,10 @@ class ObjectStorage(Storage):
     def close(self) -> None:
         self.client.close()
 
+    def sibling(self, name: str) -> ObjectStorage:
+        """The checkpoint `name` beside this one, through the same store and options."""
+        return ObjectStorage(self.url, client=self.client.sibling(name))
+
     def holds(self, name: str) -> bool:
         """Whether an object `name` exists under the prefix (one HEAD request)."""
         return self.client.exists(name)
