@@ -222,7 +222,7 @@ def write_chunk(
     level: int = DEFAULT_LEVEL,
     *,
     file_key: int,
-) -> tuple[Any, ...]:
+) -> rec.ChunkRecord:
     """Append a compressed chunk (blocks, then offsets and checksums) to `writer`; returns
     its record fields like saving.write_chunk. The checksums are stored bound to the file
     (`file_key`, its name key) and the offset (format.binding). A large chunk's blocks are checksummed and
@@ -254,31 +254,14 @@ def write_chunk(
     bound = np.asarray(crcs, "<u4") ^ np.uint32(chunk_key(file_key, offset))
     tail = np.asarray(offsets, "<u8").tobytes() + bound.astype("<u4").tobytes()
     writer.write(memoryview(tail))
-    return (
+    return rec.ChunkRecord(
         file, codec << rec.CODEC_SHIFT, offset, n, block, len(crcs), offset + offsets[-1],
         [int(x) for x in start], [int(x) for x in stop],
     )  # fmt: skip
 
 
-def row_tables(row: tuple[Any, ...]) -> int:
-    """Bytes of the tables the chunk `row` describes has after its data: its checksums,
-    and for a compressed chunk its block offsets first."""
-    _file, flags, _offset, _nbytes, _block, nblocks, *_ = row
-    return table_end(nblocks) if codec_of(flags) else 4 * nblocks
-
-
-def row_end(row: tuple[Any, ...]) -> int:
-    """Where the next chunk starts in the file, after the chunk `row` describes."""
-    return int(row[6]) + row_tables(row)  # row[6]: where the tables start (crc_offset)
-
-
-def codec_of(flags: int) -> int:
-    return (int(flags) & rec.CODEC_MASK) >> rec.CODEC_SHIFT
-
-
-def table_end(nblocks: int) -> int:
-    """Bytes of a compressed chunk's offsets and checksums."""
-    return 8 * (nblocks + 1) + 4 * nblocks
+codec_of = rec.codec_of
+table_end = rec.packed_tables
 
 
 class _Output:

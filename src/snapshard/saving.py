@@ -56,6 +56,7 @@ from .format import (
 from .format.binding import chunk_key, name_key
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
+from .format.records import ChunkRecord, ProcessReport, records_of
 from .gc_pause import collection_paused
 from .incremental import Increment, check_refs_committed, manifest_refs
 from .options import SaveOptions, require
@@ -65,6 +66,9 @@ from .storage import FileWriter, Location, Storage, is_object_store_url, storage
 from .tree import FlatTree, Path, flatten
 
 log = logging.getLogger("snapshard")
+
+WrittenFile = tuple[int, list[tuple[int, ChunkRecord]]]
+"""A data file just written: its size, and the (leaf, record) of each chunk in it."""
 
 _WRITE_PIECE = 16 << 20
 # Writes shorter than this are gathered before they reach the storage (`CoalescingWriter`).
@@ -296,13 +300,11 @@ def write_chunk(
     offset: int,
     *,
     file_key: int,
-) -> tuple[Any, ...]:
+) -> ChunkRecord:
     """Append the C-order bytes of box [start, stop) to `writer`, checksumming each block as
     it goes out, then the block checksums (uint32, little-endian) right after them, bound to
-    the file (`file_key`, its name key) and the offset (format.binding).
-
-    Returns the chunk's record fields (file, flags, offset, nbytes, block, nblocks,
-    crc_offset, start, stop) for format.records, given the chunk's offset in the file."""
+    the file (`file_key`, its name key) and the offset (format.binding); returns the
+    chunk's record, given the chunk's offset in the file."""
     raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
     block = checksum_block(len(raw))
     key = chunk_key(file_key, offset)
@@ -318,7 +320,7 @@ def write_chunk(
             writer.write(raw[a : a + piece])
         bound = np.asarray(crcs, dtype="<u4") ^ np.uint32(key)
         writer.write(memoryview(bound.astype("<u4").tobytes()))
-    return (
+    return ChunkRecord(
         file, 0, offset, len(raw), block, len(crcs), offset + len(raw),
         [int(x) for x in start], [int(x) for x in stop],
     )  # fmt: skip
@@ -327,16 +329,6 @@ def write_chunk(
 def chunk_span(nbytes: int) -> int:
     """Bytes a chunk of `nbytes` takes in its file: the data, then its checksums."""
     return nbytes + 4 * -(-nbytes // checksum_block(nbytes))
-
-
-def records_of(rows: list[tuple[Any, ...]], ndim: int) -> np.ndarray:
-    """Record rows of one leaf as format.records structured records, sorted by box."""
-    out = np.zeros(len(rows), records.record_dtype(ndim))
-    for i, r in enumerate(rows):
-        out[i] = r
-    if len(out) > 1 and ndim:
-        out = out[np.lexsort(out["start"].T[::-1])]
-    return out
 
 
 def _layout_digest(arr: SaveArray) -> int:
@@ -380,7 +372,7 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
 
 def _write_file(
     storage: Storage, name: str, items: list[StagedItem], codec_of: Any = None
-) -> tuple[int, list[tuple[int, tuple[Any, ...]]]]:
+) -> WrittenFile:
     """Write items back to back into one file; returns its size and the chunk records.
     `codec_of(item)` gives each item's codec (codecs.py; None: nothing compressed)."""
     writer = CoalescingWriter(storage.open_writer(name))
@@ -400,7 +392,7 @@ def _write_file(
                 )
             rows.append((it.leaf, row))
             it.release()  # the bytes are in the file now: let the host copy go
-            offset = codecs.row_end(row)
+            offset = row.end()
         size = writer.close()
     except BaseException:
         writer.abort()
@@ -415,7 +407,7 @@ def write_data_files(
     items: list[StagedItem],
     count: int,
     codec_of: Any = None,
-) -> list[tuple[int, list[tuple[int, tuple[Any, ...]]]]]:
+) -> list[WrittenFile]:
     """Process `pid`'s items into at most `count` data files of nearly equal size, written in
     parallel (one thread per file); per file, its size and its (leaf, chunk record) rows."""
     groups = _split_files(items, count)
@@ -433,11 +425,45 @@ def write_data_files(
 
 def _write_own(prep: _Prepared) -> dict[str, Any]:
     """Write this process's data files and its record file; returns the report that tells
-    process 0 what was written (names follow from process and nonce)."""
-    pid = prep.rendezvous.coord.process_index
-    nonce = prep.nonce
+    process 0 what was written (names follow from process and nonce), as JSON."""
+    pid, nonce, inc = prep.rendezvous.coord.process_index, prep.nonce, prep.increment
     prep.storage.prepare_staging()
-    inc = prep.increment
+    results, data_bytes = _write_data(prep)
+    by_leaf = rows_by_leaf(results)
+    for leaf, row in inc.ref_rows if inc is not None else ():
+        by_leaf.setdefault(leaf, []).append(ChunkRecord(*row))
+    written = sum(len(r) for r in by_leaf.values())
+    if written != len(prep.items):  # each process checks its records against its own plan
+        raise CoordinationError(
+            f"{prep.rendezvous.what}: process {pid} wrote {written} chunks, its plan has {len(prep.items)}"
+        )
+    data = _record_file(prep, by_leaf)
+    prep.storage.write_bytes(record_file_name(pid, nonce), data)
+    own = {i: leaf.value for i, leaf in enumerate(prep.leaves) if isinstance(leaf, PerProcessLeaf)}
+    values = b""
+    if own:
+        values = per_process.encode_file(own, {i: prep.leaves[i].name for i in own})
+        prep.storage.write_bytes(values_file_name(pid, nonce), values)
+    sizes = tuple(size for size, _ in results)
+    chunks = [row for _, rows in results for _, row in rows]
+    prep.timings.bytes_written = data_bytes
+    prep.timings.bytes_metadata = sum(row.tables() for row in chunks) + len(data)
+    prep.timings.bytes_stored = sum(sizes) + len(data) + len(values)
+    increment = inc.report() if inc is not None else {}
+    return ProcessReport(
+        nonce, sizes, len(data), crc32c(data), len(values), crc32c(values),
+        crc32c(prep.digests.tobytes(), crc32c(json.dumps(prep.structure).encode())),
+        refs_used=tuple(increment.get("refs_used", ())),
+        referenced_bytes=int(increment.get("referenced_bytes", 0)),
+        ref_codecs=tuple(increment.get("ref_codecs", ())),
+        packed_saved=sum(row.packed_saved() for row in chunks),
+        codecs=tuple(sorted({row.codec for row in chunks} - {0})),
+    ).to_json()  # fmt: skip
+
+
+def _write_data(prep: _Prepared) -> tuple[list[WrittenFile], int]:
+    """This process's data files (as many as `writers` says, or the tuner picks); returns
+    them and the array bytes they hold."""
     tuner = None
     count = prep.options.writers
     if count is None:
@@ -445,79 +471,50 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         tuner = write_tuning.counts_for(url, is_object_store_url(url))
         count = tuner.choose(sum(it.nbytes for it in prep.items))
     t_data = time.perf_counter()
+    inc = prep.increment
     items = prep.items if inc is None else inc.split(prep.items, prep.leaves, count)
     codec_of = None
     if prep.options.compression is not None:
         option = prep.options.compression
         codec_of = lambda it: codecs.codec_for(option, prep.leaves[it.leaf].dtype)  # noqa: E731
-    results = write_data_files(prep.storage, pid, nonce, items, count, codec_of)
+    pid = prep.rendezvous.coord.process_index
+    results = write_data_files(prep.storage, pid, prep.nonce, items, count, codec_of)
     data_bytes = sum(it.nbytes for it in items)
     if tuner is not None:
         tuner.record(count, data_bytes, time.perf_counter() - t_data)
     prep.timings.data_files = len(results)
-    by_leaf: dict[int, list[tuple[Any, ...]]] = {}
-    for j, (_, rows) in enumerate(results):
+    return results, data_bytes
+
+
+def rows_by_leaf(files: list[WrittenFile]) -> dict[int, list[ChunkRecord]]:
+    """The records of written data files grouped by leaf, each naming its file's number."""
+    by_leaf: dict[int, list[ChunkRecord]] = {}
+    for j, (_, rows) in enumerate(files):
         for leaf, row in rows:
-            by_leaf.setdefault(leaf, []).append((j, *row[1:]))
-    for leaf, row in inc.ref_rows if inc is not None else ():
-        by_leaf.setdefault(leaf, []).append(row)
+            by_leaf.setdefault(leaf, []).append(row._replace(file=j))
+    return by_leaf
+
+
+def _record_file(prep: _Prepared, by_leaf: dict[int, list[ChunkRecord]]) -> bytes:
+    """This process's record file: its records per leaf, the digests, and (incremental
+    saves) the chunks' content hashes."""
+    pid, inc = prep.rendezvous.coord.process_index, prep.increment
     ndims = [len(leaf.shape) if isinstance(leaf, SaveArray) else 0 for leaf in prep.leaves]
-    written = sum(len(r) for r in by_leaf.values())
-    if written != len(prep.items):  # each process checks its records against its own plan
-        raise CoordinationError(
-            f"{prep.rendezvous.what}: process {pid} wrote {written} chunks, its plan has {len(prep.items)}"
-        )
     segments = {i: records_of(rows, ndims[i]) for i, rows in by_leaf.items()}
-    salt = name_key(record_file_name(pid, nonce))
+    salt = name_key(record_file_name(pid, prep.nonce))
     if inc is not None:
         hashes = inc.segment_hashes(segments)
-        data = records.encode(pid, ndims, segments, prep.digests, hashes, inc.hid, salt=salt)
-    else:
-        data = records.encode(pid, ndims, segments, prep.digests, salt=salt)
-    prep.storage.write_bytes(record_file_name(pid, nonce), data)
-    own = {i: leaf.value for i, leaf in enumerate(prep.leaves) if isinstance(leaf, PerProcessLeaf)}
-    values = b""
-    if own:
-        leaf_names = {i: prep.leaves[i].name for i in own}
-        values = per_process.encode_file(own, leaf_names)
-        prep.storage.write_bytes(values_file_name(pid, nonce), values)
-    sizes = [size for size, _ in results]
-    prep.timings.bytes_written = data_bytes
-    tables = sum(codecs.row_tables(row) for _, rows in results for _, row in rows)
-    prep.timings.bytes_metadata = tables + len(data)
-    prep.timings.bytes_stored = sum(sizes) + len(data) + len(values)
-    return {
-        "nonce": nonce,
-        "sizes": sizes,
-        "record_size": len(data),
-        "record_crc": crc32c(data),
-        "values_size": len(values),
-        "values_crc": crc32c(values),
-        "digest": crc32c(prep.digests.tobytes(), crc32c(json.dumps(prep.structure).encode())),
-        **(inc.report() if inc is not None else {}),
-        **(_packed_report(results) if prep.options.compression is not None else {}),
-    }
+        return records.encode(pid, ndims, segments, prep.digests, hashes, inc.hid, salt=salt)
+    return records.encode(pid, ndims, segments, prep.digests, salt=salt)
 
 
-def _packed_report(results: list[tuple[int, list[tuple[int, tuple[Any, ...]]]]]) -> dict[str, Any]:
-    """What compression saved (the commit's size check allows for it) and which codecs."""
-    saved, used = 0, set()
-    for _, rows in results:
-        for _, row in rows:
-            codec = codecs.codec_of(row[1])
-            if codec:
-                used.add(codec)
-                saved += row[3] - (row[6] - row[2])  # nbytes - compressed blocks
-    return {"packed_saved": saved, "codecs": sorted(used)}
-
-
-def _check_agreement(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
+def _check_agreement(prep: _Prepared, reports: list[ProcessReport]) -> None:
     """Every process saved the same tree, with the same host values: where a digest
     differs, the differing process's record file says which leaf."""
-    ours = reports[0]["digest"]
+    ours = reports[0].digest
     for q, r in enumerate(reports):
-        if r["digest"] != ours:
-            raw = prep.storage.read_staging(record_file_name(q, r["nonce"]))
+        if r.digest != ours:
+            raw = prep.storage.read_staging(record_file_name(q, r.nonce))
             raise _disagreement(prep, q, records.staged_digests(raw))
 
 
@@ -665,20 +662,22 @@ def _description(arr: SaveArray, found: MeshSpec | None) -> tuple[dict[str, Any]
     return describe_rows(arr.layout), None
 
 
-def _commit(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
-    """Process 0: check the reports against the plan and the staged files, write the
-    manifest, commit. O(processes): no process's records are read."""
+def _commit(prep: _Prepared, docs: list[dict[str, Any]]) -> None:
+    """Process 0: check the reports (`docs`, each a ProcessReport's JSON) against the plan
+    and the staged files, write the manifest, commit. O(processes): no process's records
+    are read."""
     url = prep.storage.url
+    reports = [ProcessReport.from_json(d) for d in docs]
     _check_agreement(prep, reports)
     table = ProcessTable(
-        nonces=[str(r["nonce"]) for r in reports],
-        data_sizes=[[int(x) for x in r["sizes"]] for r in reports],
-        record_sizes=[int(r["record_size"]) for r in reports],
-        record_crcs=[int(r["record_crc"]) for r in reports],
+        nonces=[r.nonce for r in reports],
+        data_sizes=[list(r.sizes) for r in reports],
+        record_sizes=[r.record_size for r in reports],
+        record_crcs=[r.record_crc for r in reports],
     )
     if any(isinstance(leaf, PerProcessLeaf) for leaf in prep.leaves):
-        table.values_sizes = [int(r["values_size"]) for r in reports]
-        table.values_crcs = [int(r["values_crc"]) for r in reports]
+        table.values_sizes = [r.values_size for r in reports]
+        table.values_crcs = [r.values_crc for r in reports]
     leaves, meshes, layouts = _layouts(prep)
     manifest = Manifest(
         structure=prep.structure,
@@ -694,16 +693,16 @@ def _commit(prep: _Prepared, reports: list[dict[str, Any]]) -> None:
     expected = staged_files(table)
     # Bytes stored = each array's bytes plus its checksums: the tiling, from the sizes alone.
     planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays else 0
-    planned -= sum(int(r.get("referenced_bytes", 0)) + int(r.get("packed_saved", 0)) for r in reports)
+    planned -= sum(r.referenced_bytes + r.packed_saved for r in reports)
     stored = sum(f.size for f in manifest.files)
     if stored < planned:
         raise CoordinationError(
             f"save to {url}: the data files hold {stored} bytes, the plan {planned}"
         )
     if prep.increment is not None and prep.increment.base is not None:
-        manifest.refs = manifest_refs(prep.increment.base, reports)
+        manifest.refs = manifest_refs(prep.increment.base, docs)
         manifest.files = manifest.files + check_refs_committed(prep.storage, manifest.refs)
-    used = {int(c) for r in reports for c in [*r.get("codecs", []), *r.get("ref_codecs", [])]}
+    used = {c for r in reports for c in (*r.codecs, *r.ref_codecs)}
     manifest.codecs = [records.CODECS[c] for c in sorted(used)]
     commit_manifest(prep.storage, manifest, expected, overwrite=prep.overwrite)
 

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import functools
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -100,6 +102,104 @@ class Records:
 
     def __len__(self) -> int:
         return len(self.nbytes)
+
+
+class ChunkRecord(NamedTuple):
+    """One chunk's record as its writer makes it: the fields of RECORD_FIXED, then its box.
+
+    A NamedTuple, not a dataclass: a save makes one per chunk (tens of thousands for a
+    state of many small arrays), and NumPy takes it as the record's tuple as it is."""
+
+    file: int  # the writer's data file number (or refs index with FLAG_REFERENCE)
+    flags: int
+    offset: int
+    nbytes: int
+    block: int
+    nblocks: int
+    crc_offset: int  # where its tables start: checksums (block offsets first if compressed)
+    start: list[int]
+    stop: list[int]
+
+    @property
+    def codec(self) -> int:
+        return codec_of(self.flags)
+
+    def tables(self) -> int:
+        """Bytes of the tables after the chunk's data: its checksums, and for a compressed
+        chunk its block offsets first."""
+        return packed_tables(self.nblocks) if self.codec else 4 * self.nblocks
+
+    def end(self) -> int:
+        """Where the next chunk starts in the file."""
+        return self.crc_offset + self.tables()
+
+    def packed_saved(self) -> int:
+        """Bytes compression saved on this chunk (0 when stored plain)."""
+        return self.nbytes - (self.crc_offset - self.offset) if self.codec else 0
+
+
+def codec_of(flags: int) -> int:
+    """The codec number in a record's flags (0: stored plain)."""
+    return (int(flags) & CODEC_MASK) >> CODEC_SHIFT
+
+
+def packed_tables(nblocks: int) -> int:
+    """Bytes of a compressed chunk's tables: nblocks + 1 u64 block offsets, then nblocks
+    crc32c values."""
+    return 8 * (nblocks + 1) + 4 * nblocks
+
+
+def records_of(rows: Sequence[tuple[Any, ...]], ndim: int) -> np.ndarray:
+    """ChunkRecords (or rows of the same fields) of one leaf as structured records
+    (record_dtype), sorted by box."""
+    out = np.zeros(len(rows), record_dtype(ndim))
+    for i, r in enumerate(rows):
+        out[i] = r
+    if len(out) > 1 and ndim:
+        out = out[np.lexsort(out["start"].T[::-1])]
+    return out
+
+
+@dataclass(frozen=True)
+class ProcessReport:
+    """What one process of a save tells process 0 once it has written (the coordinator
+    carries it as JSON, `to_json`): its attempt's nonce, the sizes of its data files, the
+    size and crc32c of its record and values files, the digest of the tree as it saw it,
+    what an incremental save referenced, and what compression saved."""
+
+    nonce: str
+    sizes: tuple[int, ...]
+    record_size: int
+    record_crc: int
+    values_size: int
+    values_crc: int
+    digest: int
+    refs_used: tuple[int, ...] = ()  # indexes into the base's reference candidates
+    referenced_bytes: int = 0  # chunk bytes recorded as references, not written
+    ref_codecs: tuple[int, ...] = ()  # codecs of the referenced chunks
+    packed_saved: int = 0  # bytes compression saved
+    codecs: tuple[int, ...] = ()  # codecs of the chunks written
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as the coordinator carries it."""
+        return {
+            "nonce": self.nonce, "sizes": list(self.sizes), "record_size": self.record_size,
+            "record_crc": self.record_crc, "values_size": self.values_size,
+            "values_crc": self.values_crc, "digest": self.digest,
+            "refs_used": list(self.refs_used), "referenced_bytes": self.referenced_bytes,
+            "ref_codecs": list(self.ref_codecs), "packed_saved": self.packed_saved,
+            "codecs": list(self.codecs),
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ProcessReport:
+        ints = lambda key: tuple(int(x) for x in doc.get(key, ()))  # noqa: E731
+        return cls(
+            str(doc["nonce"]), ints("sizes"), int(doc["record_size"]), int(doc["record_crc"]),
+            int(doc.get("values_size", 0)), int(doc.get("values_crc", 0)), int(doc["digest"]),
+            ints("refs_used"), int(doc.get("referenced_bytes", 0)), ints("ref_codecs"),
+            int(doc.get("packed_saved", 0)), ints("codecs"),
+        )  # fmt: skip
 
 
 DIGEST = np.dtype([("description", "<u4"), ("value", "<u4")])

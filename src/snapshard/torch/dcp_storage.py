@@ -52,9 +52,10 @@ from ..format import ArrayLeaf, Leaf, Manifest, ProcessTable, ValueLeaf, record_
 from ..format.binding import name_key
 from ..format.layouts import describe_rows
 from ..format.manifest import decode_value, encode_value
+from ..format.records import records_of
 from ..options import SaveOptions, require
 from ..planning.layout import ArrayLayout
-from ..saving import commit_manifest, records_of, staged_files, write_data_files
+from ..saving import WrittenFile, commit_manifest, rows_by_leaf, staged_files, write_data_files
 from ..staging import StagedItem
 from ..storage import Location, Storage, is_object_store_url, storage_for
 from ..tree import Path, flatten, path_str
@@ -330,9 +331,7 @@ class _RankWriter:
         if tuner is not None:
             tuner.record(count, sum(s.nbytes for s in staged), time.perf_counter() - t0)
         report.data_sizes = [size for size, _ in files]
-        report.codecs = sorted(
-            {c for _, rows in files for _, row in rows if (c := codecs.codec_of(row[1]))}
-        )
+        report.codecs = sorted({row.codec for _, rows in files for _, row in rows} - {0})
         data = self._records(files)
         self.storage.write_bytes(record_file_name(self.numbering.rank, self.nonce), data)
         report.record_size, report.record_crc = len(data), crc32c(data)
@@ -380,13 +379,9 @@ class _RankWriter:
             return None
         return StagedItem(number, fqn, start, stop, host.nbytes, host=host)
 
-    def _records(self, files: list[tuple[int, list[tuple[int, tuple[Any, ...]]]]]) -> bytes:
-        by_leaf: dict[int, list[tuple[Any, ...]]] = {}
-        for j, (_, rows) in enumerate(files):
-            for leaf, row in rows:
-                by_leaf.setdefault(leaf, []).append((j, *row[1:]))
+    def _records(self, files: list[WrittenFile]) -> bytes:
         ndims = self.numbering.ndims
-        segments = {i: records_of(rows, ndims[i]) for i, rows in by_leaf.items()}
+        segments = {i: records_of(rows, ndims[i]) for i, rows in rows_by_leaf(files).items()}
         digests = np.zeros(len(ndims), records.DIGEST)  # DCP's plan is global: nothing to compare
         salt = name_key(record_file_name(self.numbering.rank, self.nonce))
         return records.encode(self.numbering.rank, ndims, segments, digests, salt=salt)
