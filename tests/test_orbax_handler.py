@@ -5,7 +5,7 @@ restores onto another sharding and into NumPy, the items readable by snapshard.l
 `snapshard verify`, the options applied, bad arguments refused. Across real processes: a
 2-process run whose process 1 is SIGKILLed while a save is in flight (the last committed
 step restores on 1 process with another device count; no partial step is visible), and a
-checkpoint saved here restored on 2 processes.
+checkpoint saved here restored on 2 processes, and the v1 API saving and loading on 2.
 """
 
 from __future__ import annotations
@@ -124,26 +124,33 @@ def test_wrong_args_and_uncommitted_items_are_refused(tmp_path):
         handler.finalize(tmp_path / "empty")
 
 
-def test_v1_checkpointables_save_and_load(tmp_path):
+class ZstdHandler(snapshard.orbax.CheckpointableHandler):
+    save_options = snapshard.SaveOptions(compression="zstd")
+
+
+def test_v1_checkpointables_save_and_load_with_the_class_options(tmp_path):
     v1 = pytest.importorskip("orbax.checkpoint.experimental.v1")
     registry = v1.handlers.local_registry()
-    registry.add(snapshard.orbax.CheckpointableHandler, checkpointable_name="train_state")
-    opts = v1.options.CheckpointablesOptions(registry=registry)
-    path = tmp_path / "ckpt"
-    m = mesh(8)
-    with v1.Context(checkpointables_options=opts):
+    registry.add(ZstdHandler, checkpointable_name="train_state")
+    ctx = v1.Context()
+    ctx.checkpointables.registry = registry
+    path, m = tmp_path / "ckpt", mesh(8)
+    target = {
+        "w": jax.ShapeDtypeStruct(
+            (ROWS, COLS), np.float32, sharding=NamedSharding(m, P(None, "data"))
+        ),
+        "b": np.zeros(COLS, np.int32),
+        "step": 0,
+    }
+    with ctx:
         v1.save_checkpointables(path, {"train_state": on_devices(5)})
-        target = {
-            "w": jax.ShapeDtypeStruct(
-                (ROWS, COLS), np.float32, sharding=NamedSharding(m, P(None, "data"))
-            ),
-            "b": np.zeros(COLS, np.int32),
-            "step": 0,
-        }
         out = v1.load_checkpointables(path, {"train_state": target})["train_state"]
+        assert same(v1.load_checkpointables(path)["train_state"], 5)  # by the saved handler
     assert out["w"].sharding == target["w"].sharding and same(out, 5)
-    assert same(snapshard.load(path / "train_state"), 5)
-    assert cli(["verify", str(path / "train_state")]) == 0
+    item = path / "train_state"
+    assert "zstd" in json.loads((item / "manifest.json").read_text())["codecs"]
+    assert same(snapshard.load(item), 5)
+    assert cli(["verify", str(item)]) == 0
 
 
 def _wait_for_exit(proc, timeout: float) -> int | None:
@@ -179,3 +186,11 @@ def test_saved_on_one_process_restores_on_two(tmp_path):
     for p in done:
         r = p.result()
         assert r["ok"] and r["processes"] == 2 and r["step"] == 2 and r["shards"] == 2, r
+
+
+@pytest.mark.multiprocess
+def test_v1_on_two_processes(tmp_path):
+    path = tmp_path / "ckpt"
+    for p in multiproc.run("orbax_handler_job.py", 2, 2, "v1", path, timeout=120):
+        assert p.result()["ok"], p.result()
+    assert same(snapshard.load(path / "train_state"), 3)

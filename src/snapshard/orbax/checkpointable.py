@@ -5,12 +5,17 @@
 
     registry = ocp_v1.handlers.local_registry()
     registry.add(snapshard.orbax.CheckpointableHandler, checkpointable_name="train_state")
-    with ocp_v1.Context(checkpointables_options=ocp_v1.options.CheckpointablesOptions(registry=registry)):
+    ctx = ocp_v1.Context()
+    ctx.checkpointables.registry = registry
+    with ctx:
         ocp_v1.save_checkpointables(path, {"train_state": tree})
         state = ocp_v1.load_checkpointables(path, {"train_state": target})["train_state"]
 
 Orbax makes handlers from their class with no arguments, so the options are class
-attributes: a subclass sets `save_options` and `read_options` to change them.
+attributes: a subclass sets `save_options` and `read_options` to change them
+
+    class Handler(snapshard.orbax.CheckpointableHandler):
+        save_options = snapshard.SaveOptions(compression="zstd")
 
 `save` (the blocking part) waits for the checkpointable's directory (v1 creates it in the
 background and lets a handler ask for it early), then copies this process's slices to the
