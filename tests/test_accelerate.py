@@ -105,3 +105,28 @@ def test_two_gloo_ranks_save_and_load_through_the_hooks(tmp_path):
     saved = sst.load(tmp_path / "ckpt" / sa.NAME, target)
     for k, v in weights.items():
         assert saved["model_0"][k].tolist() == v, k
+
+
+def test_fsdp_sharded_state_through_snapshards_fsdp_functions(tmp_path):
+    done = multiproc.run(
+        "accelerate_fsdp.py", 2, 1, tmp_path, timeout=120, env={"OMP_NUM_THREADS": "1"}
+    )
+    results = [p.result() for p in done]
+    assert all(r["weights"] and r["optimizer"] for r in results)
+    assert results[0]["files"] == ["optimizer_0", "pytorch_model_fsdp_0"]
+    assert ".metadata" in results[0]["own"]  # an accelerator without the switch: DCP's files
+    for name in ("optimizer_0", "pytorch_model_fsdp_0"):
+        assert (tmp_path / "ckpt" / name / "manifest.json").is_file()
+    # a snapshard checkpoint: readable without DCP, with the 2 ranks' shards put together
+    whole = sst.load(tmp_path / "ckpt" / "pytorch_model_fsdp_0")
+    assert whole["model"]["0.weight"].shape == (8, 4)
+
+
+def test_the_fsdp_switch_is_installed_once_and_leaves_other_accelerators_alone():
+    import accelerate.accelerator as module
+
+    first = sa.fsdp_functions()
+    again = sa.fsdp_functions()
+    assert first == again and module.save_fsdp_model is first["save_fsdp_model"]
+    accelerator = Accelerator(cpu=True)
+    assert not sa._ours(None, accelerator, use_dcp=True)

@@ -8,14 +8,33 @@ The switch goes through Accelerate's own seams, `register_save_state_pre_hook` a
 write and takes them out of its list (so no `model.safetensors` is written); the load hook
 fills the models in place and takes them out of its list. Accelerate passes its hooks the
 models only: optimizers, schedulers, samplers, the RNG states and custom objects are still
-written by Accelerate itself (`optimizer.bin` and the rest, with torch.save). Needs the
+written by Accelerate itself (`optimizer.bin` and the rest, with torch.save).
+
+FSDP's sharded state (`SHARDED_STATE_DICT`) does not go through those hooks: Accelerate
+calls `save_fsdp_model` / `save_fsdp_optimizer` (and the loads), which write with DCP's
+`FileSystemWriter`. `use_snapshard` replaces those four functions where Accelerate looks
+them up, for the accelerators it was given only: theirs write each model and optimizer as a
+snapshard checkpoint through DCP with snapshard's storage (same directory names); any other
+accelerator, state-dict type or option goes to Accelerate's own functions. Needs the
 `accelerate` extra. See docs/integrations.md.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 from . import torch as sst
 from .options import ReadOptions, SaveOptions
@@ -61,16 +80,164 @@ def load_hook(read_options: ReadOptions = ReadOptions()) -> Any:
     return hook
 
 
+@dataclass(frozen=True)
+class _Switch:
+    options: SaveOptions
+    read_options: ReadOptions
+
+
+# The accelerators use_snapshard was given, with their options.
+_SWITCHED: weakref.WeakKeyDictionary[Any, _Switch] = weakref.WeakKeyDictionary()
+_SHARDED = StateDictOptions(full_state_dict=False)
+
+
+def _ours(fsdp_plugin: Any, accelerator: Any, use_dcp: bool, adapter_only: bool = False) -> bool:
+    from torch.distributed.fsdp import StateDictType
+
+    return (
+        accelerator in _SWITCHED
+        and use_dcp
+        and not adapter_only
+        and fsdp_plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    )
+
+
+def _plain_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer under Accelerate's wrappers (`AcceleratedOptimizer.optimizer`):
+    torch's state-dict functions may step an empty optimizer, which must not step a
+    wrapper's gradient scaler."""
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _is_snapshard(path: str) -> bool:
+    return "://" in path or os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+def _save(accelerator: Any, path: str, state: dict[str, Any]) -> None:
+    writer = sst.StorageWriter(path, _SWITCHED[accelerator].options, overwrite=True)
+    dcp.save(state, storage_writer=writer)
+
+
+def _load(accelerator: Any, path: str, state: dict[str, Any]) -> None:
+    dcp.load(state, storage_reader=sst.StorageReader(path, _SWITCHED[accelerator].read_options))
+
+
+def _fsdp_functions(originals: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """snapshard's save_fsdp_model, load_fsdp_model, save_fsdp_optimizer and
+    load_fsdp_optimizer, each falling back to Accelerate's own (`originals`)."""
+    from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+
+    def save_fsdp_model(
+        fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: str, model_index: int = 0,
+        adapter_only: bool = False, use_dcp: bool = True,
+    ) -> Any:  # fmt: skip
+        if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only):
+            return originals["save_fsdp_model"](
+                fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only, use_dcp
+            )
+        state = {"model": get_model_state_dict(model, options=_SHARDED)}
+        _save(accelerator, os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"), state)
+        return None
+
+    def load_fsdp_model(
+        fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: str, model_index: int = 0,
+        adapter_only: bool = False, use_dcp: bool = True,
+    ) -> Any:  # fmt: skip
+        path = os.path.join(input_dir, f"{FSDP_MODEL_NAME}_{model_index}")
+        if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
+            return originals["load_fsdp_model"](
+                fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp
+            )
+        state = {"model": get_model_state_dict(model, options=_SHARDED)}
+        _load(accelerator, path, state)
+        result = set_model_state_dict(model, state["model"], options=_SHARDED)
+        accelerator.wait_for_everyone()
+        return result
+
+    def save_fsdp_optimizer(
+        fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,
+        optimizer_index: int = 0, use_dcp: bool = True,
+    ) -> None:  # fmt: skip
+        if not _ours(fsdp_plugin, accelerator, use_dcp):
+            return originals["save_fsdp_optimizer"](
+                fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp
+            )
+        plain = _plain_optimizer(optimizer)
+        state = {"optimizer": get_optimizer_state_dict(model, plain, options=_SHARDED)}
+        _save(accelerator, os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}"), state)
+        return None
+
+    def load_fsdp_optimizer(
+        fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
+        optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True,
+    ) -> None:  # fmt: skip
+        path = os.path.join(input_dir, f"{OPTIMIZER_NAME}_{optimizer_index}")
+        if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
+            return originals["load_fsdp_optimizer"](
+                fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index,
+                adapter_only, use_dcp,
+            )  # fmt: skip
+        plain = _plain_optimizer(optimizer)
+        state = {"optimizer": get_optimizer_state_dict(model, plain, options=_SHARDED)}
+        _load(accelerator, path, state)
+        set_optimizer_state_dict(model, plain, state["optimizer"], options=_SHARDED)
+        return None
+
+    return {
+        "save_fsdp_model": save_fsdp_model,
+        "load_fsdp_model": load_fsdp_model,
+        "save_fsdp_optimizer": save_fsdp_optimizer,
+        "load_fsdp_optimizer": load_fsdp_optimizer,
+    }
+
+
+def _install_fsdp_functions() -> None:
+    """Put snapshard's FSDP functions where Accelerate's `save_state`/`load_state` look them
+    up (the names `accelerate.accelerator` imported), once per process."""
+    import accelerate.accelerator as module
+
+    if getattr(module.save_fsdp_model, "__snapshard__", False):
+        return
+    names = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
+    replacements = _fsdp_functions({name: getattr(module, name) for name in names})
+    for name, function in replacements.items():
+        function.__snapshard__ = True  # type: ignore[attr-defined]
+        setattr(module, name, function)
+
+
+def fsdp_functions() -> dict[str, Callable[..., Any]]:
+    """The four FSDP functions `use_snapshard` installs, by name (as Accelerate calls them)."""
+    import accelerate.accelerator as module
+
+    _install_fsdp_functions()
+    return {name: getattr(module, name) for name in (
+        "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer"
+    )}  # fmt: skip
+
+
 def use_snapshard(
     accelerator: Any,
     options: SaveOptions = SaveOptions(),
     read_options: ReadOptions = ReadOptions(),
 ) -> tuple[Any, Any]:
-    """Register both hooks on `accelerator`; returns their handles (`.remove()` undoes it)."""
+    """Register both hooks on `accelerator`, and switch its FSDP sharded checkpoints to
+    snapshard; returns the hooks' handles (`.remove()` undoes the hooks; `stop_using`
+    the FSDP switch)."""
+    _SWITCHED[accelerator] = _Switch(options, read_options)
+    _install_fsdp_functions()
     return (
         accelerator.register_save_state_pre_hook(save_hook(options)),
         accelerator.register_load_state_pre_hook(load_hook(read_options)),
     )
 
 
-__all__ = ["NAME", "load_hook", "save_hook", "use_snapshard"]
+def stop_using(accelerator: Any) -> None:
+    """Give `accelerator`'s FSDP checkpoints back to Accelerate's own functions."""
+    _SWITCHED.pop(accelerator, None)
+
+
+__all__ = ["NAME", "fsdp_functions", "load_hook", "save_hook", "stop_using", "use_snapshard"]
