@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 import snapshard
-from snapshard import ReadOptions, SaveOptions, codecs
+from snapshard import ReadOptions, SaveOptions
 from snapshard.errors import CorruptCheckpointError
+from snapshard.format import compression, encoding
 from snapshard.storage import LocalStorage
 
-pytestmark = pytest.mark.skipif(not codecs.available(), reason="zstd is not installed")
+pytestmark = pytest.mark.skipif(not compression.available(), reason="zstd is not installed")
 
 
 def state():
@@ -135,25 +136,25 @@ def test_incremental_saves_refer_to_compressed_chunks(tmp_path):
 def small_groups(monkeypatch):
     """Codec thresholds shrunk so that small arrays take the large-chunk paths: groups of
     blocks in the codec threads, and reads in windows of a few blocks."""
-    monkeypatch.setattr(codecs, "PARALLEL_MIN", 0)
-    monkeypatch.setattr(codecs, "_GROUP", 8192)
-    monkeypatch.setattr(codecs, "_threads", lambda: 2)
+    monkeypatch.setattr(compression, "PARALLEL_MIN", 0)
+    monkeypatch.setattr(compression, "_GROUP", 8192)
+    monkeypatch.setattr(compression, "_threads", lambda: 2)
     threads = set()
     for name in ("_unpack_block", "_unpack_whole"):  # where blocks are decompressed
-        real = getattr(codecs, name)
+        real = getattr(encoding, name)
 
         def unpack(*a, real=real, **kw):
             threads.add(threading.current_thread().name)
             return real(*a, **kw)
 
-        monkeypatch.setattr(codecs, name, unpack)
+        monkeypatch.setattr(encoding, name, unpack)
     return threads
 
 
 @pytest.mark.parametrize("option", ["zstd", "zstd+shuffle"])
 @pytest.mark.parametrize("window", [1 << 30, 20_000])
 def test_large_chunk_paths_are_bit_exact(tmp_path, monkeypatch, small_groups, option, window):
-    monkeypatch.setattr(codecs, "WINDOW", window)
+    monkeypatch.setattr(encoding, "WINDOW", window)
     s = state()
     s["big"] = (np.random.default_rng(3).standard_normal((700, 1000)) * 0.02).astype(np.float32)
     snapshard.save(tmp_path / "c", s, options=SaveOptions(compression=option))
@@ -190,7 +191,7 @@ def test_a_whole_chunk_is_one_read(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("window", [1 << 30, 20_000])
 def test_damage_is_found_in_the_codec_threads(tmp_path, monkeypatch, small_groups, window):
-    monkeypatch.setattr(codecs, "WINDOW", window)
+    monkeypatch.setattr(encoding, "WINDOW", window)
     x = (np.arange(1 << 19, dtype=np.float32) % 101).reshape(1024, 512)
     snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     f = next((tmp_path / "c" / "data").iterdir())
@@ -208,11 +209,11 @@ def test_damage_is_found_in_the_codec_threads(tmp_path, monkeypatch, small_group
 
 def test_a_block_of_the_wrong_size_is_refused():
     """A frame that holds more or fewer bytes than its block is corrupt, checksums or not."""
-    z = codecs._compress(np.arange(5000, dtype=np.uint8).data, 1)
+    z = compression.compress(np.arange(5000, dtype=np.uint8).data, 1)
     out = np.empty(4000, np.uint8)
-    assert codecs._decompress_into(memoryview(z), out.data) > 4000
+    assert compression.decompress_into(memoryview(z), out.data) > 4000
     out = np.empty(6000, np.uint8)
-    assert codecs._decompress_into(memoryview(z), out.data) == 5000
+    assert compression.decompress_into(memoryview(z), out.data) == 5000
 
 
 def test_frames_without_their_size_in_the_header_read_back(tmp_path, monkeypatch):
@@ -220,7 +221,7 @@ def test_frames_without_their_size_in_the_header_read_back(tmp_path, monkeypatch
     import zstandard
 
     plain = zstandard.ZstdCompressor(level=1, write_content_size=False)
-    monkeypatch.setattr(codecs, "_compress", lambda data, level: plain.compress(data))
+    monkeypatch.setattr(compression, "compress", lambda data, level: plain.compress(data))
     x = (np.arange(1 << 18, dtype=np.float32) % 101).reshape(512, 512)
     snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     monkeypatch.undo()

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .codecs import COMPRESSIONS
 from .coordination.rendezvous import DEFAULT_TIMEOUT_S
+from .format.encoding import COMPRESSIONS
 from .planning import MODES
 
 # Host bytes of read buffers held at once while building jax.Arrays.

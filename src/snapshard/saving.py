@@ -23,11 +23,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import codecs, per_process, write_tuning
+from . import per_process, write_tuning
 from .adapters.jax_save import JaxAdapter
 from .adapters.leaves import MeshSpec, SaveArray
 from .background import BackgroundTask
-from .checksum import block_crcs, crc32c
+from .checksum import crc32c
 from .coordination import Coordinator, default_coordinator
 from .coordination.rendezvous import (
     Rendezvous,
@@ -47,13 +47,16 @@ from .format import (
     Manifest,
     ProcessTable,
     ValueLeaf,
-    checksum_block,
+    compression,
     data_file_name,
+    encoding,
     record_file_name,
     records,
     validate_structure,
 )
-from .format.binding import chunk_key, name_key
+from .format.binding import name_key
+from .format.encoding import chunk_span as chunk_span  # for interop/writer.py, as before
+from .format.encoding import write_chunk
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .format.records import ChunkRecord, ProcessReport, records_of
@@ -70,7 +73,6 @@ log = logging.getLogger("snapshard")
 WrittenFile = tuple[int, list[tuple[int, ChunkRecord]]]
 """A data file just written: its size, and the (leaf, record) of each chunk in it."""
 
-_WRITE_PIECE = 16 << 20
 # Writes shorter than this are gathered before they reach the storage (`CoalescingWriter`).
 _COALESCE_BYTES = 1 << 20
 
@@ -223,7 +225,7 @@ def _prepare(
     # Staging named after the job and the save's number: saves of two jobs to one location
     # never share it, and a failed save's clean-up never meets the files of the next one.
     storage.set_attempt(f"{coord.job_token()}-{rv.prefix.rpartition('/')[2]}")
-    if options.compression is not None and not codecs.available():
+    if options.compression is not None and not compression.available():
         raise SnapshardError("compression needs zstd: install snapshard[compress]")
     increment = None
     if base is not None or options.hashes:
@@ -291,46 +293,6 @@ def _split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
     return [f for f in files if f]
 
 
-def write_chunk(
-    writer: FileWriter,
-    data: np.ndarray,
-    start: Any,
-    stop: Any,
-    file: int,
-    offset: int,
-    *,
-    file_key: int,
-) -> ChunkRecord:
-    """Append the C-order bytes of box [start, stop) to `writer`, checksumming each block as
-    it goes out, then the block checksums (uint32, little-endian) right after them, bound to
-    the file (`file_key`, its name key) and the offset (format.binding); returns the
-    chunk's record, given the chunk's offset in the file."""
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
-    block = checksum_block(len(raw))
-    key = chunk_key(file_key, offset)
-    if 0 < len(raw) <= block:  # one block (every small chunk): no per-block arrays
-        crcs = [crc32c(raw)]
-        writer.write(raw)
-        writer.write(memoryview((crcs[0] ^ key).to_bytes(4, "little")))
-    else:
-        piece = max(block, (_WRITE_PIECE // block) * block)
-        crcs = []
-        for a in range(0, len(raw), piece):
-            crcs.extend(block_crcs(raw[a : a + piece], block))
-            writer.write(raw[a : a + piece])
-        bound = np.asarray(crcs, dtype="<u4") ^ np.uint32(key)
-        writer.write(memoryview(bound.astype("<u4").tobytes()))
-    return ChunkRecord(
-        file, 0, offset, len(raw), block, len(crcs), offset + len(raw),
-        [int(x) for x in start], [int(x) for x in stop],
-    )  # fmt: skip
-
-
-def chunk_span(nbytes: int) -> int:
-    """Bytes a chunk of `nbytes` takes in its file: the data, then its checksums."""
-    return nbytes + 4 * -(-nbytes // checksum_block(nbytes))
-
-
 def _layout_digest(arr: SaveArray) -> int:
     """crc32c of where an array's boxes live: equal on every process for a global array."""
     lay = arr.layout
@@ -374,7 +336,7 @@ def _write_file(
     storage: Storage, name: str, items: list[StagedItem], codec_of: Any = None
 ) -> WrittenFile:
     """Write items back to back into one file; returns its size and the chunk records.
-    `codec_of(item)` gives each item's codec (codecs.py; None: nothing compressed)."""
+    `codec_of(item)` gives each item's codec (format.encoding; None: nothing compressed)."""
     writer = CoalescingWriter(storage.open_writer(name))
     rows = []
     offset = 0
@@ -382,14 +344,9 @@ def _write_file(
     try:
         for it in items:
             codec = codec_of(it) if codec_of is not None else 0
-            if codec:
-                row = codecs.write_chunk(
-                    writer, it.materialize(), it.start, it.stop, 0, offset, codec, file_key=key
-                )
-            else:
-                row = write_chunk(
-                    writer, it.materialize(), it.start, it.stop, 0, offset, file_key=key
-                )
+            row = write_chunk(
+                writer, it.materialize(), it.start, it.stop, 0, offset, file_key=key, codec=codec
+            )
             rows.append((it.leaf, row))
             it.release()  # the bytes are in the file now: let the host copy go
             offset = row.end()
@@ -476,7 +433,7 @@ def _write_data(prep: _Prepared) -> tuple[list[WrittenFile], int]:
     codec_of = None
     if prep.options.compression is not None:
         option = prep.options.compression
-        codec_of = lambda it: codecs.codec_for(option, prep.leaves[it.leaf].dtype)  # noqa: E731
+        codec_of = lambda it: encoding.codec_for(option, prep.leaves[it.leaf].dtype)  # noqa: E731
     pid = prep.rendezvous.coord.process_index
     results = write_data_files(prep.storage, pid, prep.nonce, items, count, codec_of)
     data_bytes = sum(it.nbytes for it in items)
@@ -825,14 +782,13 @@ def save(
     content hashes, so that a later save may use it as base in turn.
     """
     return save_through(
-        JaxAdapter(options.host_budget), directory, tree, options, overwrite=overwrite,
-        coordinator=coordinator, base=base,
-    )  # fmt: skip
+        None, directory, tree, options, overwrite=overwrite, coordinator=coordinator, base=base
+    )
 
 
 @collection_paused()
 def save_through(
-    adapter: SaveAdapter,
+    adapter: SaveAdapter | None,
     directory: Location | Storage,
     tree: Any,
     options: SaveOptions,
@@ -841,7 +797,7 @@ def save_through(
     coordinator: Coordinator | None,
     base: Location | Storage | None,
 ) -> SaveTimings:
-    """A synchronous save through a framework's adapter (every wing's `save`)."""
+    """A synchronous save through a framework's adapter (every wing's `save`; None: JAX's)."""
     storage = storage_for(directory)
     refuse_existing(storage, overwrite)
     prep = prepare(
@@ -890,6 +846,6 @@ def save_async(
     """
     prep = prepare(
         directory, tree, options, overwrite=overwrite, coordinator=coordinator,
-        asynchronous=True, extra=extra, base=base, adapter=JaxAdapter(options.host_budget),
+        asynchronous=True, extra=extra, base=base,
     )  # fmt: skip
     return AsyncSave(prep)

@@ -45,10 +45,20 @@ from torch.distributed.checkpoint.storage import StorageWriter as _DcpStorageWri
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from .. import codecs, write_tuning
+from .. import write_tuning
 from ..checksum import crc32c
 from ..errors import CheckpointExistsError, SnapshardError
-from ..format import ArrayLeaf, Leaf, Manifest, ProcessTable, ValueLeaf, record_file_name, records
+from ..format import (
+    ArrayLeaf,
+    Leaf,
+    Manifest,
+    ProcessTable,
+    ValueLeaf,
+    compression,
+    encoding,
+    record_file_name,
+    records,
+)
 from ..format.binding import name_key
 from ..format.layouts import describe_rows
 from ..format.manifest import decode_value, encode_value
@@ -341,10 +351,10 @@ class _RankWriter:
         option = self.options.compression
         if option is None:
             return None
-        if not codecs.available():
+        if not compression.available():
             raise SnapshardError("compression needs zstd: install snapshard[compress]")
         dtypes = {s.leaf: s.host.dtype for s in staged if s.host is not None}
-        return lambda s: codecs.codec_for(option, dtypes[s.leaf])
+        return lambda s: encoding.codec_for(option, dtypes[s.leaf])
 
     def _stage(
         self, item: WriteItem, planner: SavePlanner, report: RankReport
