@@ -97,6 +97,27 @@ def test_manager_keeps_the_interval_and_the_latest_and_restores_resharded(tmp_pa
     assert not [p.name for p in root.iterdir() if "tmp" in p.name]
 
 
+def test_steps_orbax_wrote_restore_through_the_handler(tmp_path):
+    """A run that switches handlers resumes from the last step Orbax's own handler wrote
+    (snapshard reads Orbax checkpoints), then saves snapshard steps beside it."""
+    root = tmp_path / "root"
+    with ocp.CheckpointManager(root, item_names=("state",)) as mgr:
+        mgr.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(on_devices(2))))
+    m = mesh(8)
+    target = {
+        "w": jax.ShapeDtypeStruct(
+            (ROWS, COLS), np.float32, sharding=NamedSharding(m, P(None, "data"))
+        ),
+        "b": jax.ShapeDtypeStruct((COLS,), np.int32, sharding=NamedSharding(m, P())),
+        "step": 0,
+    }
+    with manager(root) as mgr:
+        out = mgr.restore(2, args=ocp.args.Composite(state=snapshard.orbax.Restore(target)))
+        assert out["state"]["w"].sharding == target["w"].sharding and same(out["state"], 2)
+        assert save_steps(mgr, [4]) == [4] and mgr.all_steps() == [2, 4]
+    assert (root / "4" / "state" / "manifest.json").exists()
+
+
 def test_handler_options_apply_to_every_save_and_restore(tmp_path):
     handler = snapshard.orbax.Handler(
         save_options=snapshard.SaveOptions(compression="zstd"),
@@ -173,6 +194,7 @@ def test_process_killed_mid_save_leaves_the_last_committed_step(tmp_path):
     (p,) = multiproc.run("orbax_handler_job.py", 1, 3, "restore", root, timeout=120)
     r = p.result()
     assert r["ok"] and r["step"] == 4 and r["steps"] == [2, 4] and r["shards"] == 3, r
+    assert sorted(p.name for p in root.iterdir()) == ["2", "4"]  # step 6's tmp removed
     assert same(snapshard.load(root / "4" / "state"), 4)
     assert cli(["verify", str(root / "4" / "state")]) == 0
 

@@ -35,7 +35,9 @@ def manager(root: str):
 
     import snapshard.orbax
 
-    opts = ocp.CheckpointManagerOptions(save_interval_steps=2, max_to_keep=2)
+    opts = ocp.CheckpointManagerOptions(
+        save_interval_steps=2, max_to_keep=2, cleanup_tmp_directories=True
+    )
     return ocp.CheckpointManager(
         root, options=opts, item_names=("state",),
         item_handlers={"state": snapshard.orbax.Handler()},
