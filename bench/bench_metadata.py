@@ -595,7 +595,7 @@ def child_read(args: argparse.Namespace) -> dict[str, Any]:
         stats = restore.ReadStats()
         tables = restore.chunk_tables(m.finder, dests, stats)
         t3 = time.perf_counter()
-        tasks = restore.plan_tasks(m, dests, tables, True, 4096, stats, url)
+        tasks = restore.plan_tasks(m.files, dests, tables, True, 4096, stats, url)
         c4, t4 = time.process_time(), time.perf_counter()
         runs.append({"parse_s": t1 - t0, "find_s": t3 - t2, "plan_s": t4 - t3,
                      "total_s": (t1 - t0) + (t4 - t2), "boxes_s": t2 - t1,

@@ -190,7 +190,7 @@ def read_plan(plan, layouts, process: int, target_layouts, times: dict[str, floa
     t1 = time.perf_counter()
     tables = {id(leaf): leaf.chunks for leaf in leaves}
     tasks = read_executor.plan_tasks(
-        manifest, dests, tables, True, 4096, read_executor.ReadStats()
+        manifest.files, dests, tables, True, 4096, read_executor.ReadStats()
     )
     times["setup_s"] += t1 - t0
     times["plan_s"] += time.perf_counter() - t1

@@ -37,7 +37,7 @@ from .errors import (
     CorruptCheckpointError,
     TargetMismatchError,
 )
-from .format import ArrayLeaf, ChunkTable, Manifest
+from .format import ArrayLeaf, ChunkTable, FileEntry, Manifest
 from .format.finder import ChunkFinder, loaded_table
 from .format.kinds import LeafKind
 from .format.validate import coverage_problems
@@ -286,7 +286,7 @@ def _check_cover(index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str
 
 
 def plan_tasks(
-    manifest: Manifest,
+    files: Sequence[FileEntry],
     dests: list[Dest],
     tables: dict[int, ChunkTable],
     verify: bool,
@@ -294,12 +294,37 @@ def plan_tasks(
     stats: ReadStats,
     url: str = "",
 ) -> list[_Task]:
+    """The reads that fill `dests` from the chunks of `tables` (`files`: the checkpoint's
+    file list, by the tables' file numbers), each checked to be covered exactly once."""
+    per_chunk, leaves = _overlaps(dests, tables, stats, url)
+    tasks = []
+    for (key, c), grids in per_chunk.items():
+        leaf = leaves[key]
+        t = tables[key]
+        block = int(t.block[c]) if _verified(verify, t, c) else None
+        runs = _ChunkRuns(leaf, t, c, files[int(t.file[c])].name, int(t.offset[c]), grids)
+        stats.chunks_touched += 1
+        for r in _chunk_ranges(runs, grids, int(t.nbytes[c]), block, max_gap):
+            stats.bytes_read += r.stop - r.start
+            stats.reads += 1
+            tasks.append(_Task(runs, r))
+    return tasks
+
+
+_Overlaps = dict[tuple[int, int], list[tuple[int, RunGrid]]]
+
+
+def _overlaps(
+    dests: list[Dest], tables: dict[int, ChunkTable], stats: ReadStats, url: str
+) -> tuple[_Overlaps, dict[int, ArrayLeaf]]:
+    """Per (leaf, chunk): the dests it overlaps, each with the grid of runs the overlap is
+    made of; and the leaves by id."""
     # Arrays with the same chunk boxes share their box columns (interned when the manifest is
     # read), hence one index.
     indexes: dict[int, ChunkIndex] = {}
     covered: dict[Any, np.ndarray] = {}
     grid_cache: dict[Any, RunGrid] = {}  # overlaps of arrays with equal boxes are equal
-    per_chunk: dict[tuple[int, int], list[tuple[int, RunGrid]]] = {}
+    per_chunk: _Overlaps = {}
     leaves: dict[int, ArrayLeaf] = {}
     for di, d in enumerate(dests):
         leaf = d.leaf
@@ -326,37 +351,33 @@ def plan_tasks(
                 grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
                 grid_cache[gk] = grid
             per_chunk.setdefault((key, c), []).append((di, grid))
-    tasks = []
-    for (key, c), grids in per_chunk.items():
-        leaf = leaves[key]
-        t = tables[key]
-        block = int(t.block[c]) if _verified(verify, t, c) else None
-        nbytes = int(t.nbytes[c])
-        runs = _ChunkRuns(leaf, t, c, manifest.files[int(t.file[c])].name, int(t.offset[c]), grids)
-        if len(grids) == 1 and grids[0][1].source_contiguous:
-            # One overlap, one byte range of the chunk (a box restored onto the saved layout).
-            ranges = [grids[0][1].source_range(nbytes, block)]
-        elif all(g.source_contiguous for _, g in grids):
-            # Each overlap is one byte range of the chunk: coalesce those, not every run.
-            grids.sort(key=lambda dg: dg[1].src_base)
-            ranges = _coalesce_grids([g for _, g in grids], nbytes, block, max_gap)
-        else:
-            lo = min(g.src_base for _, g in grids)
-            hi = max(g.src_end for _, g in grids)
-            needed = sum(g.count * g.run_bytes for _, g in grids)
-            whole = covering_range(lo, hi, nbytes, block, sum(g.count for _, g in grids))
-            if needed >= _DENSE * (whole.stop - whole.start):
-                # Interleaved overlaps that fill their span (other targets' columns of the same
-                # rows): one read, no per-run work at all.
-                ranges = [whole]
-            else:
-                ranges = coalesce_runs(runs.src, runs.length, nbytes, block=block, max_gap=max_gap)
-        stats.chunks_touched += 1
-        for r in ranges:
-            stats.bytes_read += r.stop - r.start
-            stats.reads += 1
-            tasks.append(_Task(runs, r))
-    return tasks
+    return per_chunk, leaves
+
+
+def _chunk_ranges(
+    runs: _ChunkRuns,
+    grids: list[tuple[int, RunGrid]],
+    nbytes: int,
+    block: int | None,
+    max_gap: int,
+) -> list[ReadRange]:
+    """The byte ranges of one chunk (of `nbytes`) to read for its overlaps `grids`."""
+    if len(grids) == 1 and grids[0][1].source_contiguous:
+        # One overlap, one byte range of the chunk (a box restored onto the saved layout).
+        return [grids[0][1].source_range(nbytes, block)]
+    if all(g.source_contiguous for _, g in grids):
+        # Each overlap is one byte range of the chunk: coalesce those, not every run.
+        grids.sort(key=lambda dg: dg[1].src_base)
+        return _coalesce_grids([g for _, g in grids], nbytes, block, max_gap)
+    lo = min(g.src_base for _, g in grids)
+    hi = max(g.src_end for _, g in grids)
+    needed = sum(g.count * g.run_bytes for _, g in grids)
+    whole = covering_range(lo, hi, nbytes, block, sum(g.count for _, g in grids))
+    if needed >= _DENSE * (whole.stop - whole.start):
+        # Interleaved overlaps that fill their span (other targets' columns of the same
+        # rows): one read, no per-run work at all.
+        return [whole]
+    return coalesce_runs(runs.src, runs.length, nbytes, block=block, max_gap=max_gap)
 
 
 def _coalesce_grids(
@@ -737,6 +758,11 @@ def saved_boxes(manifest: Manifest, leaf: ArrayLeaf) -> tuple[np.ndarray, np.nda
             return None
         groups = manifest.finder.holders(leaf).groups
         return groups.starts, groups.stops
+    return chunk_boxes(leaf)
+
+
+def chunk_boxes(leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
+    """The boxes of the chunk table a leaf holds in memory (None: it has none)."""
     t = leaf.chunks
     return (t.starts, t.stops) if len(t) else None
 
@@ -766,7 +792,7 @@ def chunk_tables(
 
 def _read_dests(
     storage: Storage,
-    manifest: Manifest,
+    files: Sequence[FileEntry],
     finder: ChunkFinder | None,
     dests: list[Dest],
     verify: bool,
@@ -776,7 +802,7 @@ def _read_dests(
 ) -> None:
     tables = chunk_tables(finder, dests, stats)
     gap = storage.read_gap_bytes if max_gap is None else max_gap
-    tasks = plan_tasks(manifest, dests, tables, verify, gap, stats, storage.url)
+    tasks = plan_tasks(files, dests, tables, verify, gap, stats, storage.url)
     # Largest reads first keeps the threads busy to the end.
     tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
     cached = _cached(storage, tasks)
@@ -1044,11 +1070,21 @@ def execute(
 def reader_of(
     storage: Storage, manifest: Manifest, options: ReadOptions, stats: ReadStats
 ) -> ReadDests:
-    """The restore's reads of a snapshard checkpoint (or safetensors files) as a ReadDests
-    (`options`: verify, threads, max_gap)."""
+    """The restore's reads of a snapshard checkpoint as a ReadDests (`options`: verify,
+    threads, max_gap); v2 chunk records are fetched as the dests need them."""
     finder = manifest.finder if manifest.version >= 2 else None
     if manifest.version >= 2 and finder is None:
         finder = manifest.finder = ChunkFinder(storage, manifest)
     return lambda dests: _read_dests(
-        storage, manifest, finder, dests, options.verify, options.threads, options.max_gap, stats
+        storage, manifest.files, finder, dests, options.verify, options.threads, options.max_gap, stats
+    )
+
+
+def table_reader(
+    storage: Storage, files: Sequence[FileEntry], options: ReadOptions, stats: ReadStats
+) -> ReadDests:
+    """The reads of arrays whose chunk tables are in memory (`leaf.chunks`, numbering
+    `files`): sources of other formats (safetensors files)."""
+    return lambda dests: _read_dests(
+        storage, files, None, dests, options.verify, options.threads, options.max_gap, stats
     )

@@ -38,15 +38,16 @@ import numpy as np
 from .coordination import default_coordinator
 from .coordination.base import Coordinator
 from .coordination.rendezvous import (
-    DEFAULT_TIMEOUT_S,
     Rendezvous,
     all_succeeded,
     namespace,
 )
 from .dtypes import dtype_from_name
+from .options import ReadOptions
 from .planning.exchange import cuts_rows
 from .planning.layout import Box, slices_to_box
 from .read_executor import (
+    Dest,
     Expand,
     ReadDests,
     ReadStats,
@@ -61,6 +62,8 @@ from .read_once_policy import wanted
 if TYPE_CHECKING:
     import jax
     from jax.sharding import NamedSharding
+
+    from .sources import CheckpointSource
 
 _READ_AXIS = "snapshard_read"
 
@@ -290,46 +293,66 @@ def plan(
 
 def execute(
     reqs: list[Request],
-    read: ReadDests,
-    *,
-    memory_budget: int | None,
+    source: CheckpointSource,
+    options: ReadOptions,
     stats: ReadStats,
-    expand: Expand | None = None,
-    enabled: bool | None = None,
+    *,
     location: str = "",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
+    expand: Expand | None = None,
     coord: Coordinator | None = None,
-    saved_boxes: SavedBoxes | None = None,
 ) -> list[Any]:
-    """restore.execute, reading each unique byte of replicated jax targets, and of targets
-    that cut the saved rows (`saved_boxes` tells), once per job.
+    """restore.execute over `source`, reading each unique byte of replicated jax targets,
+    and of targets that cut the saved rows (`source.saved_boxes` tells), once per job
+    (`options`: memory_budget, read_once, timeout_s).
 
     Every process must call it with the same targets (as every restore requires)."""
     coord = coord if coord is not None else default_coordinator()
+    budget = options.memory_budget
+
+    def read(dests: list[Dest]) -> None:
+        source.read_dests(dests, stats)
+
     once = (
-        plan(reqs, coord.process_index, coord.process_count, saved_boxes)
-        if enabled is not False and coord.process_count > 1
+        plan(reqs, coord.process_index, coord.process_count, source.saved_boxes)
+        if options.read_once is not False and coord.process_count > 1
         else {}
     )
-    if not once or not wanted(location, enabled, coord, timeout_s):
-        return execute_all(reqs, read, memory_budget=memory_budget, stats=stats, expand=expand)
-    import jax  # (here, not at the top: a restore without jax targets never imports JAX)
-
+    if not once or not wanted(location, options.read_once, coord, options.timeout_s):
+        return execute_all(reqs, read, memory_budget=budget, stats=stats, expand=expand)
     for i in once:
         reqs[i].dests.clear()  # the target boxes' buffers: not read into
-    rv = Rendezvous(coord, namespace("load", location), f"load of {location}", timeout_s)
+    rv = Rendezvous(coord, namespace("load", location), f"load of {location}", options.timeout_s)
     results: dict[int, Any] = {}
     error: BaseException | None = None
     rest = [i for i in range(len(reqs)) if i not in once]
     try:
         built = execute_all(
-            [reqs[i] for i in rest], read, memory_budget=memory_budget, stats=stats, expand=expand
+            [reqs[i] for i in rest], read, memory_budget=budget, stats=stats, expand=expand
         )
         results.update(zip(rest, built, strict=True))
     except Exception as e:
         error = e
+    results.update(_read_and_share(once, read, budget, stats, expand, rv, error))
+    return [results[i] for i in range(len(reqs))]
+
+
+def _read_and_share(
+    once: dict[int, _Once],
+    read: ReadDests,
+    budget: int | None,
+    stats: ReadStats,
+    expand: Expand | None,
+    rv: Rendezvous,
+    error: BaseException | None,
+) -> dict[int, Any]:
+    """The read-once targets, batch by batch within `budget`: each process reads its share,
+    then the shares are resharded onto the targets (an `error` of this process, or of any,
+    raised on every process at the batch's rendezvous)."""
+    import jax  # (here, not at the top: a restore without jax targets never imports JAX)
+
+    results: dict[int, Any] = {}
     costs = {i: o.cost for i, o in once.items()}
-    for k, batch in enumerate(batches(sorted(once), costs.__getitem__, memory_budget)):
+    for k, batch in enumerate(batches(sorted(once), costs.__getitem__, budget)):
         arrays: list[Any] = []
         if error is None:
             try:
@@ -348,4 +371,4 @@ def execute(
         for i, out in zip(batch, outs, strict=True):
             results[i] = out
             stats.bytes_from_peers += once[i].from_peers
-    return [results[i] for i in range(len(reqs))]
+    return results

@@ -25,10 +25,10 @@ from .format.naming import values_file_name
 from .gc_pause import collection_paused
 from .options import ReadOptions, require
 from .per_process import PerProcess, Resplit
-from .read_executor import ReadStats, Request, make_request, saved_boxes
+from .read_executor import ReadStats, Request, make_request
 from .read_executor import build as build_request
 from .read_once import execute as execute_read_once
-from .sources import open_checkpoint
+from .sources import open_source
 from .storage import Location, Storage, storage_for
 from .tree import (
     Path,
@@ -211,43 +211,16 @@ def load(
     owns_storage = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        manifest, read_dests = open_checkpoint(storage, options, stats)
-        url = storage.url
+        source = open_source(storage, options)
+        manifest, url = source.manifest, storage.url
         if target is None:
             pairs = [(leaf.path, None) for leaf in manifest.leaves]
             matched = None
         else:
             matched = _match_target(manifest, target, url)
             pairs = list(zip(matched.paths, matched.leaves, strict=True))
-        saved = manifest.leaf_by_path()
-        results: dict[Path, Any] = {}
-        reqs: list[tuple[Path, Request]] = []
-        own = [saved[p] for p, _ in pairs if isinstance(saved[p], PerProcessLeaf)]
-        results.update(per_process_values(storage, manifest, own, resplit))  # type: ignore[arg-type]
-        for path, t in pairs:  # a data iterator in the target moves to its saved position
-            if is_data_iterator(t) and isinstance(saved[path], PerProcessLeaf):
-                results[path] = restore_iterator(t, results[path], leaf=path_str(path))
-        for path, t in pairs:
-            leaf = saved[path]
-            if isinstance(leaf, PerProcessLeaf):
-                continue
-            if isinstance(leaf, ValueLeaf):
-                if t is not None and not _is_python_value(t):
-                    raise TargetMismatchError(
-                        f"{url}: leaf {leaf.name!r} is a saved {type(leaf.value).__name__} value, not an array"
-                    )
-                results[path] = leaf.value
-            else:
-                if _is_python_value(t):
-                    raise TargetMismatchError(
-                        f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
-                    )
-                reqs.append((path, make_request(leaf, t, url, mesh)))
-        built = execute_read_once(
-            [r for _, r in reqs], read_dests, memory_budget=options.memory_budget, stats=stats,
-            enabled=options.read_once, location=url, timeout_s=options.timeout_s,
-            saved_boxes=lambda leaf: saved_boxes(manifest, leaf),
-        )  # fmt: skip
+        results, reqs = _values_and_requests(storage, manifest, pairs, resplit, mesh)
+        built = execute_read_once([r for _, r in reqs], source, options, stats, location=url)
         results.update(zip([p for p, _ in reqs], built, strict=True))
     finally:
         if owns_storage:
@@ -258,3 +231,40 @@ def load(
         warn_lost_classes(manifest.structure)
         return unflatten(manifest.structure, by_index)
     return matched.rebuild(results)
+
+
+def _values_and_requests(
+    storage: Storage,
+    manifest: Manifest,
+    pairs: list[tuple[Path, Any]],
+    resplit: Resplit | None,
+    mesh: Any,
+) -> tuple[dict[Path, Any], list[tuple[Path, Request]]]:
+    """For the (path, target leaf) pairs to restore: the values known without reading
+    arrays (Python values, per-process values, data iterators moved to their saved
+    position), and a read request per array."""
+    url = storage.url
+    saved = manifest.leaf_by_path()
+    results: dict[Path, Any] = {}
+    reqs: list[tuple[Path, Request]] = []
+    own = [saved[p] for p, _ in pairs if isinstance(saved[p], PerProcessLeaf)]
+    results.update(per_process_values(storage, manifest, own, resplit))  # type: ignore[arg-type]
+    for path, t in pairs:
+        leaf = saved[path]
+        if isinstance(leaf, PerProcessLeaf):
+            if is_data_iterator(t):  # a data iterator in the target moves to its saved position
+                results[path] = restore_iterator(t, results[path], leaf=path_str(path))
+            continue
+        if isinstance(leaf, ValueLeaf):
+            if t is not None and not _is_python_value(t):
+                raise TargetMismatchError(
+                    f"{url}: leaf {leaf.name!r} is a saved {type(leaf.value).__name__} value, not an array"
+                )
+            results[path] = leaf.value
+        else:
+            if _is_python_value(t):
+                raise TargetMismatchError(
+                    f"{url}: leaf {leaf.name!r} is a saved array, the target has a Python value"
+                )
+            reqs.append((path, make_request(leaf, t, url, mesh)))
+    return results, reqs

@@ -1,10 +1,12 @@
-"""Where a restore's bytes come from: one interface for snapshard and Orbax checkpoints, so
-that the restore never imports the readers of other formats, nor they it.
+"""Where a restore's bytes come from: one interface for snapshard, Orbax and safetensors
+checkpoints, so that the restore never imports the readers of other formats, nor they it.
 
-A `CheckpointSource` is a manifest (the tree and its leaves, as snapshard's format
-describes them) and `read_dests`, which fills the read executor's host buffers. snapshard
-checkpoints are read by the executor itself; Orbax checkpoints through TensorStore
-(interop.orbax); safetensors files by byte ranges (snapshard.safetensors).
+A `CheckpointSource` fills the read executor's host buffers (`read_dests`) and says which
+boxes of an array its writers held (`saved_boxes`, which read-once planning uses). A
+`TreeSource` also has a manifest: the saved tree and its leaves, as snapshard's format
+describes them. snapshard checkpoints are read by the executor itself; Orbax checkpoints
+through TensorStore (interop.orbax); safetensors files, which have no saved tree (a load
+names the tensors it wants), by byte ranges (safetensors.source).
 """
 
 from __future__ import annotations
@@ -12,21 +14,36 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from .errors import CheckpointNotFoundError
-from .format import Manifest
+from .format import ArrayLeaf, Manifest
 from .format.reading import read_manifest
 from .options import ReadOptions
-from .read_executor import Dest, ReadDests, ReadStats, reader_of
+from .read_executor import Dest, ReadDests, ReadStats, reader_of, saved_boxes
 from .storage import Storage
 
 
 class CheckpointSource(Protocol):
-    """A checkpoint seen through the read executor."""
+    """A checkpoint seen through the read executor: `format` names it ("snapshard",
+    "orbax", "safetensors")."""
 
     format: str
-    manifest: Manifest
 
-    def read_dests(self, dests: list[Dest], stats: ReadStats) -> None: ...
+    def read_dests(self, dests: list[Dest], stats: ReadStats) -> None:
+        """Fill the dests' buffers from the checkpoint, counting into `stats`."""
+        ...
+
+    def saved_boxes(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
+        """(starts, stops) of the boxes the writers of `leaf` held; None where not known
+        without reading more."""
+        ...
+
+
+class TreeSource(CheckpointSource, Protocol):
+    """A checkpoint that saved a tree (snapshard's, Orbax's), described by its manifest."""
+
+    manifest: Manifest
 
 
 @dataclass
@@ -41,8 +58,11 @@ class SnapshardSource:
     def read_dests(self, dests: list[Dest], stats: ReadStats) -> None:
         reader_of(self.storage, self.manifest, self.options, stats)(dests)
 
+    def saved_boxes(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
+        return saved_boxes(self.manifest, leaf)
 
-def open_source(storage: Storage, options: ReadOptions) -> CheckpointSource:
+
+def open_source(storage: Storage, options: ReadOptions) -> TreeSource:
     """The checkpoint at `storage`: snapshard's, else one of another library (Orbax)."""
     try:
         return SnapshardSource(storage, read_manifest(storage), options)

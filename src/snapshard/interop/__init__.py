@@ -15,7 +15,7 @@ from ..errors import CheckpointNotFoundError, SnapshardError
 from ..storage.location import parse_location
 
 if TYPE_CHECKING:
-    from ..sources import CheckpointSource
+    from ..sources import TreeSource
     from ..storage import Storage
 
 ORBAX_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
@@ -48,7 +48,7 @@ def _holds_orbax_markers(storage: Storage) -> bool:
     return not isinstance(storage, ObjectStorage) or any(storage.holds(m) for m in ORBAX_MARKERS)
 
 
-def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> CheckpointSource:
+def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> TreeSource:
     """The Orbax checkpoint at the storage's location; `not_found` again when there is none."""
     location = storage.url
     parsed = parse_location(location)

@@ -22,6 +22,7 @@ from ..dtypes import dtype_name
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
+from ..read_executor import chunk_boxes
 from ..storage.location import parse_location
 from ..tree import JsonNode, Path, path_str
 from . import local_path, step_order
@@ -126,6 +127,10 @@ class OrbaxCheckpoint:
 
     def __init__(self, url: str, manifest: Manifest, arrays: dict[Path, ts.TensorStore]):
         self.url, self.manifest, self._arrays = url, manifest, arrays
+
+    def saved_boxes(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
+        """The boxes of the zarr chunk grid (the layout the writers held)."""
+        return chunk_boxes(leaf)
 
     def read_dests(self, dests: list[Dest], stats: ReadStats) -> None:
         """Fill every destination box with one TensorStore read each."""

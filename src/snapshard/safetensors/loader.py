@@ -5,21 +5,14 @@ from __future__ import annotations
 import difflib
 import time
 from collections.abc import Mapping
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
-from ..format import FileEntry, Manifest
 from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
-from ..read_executor import (
-    ReadStats,
-    make_request,
-    reader_of,
-    saved_boxes,
-)
+from ..read_executor import ReadStats, Request, make_request
 from ..read_once import execute as read_once_execute
 from ..restore import is_target_leaf
 from ..storage import Location, Storage
@@ -27,6 +20,7 @@ from ..tree import Path, flatten_target
 from .dtypes import DTYPES, numpy_dtype
 from .files import FileSet, open_files
 from .materialize import Planner
+from .source import SafetensorsSource
 from .surgery import Transform
 from .virtual import Stored, Unreadable, VArray
 
@@ -105,43 +99,31 @@ def load(
     t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
     files, weight_map = open_files(location)
-    url = files.storage.url
     try:
+        source = SafetensorsSource(files, options)
         src = source_arrays(files, weight_map)
         lazy = dict(transform(src)) if transform else src
         if target is None:
-            names = list(lazy)
-            targets: list[Any] = [None] * len(names)
-            matched = None
+            names, targets, matched = list(lazy), [None] * len(lazy), None
         else:
             matched = flatten_target(target, is_target_leaf)
-            names = [tensor_name(p) for p in matched.paths]
-            targets = matched.leaves
+            names, targets = [tensor_name(p) for p in matched.paths], matched.leaves
         planner = Planner()
-        reqs = []
-        for name, t in zip(names, targets, strict=True):
-            if name not in lazy:
-                raise _missing(name, lazy, url)
-            x = lazy[name]
-            if isinstance(x, Unreadable):
-                raise UnsupportedLeafError(x.error)
-            reqs.append(make_request(planner.leaf(name, x), t, url))
-        manifest = Manifest(
-            structure={},
-            leaves=[],
-            files=[
-                FileEntry(n, h.data_end) for n, h in zip(files.names, files.headers, strict=True)
-            ],
-        )
-        read = reader_of(files.storage, manifest, replace(options, verify=False), stats)
-        built = read_once_execute(
-            reqs, read, memory_budget=options.memory_budget, stats=stats,
-            expand=planner.expand, enabled=options.read_once, location=url,
-            timeout_s=options.timeout_s, saved_boxes=lambda leaf: saved_boxes(manifest, leaf),
-        )  # fmt: skip
+        reqs = [_request(planner, lazy, n, t, source.url) for n, t in zip(names, targets, strict=True)]
+        built = read_once_execute(reqs, source, options, stats, location=source.url, expand=planner.expand)
     finally:
         files.close()
     stats.total_s = time.perf_counter() - t_start
     if matched is None:
         return dict(zip(names, built, strict=True))
     return matched.rebuild(dict(zip(matched.paths, built, strict=True)))
+
+
+def _request(planner: Planner, lazy: Mapping[str, VArray], name: str, target: Any, url: str) -> Request:
+    """The read request of tensor `name` (after the transform) for its target leaf."""
+    if name not in lazy:
+        raise _missing(name, lazy, url)
+    x = lazy[name]
+    if isinstance(x, Unreadable):
+        raise UnsupportedLeafError(x.error)
+    return make_request(planner.leaf(name, x), target, url)
