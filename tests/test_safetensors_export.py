@@ -104,6 +104,36 @@ def test_a_failing_export_leaves_the_existing_file_untouched(tmp_path, monkeypat
     assert sorted(os.listdir(tmp_path)) == ["m.safetensors"]
 
 
+def test_export_takes_save_options_and_the_former_keywords_with_a_warning(tmp_path, monkeypatch):
+    t, ref = tree()
+    budgets = []
+    real = export._write_own
+
+    def write_own(target, files, pid, plan, budget):
+        budgets.append((plan.mode, budget))
+        return real(target, files, pid, plan, budget)
+
+    monkeypatch.setattr(export, "_write_own", write_own)
+    options = snapshard.SaveOptions(mode="single_replica", host_budget=1 << 10, timeout_s=30)
+    sst.save(tmp_path / "a.safetensors", t, options)
+    assert budgets == [("single_replica", 1 << 10)]
+    with pytest.warns(DeprecationWarning, match=r"host_budget=\) is deprecated"):
+        sst.save(tmp_path / "b.safetensors", t, host_budget=0)
+    assert budgets[-1][1] == 0
+    sst.save(tmp_path / "c.safetensors", t)
+    assert budgets[-1][1] == snapshard.SaveOptions().host_budget  # the same default
+    for name in "abc":
+        loaded = load_file(tmp_path / f"{name}.safetensors")
+        assert loaded["layer.w"].tobytes() == ref["layer.w"].tobytes()
+    with pytest.raises(ValueError, match=r"compression and hashes .* do not apply"):
+        sst.save(tmp_path / "d.safetensors", t, snapshard.SaveOptions(compression="zstd"))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'writers'"):
+        sst.save(tmp_path / "d.safetensors", t, writers=2)
+    with pytest.raises(TypeError, match=r"must be a snapshard\.SaveOptions"):
+        sst.save(tmp_path / "d.safetensors", t, {"mode": "auto"})
+    assert not (tmp_path / "d.safetensors").exists()
+
+
 def test_unsupported_leaves_are_named(tmp_path):
     with pytest.raises(snapshard.UnsupportedLeafError, match=r"'a/b'.*arrays only"):
         sst.save(tmp_path / "x.safetensors", {"a": {"b": 3}})

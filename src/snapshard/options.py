@@ -57,7 +57,7 @@ class SaveOptions:
         chosen per process from the write throughput that earlier saves to the same parent
         location reached (see write_tuning.py).
     compression: None (default), 'zstd', 'zstd+shuffle' or 'zstd-noshuffle'; each checksum
-        block is compressed on its own, so reads stay random-access (see codecs.py).
+        block is compressed on its own, so reads stay random-access (see format/encoding.py).
     hashes: record each chunk's content hash, so that a later save may use this checkpoint
         as the base of an incremental save (a save with a base always records them).
     host_budget: the host bytes of device-to-host copies made in the blocking phase; the

@@ -10,12 +10,14 @@ all and an existing file is never damaged. Needs a filesystem all processes see.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import json
 import math
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +27,9 @@ import numpy as np
 
 from ..adapters.leaves import SaveArray, classify, is_save_leaf
 from ..coordination import Coordinator, default_coordinator
-from ..coordination.rendezvous import DEFAULT_TIMEOUT_S, Rendezvous, namespace, write_then_commit
+from ..coordination.rendezvous import Rendezvous, namespace, write_then_commit
 from ..errors import CheckpointExistsError, StorageError, UnsupportedLeafError
+from ..options import SaveOptions, require
 from ..planning import overlap_runs, plan_writes
 from ..staging import stage
 from ..storage import Location, is_object_store_url
@@ -36,11 +39,11 @@ from .dtypes import safetensors_name
 from .files import INDEX_NAME, SINGLE_NAME, SUFFIX
 from .header import build_header
 
-DEFAULT_HOST_BUDGET = 1 << 30
-
 
 @dataclass
 class ExportResult:
+    """What an export wrote, as seen by this process."""
+
     files: list[str]  # names of the data files written, relative to their directory
     bytes_written: int  # tensor bytes this process wrote
     names: dict[str, str] = field(default_factory=dict)  # tensor name -> leaf it came from
@@ -315,18 +318,17 @@ def _commit(staging: Path, final: Path, overwrite: bool) -> None:
 def save(
     path: Location,
     tree: Any,
+    options: SaveOptions = SaveOptions(),
     *,
     max_file_bytes: int | None = None,
     metadata: dict[str, str] | None = None,
     overwrite: bool = False,
-    mode: str = "auto",
-    timeout_s: float = DEFAULT_TIMEOUT_S,
     coordinator: Coordinator | None = None,
-    host_budget: int | None = DEFAULT_HOST_BUDGET,
     select: str | list[str] | tuple[str, ...] | None = None,
     rename: dict[str, str] | list[tuple[str, str]] | None = None,
     transpose: str | list[str] | tuple[str, ...] | None = None,
     prng_keys: str = "data",
+    **former: Any,
 ) -> ExportResult:
     """Write `tree` (jax.Arrays with any sharding, or NumPy arrays) as safetensors.
 
@@ -338,15 +340,13 @@ def save(
     `model.safetensors.index.json`.
     Every process of a multi-process job calls this with the same tree. `metadata` is the
     header's `__metadata__` (Hugging Face transformers wants {"format": "pt"}).
-    `host_budget` bounds the bytes copied from accelerators before writing starts.
+    `options`: a SaveOptions, of which `mode`, `host_budget` and `timeout_s` apply (as in
+    snapshard.save); writers, compression and hashes are snapshard's format's and refused
+    here. `mode=`, `timeout_s=` and `host_budget=` as keywords still work, with a
+    DeprecationWarning, for one release.
     """
-    text = os.fspath(path)
-    if is_object_store_url(text):
-        raise StorageError(
-            f"cannot export to {text}: every process writes byte ranges into shared files, "
-            "which needs a filesystem (export locally, then upload)"
-        )
-    final = Path(os.path.abspath(text.removeprefix("file://")))
+    options = _export_options(options, former)
+    final = _final_path(path)
     directory = not final.name.endswith(SUFFIX)
     if final.exists() and not overwrite:
         raise CheckpointExistsError(f"{final} already exists (pass overwrite=True to replace it)")
@@ -355,35 +355,77 @@ def save(
     tensors, skipped = _tensors(tree, coord.process_count, names)
     files = _layout_files(tensors, None if directory else final.name, max_file_bytes, metadata)
     plan = plan_writes(
-        [t.array.layout for f in files for t in f.tensors], mode, num_processes=coord.process_count
-    )
+        [t.array.layout for f in files for t in f.tensors], options.mode,
+        num_processes=coord.process_count,
+    )  # fmt: skip
     staging = final.with_name(final.name + STAGING_SUFFIX)
     rv = Rendezvous(
-        coord, namespace("safetensors-export", str(final)), f"export to {final}", timeout_s
+        coord, namespace("safetensors-export", str(final)), f"export to {final}", options.timeout_s
     )
     rv.start_clock()
-    pid = coord.process_index
-    # 1. Process 0 creates the staging file(s) at full size; the others wait for them.
-    if coord.is_leader:
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            _create(staging, files, directory)
-        except BaseException as e:
-            rv.report("ready", e)
-            raise
-        rv.report("ready")
-    else:
-        rv.wait("ready", "process 0")
-    # 2. Everyone writes its own byte runs and reports; process 0 commits once all have.
+    _create_staging(rv, staging, final, files, directory)
+    # Everyone writes its own byte runs and reports; process 0 commits once all have.
+    pid, budget = coord.process_index, options.host_budget
     mine = write_then_commit(
         rv,
-        lambda: {"bytes": _write_own(staging, files, pid, plan, host_budget)},
+        lambda: {"bytes": _write_own(staging, files, pid, plan, budget)},
         lambda _reports: _commit(staging, final, overwrite),
         lambda: _discard(staging),
     )
-    written = int(mine["bytes"])
     origin = {t.name: path_str_of(t.array) for f in files for t in f.tensors}
-    return ExportResult([f.name for f in files], written, origin, skipped)
+    return ExportResult([f.name for f in files], int(mine["bytes"]), origin, skipped)
+
+
+_FORMER_KEYWORDS = ("mode", "timeout_s", "host_budget")
+
+
+def _export_options(options: SaveOptions, former: dict[str, Any]) -> SaveOptions:
+    """The export's SaveOptions, with the former keywords folded in (deprecated)."""
+    require(options, SaveOptions)
+    unknown = sorted(set(former) - set(_FORMER_KEYWORDS))
+    if unknown:
+        raise TypeError(f"save() got an unexpected keyword argument {unknown[0]!r}")
+    if former:
+        warnings.warn(
+            f"snapshard.safetensors.save({', '.join(f'{k}=' for k in former)}) is deprecated: "
+            "pass snapshard.SaveOptions(...) as `options`",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        options = dataclasses.replace(options, **former)
+    if options.writers is not None or options.compression is not None or options.hashes:
+        raise ValueError(
+            "safetensors export takes mode, host_budget and timeout_s from SaveOptions; "
+            "writers, compression and hashes are snapshard's format's and do not apply"
+        )
+    return options
+
+
+def _final_path(path: Location) -> Path:
+    """Where the export goes: a local path (every process writes byte ranges into it)."""
+    text = os.fspath(path)
+    if is_object_store_url(text):
+        raise StorageError(
+            f"cannot export to {text}: every process writes byte ranges into shared files, "
+            "which needs a filesystem (export locally, then upload)"
+        )
+    return Path(os.path.abspath(text.removeprefix("file://")))
+
+
+def _create_staging(
+    rv: Rendezvous, staging: Path, final: Path, files: list[_File], directory: bool
+) -> None:
+    """Process 0 creates the staging file(s) at full size; the others wait for them."""
+    if not rv.coord.is_leader:
+        rv.wait("ready", "process 0")
+        return
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        _create(staging, files, directory)
+    except BaseException as e:
+        rv.report("ready", e)
+        raise
+    rv.report("ready")
 
 
 def path_str_of(array: SaveArray) -> str:
