@@ -2,20 +2,21 @@
 
 Used by the multi-tier manager to copy a process's local checkpoint to its peers and back.
 Collectives must be issued in the same order on every process, so `exchange` is called on
-the caller's thread by every process, with the same permutation.
+the caller's thread by every process, with the same permutation. JAX is imported by the
+functions that run collectives, not with the module: the coordination package imports no
+framework.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
 
 DEFAULT_CHUNK_BYTES = 64 << 20
 
@@ -23,6 +24,9 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 @lru_cache(maxsize=1)
 def _process_mesh() -> Mesh:
     """A 1-D mesh of one device per process (each process's lowest-numbered device)."""
+    import jax
+    from jax.sharding import Mesh
+
     firsts: dict[int, Any] = {}
     for d in jax.devices():
         if d.process_index not in firsts or d.id < firsts[d.process_index].id:
@@ -32,8 +36,11 @@ def _process_mesh() -> Mesh:
 
 @lru_cache(maxsize=32)
 def _permute_fn(perm: tuple[tuple[int, int], ...], chunk: int) -> Any:
+    import jax
+    from jax.sharding import PartitionSpec
+
     mesh = _process_mesh()
-    spec = P("process")
+    spec = PartitionSpec("process")
     return jax.jit(
         jax.shard_map(
             lambda a: jax.lax.ppermute(a, "process", perm), mesh=mesh, in_specs=spec, out_specs=spec
@@ -72,6 +79,10 @@ def start_exchange(
     JAX dispatches the ppermutes asynchronously, in program order on every process, so the
     caller may go on (even run other collectives) while the bytes travel. `sizes` (bytes each
     process sends) saves a collective when every process can compute them."""
+    import jax
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec
+
     me, n = jax.process_index(), jax.process_count()
     perm = tuple(sorted((int(a), int(b)) for a, b in perm))
     if not perm:
@@ -83,7 +94,7 @@ def start_exchange(
     longest = int(max(sizes[src] for src, _ in perm))
     chunk = max(1, min(chunk_bytes, longest))
     mesh = _process_mesh()
-    sharding = NamedSharding(mesh, P("process"))
+    sharding = NamedSharding(mesh, PartitionSpec("process"))
     device = mesh.devices[me]
     flat = np.zeros(0, np.uint8) if send is None else send.reshape(-1).view(np.uint8)
     recv_size = int(sizes[sources[me]]) if me in sources else None

@@ -1,0 +1,53 @@
+"""The framework-neutral core imports no framework: the save executor, the chunk encoding
+and the coordination package load neither JAX nor torch until a value of one is met."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+CORE = [
+    "snapshard.saving",
+    "snapshard.staging",
+    "snapshard.background",
+    "snapshard.codecs",
+    "snapshard.format.encoding",
+    "snapshard.format.compression",
+    "snapshard.format.records",
+    "snapshard.adapters.jax_save",
+    "snapshard.coordination",
+    "snapshard.coordination.rendezvous",
+    "snapshard.coordination.transfer",
+    "snapshard.coordination.peer_memory",
+    "snapshard.coordination.preemption",
+    "snapshard.safetensors.export",
+]
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_core_module_imports_no_framework(module):
+    code = (
+        f"import sys, importlib; importlib.import_module({module!r})\n"
+        "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_the_save_executor_names_no_jax_module():
+    """saving.py reaches JAX only through its adapter (adapters/jax_save.py)."""
+    import ast
+    from pathlib import Path
+
+    import snapshard.saving
+
+    tree = ast.parse(Path(snapshard.saving.__file__).read_text())
+    imported = [
+        (node.module or "") if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert not [m for m in imported if m == "jax" or m.startswith("jax.") or "jax_arrays" in m]
