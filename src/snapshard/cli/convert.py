@@ -17,11 +17,14 @@ import argparse
 import importlib
 import math
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
+
+import numpy as np
 
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointExistsError, SnapshardError
-from ..format import MANIFEST_NAME, ArrayLeaf
+from ..format import MANIFEST_NAME, ArrayLeaf, Manifest
 from ..interop import local_path
 from ..interop.reader import CheckpointReader, chunk_slabs
 from ..interop.writer import CheckpointWriter
@@ -174,50 +177,20 @@ def to_safetensors(
         raise SnapshardError(
             "writing safetensors needs snapshard.safetensors, which this installation does not have"
         ) from None
-    m = reader.manifest
     names = names if names is not None else st.ExportNames()
-
-    def slabs_of(leaf: ArrayLeaf, transpose: bool) -> Any:
-        if not transpose:
-            return lambda: (
-                (off, reader.read_box(leaf, a, b)) for a, b, off in row_slabs(leaf, slab_bytes)
-            )
-        # A row slab of the transposed tensor is a slab of the source's last axis, transposed.
-        return lambda: (
-            (off, reader.read_box(leaf, a[::-1], b[::-1]).transpose())
-            for a, b, off in row_slabs(leaf, slab_bytes, transpose=True)
-        )
-
-    skipped = [
-        leaf.name
-        for leaf in m.leaves
-        if not isinstance(leaf, ArrayLeaf) and names.selects(st.export.leaf_name(leaf.path))
-    ]
-    chosen: list[tuple[str, ArrayLeaf]] = []
-    for leaf in m.arrays:
-        name = st.export.leaf_name(leaf.path)
-        if not names.selects(name):
-            continue
-        if leaf.kind == "prng_key" and not names.check_key(leaf.name):
-            skipped.append(leaf.name)
-            continue
-        chosen.append((name, leaf))
+    chosen, skipped = _chosen_leaves(reader.manifest, names, st.export.leaf_name)
     tensors = []
     renamed: dict[str, str] = {}
     for (_, leaf), (_, new, transpose) in zip(
         chosen, names.plan([n for n, _ in chosen]), strict=True
     ):
         shape = tuple(reversed(leaf.shape)) if transpose else leaf.shape
-        dtype = dtype_from_name(leaf.dtype)
-        tensors.append(st.StreamedTensor(new, dtype, shape, slabs_of(leaf, transpose)))
+        slabs = _slabs_of(reader, leaf, slab_bytes, transpose)
+        tensors.append(st.StreamedTensor(new, dtype_from_name(leaf.dtype), shape, slabs))
         renamed[new] = leaf.name
     with out.progress(sum(leaf.nbytes for _, leaf in chosen), "convert") as bar:
         result = st.save_streamed(
-            dst,
-            tensors,
-            overwrite=overwrite,
-            progress=bar.update,
-            max_file_bytes=max_file_bytes,
+            dst, tensors, overwrite=overwrite, progress=bar.update, max_file_bytes=max_file_bytes
         )
     return {
         "destination": os.path.abspath(dst),
@@ -225,6 +198,43 @@ def to_safetensors(
         "files": result.files,
         "names": renamed,
     }
+
+
+def _chosen_leaves(
+    m: Manifest, names: Any, leaf_name: Callable[[Any], str]
+) -> tuple[list[tuple[str, ArrayLeaf]], list[str]]:
+    """The arrays `names` selects, with their default tensor names, and the leaves left
+    out: values (safetensors holds arrays only) and PRNG keys under prng_keys='skip'."""
+    skipped = [
+        leaf.name
+        for leaf in m.leaves
+        if not isinstance(leaf, ArrayLeaf) and names.selects(leaf_name(leaf.path))
+    ]
+    chosen: list[tuple[str, ArrayLeaf]] = []
+    for leaf in m.arrays:
+        name = leaf_name(leaf.path)
+        if not names.selects(name):
+            continue
+        if leaf.kind == "prng_key" and not names.check_key(leaf.name):
+            skipped.append(leaf.name)
+            continue
+        chosen.append((name, leaf))
+    return chosen, skipped
+
+
+def _slabs_of(
+    reader: CheckpointReader, leaf: ArrayLeaf, slab_bytes: int, transpose: bool
+) -> Callable[[], Iterator[tuple[int, np.ndarray]]]:
+    """The slabs of a tensor, read box by box when the export writes them."""
+    if not transpose:
+        return lambda: (
+            (off, reader.read_box(leaf, a, b)) for a, b, off in row_slabs(leaf, slab_bytes)
+        )
+    # A row slab of the transposed tensor is a slab of the source's last axis, transposed.
+    return lambda: (
+        (off, reader.read_box(leaf, a[::-1], b[::-1]).transpose())
+        for a, b, off in row_slabs(leaf, slab_bytes, transpose=True)
+    )
 
 
 def _exists_error(e: CheckpointExistsError) -> CheckpointExistsError:

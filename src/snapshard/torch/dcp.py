@@ -34,7 +34,7 @@ from ..dtypes import dtype_name
 from ..errors import SnapshardError, UnsupportedLeafError
 from ..format import Manifest
 from ..interop.writer import CheckpointWriter
-from ..tree import Path, flatten, path_str
+from ..tree import FlatTree, Path, flatten, path_str
 from .dtypes import host_view, numpy_dtype
 from .leaves import is_leaf
 
@@ -212,34 +212,9 @@ class DcpCheckpoint:
     ) -> Manifest:
         """Write it as a snapshard checkpoint at `dst` (atomically; chunks of at most
         `chunk_bytes`); returns the manifest. `progress` is told the bytes of each slab."""
-        flat = self.tree
         writer = CheckpointWriter(dst, overwrite=overwrite, extra={"converted_from": "dcp"})
-        index: dict[str, int] = {}
         try:
-            for path, leaf in zip(flat.paths, flat.leaves, strict=True):
-                if isinstance(leaf, _Slot):
-                    dt = numpy_dtype(leaf.meta.properties.dtype, leaf=leaf.key)
-                    index[leaf.key] = writer.add_array(
-                        path,
-                        kind="array",
-                        dtype=dtype_name(dt, leaf=leaf.key),
-                        shape=tuple(int(s) for s in leaf.meta.size),
-                        sharding=None,
-                    )
-                elif isinstance(leaf, torch.Tensor | np.ndarray | np.generic):  # in a value
-                    data = np.asarray(
-                        host_view(leaf.contiguous()) if isinstance(leaf, torch.Tensor) else leaf
-                    )
-                    i = writer.add_array(
-                        path,
-                        kind="array",
-                        dtype=dtype_name(data.dtype, leaf=path_str(path)),
-                        shape=data.shape,
-                        sharding=None,
-                    )
-                    writer.write_box(i, (0,) * data.ndim, data.shape, data)
-                else:
-                    writer.add_value(path, leaf)
+            index = _add_leaves(writer, self.tree)
 
             def on_chunk(key: str, offsets: Any, tensor: torch.Tensor) -> None:
                 data = host_view(tensor)
@@ -256,12 +231,36 @@ class DcpCheckpoint:
             planner = _Planner(self._slots, on_chunk)
             items = [i for k, slot in self._slots.items() for i in _read_items(k, slot.meta)]
             _read(self._reader, items, planner)
-            return writer.commit(flat.structure)
+            return writer.commit(self.tree.structure)
         except BaseException:
             writer.abort()
             raise
         finally:
             writer.close()
+
+
+def _add_leaves(writer: CheckpointWriter, flat: FlatTree) -> dict[str, int]:
+    """Every leaf of the converted tree declared to `writer`: DCP's tensors as arrays whose
+    boxes come later (returns their array numbers by DCP key), tensors and arrays inside
+    the values written at once, the other values as they are."""
+    index: dict[str, int] = {}
+    for path, leaf in zip(flat.paths, flat.leaves, strict=True):
+        if isinstance(leaf, _Slot):
+            dt = numpy_dtype(leaf.meta.properties.dtype, leaf=leaf.key)
+            shape = tuple(int(s) for s in leaf.meta.size)
+            index[leaf.key] = writer.add_array(
+                path, kind="array", dtype=dtype_name(dt, leaf=leaf.key), shape=shape, sharding=None
+            )
+        elif isinstance(leaf, torch.Tensor | np.ndarray | np.generic):  # in a value
+            data = np.asarray(
+                host_view(leaf.contiguous()) if isinstance(leaf, torch.Tensor) else leaf
+            )
+            dtype = dtype_name(data.dtype, leaf=path_str(path))
+            i = writer.add_array(path, kind="array", dtype=dtype, shape=data.shape, sharding=None)
+            writer.write_box(i, (0,) * data.ndim, data.shape, data)
+        else:
+            writer.add_value(path, leaf)
+    return index
 
 
 def convert_dcp(
