@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -11,7 +12,20 @@ import pytest
 
 import snapshard
 from snapshard import CheckpointManager
-from snapshard.manager import KeepBest, KeepEvery, KeepLatest, Retention, StepInfo
+from snapshard.manager import (
+    AnyOf,
+    AtSteps,
+    EveryNSteps,
+    KeepAll,
+    KeepBest,
+    KeepEvery,
+    KeepLatest,
+    LeasePolicy,
+    ManagerPolicies,
+    PreemptionPolicy,
+    Retention,
+    StepInfo,
+)
 from snapshard.storage import local
 
 
@@ -30,7 +44,8 @@ def on_disk(directory):
 
 
 def test_save_interval_and_explicit_steps(tmp_path):
-    with CheckpointManager(tmp_path, save_interval_steps=10, save_on_steps=[3, 25]) as m:
+    every_10_and_at = ManagerPolicies(save=AnyOf((EveryNSteps(10), AtSteps(frozenset({3, 25})))))
+    with CheckpointManager(tmp_path, policies=every_10_and_at) as m:
         decided = [s for s in range(31) if m.should_save(s)]
         assert decided == [0, 3, 10, 20, 25, 30]
         saved = [s for s in range(31) if m.save(s, state(s))]
@@ -50,7 +65,8 @@ def test_latest_n_over_30_saves(tmp_path):
 
 
 def test_keep_period_with_latest_n_over_30_saves(tmp_path):
-    with CheckpointManager(tmp_path, max_to_keep=2, keep_period=10) as m:
+    keep = ManagerPolicies(retention=(KeepLatest(2), KeepEvery(10)))
+    with CheckpointManager(tmp_path, policies=keep) as m:
         run(m, range(1, 31))
         assert m.all_steps() == [10, 20, 29, 30]
     assert on_disk(tmp_path) == [10, 20, 29, 30]
@@ -63,18 +79,44 @@ def test_best_n_by_metric_over_30_saves_keeps_unmeasured_steps(tmp_path):
             return None
         return {"loss": 0.1 * (step % 7) + (1.0 if step > 21 else 0.0) + 0.001 * step}
 
-    with CheckpointManager(
-        tmp_path, max_to_keep=3, best_fn=lambda m: m["loss"], best_mode="min"
-    ) as m:
+    best = ManagerPolicies(retention=(KeepBest(3, lambda m: m["loss"], "min"),))
+    with CheckpointManager(tmp_path, policies=best) as m:
         run(m, range(1, 31), metrics)
         assert m.all_steps() == [7, 14, 21, 28, 30]  # 3 best, the unmeasured one, the newest
         assert m.best_step() == 7
         assert m.metrics(14)["loss"] == pytest.approx(0.014)
     # A new manager reads the metrics back from the checkpoints.
-    with CheckpointManager(
-        tmp_path, max_to_keep=3, best_fn=lambda m: m["loss"], best_mode="min"
-    ) as m:
+    with CheckpointManager(tmp_path, policies=best) as m:
         assert m.best_step() == 7 and m.all_steps() == [7, 14, 21, 28, 30]
+
+
+def test_a_policy_and_its_shorthand_keyword_are_not_both_given(tmp_path):
+    with pytest.raises(ValueError, match="save_interval_steps or ManagerPolicies"):
+        CheckpointManager(tmp_path, save_interval_steps=5, policies=ManagerPolicies(save=EveryNSteps(2)))
+    with pytest.raises(ValueError, match="max_to_keep or ManagerPolicies"):
+        CheckpointManager(tmp_path, max_to_keep=2, policies=ManagerPolicies(retention=(KeepAll(),)))
+    with pytest.raises(TypeError, match="policies"):
+        CheckpointManager(tmp_path, policies={"save": EveryNSteps(2)})
+    CheckpointManager(tmp_path).close()  # refused before the lease was taken: none is held
+
+
+def test_retention_given_as_a_list_or_one_policy():
+    assert ManagerPolicies(retention=[KeepLatest(2)]).retention == (KeepLatest(2),)  # type: ignore[arg-type]
+    assert ManagerPolicies(retention=KeepLatest(2)).retention == (KeepLatest(2),)  # type: ignore[arg-type]
+    assert ManagerPolicies(retention=(KeepLatest(2), KeepBest(3, len))).best() == KeepBest(1, len)
+
+
+def test_lease_policy_takes_over_a_held_lease(tmp_path):
+    first = CheckpointManager(tmp_path)
+    try:
+        with pytest.raises(snapshard.WriterLeaseError):
+            CheckpointManager(tmp_path)
+        with CheckpointManager(tmp_path, policies=ManagerPolicies(lease=LeasePolicy(takeover=True))) as m:
+            m.save(1, state(1))
+        assert on_disk(tmp_path) == [1]
+    finally:
+        with contextlib.suppress(snapshard.WriterLeaseError):
+            first.close()
 
 
 def test_retention_policies_compose():
@@ -153,7 +195,8 @@ def test_background_error_is_raised_by_wait_until_finished(tmp_path, monkeypatch
 
 
 def test_sigterm_triggers_a_forced_save(tmp_path):
-    with CheckpointManager(tmp_path, save_interval_steps=100, handle_sigterm=True) as m:
+    sigterm = ManagerPolicies(preemption=PreemptionPolicy(handle_sigterm=True))
+    with CheckpointManager(tmp_path, save_interval_steps=100, policies=sigterm) as m:
         assert not m.reached_preemption(7)
         os.kill(os.getpid(), signal.SIGTERM)
         assert m.reached_preemption(7)

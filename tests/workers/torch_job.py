@@ -192,7 +192,10 @@ def preempt(root: str, rank: int, world: int) -> dict[str, object]:
     import snapshard.torch as st
 
     model, opt = build("1d", world)
-    mgr = st.CheckpointManager(root, save_interval_steps=1000, handle_sigterm=True, save_options=SaveOptions(timeout_s=30), read_options=ReadOptions(timeout_s=30))
+    from snapshard.manager import ManagerPolicies, PreemptionPolicy
+
+    sigterm = ManagerPolicies(preemption=PreemptionPolicy(handle_sigterm=True))
+    mgr = st.CheckpointManager(root, save_interval_steps=1000, policies=sigterm, save_options=SaveOptions(timeout_s=30), read_options=ReadOptions(timeout_s=30))
     out: dict[str, object] = {"agreed": None}
     for step in range(1, 30):
         train(model, opt, 1, seed=1000 * rank + step)

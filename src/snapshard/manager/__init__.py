@@ -1,4 +1,4 @@
-"""Numbered steps with save and retention policies."""
+"""Numbered steps with save, retention, preemption and lease policies."""
 
 from .framework import JAX, Framework, StartedSave
 from .manager import BackgroundSaveError, CheckpointManager
@@ -10,6 +10,9 @@ from .policies import (
     KeepBest,
     KeepEvery,
     KeepLatest,
+    LeasePolicy,
+    ManagerPolicies,
+    PreemptionPolicy,
     Retention,
     RetentionPolicy,
     SavePolicy,
@@ -30,7 +33,10 @@ __all__ = [
     "KeepBest",
     "KeepEvery",
     "KeepLatest",
+    "LeasePolicy",
     "LocalTier",
+    "ManagerPolicies",
+    "PreemptionPolicy",
     "Retention",
     "RetentionPolicy",
     "SavePolicy",

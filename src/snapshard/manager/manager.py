@@ -18,7 +18,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -33,22 +33,10 @@ from ..options import ReadOptions, SaveOptions, require
 from ..read_executor import ReadStats
 from ..saving import SaveTimings
 from ..storage import CheckpointRoot, Location, root_for
-from ..storage.lease import DEFAULT_LEASE_TIMEOUT_S, WriterLease
+from ..storage.lease import WriterLease
 from ..tree import FlatTree, flatten
 from .framework import JAX, Framework, StartedSave
-from .policies import (
-    AnyOf,
-    AtSteps,
-    EveryNSteps,
-    KeepBest,
-    KeepEvery,
-    KeepLatest,
-    Retention,
-    RetentionPolicy,
-    SavePolicy,
-    StepInfo,
-    young_daly_interval,
-)
+from .policies import LeasePolicy, ManagerPolicies, StepInfo, young_daly_interval
 from .references import References, identical_leaves, is_retained, saved_arrays
 from .tier_config import LocalTier, RestoreReport, TierReport
 
@@ -56,6 +44,7 @@ if TYPE_CHECKING:
     from .local_tier import LocalStore
 
 log = logging.getLogger("snapshard")
+DEFAULT_POLICIES = ManagerPolicies()
 
 
 class BackgroundSaveError(SnapshardError):
@@ -82,73 +71,49 @@ class CheckpointManager:
         directory: Location | CheckpointRoot,
         *,
         save_interval_steps: int = 1,
-        save_on_steps: Iterable[int] = (),
         max_to_keep: int | None = None,
-        keep_period: int | None = None,
-        best_fn: Callable[[Mapping[str, Any]], float] | None = None,
-        best_mode: str = "max",
         async_save: bool = True,
-        save_policy: SavePolicy | None = None,
-        retention: Sequence[RetentionPolicy] | None = None,
-        coordinator: Coordinator | None = None,
+        incremental: bool = False,
         save_options: SaveOptions = SaveOptions(),
         read_options: ReadOptions = ReadOptions(),
-        handle_sigterm: bool = False,
         local_tier: LocalTier | None = None,
-        lease_timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
-        takeover: bool = False,
-        incremental: bool = False,
+        coordinator: Coordinator | None = None,
+        policies: ManagerPolicies = DEFAULT_POLICIES,
         framework: Framework = JAX,
     ):
-        """`save_interval_steps`, `save_on_steps`: when `should_save` is true (or pass
-        `save_policy`). Retention: keep the newest `max_to_keep` steps, or with `best_fn` the
-        `max_to_keep` best by `best_fn(metrics)` (`best_mode` 'max'/'min'; steps without
-        metrics are kept), plus every step divisible by `keep_period` (or pass `retention`).
+        """`save_interval_steps`: `should_save` is true every that many steps; `max_to_keep`:
+        keep the newest that many steps (None: all). `policies` (ManagerPolicies) gives any
+        other save policy or retention in their place (the best steps by a metric, every
+        k-th step forever, given steps), SIGTERM handling and the writer lease's timeout.
         `save_options`: how every step is written (snapshard.SaveOptions; its `timeout_s`
         also bounds the start-up rendezvous); `read_options`: how `restore` reads, unless
         it is given its own (its `timeout_s` also bounds the agreement on the tier).
-        `handle_sigterm`: a SIGTERM makes `reached_preemption` true, on every process at
-        one step (see there; where JAX's preemption service runs, leave SIGTERM to it).
         `local_tier`: also keep each process's shards on node-local storage and on peers
         (see local_tier.py).
 
         One writer per directory: process 0 takes the directory's writer lease when the
-        manager starts and gives it up in `close` (see storage/lease.py); a second manager
-        on the directory fails with WriterLeaseError naming the holder. A lease whose holder
-        stopped its heartbeat for `lease_timeout_s` is taken over; `takeover=True` takes it
-        whatever its state.
+        manager starts and gives it up in `close` (see storage/lease.py and LeasePolicy); a
+        second manager on the directory fails with WriterLeaseError naming the holder.
         `incremental`: every step records its chunks' content hashes and refers to the
         newest kept step for chunks that did not change (see references.py).
         `framework`: whose arrays the trees hold (see framework.py); `snapshard.torch`'s
         CheckpointManager passes PyTorch's."""
         if local_tier is not None and not framework.local_tier:
             raise ValueError(f"the local tier is not available for {framework.name} state")
+        require(save_options, SaveOptions, "save_options")
+        require(read_options, ReadOptions, "read_options")
+        require(policies, ManagerPolicies, "policies")
+        self._save_policy = policies.save_policy(save_interval_steps)
+        self._retention = policies.retention_of(max_to_keep)
+        self._best = policies.best()
         self._framework = framework
         self._root = root_for(directory)
         self._coord = coordinator or framework.coordinator()
-        require(save_options, SaveOptions, "save_options")
-        require(read_options, ReadOptions, "read_options")
         if framework.warm_up is not None:  # once the arguments are known to be good
             framework.warm_up()
         self._save_options = save_options
         self._read_options = read_options
         self._async = async_save
-        self._save_policy = save_policy or AnyOf(
-            (EveryNSteps(save_interval_steps), AtSteps(frozenset(save_on_steps)))
-        )
-        if retention is None:
-            policies: list[RetentionPolicy] = []
-            if max_to_keep is not None:
-                policies.append(
-                    KeepBest(max_to_keep, best_fn, best_mode)
-                    if best_fn
-                    else KeepLatest(max_to_keep)
-                )
-            if keep_period is not None:
-                policies.append(KeepEvery(keep_period))
-            retention = policies or None
-        self._retention = Retention(tuple(retention)) if retention else Retention()
-        self._best = KeepBest(1, best_fn, best_mode) if best_fn else None
         self._lock = threading.Lock()
         self._inflight: tuple[int, BackgroundTask[None]] | None = None
         self._error: BaseException | None = None
@@ -160,9 +125,6 @@ class CheckpointManager:
             if self._coord.process_count > 1
             else None
         )
-        self._old_sigterm: Any = None
-        if handle_sigterm:
-            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._tier_reports: dict[int, TierReport] = {}
         self.last_restore: RestoreReport | None = None
         self._lease: WriterLease | None = None
@@ -171,25 +133,28 @@ class CheckpointManager:
         self._references = References(self._root)
         self._retained: set[str] = set()
         self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
-        self._local: LocalStore | None = None
-        if local_tier:
-            from .local_tier import LocalStore  # the tier works on jax.Arrays (JAX only)
-
-            self._local = LocalStore(
-                local_tier, self._coord.process_index, self._coord.process_count
-            )
-        if self._local is not None:
-            self._local.retain(self._local.tier.max_to_keep)
-        self._start(lease_timeout_s, takeover)
+        self._local = self._local_store(local_tier)
+        self._old_sigterm: Any = None
+        if policies.preemption.handle_sigterm:
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
+            self._start(policies.lease)
             self._steps: dict[int, StepInfo] = self._scan()
         except BaseException:
-            if self._lease is not None:
-                self._lease.release()
+            self._release()
             raise
 
+    def _local_store(self, tier: LocalTier | None) -> LocalStore | None:
+        if not tier:
+            return None
+        from .local_tier import LocalStore  # the tier works on jax.Arrays (JAX only)
+
+        store = LocalStore(tier, self._coord.process_index, self._coord.process_count)
+        store.retain(store.tier.max_to_keep)
+        return store
+
     # ---- start-up --------------------------------------------------------------------
-    def _start(self, lease_timeout_s: float, takeover: bool) -> None:
+    def _start(self, policy: LeasePolicy) -> None:
         """Process 0 takes the writer lease and removes what crashed saves left; the others
         wait for its outcome (one rendezvous), so they learn of a failure too. The job's
         token (which names its staging areas) is agreed here, not in the first save."""
@@ -205,8 +170,8 @@ class CheckpointManager:
             rv.await_outcome()
             return
         try:
-            lease = WriterLease(self._root.lease_files(), timeout_s=lease_timeout_s)
-            lease.acquire(takeover=takeover)
+            lease = WriterLease(self._root.lease_files(), timeout_s=policy.timeout_s)
+            lease.acquire(takeover=policy.takeover)
             self._lease = lease
             for name, committed in self._root.list().items():
                 if not committed:
@@ -367,23 +332,7 @@ class CheckpointManager:
         CheckpointExistsError for a step that is already committed, ValueError for a step
         not newer than the newest saved one, and WriterLeaseError when this manager lost
         the directory's writer lease."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative int, got {step!r}")
-        self._wait_inflight()
-        self._raise_pending()
-        if self._lease is not None:
-            self._lease.check()
-        with self._lock:
-            if step in self._steps:
-                raise CheckpointExistsError(
-                    f"step {step} already exists in {self._root.url}; it is never overwritten"
-                )
-            newest = max(self._steps, default=None)
-            if newest is not None and step < newest:
-                raise ValueError(
-                    f"step {step} is older than the newest saved step {newest} of "
-                    f"{self._root.url}; steps must increase (retention would delete it at once)"
-                )
+        self._check_new_step(step)
         persistent = force or self._save_policy.should_save(step)
         local = self._local is not None and (force or self._local.tier.should_save(step))
         if not (persistent or local):
@@ -399,28 +348,9 @@ class CheckpointManager:
             from .local_tier import stage_local
 
             local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
-        started: StartedSave | None = None
-        if persistent:
-            options = self._save_options
-            if snapshot is not None:  # the local tier staged every byte already
-                options = replace(options, host_budget=None)
-            incremental: dict[str, Any] = {}
-            if self._incremental:
-                options = replace(options, hashes=True)
-                incremental = self._increment_from(flat)
-            storage = self._root.child(str(step))
-            if self._lease is not None:
-                storage.commit_guard = self._lease.verify
-            started = self._framework.start_save(
-                storage,
-                tree,
-                options,
-                coordinator=self._coord,
-                extra={"step": step, "metrics": info_metrics},
-                snapshot=snapshot,
-                flat=flat,
-                **incremental,
-            )
+        started = (
+            self._start_persistent(step, tree, flat, snapshot, info_metrics) if persistent else None
+        )
         report.blocking_s = time.perf_counter() - t0
 
         def work() -> None:
@@ -444,6 +374,58 @@ class CheckpointManager:
             self._wait_inflight()
             self._raise_pending()
         return True
+
+    def _check_new_step(self, step: int) -> None:
+        """After the save in flight: raise its error, a lost lease, or a step that is not
+        a new non-negative int newer than every saved one."""
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        self._wait_inflight()
+        self._raise_pending()
+        if self._lease is not None:
+            self._lease.check()
+        with self._lock:
+            if step in self._steps:
+                raise CheckpointExistsError(
+                    f"step {step} already exists in {self._root.url}; it is never overwritten"
+                )
+            newest = max(self._steps, default=None)
+            if newest is not None and step < newest:
+                raise ValueError(
+                    f"step {step} is older than the newest saved step {newest} of "
+                    f"{self._root.url}; steps must increase (retention would delete it at once)"
+                )
+
+    def _start_persistent(
+        self,
+        step: int,
+        tree: Any,
+        flat: FlatTree,
+        snapshot: Any,
+        metrics: dict[str, Any] | None,
+    ) -> StartedSave:
+        """The blocking phase of the persistent tier's save of `step` (from the local tier's
+        `snapshot` where it staged every byte already)."""
+        options = self._save_options
+        if snapshot is not None:
+            options = replace(options, host_budget=None)
+        incremental: dict[str, Any] = {}
+        if self._incremental:
+            options = replace(options, hashes=True)
+            incremental = self._increment_from(flat)
+        storage = self._root.child(str(step))
+        if self._lease is not None:
+            storage.commit_guard = self._lease.verify
+        return self._framework.start_save(
+            storage,
+            tree,
+            options,
+            coordinator=self._coord,
+            extra={"step": step, "metrics": metrics},
+            snapshot=snapshot,
+            flat=flat,
+            **incremental,
+        )
 
     def _after_commit(self, step: int, metrics: dict[str, Any] | None) -> None:
         """Runs in the save's thread on every process: record the step, apply retention."""
@@ -509,32 +491,12 @@ class CheckpointManager:
         t0 = time.perf_counter()
         skipped: tuple[str, ...] = ()
         if self._local is not None and target is not None:
-            from .local_tier import restore_from_tiers
-
-            out, report = restore_from_tiers(
-                self._local,
-                self._coord,
-                namespace("tier-restore", self._root.url),
-                target,
-                step,
-                self.latest_step(),
-                options.timeout_s,
-            )
+            out, report = self._restore_local(step, target, options)
             if report.tier:
                 report.seconds = time.perf_counter() - t0
                 self.last_restore = report
                 return out
             skipped = report.skipped
-            if step is not None and step not in self._steps:
-                raise CheckpointNotFoundError(
-                    f"step {step} is neither a committed step of {self._root.url} nor "
-                    f"restorable from the local tier"
-                    + (
-                        f" (copies that failed verification: {'; '.join(skipped)})"
-                        if skipped
-                        else ""
-                    )
-                )
         if step is None:
             step = self.latest_step()
             if step is None:
@@ -557,17 +519,48 @@ class CheckpointManager:
         )
         return out
 
+    def _restore_local(
+        self, step: int | None, target: Any, options: ReadOptions
+    ) -> tuple[Any, RestoreReport]:
+        """The restore from the local tier and peers where the processes agree it can serve
+        (`report.tier` says which served; empty: none), else an error for a `step` that the
+        persistent tier does not hold either."""
+        from .local_tier import restore_from_tiers
+
+        assert self._local is not None
+        out, report = restore_from_tiers(
+            self._local,
+            self._coord,
+            namespace("tier-restore", self._root.url),
+            target,
+            step,
+            self.latest_step(),
+            options.timeout_s,
+        )
+        if not report.tier and step is not None and step not in self._steps:
+            failed = report.skipped
+            raise CheckpointNotFoundError(
+                f"step {step} is neither a committed step of {self._root.url} nor "
+                "restorable from the local tier"
+                + (f" (copies that failed verification: {'; '.join(failed)})" if failed else "")
+            )
+        return out, report
+
     def close(self) -> None:
         """Wait for the save in flight and raise any background error not raised yet."""
         try:
             self.wait_until_finished()
         finally:
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
-            if self._old_sigterm is not None:
-                signal.signal(signal.SIGTERM, self._old_sigterm)
-                self._old_sigterm = None
+            self._release()
+
+    def _release(self) -> None:
+        """Give up the writer lease and restore the SIGTERM handler (each once)."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
 
     def __enter__(self) -> CheckpointManager:
         return self

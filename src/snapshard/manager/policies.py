@@ -1,4 +1,5 @@
-"""Small composable policies: when to save, and which saved steps to keep.
+"""Small composable policies: when to save, which saved steps to keep, how preemption is
+noticed, and the writer lease; ManagerPolicies bundles them for a CheckpointManager.
 
 A save policy answers `should_save(step)`. Retention policies each name the steps they
 want kept; a step survives if any policy keeps it, and the newest committed step always
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
+
+from ..storage.lease import DEFAULT_LEASE_TIMEOUT_S
 
 
 @dataclass(frozen=True)
@@ -137,3 +140,64 @@ def young_daly_interval(cost_s: float, mtbf_s: float) -> float:
     if cost_s < 0 or mtbf_s <= 0:
         raise ValueError("the checkpoint cost must be >= 0 and the MTBF > 0")
     return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+@dataclass(frozen=True)
+class PreemptionPolicy:
+    """How a CheckpointManager learns of a preemption. `handle_sigterm`: a SIGTERM makes
+    `reached_preemption` true, on every process at one step (where JAX's preemption
+    service runs, leave SIGTERM to it). `notify_preemption()` works either way."""
+
+    handle_sigterm: bool = False
+
+
+@dataclass(frozen=True)
+class LeasePolicy:
+    """The directory's writer lease, which process 0 takes when the manager starts (then it
+    removes what crashed saves left behind) and gives up in `close` (see storage/lease.py).
+    A lease whose holder stopped its heartbeat for `timeout_s` is taken over;
+    `takeover=True` takes it whatever its state."""
+
+    timeout_s: float = DEFAULT_LEASE_TIMEOUT_S  # (checked by the lease)
+    takeover: bool = False
+
+
+@dataclass(frozen=True)
+class ManagerPolicies:
+    """What a CheckpointManager does beyond its common keywords. `save`: when `should_save`
+    is true (EveryNSteps, AtSteps, AnyOf, or your own SavePolicy), in place of
+    `save_interval_steps`; `retention`: which steps to keep (KeepLatest, KeepBest,
+    KeepEvery, KeepAll: a step survives if any keeps it), in place of `max_to_keep`;
+    `preemption` and `lease` as their classes say."""
+
+    save: SavePolicy | None = None
+    retention: tuple[RetentionPolicy, ...] | None = None
+    preemption: PreemptionPolicy = PreemptionPolicy()
+    lease: LeasePolicy = LeasePolicy()
+
+    def __post_init__(self) -> None:
+        if self.retention is not None and not isinstance(self.retention, tuple):
+            # a list or a single policy: stored as a tuple (the dataclass is frozen)
+            r = self.retention
+            object.__setattr__(self, "retention", tuple(r) if isinstance(r, list) else (r,))
+
+    def save_policy(self, save_interval_steps: int) -> SavePolicy:
+        """The save policy, given the manager's `save_interval_steps` (one of the two)."""
+        if self.save is None:
+            return EveryNSteps(save_interval_steps)
+        if save_interval_steps != 1:
+            raise ValueError("give save_interval_steps or ManagerPolicies(save=...), not both")
+        return self.save
+
+    def retention_of(self, max_to_keep: int | None) -> Retention:
+        """The retention, given the manager's `max_to_keep` (one of the two)."""
+        if self.retention is None:
+            return Retention((KeepLatest(max_to_keep),)) if max_to_keep is not None else Retention()
+        if max_to_keep is not None:
+            raise ValueError("give max_to_keep or ManagerPolicies(retention=...), not both")
+        return Retention(self.retention) if self.retention else Retention()
+
+    def best(self) -> KeepBest | None:
+        """The ranking of `best_step`: the first KeepBest of the retention, if any."""
+        ranking = next((p for p in self.retention or () if isinstance(p, KeepBest)), None)
+        return replace(ranking, n=1) if ranking is not None else None
