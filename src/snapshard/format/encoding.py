@@ -103,48 +103,47 @@ def write_chunk(
     """Append the chunk of box [start, stop) holding `data` to `writer` at `offset` of data
     file number `file` (`file_key`: the file's name key), plain or compressed with `codec`;
     returns its record."""
-    if codec:
-        return _write_packed(writer, data, start, stop, file, offset, file_key, codec, level)
-    raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8).data
+    arr = np.ascontiguousarray(data)
+    raw = arr.reshape(-1).view(np.uint8)
     block = checksum_block(len(raw))
     key = chunk_key(file_key, offset)
-    if 0 < len(raw) <= block:  # one block (every small chunk): no per-block arrays
-        crcs = [crc32c(raw)]
-        writer.write(raw)
-        writer.write(memoryview((crcs[0] ^ key).to_bytes(4, "little")))
-    else:  # checksummed piece by piece as the bytes go out
-        piece = max(block, (_WRITE_PIECE // block) * block)
-        crcs = []
-        for a in range(0, len(raw), piece):
-            crcs.extend(block_crcs(raw[a : a + piece], block))
-            writer.write(raw[a : a + piece])
-        bound = np.asarray(crcs, dtype="<u4") ^ np.uint32(key)
-        writer.write(memoryview(bound.astype("<u4").tobytes()))
+    if codec:
+        nblocks, packed = _write_packed(writer, raw, block, key, codec, level, arr.dtype.itemsize)
+    else:
+        nblocks, packed = _write_plain(writer, raw.data, block, key), len(raw)
     return ChunkRecord(
-        file, 0, offset, len(raw), block, len(crcs), offset + len(raw),
+        file, codec << CODEC_SHIFT, offset, len(raw), block, nblocks, offset + packed,
         [int(x) for x in start], [int(x) for x in stop],
     )  # fmt: skip
 
 
+def _write_plain(writer: FileWriter, raw: memoryview, block: int, key: int) -> int:
+    """The bytes, checksummed block by block as they go out, then the checksums; returns
+    the number of blocks."""
+    if 0 < len(raw) <= block:  # one block (every small chunk): no per-block arrays
+        crc = crc32c(raw)
+        writer.write(raw)
+        writer.write(memoryview((crc ^ key).to_bytes(4, "little")))
+        return 1
+    piece = max(block, (_WRITE_PIECE // block) * block)
+    crcs: list[int] = []
+    for a in range(0, len(raw), piece):
+        crcs.extend(block_crcs(raw[a : a + piece], block))
+        writer.write(raw[a : a + piece])
+    bound = np.asarray(crcs, dtype="<u4") ^ np.uint32(key)
+    writer.write(memoryview(bound.astype("<u4").tobytes()))
+    return len(crcs)
+
+
 def _write_packed(
-    writer: FileWriter,
-    data: np.ndarray,
-    start: Any,
-    stop: Any,
-    file: int,
-    offset: int,
-    file_key: int,
-    codec: int,
-    level: int,
-) -> ChunkRecord:
-    """A compressed chunk: blocks, then offsets and checksums. A large chunk's blocks are
+    writer: FileWriter, raw: np.ndarray, block: int, key: int, codec: int, level: int,
+    itemsize: int,
+) -> tuple[int, int]:  # fmt: skip
+    """Each block compressed on its own, then the blocks' offsets and checksums; returns
+    the number of blocks and the bytes of the compressed ones. A large chunk's blocks are
     checksummed and compressed in the codec threads, group by group, while this thread
     writes them in order."""
-    arr = np.ascontiguousarray(data)
-    itemsize = arr.dtype.itemsize
-    raw = arr.reshape(-1).view(np.uint8)
     n = len(raw)
-    block = checksum_block(n)
     nblocks = -(-n // block)
 
     def pack(g0: int, g1: int) -> tuple[list[bytes], list[int]]:
@@ -164,13 +163,9 @@ def _write_packed(
         for frame in packed:
             offsets.append(offsets[-1] + len(frame))
         crcs.extend(sums)
-    bound = np.asarray(crcs, "<u4") ^ np.uint32(chunk_key(file_key, offset))
-    tail = np.asarray(offsets, "<u8").tobytes() + bound.astype("<u4").tobytes()
-    writer.write(memoryview(tail))
-    return ChunkRecord(
-        file, codec << CODEC_SHIFT, offset, n, block, len(crcs), offset + offsets[-1],
-        [int(x) for x in start], [int(x) for x in stop],
-    )  # fmt: skip
+    bound = np.asarray(crcs, "<u4") ^ np.uint32(key)
+    writer.write(memoryview(np.asarray(offsets, "<u8").tobytes() + bound.astype("<u4").tobytes()))
+    return len(crcs), offsets[-1]
 
 
 # --- Reading a compressed chunk -----------------------------------------------------------
