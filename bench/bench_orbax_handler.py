@@ -67,6 +67,8 @@ def run(method: str, tree, scale: float, path: str) -> dict:
                 mgr.save(0, args=args_for(method, tree, False))
             mgr.wait_until_finished()
         res["blocking"], res["save"] = blk.wall, total.wall
+        # where a save's time goes: this process's CPU, and the machine's iowait meanwhile
+        res["save_cpu"], res["save_iowait"] = total.cpu, total.iowait
         save_mesh, reshard_mesh = bc.mesh(2, 4), bc.mesh(4, 2)
         ok = True
         for step, m, reshard in (("restore", save_mesh, False), ("reshard", reshard_mesh, True)):
