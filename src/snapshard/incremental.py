@@ -25,7 +25,6 @@ import hashlib
 import os
 import threading
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +32,6 @@ import numpy as np
 
 from .errors import SnapshardError
 from .format import records as rec
-from .format.binding import name_key
 from .format.files import FileEntry
 from .format.leaves import ArrayLeaf
 from .format.manifest import Manifest
@@ -95,10 +93,8 @@ class Base:
     # dicts {"checkpoint", "file", "size"}: what the new checkpoint's refs may name
     candidates: list[dict[str, Any]] = field(default_factory=list)
     _file_to_candidate: dict[int, int] = field(default_factory=dict)
-    _records: dict[int, bytes] = field(default_factory=dict)
     _by_path: dict[Any, Any] = field(default_factory=dict)
     _file_base: list[int] = field(default_factory=list)  # global number of file 0, per process
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @staticmethod
     def open(base: Location | Storage, target: Storage) -> Base:
@@ -120,24 +116,6 @@ class Base:
             b.candidates.append({"checkpoint": name, "file": f.name, "size": f.size})
         return b
 
-    def _record_file(self, q: int) -> bytes:
-        with self._lock:
-            raw = self._records.get(q)
-        if raw is None:
-            from .checksum import crc32c
-
-            table = self.manifest.processes
-            assert table is not None
-            name = table.record_name(q)
-            buf = bytearray(table.record_sizes[q])
-            self.storage.read_into(name, 0, [memoryview(buf)])
-            raw = bytes(buf)
-            if crc32c(raw) != table.record_crcs[q]:
-                raise SnapshardError(f"{self.storage.url}/{name}: record file fails its checksum")
-            with self._lock:
-                self._records[q] = raw
-        return raw
-
     def chunks(
         self, path: tuple[Any, ...], dtype: str, shape: tuple[int, ...], boxes: list[Any]
     ) -> dict[bytes, BaseChunk]:
@@ -150,46 +128,40 @@ class Base:
         if not m.bound:  # a 2.0 base's checksums are not bound to its files: write anew
             return {}
         assert m.finder is not None and m.processes is not None
-        a = m.finder.index[id(leaf)]
         want = {box_key(s, e) for s, e in boxes}
-        procs = m.finder.candidates(leaf, [(np.asarray(s), np.asarray(e)) for s, e in boxes])
+        found = m.finder.hashed_records(
+            leaf, [(np.asarray(s), np.asarray(e)) for s, e in boxes], hash_id()
+        )
         out: dict[bytes, BaseChunk] = {}
-        ndim = len(shape)
-        for q in procs.tolist():
-            raw = self._record_file(q)
-            where = f"{self.storage.url}, records of process {q}, leaf {a}"
-            flags = rec.header_flags(raw)
-            entry = rec.decode_entries(raw[rec.directory_offset(a) : rec.directory_offset(a + 1)])[
-                0
-            ]
-            off, length = rec.check_entry(entry, ndim, len(raw), where)
-            if not length:
-                continue
-            salt = name_key(m.processes.record_name(q))
-            r = rec.decode_segment(raw[off : off + length], entry, ndim, q, a, where, salt)
-            hashes = None
-            if flags & rec.FILE_HASHES and (flags >> rec.HASH_SHIFT) & 0xFF == hash_id():
-                hashes = rec.decode_hashes(raw[off + length :], entry, ndim, where)
-            nfiles = len(m.processes.data_sizes[q])
-            own = self._file_base[-1]
+        for q, r, hashes in found:
             for i in range(len(r)):
                 key = r.starts[i].tobytes() + b"|" + r.stops[i].tobytes()
-                if key not in want:
-                    continue
-                f = int(r.file[i])
-                is_ref = bool(r.flags[i] & rec.FLAG_REFERENCE)
-                g = own + f if is_ref else self._file_base[q] + f
-                if (not is_ref and f >= nfiles) or g not in self._file_to_candidate:
-                    continue  # a malformed record: never refer to it
-                if int(r.flags[i]) & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK):
-                    continue  # flags this version does not know: never refer to them
-                out[key] = BaseChunk(
-                    self._file_to_candidate[g], int(r.flags[i]) & ~rec.FLAG_REFERENCE,
-                    int(r.offset[i]), int(r.nbytes[i]), int(r.block[i]),
-                    -(-int(r.nbytes[i]) // max(int(r.block[i]), 1)), int(r.crc_offset[i]),
-                    bytes(hashes[i]) if hashes is not None else UNKNOWN_HASH,
-                )  # fmt: skip
+                if key in want and (chunk := self._referable(q, r, i, hashes)) is not None:
+                    out[key] = chunk
         return out
+
+    def _referable(
+        self, q: int, r: rec.Records, i: int, hashes: np.ndarray | None
+    ) -> BaseChunk | None:
+        """Record i of process q as a chunk a new save may refer to; None for a malformed
+        record or one with flags this version does not know (never referred to)."""
+        assert self.manifest.processes is not None
+        f = int(r.file[i])
+        is_ref = bool(r.flags[i] & rec.FLAG_REFERENCE)
+        own = self._file_base[-1]
+        g = own + f if is_ref else self._file_base[q] + f
+        if (not is_ref and f >= len(self.manifest.processes.data_sizes[q])) or (
+            g not in self._file_to_candidate
+        ):
+            return None
+        if int(r.flags[i]) & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK):
+            return None
+        return BaseChunk(
+            self._file_to_candidate[g], int(r.flags[i]) & ~rec.FLAG_REFERENCE,
+            int(r.offset[i]), int(r.nbytes[i]), int(r.block[i]),
+            -(-int(r.nbytes[i]) // max(int(r.block[i]), 1)), int(r.crc_offset[i]),
+            bytes(hashes[i]) if hashes is not None else UNKNOWN_HASH,
+        )  # fmt: skip
 
 
 def check_base_location(base: Location | Storage, target: Storage) -> str:
@@ -247,51 +219,12 @@ class Increment:
     ) -> list[StagedItem]:
         """Hash every item (unless identical) and decide which are references; returns the
         items still to write. Referenced items are released."""
-        lookup: dict[int, dict[bytes, BaseChunk]] = {}
-        if self.base is not None:
-            by_leaf: dict[int, list[Any]] = {}
-            for it in items:
-                by_leaf.setdefault(it.leaf, []).append((it.start, it.stop))
-            for i, boxes in by_leaf.items():
-                leaf = leaves[i]
-                lookup[i] = self.base.chunks(
-                    tuple(leaf.path), leaf.dtype.name, tuple(leaf.shape), boxes
-                )
-
-        def one(it: StagedItem) -> StagedItem | None:
-            key = box_key(it.start, it.stop)
-            found = lookup.get(it.leaf, {}).get(key)
-            if found is not None and found.nbytes != it.nbytes:
-                found = None
-            same = found is not None and it.leaf in self.identical
-            if same:
-                assert found is not None
-                h = found.hash  # exact without hashing: the base saved this very array
-            else:
-                data = it.materialize()
-                h = chunk_hash(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data, self.hid)
-            self.hashes[(it.leaf, key)] = h
-            if found is not None and not same and found.hash == UNKNOWN_HASH:
-                with lock:
-                    self.unhashed_bytes += it.nbytes
-            if found is None or not (same or (h != UNKNOWN_HASH and h == found.hash)):
-                return it
-            row = (
-                found.candidate, rec.FLAG_REFERENCE | found.flags, found.offset, found.nbytes,
-                found.block, found.nblocks, found.crc_offset,
-                [int(x) for x in it.start], [int(x) for x in it.stop],
-            )  # fmt: skip
-            with lock:
-                self.ref_rows.append((it.leaf, row))
-                self.used.add(found.candidate)
-                self.referenced_bytes += it.nbytes
-                if found.flags >> rec.CODEC_SHIFT:
-                    self.ref_codecs.add(found.flags >> rec.CODEC_SHIFT)
-            it.release()
-            return None
-
+        lookup = self._base_chunks(items, leaves)
         lock = threading.Lock()
-        run: Callable[[StagedItem], StagedItem | None] = one
+
+        def run(it: StagedItem) -> StagedItem | None:
+            return self._refer_or_keep(it, lookup.get(it.leaf, {}), lock)
+
         # Items to hash in threads (hashing releases the GIL); the rest cost nothing.
         heavy = [it for it in items if it.leaf not in self.identical]
         if threads > 1 and len(heavy) > 1 and sum(it.nbytes for it in heavy) > _PARALLEL_BYTES:
@@ -304,6 +237,57 @@ class Increment:
             kept = [run(it) for it in items]
         self._warn_unprovable(items)
         return [it for it in kept if it is not None]
+
+    def _base_chunks(
+        self, items: list[StagedItem], leaves: list[Any]
+    ) -> dict[int, dict[bytes, BaseChunk]]:
+        """Per leaf of the items: the base's chunks of the items' boxes, by box key."""
+        lookup: dict[int, dict[bytes, BaseChunk]] = {}
+        if self.base is None:
+            return lookup
+        by_leaf: dict[int, list[Any]] = {}
+        for it in items:
+            by_leaf.setdefault(it.leaf, []).append((it.start, it.stop))
+        for i, boxes in by_leaf.items():
+            leaf = leaves[i]
+            lookup[i] = self.base.chunks(tuple(leaf.path), leaf.dtype.name, tuple(leaf.shape), boxes)
+        return lookup
+
+    def _refer_or_keep(
+        self, it: StagedItem, base: dict[bytes, BaseChunk], lock: threading.Lock
+    ) -> StagedItem | None:
+        """The item, to write; or None where the base's chunk of its box (in `base`) holds
+        the same bytes: a reference row is recorded instead and the item released."""
+        key = box_key(it.start, it.stop)
+        found = base.get(key)
+        if found is not None and found.nbytes != it.nbytes:
+            found = None
+        same = found is not None and it.leaf in self.identical
+        if same:
+            assert found is not None
+            h = found.hash  # exact without hashing: the base saved this very array
+        else:
+            data = it.materialize()
+            h = chunk_hash(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data, self.hid)
+        self.hashes[(it.leaf, key)] = h
+        if found is not None and not same and found.hash == UNKNOWN_HASH:
+            with lock:
+                self.unhashed_bytes += it.nbytes
+        if found is None or not (same or (h != UNKNOWN_HASH and h == found.hash)):
+            return it
+        row = (
+            found.candidate, rec.FLAG_REFERENCE | found.flags, found.offset, found.nbytes,
+            found.block, found.nblocks, found.crc_offset,
+            [int(x) for x in it.start], [int(x) for x in it.stop],
+        )  # fmt: skip
+        with lock:
+            self.ref_rows.append((it.leaf, row))
+            self.used.add(found.candidate)
+            self.referenced_bytes += it.nbytes
+            if found.flags >> rec.CODEC_SHIFT:
+                self.ref_codecs.add(found.flags >> rec.CODEC_SHIFT)
+        it.release()
+        return None
 
     def _warn_unprovable(self, items: list[StagedItem]) -> None:
         """Say so when the base cannot prove chunks equal, so that they are all written

@@ -214,6 +214,49 @@ class ChunkFinder:
             for (a, e, nd, _), raw in zip(wanted, segments, strict=True)
         }
 
+    def hashed_records(
+        self, leaf: ArrayLeaf, boxes: Sequence[Box], hash_fn: int
+    ) -> list[tuple[int, rec.Records, np.ndarray | None]]:
+        """Per process that may hold chunks of `boxes`: its records of `leaf`, and their
+        content hashes where its record file stores hashes made by function `hash_fn`
+        (None otherwise). What an incremental save compares its chunks with."""
+        a = self.index[id(leaf)]
+        out = []
+        for q in self.candidates(leaf, boxes).tolist():
+            got = self._fetch_hashed(q, a, hash_fn)
+            if got is not None:
+                out.append((q, *got))
+        return out
+
+    def _fetch_hashed(
+        self, q: int, a: int, hash_fn: int
+    ) -> tuple[rec.Records, np.ndarray | None] | None:
+        """Process q's records of leaf a with their hashes (None: it wrote none)."""
+        m = self.manifest
+        assert m.processes is not None
+        name = m.processes.record_name(q)
+        size = m.processes.record_sizes[q]
+        where = f"{self.storage.url}/{name}"
+        header, entry_raw = self._read(
+            name, [(0, rec.HEADER_SIZE), (rec.directory_offset(a), rec.directory_offset(a + 1))]
+        )
+        rec.decode_header(header, where, q, len(m.leaves))
+        flags = rec.header_flags(header)
+        hashed = bool(flags & rec.FILE_HASHES) and (flags >> rec.HASH_SHIFT) & 0xFF == hash_fn
+        leaf = m.leaves[a]
+        assert isinstance(leaf, ArrayLeaf)
+        entry = rec.decode_entries(entry_raw)[0]
+        ndim = len(leaf.shape)
+        off, length = rec.check_entry(entry, ndim, size, where)
+        if not length:
+            return None
+        extra = rec.HASH_SIZE * int(entry["count"]) + 4 if hashed else 0
+        (raw,) = self._read(name, [(off, min(off + length + extra, size))])
+        salt = name_key(name) if m.bound else 0
+        where = f"{where}, leaf {leaf.name!r}"
+        records = rec.decode_segment(raw[:length], entry, ndim, q, a, where, salt)
+        return records, rec.decode_hashes(raw[length:], entry, ndim, where) if hashed else None
+
     def tables(self, wants: Sequence[tuple[ArrayLeaf, Sequence[Box]]]) -> dict[int, ChunkTable]:
         """For each leaf (keyed by id), the chunks written by every process that may hold
         chunks overlapping its boxes."""

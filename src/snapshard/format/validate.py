@@ -275,32 +275,44 @@ def _chunk_checks(
             (on & (t.crc_offset < t.offset), lambda i: "a compressed chunk ends before it starts")
         )
     checks.append(((t.offset < 0) | (ends > fsz), lambda i: f"chunk {i} lies outside its file"))
-    if t.crc_offset is not None:  # v2: checksums beside the data, nblocks uint32 values
-        dup = np.zeros(len(t), bool)
-        if len(t) > 1:
-            dup[:-1] = np.all(t.starts[1:] == t.starts[:-1], axis=1)
-            if first is not None:
-                dup[:-1] &= ~first[1:]
-        checks += [
-            (t.block <= 0, lambda i: "a chunk has checksum block size 0"),
+    if t.crc_offset is not None:
+        checks += _checksum_checks(t, ends, crc_end, fsz, first)
+    return checks
 
-            (
-                (t.crc_offset < 0)
-                | (crc_end > fsz)
-                | ((t.crc_offset < ends) & (crc_end > t.offset)),
-                lambda i: f"chunk {i} has its checksums outside its file",
+
+def _checksum_checks(
+    t: ChunkTable,
+    ends: np.ndarray,
+    crc_end: np.ndarray,
+    fsz: np.ndarray,
+    first: np.ndarray | None,
+) -> list[tuple[np.ndarray, Callable[[int], str]]]:
+    """_chunk_checks' checks of v2 tables: checksums beside the data, nblocks uint32 values,
+    in the chunk's file; no two chunks of an array starting at one place."""
+    assert t.crc_offset is not None
+    crc_offset = t.crc_offset
+    dup = np.zeros(len(t), bool)
+    if len(t) > 1:
+        dup[:-1] = np.all(t.starts[1:] == t.starts[:-1], axis=1)
+        if first is not None:
+            dup[:-1] &= ~first[1:]
+    checks: list[tuple[np.ndarray, Callable[[int], str]]] = [
+        (t.block <= 0, lambda i: "a chunk has checksum block size 0"),
+        (
+            (crc_offset < 0) | (crc_end > fsz) | ((crc_offset < ends) & (crc_end > t.offset)),
+            lambda i: f"chunk {i} has its checksums outside its file",
+        ),
+        (dup, lambda i: f"chunks {i} and {i + 1} start at the same place"),
+    ]
+    if t.nblocks is not None:  # the records' own counts (the checksum range follows)
+        stated = t.nblocks
+        checks.append((
+            stated != -(-t.nbytes // np.maximum(t.block, 1)),
+            lambda i: (
+                f"chunk {i} says {stated[i]} checksum blocks of {t.block[i]} bytes for "
+                f"{t.nbytes[i]} bytes"
             ),
-            (dup, lambda i: f"chunks {i} and {i + 1} start at the same place"),
-        ]
-        if t.nblocks is not None:  # the records' own counts (the checksum range follows)
-            stated = t.nblocks
-            checks.append((
-                stated != -(-t.nbytes // np.maximum(t.block, 1)),
-                lambda i: (
-                    f"chunk {i} says {stated[i]} checksum blocks of {t.block[i]} bytes for "
-                    f"{t.nbytes[i]} bytes"
-                ),
-            ))  # fmt: skip
+        ))  # fmt: skip
     return checks
 
 
