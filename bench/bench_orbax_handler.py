@@ -135,6 +135,7 @@ def table(rows: list[dict], floors: list[float]) -> None:
         f"Orbax {bc.spread([a / b for a, b in zip(o, floors, strict=True)])}x"
     )
     print(f"bit exact: {all(r['bit_exact'] for r in rows)}")
+    print(f"1-minute load average during the rounds: {bc.spread([r['load1'] for r in rows])}")
 
 
 def main() -> None:
@@ -163,6 +164,7 @@ def main() -> None:
             for method in order:
                 res = run(method, tree, a.scale, bc.ckpt_dir(f"orbax-handler-{method}"))
                 res.update(round=r, scale=a.scale, bytes=bc.payload_bytes(a.scale))
+                res["load1"] = os.getloadavg()[0]  # other work on the machine meanwhile
                 rows.append(res)
                 f.write(json.dumps(res) + "\n")
                 print(
