@@ -11,10 +11,15 @@ optimizer's `betas` tuple, as snapshard.torch.save stores it: one leaf per eleme
 pickled bytes are `BYTE_IO` entries. Values are handed to DCP's planner as `torch.save`
 bytes of the value; DCP's own pickles as they were written (DCP's planner unpickles them).
 Per-process values (snapshard.PerProcess) and dtypes torch lacks (int4, ...) are not listed.
+
+Where `ReadOptions.read_once` says so (by default on object stores and network
+filesystems), a box several ranks' plans read is read by one and broadcast to the others
+(torch/dcp_read_once.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 from typing import Any
@@ -33,17 +38,22 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader as _DcpStorageReader
 from torch.futures import Future
 
+from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
 from ..read_executor import Dest, ReadDests, ReadStats, aligned_empty, batches, saved_boxes
+from ..read_once_policy import wanted
 from ..sources import open_checkpoint
 from ..storage import Location, storage_for
 from ..tree import JsonNode, Path, unflatten
+from . import dcp_read_once
+from .coordination import default_coordinator
 from .dcp_storage import PICKLED_KEY, DcpStorageError
 from .dtypes import from_numpy, host_view, torch_dtype
+from .read_once import backend_devices
 
 
 def dcp_name(path: Path) -> str:
@@ -125,9 +135,9 @@ class _TensorRead:
 
     def __init__(self, item: ReadItem, leaf: ArrayLeaf, planner: LoadPlanner) -> None:
         self.item, self.leaf = item, leaf
-        offsets = np.asarray(tuple(item.storage_index.offset or ()), np.int64)
-        self.start = offsets + np.asarray(tuple(item.storage_offsets), np.int64)
-        self.stop = self.start + np.asarray(tuple(item.lengths), np.int64)
+        self.key = _box_key(item)
+        self.start = np.asarray(self.key[1], np.int64)
+        self.stop = np.asarray(self.key[2], np.int64)
         self.dtype = dtype_from_name(leaf.dtype)
         self.target = planner.resolve_tensor(item)
         self.direct = self._direct()
@@ -168,7 +178,9 @@ class StorageReader(_DcpStorageReader):
 
     `path`: a directory or object-store URL (or `checkpoint_id=` of `dcp.load`). `options`:
     `verify`, `threads`, `memory_budget` (the host bytes of read buffers held at once) and
-    `max_gap` as for snapshard.torch.load; each rank reads its own items (no read-once)."""
+    `max_gap` as for snapshard.torch.load, `read_once` and `timeout_s` as there: with
+    read-once, a box several ranks' plans read is read by one and broadcast to the others
+    (torch/dcp_read_once.py)."""
 
     def __init__(self, path: Location | None = None, options: ReadOptions = ReadOptions()):
         super().__init__()
@@ -221,13 +233,51 @@ class StorageReader(_DcpStorageReader):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """Tells the coordinator whether this rank reads once (see dcp_read_once)."""
+        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+            return plan
+        coord = default_coordinator()
+        able = dcp_read_once.broadcast_device(backend_devices()) is not None
+        url = self._open()[0].url
+        once = able and wanted(url, self.options.read_once, coord, self.options.timeout_s)
+        return dataclasses.replace(plan, storage_data=once)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """The coordinator's read-once plan, the same in every rank's plan (or none)."""
+        if len(plans) < 2 or not all(p.storage_data is True for p in plans):
+            return [dataclasses.replace(p, storage_data=None) for p in plans]
+        entries = self._open()[0]
+
+        def nbytes(key: dcp_read_once.BoxKey) -> int:
+            size = dtype_from_name(entries.arrays[key[0]].dtype).itemsize
+            return int(np.prod(np.subtract(key[2], key[1]))) * size
+
+        keys = [
+            [_box_key(item) for item in p.items if item.type != LoadItemType.BYTE_IO] for p in plans
+        ]
+        once = dcp_read_once.plan(keys, nbytes)
+        return [dataclasses.replace(p, storage_data=once) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         entries, read = self._open()
+        tensors, pickled = self._items(plan, planner, entries)
+        for item, leaf in pickled:
+            planner.load_bytes(item, io.BytesIO(_stored_bytes(read, leaf)))
+        once = (
+            plan.storage_data if isinstance(plan.storage_data, dcp_read_once.ReadOncePlan) else None
+        )
+        if once is None:
+            self._read(tensors, read, planner)
+        else:
+            self._read_once(once, tensors, read, planner, entries.url)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    def _items(
+        self, plan: LoadPlan, planner: LoadPlanner, entries: _Entries
+    ) -> tuple[list[_TensorRead], list[tuple[ReadItem, ArrayLeaf]]]:
+        """The plan's tensor reads and pickled entries; plain values handed over at once."""
         tensors: list[_TensorRead] = []
         pickled: list[tuple[ReadItem, ArrayLeaf]] = []
         for item in plan.items:
@@ -244,15 +294,54 @@ class StorageReader(_DcpStorageReader):
                 raise DcpStorageError(f"{entries.url}: no tensor {name!r} in the checkpoint")
             else:
                 tensors.append(_TensorRead(item, leaf, planner))
-        for item, leaf in pickled:
-            planner.load_bytes(item, io.BytesIO(_stored_bytes(read, leaf)))
+        return tensors, pickled
+
+    def _read(self, tensors: list[_TensorRead], read: ReadDests, planner: LoadPlanner) -> None:
         for batch in batches(tensors, lambda r: r.buffered, self.options.memory_budget):
             read([r.dest() for r in batch if r.nbytes])
             for r in batch:
                 r.commit(planner)
-        done: Future[None] = Future()
-        done.set_result(None)
-        return done
+
+    def _read_once(
+        self,
+        once: dcp_read_once.ReadOncePlan,
+        tensors: list[_TensorRead],
+        read: ReadDests,
+        planner: LoadPlanner,
+        url: str,
+    ) -> None:
+        coord = default_coordinator()
+        rank = coord.process_index
+        readers = {s.key: s.reader for s in once.shared}
+        mine = [r for r in tensors if readers.get(r.key, rank) == rank]
+        received = [r for r in tensors if readers.get(r.key, rank) != rank]
+        # Taken in program order, the same on every rank.
+        rv = Rendezvous(coord, namespace("load", url), f"dcp.load of {url}", self.options.timeout_s)
+        error: BaseException | None = None
+        try:
+            self._read(mine, read, planner)
+        except Exception as e:  # every rank learns of it in share(), which raises
+            error = e
+        regions: dict[dcp_read_once.BoxKey, list[torch.Tensor]] = {}
+        for r in tensors:
+            if r.key in readers:
+                regions.setdefault(r.key, []).append(r.target)
+        device = dcp_read_once.broadcast_device(backend_devices())
+        assert device is not None  # prepare_local_plan wanted read-once only with one
+        with torch.no_grad():
+            self.stats.bytes_from_peers += dcp_read_once.share(
+                once, rank, regions, rv, error, device
+            )
+        for r in received:
+            planner.commit_tensor(r.item, r.target)
+
+
+def _box_key(item: ReadItem) -> dcp_read_once.BoxKey:
+    start = np.asarray(tuple(item.storage_index.offset or ()), np.int64) + np.asarray(
+        tuple(item.storage_offsets), np.int64
+    )
+    stop = start + np.asarray(tuple(item.lengths), np.int64)
+    return (item.storage_index.fqn, tuple(int(x) for x in start), tuple(int(x) for x in stop))
 
 
 def _stored_bytes(read: ReadDests, leaf: ArrayLeaf) -> bytes:

@@ -103,7 +103,7 @@ class ReadOncePlan:
     def share(self, rv: Rendezvous, error: BaseException | None) -> int:
         """Step 4 (agreement, then broadcasts); returns the bytes this rank received."""
         all_succeeded(rv, "read", error)
-        groups = _groups(sorted({s.holders for s in self.shared}), rv.coord.process_count)
+        groups = holder_groups(sorted({s.holders for s in self.shared}), rv.coord.process_count)
         received = 0
         pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
         for s in self.shared:
@@ -131,7 +131,9 @@ class ReadOncePlan:
 _group_cache: dict[tuple[Any, tuple[int, ...]], Any] = {}
 
 
-def _groups(holder_sets: list[tuple[int, ...]], world: int) -> dict[tuple[int, ...], Any]:
+def holder_groups(holder_sets: list[tuple[int, ...]], world: int) -> dict[tuple[int, ...], Any]:
+    """The process group of each holder set (None: the default group), made collectively
+    once per set and kept."""
     default = torch.distributed.group.WORLD
     out: dict[tuple[int, ...], Any] = {}
     for ranks in holder_sets:  # the same sorted order on every rank
