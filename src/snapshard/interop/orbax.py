@@ -235,45 +235,48 @@ def _load_item(item: _Dir, prefix: Path) -> _Item:
     arrays: dict[Path, ts.TensorStore] = {}
     for e in entries:
         path = (*prefix, *e.path)
-        name = f"{where}, leaf {path_str(path)!r}"
         if e.value_type in ARRAY_TYPES:
-            store = stores[e]
-            shape = tuple(int(s) for s in store.shape)
-            np_dtype = np.dtype(store.dtype.numpy_dtype)
-            key_impl = key_impls.get(e.param)
-            leaves.append(
-                ArrayLeaf(
-                    path=path,
-                    kind=LeafKind.PRNG_KEY if key_impl else LeafKind.ARRAY,
-                    dtype=dtype_name(np_dtype, leaf=path_str(path)),
-                    shape=shape,
-                    sharding={"type": "host"}
-                    if e.value_type == "np.ndarray"
-                    else shardings.get(e.param),
-                    key_impl=key_impl,
-                    chunks=chunk_grid(
-                        shape, store.chunk_layout.write_chunk.shape, np_dtype.itemsize
-                    ),
-                )
-            )
-            arrays[path] = store
-        elif e.value_type == SCALAR_TYPE:
-            try:
-                value = np.asarray(scalars[e].result()).item()
-            except ValueError as err:
-                raise CorruptCheckpointError(f"{name}: cannot read the scalar ({err})") from None
-            leaves.append(ValueLeaf(path, value))
-        elif e.value_type == STRING_TYPE:
-            if not isinstance(strings, dict) or not isinstance(strings.get(e.param), str):
-                raise CorruptCheckpointError(f"{name}: the string is missing from {STRINGS}")
-            leaves.append(ValueLeaf(path, strings[e.param]))
-        elif e.value_type == NONE_TYPE:
-            leaves.append(ValueLeaf(path, None))
+            sharding = {"type": "host"} if e.value_type == "np.ndarray" else shardings.get(e.param)
+            leaves.append(_array_leaf(path, stores[e], key_impls.get(e.param), sharding))
+            arrays[path] = stores[e]
         else:
-            raise SnapshardError(
-                f"{name}: values of Orbax type {e.value_type!r} (a custom type handler) cannot be read"
-            )
+            leaves.append(_value_leaf(e, path, scalars.get(e), strings, f"{where}, leaf {path_str(path)!r}"))
     return _Item(structure, leaves, arrays, max(process_count, 1), layout)
+
+
+def _array_leaf(
+    path: Path, store: Any, key_impl: str | None, sharding: dict[str, Any] | None
+) -> ArrayLeaf:
+    """The leaf of an array read through TensorStore (its chunks: the zarr chunk grid)."""
+    shape = tuple(int(s) for s in store.shape)
+    np_dtype = np.dtype(store.dtype.numpy_dtype)
+    return ArrayLeaf(
+        path=path,
+        kind=LeafKind.PRNG_KEY if key_impl else LeafKind.ARRAY,
+        dtype=dtype_name(np_dtype, leaf=path_str(path)),
+        shape=shape,
+        sharding=sharding,
+        key_impl=key_impl,
+        chunks=chunk_grid(shape, store.chunk_layout.write_chunk.shape, np_dtype.itemsize),
+    )
+
+
+def _value_leaf(e: OrbaxEntry, path: Path, scalar: Any, strings: Any, name: str) -> ValueLeaf:
+    """The leaf of a scalar (its read pending in `scalar`), a string or None."""
+    if e.value_type == SCALAR_TYPE:
+        try:
+            return ValueLeaf(path, np.asarray(scalar.result()).item())
+        except ValueError as err:
+            raise CorruptCheckpointError(f"{name}: cannot read the scalar ({err})") from None
+    if e.value_type == STRING_TYPE:
+        if not isinstance(strings, dict) or not isinstance(strings.get(e.param), str):
+            raise CorruptCheckpointError(f"{name}: the string is missing from {STRINGS}")
+        return ValueLeaf(path, strings[e.param])
+    if e.value_type == NONE_TYPE:
+        return ValueLeaf(path, None)
+    raise SnapshardError(
+        f"{name}: values of Orbax type {e.value_type!r} (a custom type handler) cannot be read"
+    )
 
 
 def _item_names(root: _Dir, location: str, meta: Any) -> list[str]:

@@ -114,6 +114,22 @@ class CheckpointManager:
         self._save_options = save_options
         self._read_options = read_options
         self._async = async_save
+        self._incremental = incremental
+        self._init_state()
+        self._local = self._local_store(local_tier)
+        self._old_sigterm: Any = None
+        if policies.preemption.handle_sigterm:
+            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
+        try:
+            self._start(policies.lease)
+            self._steps: dict[int, StepInfo] = self._scan()
+        except BaseException:
+            self._release()
+            raise
+
+    def _init_state(self) -> None:
+        """What the manager tracks: the save in flight and its error, reports, preemption,
+        the lease, and for incremental saves the steps retained and the arrays last saved."""
         self._lock = threading.Lock()
         self._inflight: tuple[int, BackgroundTask[None]] | None = None
         self._error: BaseException | None = None
@@ -128,21 +144,9 @@ class CheckpointManager:
         self._tier_reports: dict[int, TierReport] = {}
         self.last_restore: RestoreReport | None = None
         self._lease: WriterLease | None = None
-        # incremental saves (references.py): steps retained for references, arrays last saved
-        self._incremental = incremental
-        self._references = References(self._root)
+        self._references = References(self._root)  # (references.py)
         self._retained: set[str] = set()
         self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
-        self._local = self._local_store(local_tier)
-        self._old_sigterm: Any = None
-        if policies.preemption.handle_sigterm:
-            self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
-        try:
-            self._start(policies.lease)
-            self._steps: dict[int, StepInfo] = self._scan()
-        except BaseException:
-            self._release()
-            raise
 
     def _local_store(self, tier: LocalTier | None) -> LocalStore | None:
         if not tier:

@@ -320,49 +320,13 @@ class LocalStorage(Storage):
             raise CorruptCheckpointError(
                 f"{self.url}: file name {name!r} does not name a file of the checkpoint"
             )
-        where = base / name
-        nofollow = os.O_NOFOLLOW if self.referenced else 0
-        try:
-            dir_fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
-        except OSError as e:
-            if self.referenced and e.errno in (errno.ELOOP, errno.ENOTDIR) and base.is_symlink():
-                raise CorruptCheckpointError(
-                    f"{self.url}: the referenced checkpoint is a symbolic link; refusing to "
-                    f"follow it to read {name!r}"
-                ) from None
-            if isinstance(e, FileNotFoundError | NotADirectoryError):
-                raise
-            raise StorageError.wrap(e, "open of", base) from e
+        dir_fd = self._open_base(base, name)
         try:
             if len(parts) == 2:
-                try:
-                    sub = os.open(
-                        parts[0],
-                        os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                        dir_fd=dir_fd,
-                    )
-                except OSError as e:
-                    if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise CorruptCheckpointError(
-                            f"{self.url}: {parts[0]}/ is not a directory of the checkpoint "
-                            f"(a symbolic link or another file); refusing to read {name!r}"
-                        ) from None
-                    raise
+                sub = self._open_subdirectory(dir_fd, parts[0], name)
                 os.close(dir_fd)
                 dir_fd = sub
-            try:
-                st = os.stat(parts[-1], dir_fd=dir_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                raise
-            if not stat.S_ISREG(st.st_mode):
-                raise CorruptCheckpointError(
-                    f"{self.url}: {name!r} is not a regular file ({_kind(st.st_mode)}); refusing to read it"
-                )
-            fd = os.open(
-                parts[-1],
-                os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                dir_fd=dir_fd,
-            )
+            fd = self._open_regular(dir_fd, parts[-1], name)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise CorruptCheckpointError(
@@ -370,7 +334,7 @@ class LocalStorage(Storage):
                 ) from None
             if isinstance(e, FileNotFoundError | NotADirectoryError):
                 raise
-            raise StorageError.wrap(e, "open of", where) from e
+            raise StorageError.wrap(e, "open of", base / name) from e
         finally:
             os.close(dir_fd)
         st = os.fstat(fd)
@@ -380,6 +344,45 @@ class LocalStorage(Storage):
                 f"{self.url}: {name!r} is not a regular file ({_kind(st.st_mode)}); refusing to read it"
             )
         return fd
+
+    def _open_base(self, base: Path, name: str) -> int:
+        """The checkpoint directory `base` opened (not through a symbolic link where it is a
+        referenced checkpoint), to open `name` in."""
+        nofollow = os.O_NOFOLLOW if self.referenced else 0
+        try:
+            return os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
+        except OSError as e:
+            if self.referenced and e.errno in (errno.ELOOP, errno.ENOTDIR) and base.is_symlink():
+                raise CorruptCheckpointError(
+                    f"{self.url}: the referenced checkpoint is a symbolic link; refusing to "
+                    f"follow it to read {name!r}"
+                ) from None
+            if isinstance(e, FileNotFoundError | NotADirectoryError):
+                raise
+            raise StorageError.wrap(e, "open of", base) from e
+
+    def _open_subdirectory(self, dir_fd: int, sub: str, name: str) -> int:
+        """The checkpoint's directory `sub` (data/, index/), never a symbolic link."""
+        try:
+            return os.open(
+                sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
+            )
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise CorruptCheckpointError(
+                    f"{self.url}: {sub}/ is not a directory of the checkpoint "
+                    f"(a symbolic link or another file); refusing to read {name!r}"
+                ) from None
+            raise
+
+    def _open_regular(self, dir_fd: int, file: str, name: str) -> int:
+        """The regular file `file` in `dir_fd`, opened without following a link or blocking."""
+        st = os.stat(file, dir_fd=dir_fd, follow_symlinks=False)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(
+                f"{self.url}: {name!r} is not a regular file ({_kind(st.st_mode)}); refusing to read it"
+            )
+        return os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
 
     def _read_whole(self, base: Path, name: str) -> bytes:
         try:

@@ -42,7 +42,7 @@ _LAZY = {
 }
 
 
-__getattr__ = lazy_getattr(__name__, _LAZY)
+__getattr__ = lazy_getattr(__name__, _LAZY, modules=("dcp",))
 
 
 __all__ = [

@@ -175,17 +175,7 @@ def _cached(
     shard_dims = [
         [m for m, p in enumerate(specs) if p is not None and p.dim == d] for d in range(nd)
     ]
-    tables: list[dict[tuple[int, ...], Runs]] = []
-    for d in range(nd):
-        ms = shard_dims[d]
-        table: dict[tuple[int, ...], Runs] = {}
-        for combo in np.ndindex(*[mesh_shape[m] for m in ms]):
-            steps = [
-                (mesh_shape[m], int(c), specs[m].split_factor)  # type: ignore[union-attr]
-                for m, c in zip(ms, combo, strict=True)
-            ]
-            table[tuple(int(c) for c in combo)] = dim_runs(shape[d], steps)
-        tables.append(table)
+    tables = [_dim_tables(shape[d], mesh_shape, shard_dims[d], specs) for d in range(nd)]
     starts: list[list[int]] = []
     stops: list[list[int]] = []
     local: list[list[int]] = []
@@ -193,23 +183,12 @@ def _cached(
     sets: list[tuple[Runs, ...]] = []
     rank_of_row: list[int] = []
     for r, c in enumerate(coords):
-        per_dim: list[Runs] = []
-        for d in range(nd):
-            per_dim.append(tables[d][tuple(int(c[m]) for m in shard_dims[d])])
-        sets.append(tuple(per_dim))
-        # Empty dimension: one empty row, at the offset torch reports (the dimension's size).
-        choices = [runs if runs else ((shape[d], shape[d]),) for d, runs in enumerate(per_dim)]
-        origins = []
-        for runs in choices:
-            o, acc = [], 0
-            for a, b in runs:
-                o.append(acc)
-                acc += b - a
-            origins.append(o)
-        for pick in np.ndindex(*[len(x) for x in choices]) if nd else [()]:
-            starts.append([choices[d][j][0] for d, j in enumerate(pick)])
-            stops.append([choices[d][j][1] for d, j in enumerate(pick)])
-            local.append([origins[d][j] for d, j in enumerate(pick)])
+        per_dim = tuple(tables[d][tuple(int(c[m]) for m in shard_dims[d])] for d in range(nd))
+        sets.append(per_dim)
+        for start, stop, origin in _boxes_of(shape, per_dim):
+            starts.append(start)
+            stops.append(stop)
+            local.append(origin)
             procs.append(int(flat_ranks[r]))
             rank_of_row.append(r)
     # Replica ids: coordinates holding identical index sets, numbered in mesh order.
@@ -229,6 +208,46 @@ def _cached(
         np.asarray(procs, dtype=np.int64),
     )
     return TensorLayout(layout, np.asarray(local, dtype=np.int64).reshape(n, nd))
+
+
+def _dim_tables(
+    size: int, mesh_shape: tuple[int, ...], dims: list[int], specs: tuple[PlacementSpec, ...]
+) -> dict[tuple[int, ...], Runs]:
+    """The index runs of one tensor dimension of `size`, per coordinate combination along
+    the mesh dimensions `dims` that shard it."""
+    table: dict[tuple[int, ...], Runs] = {}
+    for combo in np.ndindex(*[mesh_shape[m] for m in dims]):
+        steps = [
+            (mesh_shape[m], int(c), specs[m].split_factor)  # type: ignore[union-attr]
+            for m, c in zip(dims, combo, strict=True)
+        ]
+        table[tuple(int(c) for c in combo)] = dim_runs(size, steps)
+    return table
+
+
+def _boxes_of(
+    shape: tuple[int, ...], per_dim: tuple[Runs, ...]
+) -> list[tuple[list[int], list[int], list[int]]]:
+    """(start, stop, local offset) of every box a rank holding the runs `per_dim` holds:
+    one per combination of a run of each dimension, placed in the local tensor in order."""
+    nd = len(shape)
+    # Empty dimension: one empty row, at the offset torch reports (the dimension's size).
+    choices = [runs if runs else ((shape[d], shape[d]),) for d, runs in enumerate(per_dim)]
+    origins = []
+    for runs in choices:
+        o, acc = [], 0
+        for a, b in runs:
+            o.append(acc)
+            acc += b - a
+        origins.append(o)
+    return [
+        (
+            [choices[d][j][0] for d, j in enumerate(pick)],
+            [choices[d][j][1] for d, j in enumerate(pick)],
+            [origins[d][j] for d, j in enumerate(pick)],
+        )
+        for pick in (np.ndindex(*[len(x) for x in choices]) if nd else [()])
+    ]
 
 
 def local_shape_and_offset(

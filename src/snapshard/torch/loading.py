@@ -26,6 +26,7 @@ from ..format.leaves import PerProcessLeaf
 from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
 from ..per_process import PerProcess, Resplit
+from ..planning.layout import Box
 from ..read_executor import (
     Dest,
     ReadDests,
@@ -281,25 +282,40 @@ def _read_targets(
         regions = {
             (i, as_box(f.start, f.stop)): f.region for i in banded_leaves for f in arrays[i][1]
         }
-        groups = batches_of(banded, options.memory_budget, shared=True)
-        shared = SharedBands.open(rv, groups) if groups else None
-        if shared is None:
-            groups = batches_of(banded, options.memory_budget)
-        bands = Exchange(regions, timed_read, _store, rv, Scratch(), shared)
-        try:
-            for k, group in enumerate(groups):
-                # (a failure anywhere raises on every rank here, before the collective)
-                received, error = bands.run(k, group, error)
-                stats.bytes_from_peers += received
-        finally:
-            if shared is not None:
-                shared.close()
-        del bands
+        error = _exchange_bands(banded, regions, timed_read, rv, options, stats, error)
         if once is not None:
             stats.bytes_from_peers += once.share(rv, error)
         elif error is not None:  # a failure after the last collective: this rank's alone
             raise error
         stats.reshard_s += time.perf_counter() - t0 - (stats.read_s - read_s)
+
+
+def _exchange_bands(
+    banded: list[BandLeaf],
+    regions: dict[tuple[int, Box], Any],
+    read: ReadDests,
+    rv: Rendezvous,
+    options: ReadOptions,
+    stats: ReadStats,
+    error: BaseException | None,
+) -> BaseException | None:
+    """Read this rank's bands of the banded leaves and exchange them with its peers, in
+    batches under the memory budget (in shared memory where the ranks share a host);
+    returns the first failure of any rank (raised on every rank at the collectives)."""
+    groups = batches_of(banded, options.memory_budget, shared=True)
+    shared = SharedBands.open(rv, groups) if groups else None
+    if shared is None:
+        groups = batches_of(banded, options.memory_budget)
+    bands = Exchange(regions, read, _store, rv, Scratch(), shared)
+    try:
+        for k, group in enumerate(groups):
+            # (a failure anywhere raises on every rank here, before the collective)
+            received, error = bands.run(k, group, error)
+            stats.bytes_from_peers += received
+    finally:
+        if shared is not None:
+            shared.close()
+    return error
 
 
 def _put_back(node: Any, path: Path, values: dict[Path, Any]) -> Any:
