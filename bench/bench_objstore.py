@@ -3,6 +3,7 @@ GCS, and against each store's plain client on S3, GCS and Azure.
 
     python bench/bench_objstore.py [--size-mib 1024] [--rounds 3] [--store s3|gs]
     python bench/bench_objstore.py --plain [--stores s3,gs,az] [--rounds 3] [--size-mib N]
+                                   [--read-once]
 
 --plain: the peer-bench state (24 float32 and 3 bfloat16 arrays of (4096, 5120) and 24
 float32 biases of 5120: 2041 MiB; the arrays' rows sharded over 8 CPU devices, the biases
@@ -10,6 +11,14 @@ replicated) saved and restored with snapshard on each configured store, and the 
 (one object per array) put and got by the store's plain client, 4 at a time (obstore for S3
 and Azure, google-cloud-storage for GCS), in interleaved rounds after a warm-up round; it
 prints medians, the throughput ratios and the bytes a restore read against those it needed.
+A second table has the plain client make snapshard's own requests in the same round: objects
+of the sizes of snapshard's data files written the way its store layer writes them (GCS:
+16 MiB parts as temporary objects, 8 in flight per file, then compose; S3 and Azure:
+obstore's multipart writer), and the very ranged reads its restore made, 4 at a time, on
+its files. Where snapshard matches that but not one object per array, the cost is the
+server's for that pattern of requests, not the library's. --read-once adds
+bench_read_once.py's 4-process job (every column band on all 4 processes) on each store:
+the job's bytes read against the unique bytes, read-once on and off.
 --size-mib scales the state down (fewer layers). The servers and their settings as
 .ci/run starts and exports them (../shared/objstore/).
 
@@ -284,21 +293,28 @@ class PlainClient:
     def __init__(self, scheme: str, bucket: str):
         from concurrent.futures import ThreadPoolExecutor
 
+        self.scheme = scheme
         self.pool = ThreadPoolExecutor(self.threads)
         if scheme == "gs":
             from google.cloud import storage
 
-            blobs = storage.Client().bucket(bucket)
-            self.put_one = lambda key, data: blobs.blob(key).upload_from_string(data)
-            self.get_one = lambda key: blobs.blob(key).download_as_bytes()
+            self.blobs = storage.Client().bucket(bucket)
+            self.put_one = lambda key, data: self.blobs.blob(key).upload_from_string(data)
+            self.get_one = lambda key: self.blobs.blob(key).download_as_bytes()
+            self.get_range = lambda key, start, n: self.blobs.blob(key).download_as_bytes(
+                start=start, end=start + n - 1
+            )
         else:
             import obstore
 
             from snapshard.storage.obstore_bucket import make_store
 
-            store = make_store(scheme, bucket, None)
-            self.put_one = lambda key, data: obstore.put(store, key, data)
-            self.get_one = lambda key: obstore.get(store, key).bytes()
+            self.store = make_store(scheme, bucket, None)
+            self.put_one = lambda key, data: obstore.put(self.store, key, data)
+            self.get_one = lambda key: obstore.get(self.store, key).bytes()
+            self.get_range = lambda key, start, n: obstore.get_range(
+                self.store, key, start=start, end=start + n
+            )
 
     def put(self, prefix: str, objects: list[bytes]) -> None:
         list(
@@ -307,6 +323,84 @@ class PlainClient:
 
     def get(self, prefix: str, n: int) -> int:
         return sum(len(b) for b in self.pool.map(lambda i: self.get_one(f"{prefix}/{i}"), range(n)))
+
+    def get_ranges(self, ranges: list[tuple[str, int, int]]) -> int:
+        """The given (key, start, length) ranged reads, `threads` at a time."""
+        return sum(len(b) for b in self.pool.map(lambda r: self.get_range(*r), ranges))
+
+    def put_files(self, prefix: str, data: memoryview, sizes: list[int]) -> None:
+        """Objects of these sizes written the way snapshard's store layer writes its data
+        files, the files side by side: on GCS a parallel composite upload (16 MiB parts as
+        temporary objects, 8 in flight per file, one compose, the parts deleted); on S3 and
+        Azure obstore's multipart writer (16 MiB parts, 8 in flight)."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        starts = np.cumsum([0, *sizes]).tolist()
+        with ThreadPoolExecutor(len(sizes)) as files:
+            list(
+                files.map(
+                    lambda i: self._put_file(
+                        f"{prefix}/f{i}", data[starts[i] : starts[i] + sizes[i]]
+                    ),
+                    range(len(sizes)),
+                )
+            )
+
+    def _put_file(self, key: str, data: memoryview) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        part, parallel = 16 * MiB, 8
+        if self.scheme != "gs":
+            import obstore
+
+            w = obstore.open_writer(self.store, key, buffer_size=part, max_concurrency=parallel)
+            w.write(data)
+            w.close()
+            return
+        names = [f"{key}.part{i:05d}" for i in range(-(-len(data) // part))]
+
+        def one(i: int) -> None:
+            piece = bytes(data[i * part : (i + 1) * part])
+            chunk = -(-len(piece) // (256 << 10)) * (256 << 10)
+            self.blobs.blob(names[i], chunk_size=chunk).upload_from_string(piece)
+
+        with ThreadPoolExecutor(parallel) as pool:
+            list(pool.map(one, range(len(names))))
+        self.blobs.blob(key).compose([self.blobs.blob(n) for n in names])
+        for n in names:
+            self.blobs.delete_blob(n)
+
+
+class ReadRecorder:
+    """Records the ranged reads (key, start, length) a restore asks of a store's bucket
+    class, to replay them with the plain client (a list append per request: not timed
+    apart)."""
+
+    def __init__(self, scheme: str):
+        if scheme == "gs":
+            from snapshard.storage.gcs_bucket import GcsBucket as cls
+        else:
+            from snapshard.storage.obstore_bucket import ObstoreBucket as cls
+        self.cls = cls
+        self.ranges: list[tuple[str, int, int]] = []
+
+    def __enter__(self) -> ReadRecorder:
+        original = self.cls.read_range_into
+        self._original = self.cls.__dict__.get("read_range_into")
+        ranges = self.ranges
+
+        def recorded(bucket: Any, key: str, start: int, views: Any) -> int:
+            ranges.append((key, start, sum(len(v) for v in views)))
+            return original(bucket, key, start, views)
+
+        self.cls.read_range_into = recorded
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._original is None:
+            del self.cls.read_range_into
+        else:
+            self.cls.read_range_into = self._original
 
 
 def bucket_of(scheme: str) -> str:
@@ -318,33 +412,73 @@ def bucket_of(scheme: str) -> str:
     return os.environ.get(var, "ckpt").split(",")[0]
 
 
+def timed(out: dict[str, float], name: str, fn: Any) -> Any:
+    t0 = time.perf_counter()
+    result = fn()
+    out[name] = time.perf_counter() - t0
+    return result
+
+
 def plain_round(scheme: str, bucket: str, tree: Any, host: list[bytes]) -> dict[str, float]:
-    """One save and restore with snapshard, then the same bytes through the plain client."""
+    """One save and restore with snapshard; the plain client making the same requests on
+    the same objects (snapshard's ranged reads of its files; writes of files of the same
+    sizes); then the state's arrays as objects of their own through the plain client."""
     import snapshard
 
     tag = uuid.uuid4().hex[:8]
     url = f"{scheme}://{bucket}/bench-{tag}/ckpt"
     out: dict[str, float] = {}
-    t0 = time.perf_counter()
-    snapshard.save(url, tree)
-    out["save"] = time.perf_counter() - t0
+    timed(out, "save", lambda: snapshard.save(url, tree))
     stats = snapshard.ReadStats()
-    t0 = time.perf_counter()
-    jax.block_until_ready(snapshard.load(url, abstract(tree), stats=stats))
-    out["restore"] = time.perf_counter() - t0
+    with ReadRecorder(scheme) as reads:
+        timed(out, "restore", lambda: jax.block_until_ready(
+            snapshard.load(url, abstract(tree), stats=stats)
+        ))  # fmt: skip
     out["read_ratio"] = stats.bytes_read / stats.bytes_needed
-    remove(url.rsplit("/", 1)[0])
     plain = PlainClient(scheme, bucket)
+    got = timed(out, "same_get", lambda: plain.get_ranges(reads.ranges))
+    assert got == sum(n for _, _, n in reads.ranges)
+    from snapshard.storage.object_client import ObjectClient
+
+    files = ObjectClient(url).listing()
+    sizes = [n for name, n in sorted(files.items()) if name.startswith("data/")]
+    remove(url.rsplit("/", 1)[0])
     prefix = f"plain-{tag}"
-    t0 = time.perf_counter()
-    plain.put(prefix, host)
-    out["put"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    got = plain.get(prefix, len(host))
-    out["get"] = time.perf_counter() - t0
+    flat = memoryview(b"".join(host))
+    timed(out, "same_put", lambda: plain.put_files(f"{prefix}/same", flat, sizes))
+    timed(out, "put", lambda: plain.put(prefix, host))
+    got = timed(out, "get", lambda: plain.get(prefix, len(host)))
     assert got == sum(len(h) for h in host)
     remove(f"{scheme}://{bucket}/{prefix}")
     return out
+
+
+def read_once_check(args: argparse.Namespace, stores: list[str]) -> None:
+    """bench_read_once.py's 4-process job (4 processes x 2 CPU devices, every column band on
+    all 4) against each store: the bytes the job read with read-once on and off, against
+    the unique bytes."""
+    import json
+    import tempfile
+
+    print("\n| store | read-once | bytes read / unique (median) | restore s (median) |")
+    print("| --- | --- | --- | --- |")
+    for s in stores:
+        url = f"{s}://{bucket_of(s)}/read-once-{uuid.uuid4().hex[:8]}"
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "rows.jsonl")
+            cmd = [sys.executable, str(ROOT / "bench" / "bench_read_once.py"), "--s3", url]
+            cmd += ["--mb", str(args.size_mib), "--rounds", str(args.rounds + 1)]
+            cmd += ["--dir", os.path.join(tmp, "local"), "--out", out]
+            subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+            with open(out) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        remove(url)
+        for mode in ("on", "off"):
+            mine = [r for r in rows if r["storage"] == "s3" and r["mode"] == mode]
+            ratio = statistics.median(r["bytes_read"] / r["unique"] for r in mine)
+            secs = statistics.median(r["seconds"] for r in mine[1:] or mine)
+            ok = "" if all(r["ok"] for r in mine) else " (values differ!)"
+            print(f"| {s} | {mode} | {ratio:.3f}{ok} | {secs:.2f} |")
 
 
 def plain_bench(args: argparse.Namespace) -> None:
@@ -371,13 +505,30 @@ def plain_bench(args: argparse.Namespace) -> None:
         "plain get (s) | restore / get throughput | read / needed |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for s in stores:
-        m = {k: statistics.median(r[k] for r in runs[s]) for k in runs[s][0]}
+    medians = {s: {k: statistics.median(r[k] for r in runs[s]) for k in runs[s][0]} for s in stores}
+    for s, m in medians.items():
         print(
             f"| {s} | {m['save']:.2f} | {m['put']:.2f} | {m['put'] / m['save']:.2f} | "
             f"{m['restore']:.2f} | {m['get']:.2f} | {m['get'] / m['restore']:.2f} | "
             f"{m['read_ratio']:.3f} |"
         )
+    print(
+        "\nThe plain client making snapshard's requests (its files' sizes and upload pattern; "
+        "its restore's ranged reads, 4 at a time), against one object per array:\n"
+    )
+    print(
+        "| store | same-requests put (s) | save / same-requests | same-requests put / put | "
+        "same-requests get (s) | restore / same-requests | same-requests get / get |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for s, m in medians.items():
+        print(
+            f"| {s} | {m['same_put']:.2f} | {m['same_put'] / m['save']:.2f} | "
+            f"{m['put'] / m['same_put']:.2f} | {m['same_get']:.2f} | "
+            f"{m['same_get'] / m['restore']:.2f} | {m['get'] / m['same_get']:.2f} |"
+        )
+    if args.read_once:
+        read_once_check(args, stores)
 
 
 def main() -> None:
@@ -387,6 +538,10 @@ def main() -> None:
     ap.add_argument("--bucket", default=None, help="an existing bucket (default: a new one)")
     ap.add_argument("--plain", action="store_true", help="against each store's plain client")
     ap.add_argument("--stores", default="s3,gs,az", help="with --plain: the stores to measure")
+    ap.add_argument(
+        "--read-once", action="store_true",
+        help="with --plain: also bench_read_once.py's 4-process job on each store",
+    )  # fmt: skip
     ap.add_argument("--store", default="s3", choices=("s3", "gs"), help="against orbax: where")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
