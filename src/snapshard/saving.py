@@ -333,9 +333,10 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
 
 
 def _write_file(
-    storage: Storage, name: str, items: list[StagedItem], codec_of: Any = None
+    storage: Storage, name: str, items: list[StagedItem], codec_of: Any = None, file: int = 0
 ) -> WrittenFile:
-    """Write items back to back into one file; returns its size and the chunk records.
+    """Write items back to back into data file number `file`; returns its size and the
+    chunk records.
     `codec_of(item)` gives each item's codec (format.encoding; None: nothing compressed)."""
     writer = CoalescingWriter(storage.open_writer(name))
     rows = []
@@ -345,7 +346,8 @@ def _write_file(
         for it in items:
             codec = codec_of(it) if codec_of is not None else 0
             row = write_chunk(
-                writer, it.materialize(), it.start, it.stop, 0, offset, file_key=key, codec=codec
+                writer, it.materialize(), it.start, it.stop, file, offset, file_key=key,
+                codec=codec,
             )
             rows.append((it.leaf, row))
             it.release()  # the bytes are in the file now: let the host copy go
@@ -374,8 +376,8 @@ def write_data_files(
     with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
         return list(
             pool.map(
-                lambda a: _write_file(storage, a[0], a[1], codec_of),
-                zip(names, groups, strict=True),
+                lambda j: _write_file(storage, names[j], groups[j], codec_of, j),
+                range(len(groups)),
             )
         )
 
@@ -402,9 +404,11 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         values = per_process.encode_file(own, {i: prep.leaves[i].name for i in own})
         prep.storage.write_bytes(values_file_name(pid, nonce), values)
     sizes = tuple(size for size, _ in results)
-    chunks = [row for _, rows in results for _, row in rows]
+    packed = _packed(results) if prep.options.compression is not None else (0, 0, ())
     prep.timings.bytes_written = data_bytes
-    prep.timings.bytes_metadata = sum(row.tables() for row in chunks) + len(data)
+    # Plain chunks' tables are their checksums, 4 bytes a block; compressed ones add offsets.
+    tables = sum(4 * row.nblocks for _, rows in results for _, row in rows) + packed[0]
+    prep.timings.bytes_metadata = tables + len(data)
     prep.timings.bytes_stored = sum(sizes) + len(data) + len(values)
     increment = inc.report() if inc is not None else {}
     return ProcessReport(
@@ -413,9 +417,23 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         refs_used=tuple(increment.get("refs_used", ())),
         referenced_bytes=int(increment.get("referenced_bytes", 0)),
         ref_codecs=tuple(increment.get("ref_codecs", ())),
-        packed_saved=sum(row.packed_saved() for row in chunks),
-        codecs=tuple(sorted({row.codec for row in chunks} - {0})),
+        packed_saved=packed[1], codecs=packed[2],
     ).to_json()  # fmt: skip
+
+
+def _packed(results: list[WrittenFile]) -> tuple[int, int, tuple[int, ...]]:
+    """Of the compressed chunks written: the bytes of their block offsets (tables beyond
+    the checksums), the bytes compression saved (the commit's size check allows for it),
+    and the codecs used."""
+    offsets = saved = 0
+    used: set[int] = set()
+    for _, rows in results:
+        for _, row in rows:
+            if row.codec:
+                used.add(row.codec)
+                offsets += row.tables() - 4 * row.nblocks
+                saved += row.packed_saved()
+    return offsets, saved, tuple(sorted(used))
 
 
 def _write_data(prep: _Prepared) -> tuple[list[WrittenFile], int]:
@@ -444,11 +462,11 @@ def _write_data(prep: _Prepared) -> tuple[list[WrittenFile], int]:
 
 
 def rows_by_leaf(files: list[WrittenFile]) -> dict[int, list[ChunkRecord]]:
-    """The records of written data files grouped by leaf, each naming its file's number."""
+    """The records of written data files (write_data_files) grouped by leaf."""
     by_leaf: dict[int, list[ChunkRecord]] = {}
-    for j, (_, rows) in enumerate(files):
+    for _, rows in files:
         for leaf, row in rows:
-            by_leaf.setdefault(leaf, []).append(row._replace(file=j))
+            by_leaf.setdefault(leaf, []).append(row)
     return by_leaf
 
 
