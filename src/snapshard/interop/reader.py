@@ -7,7 +7,6 @@ arrays as slabs: boxes of at most a given number of bytes, each contiguous in C 
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -17,14 +16,13 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import dtype_from_name
-from ..errors import SnapshardError
-from ..format import ArrayLeaf, FileEntry, Leaf, Manifest
+from ..format import ArrayLeaf, Leaf, Manifest
 
 # The restore path's own request and buffer types: reads here run exactly the code (and the
 # checksum verification) of a restore.
 from ..options import ReadOptions
 from ..planning.layout import Box
-from ..read_executor import Dest, ReadStats, aligned_empty, reader_of
+from ..read_executor import Dest, ReadStats, aligned_empty
 from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from . import local_path
@@ -94,36 +92,29 @@ def open_reader(location: Location, options: ReadOptions = ReadOptions()) -> Che
 
 
 def _safetensors_reader(location: str) -> CheckpointReader:
-    """Safetensors files seen as a checkpoint of one chunk per tensor, read by byte ranges."""
+    """Safetensors files seen as a checkpoint of one chunk per tensor, read by byte ranges
+    (safetensors.source); the manifest holds their tree, a dict by tensor name."""
+    from ..safetensors.files import open_files
+    from ..safetensors.loader import source_arrays
+    from ..safetensors.source import SafetensorsSource
+    from ..safetensors.virtual import leaf_of
+
+    files, weight_map = open_files(location)
     try:
-        # Written alongside this module; looked up at run time so that either can ship first.
-        files_mod = importlib.import_module("snapshard.safetensors.files")
-        loader = importlib.import_module("snapshard.safetensors.loader")
-        virtual = importlib.import_module("snapshard.safetensors.virtual")
-    except ImportError:
-        raise SnapshardError(
-            f"{location}: reading safetensors files needs snapshard.safetensors, which this "
-            "installation does not have"
-        ) from None
-    files, weight_map = files_mod.open_files(location)
-    try:
-        tensors = loader.source_arrays(files, weight_map)
-        leaves: list[Leaf] = [virtual.leaf_of(name, x) for name, x in tensors.items()]
+        tensors = source_arrays(files, weight_map)
+        leaves: list[Leaf] = [leaf_of(name, x) for name, x in tensors.items()]
     except BaseException:
         files.close()
         raise
     names = list(tensors)
     structure = {"t": "dict", "k": names, "c": [{"t": "leaf", "i": i} for i in range(len(names))]}
-    manifest = Manifest(
-        structure,
-        leaves,
-        [FileEntry(n, h.data_end) for n, h in zip(files.names, files.headers, strict=True)],
-        extra={"format": "safetensors"},
-    )
+    source = SafetensorsSource(files, ReadOptions(verify=False))
+    manifest = Manifest(structure, leaves, source.entries, extra={"format": "safetensors"})
     stats = ReadStats()
-    read = reader_of(files.storage, manifest, ReadOptions(verify=False), stats)
     owned = files.storage if files.owns_storage else None
-    return CheckpointReader(location, "safetensors", manifest, read, owned, stats)
+    return CheckpointReader(
+        location, "safetensors", manifest, lambda d: source.read_dests(d, stats), owned, stats
+    )
 
 
 def slabs(start: Any, stop: Any, itemsize: int, max_bytes: int) -> Iterator[Box]:

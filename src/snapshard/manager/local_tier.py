@@ -29,6 +29,7 @@ import shutil
 import struct
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -396,20 +397,29 @@ def exchange_all(coord: Coordinator, prefix: str, mine: Any, timeout_s: float) -
     return out
 
 
+@dataclass(frozen=True)
+class TierRestore:
+    """What a restore asks of the local tier: `target`'s leaves at `step`, or with step
+    None the newest step every process can restore completely if it is newer than
+    `newest_persistent`; the processes agree under keys below `prefix`, each wait bounded
+    by `timeout_s`."""
+
+    prefix: str
+    target: Any
+    step: int | None
+    newest_persistent: int | None
+    timeout_s: float
+
+
 def agree_on_step(
-    store: LocalStore,
-    coord: Coordinator,
-    prefix: str,
-    target: Any,
-    step: int | None,
-    newest_persistent: int | None,
-    timeout_s: float,
+    store: LocalStore, coord: Coordinator, ask: TierRestore, prefix: str
 ) -> tuple[int | None, list[dict[str, list[int]]]]:
     """The step to restore from the local tier, the same on every process (or None), and
-    what every process holds."""
-    fps = {path_str(p): target_fingerprint(t) for p, t in target_leaves(target)[0]}
+    what every process holds (exchanged under `prefix`)."""
+    step, newest_persistent = ask.step, ask.newest_persistent
+    fps = {path_str(p): target_fingerprint(t) for p, t in target_leaves(ask.target)[0]}
     mine = {str(s): v for s, v in store.holdings(fps).items()}
-    held: list[dict[str, list[int]]] = exchange_all(coord, prefix, mine, timeout_s)
+    held: list[dict[str, list[int]]] = exchange_all(coord, prefix, mine, ask.timeout_s)
     n = coord.process_count
     complete = sorted(
         int(s)
@@ -470,27 +480,19 @@ def restore_local(
 
 
 def restore_from_tiers(
-    store: LocalStore,
-    coord: Coordinator,
-    prefix: str,
-    target: Any,
-    step: int | None,
-    newest_persistent: int | None,
-    timeout_s: float,
+    store: LocalStore, coord: Coordinator, ask: TierRestore
 ) -> tuple[Any, RestoreReport] | tuple[None, RestoreReport]:
     """Restore from the nearest complete copy: own, then a peer's. A copy that fails
     verification is logged, removed, and the processes agree again without it (at most
     three rounds); (None, report) means the persistent tier must serve."""
     skipped: list[str] = []
     for attempt in range(3):
-        chosen, held = agree_on_step(
-            store, coord, f"{prefix}/{attempt}/holdings", target, step, newest_persistent, timeout_s
-        )
+        chosen, held = agree_on_step(store, coord, ask, f"{ask.prefix}/{attempt}/holdings")
         if chosen is None:
             break
         error: str | None = None
         try:
-            out, report = restore_local(store, coord, chosen, held, target)
+            out, report = restore_local(store, coord, chosen, held, ask.target)
         except (CorruptCheckpointError, StorageError, OSError, ValueError, KeyError) as e:
             out, report = None, RestoreReport()
             error = f"{type(e).__name__}: {e}"
@@ -503,7 +505,7 @@ def restore_from_tiers(
                 error,
             )
             shutil.rmtree(where, ignore_errors=True)
-        errors = exchange_all(coord, f"{prefix}/{attempt}/outcome", error, timeout_s)
+        errors = exchange_all(coord, f"{ask.prefix}/{attempt}/outcome", error, ask.timeout_s)
         failed = [f"process {q} step {chosen}: {e}" for q, e in enumerate(errors) if e]
         if not failed:
             report.skipped = tuple(skipped)

@@ -529,18 +529,17 @@ class CheckpointManager:
         """The restore from the local tier and peers where the processes agree it can serve
         (`report.tier` says which served; empty: none), else an error for a `step` that the
         persistent tier does not hold either."""
-        from .local_tier import restore_from_tiers
+        from .local_tier import TierRestore, restore_from_tiers
 
         assert self._local is not None
-        out, report = restore_from_tiers(
-            self._local,
-            self._coord,
+        ask = TierRestore(
             namespace("tier-restore", self._root.url),
             target,
             step,
             self.latest_step(),
             options.timeout_s,
         )
+        out, report = restore_from_tiers(self._local, self._coord, ask)
         if not report.tier and step is not None and step not in self._steps:
             failed = report.skipped
             raise CheckpointNotFoundError(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from types import ModuleType
+from typing import TypeVar
 
 from .base import CheckpointRoot, FileWriter, Storage
 from .local import LocalRoot, LocalStorage
@@ -20,34 +23,33 @@ def is_object_store_url(location: Location) -> bool:
     return parse_location(location).is_object_store
 
 
-def _local_or_object(location: Location) -> tuple[str, bool]:
-    """The location as text (a plain path for file://), and whether it is an object store."""
-    loc = require_supported(parse_location(location))
-    return (loc.text, True) if loc.is_object_store else (loc.path, False)
-
-
 def storage_for(location: Location | Storage) -> Storage:
     """The storage of a checkpoint location: a local path, file://, or an object-store URL."""
     if isinstance(location, Storage):
         return location
-    text, remote = _local_or_object(location)
-    if remote:
-        from .objstore import ObjectStorage  # optional dependency
-
-        return ObjectStorage(text)
-    return LocalStorage(text)
+    return _backend(location, LocalStorage, lambda url: _objstore().ObjectStorage(url))
 
 
 def root_for(location: Location | CheckpointRoot) -> CheckpointRoot:
     """The root of several checkpoints (a manager's directory)."""
     if isinstance(location, CheckpointRoot):
         return location
-    text, remote = _local_or_object(location)
-    if remote:
-        from .objstore import ObjectRoot  # optional dependency
+    return _backend(location, LocalRoot, lambda url: _objstore().ObjectRoot(url))
 
-        return ObjectRoot(text)
-    return LocalRoot(text)
+
+_T = TypeVar("_T")
+
+
+def _backend(location: Location, local: Callable[[str], _T], remote: Callable[[str], _T]) -> _T:
+    """`local` of the path (a file:// URL's path), or `remote` of an object-store URL."""
+    loc = require_supported(parse_location(location))
+    return remote(loc.text) if loc.is_object_store else local(loc.path)
+
+
+def _objstore() -> ModuleType:
+    from . import objstore  # an optional dependency: imported where a URL needs it
+
+    return objstore
 
 
 __all__ = [
