@@ -1,19 +1,16 @@
 """The on-disk format (documented in docs/format.md): 2.1 written; 1, 2.0 and 2.1 read."""
 
 from . import records
-from .manifest import (
+from .chunks import ChunkTable, checksum_block
+from .files import FileEntry, ProcessTable
+from .kinds import LeafKind
+from .leaves import ArrayLeaf, Leaf, ValueLeaf
+from .manifest import Manifest
+from .naming import (
     DATA_DIR,
     FORMAT_VERSION,
     INDEX_DIR,
     MANIFEST_NAME,
-    ArrayLeaf,
-    ChunkTable,
-    FileEntry,
-    Leaf,
-    Manifest,
-    ProcessTable,
-    ValueLeaf,
-    checksum_block,
     data_file_name,
     record_file_name,
 )
@@ -28,6 +25,7 @@ __all__ = [
     "ChunkTable",
     "FileEntry",
     "Leaf",
+    "LeafKind",
     "Manifest",
     "ProcessTable",
     "ValueLeaf",
