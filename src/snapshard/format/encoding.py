@@ -39,9 +39,9 @@ import numpy as np
 
 from ..checksum import block_crcs, crc32c
 from ..errors import ChecksumMismatchError, CorruptCheckpointError, SnapshardError
-from . import checksum_block
 from . import compression as z
 from .binding import chunk_key
+from .chunks import checksum_block
 from .records import CODEC_SHIFT, ChunkRecord, packed_tables
 
 if TYPE_CHECKING:
