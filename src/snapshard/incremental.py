@@ -117,23 +117,32 @@ class Base:
         return b
 
     def chunks(
-        self, path: tuple[Any, ...], dtype: str, shape: tuple[int, ...], boxes: list[Any]
-    ) -> dict[bytes, BaseChunk]:
-        """The base's chunks of leaf `path` with exactly one of `boxes`, keyed by box_key;
-        empty where the base has no such leaf (or another dtype or shape)."""
+        self, wants: list[tuple[tuple[Any, ...], str, tuple[int, ...], list[Any]]]
+    ) -> list[dict[bytes, BaseChunk]]:
+        """Per (path, dtype, shape, boxes) asked for: the base's chunks of leaf `path` with
+        exactly one of `boxes`, keyed by box_key; empty where the base has no such leaf (or
+        another dtype or shape). Each record file is read once for all of them."""
         m = self.manifest
-        leaf = self._by_path.get(path)
-        if not isinstance(leaf, ArrayLeaf) or leaf.dtype != dtype or tuple(leaf.shape) != shape:
-            return {}
         if not m.bound:  # a 2.0 base's checksums are not bound to its files: write anew
-            return {}
-        assert m.finder is not None and m.processes is not None
+            return [{} for _ in wants]
+        assert m.finder is not None
+        found: list[tuple[ArrayLeaf, list[Any]] | None] = []
+        for path, dtype, shape, boxes in wants:
+            leaf = self._by_path.get(path)
+            ok = isinstance(leaf, ArrayLeaf) and leaf.dtype == dtype and tuple(leaf.shape) == shape
+            found.append((leaf, boxes) if ok else None)  # type: ignore[arg-type]
+        asked = [(leaf, [(np.asarray(s), np.asarray(e)) for s, e in boxes])
+                 for leaf, boxes in (f for f in found if f is not None)]  # fmt: skip
+        records = m.finder.hashed_records(asked, hash_id())
+        return [{} if f is None else self._matching(f[1], records[id(f[0])]) for f in found]
+
+    def _matching(
+        self, boxes: list[Any], records: list[tuple[int, rec.Records, np.ndarray | None]]
+    ) -> dict[bytes, BaseChunk]:
+        """The records with exactly one of `boxes` that a new save may refer to."""
         want = {box_key(s, e) for s, e in boxes}
-        found = m.finder.hashed_records(
-            leaf, [(np.asarray(s), np.asarray(e)) for s, e in boxes], hash_id()
-        )
         out: dict[bytes, BaseChunk] = {}
-        for q, r, hashes in found:
+        for q, r, hashes in records:
             for i in range(len(r)):
                 key = r.starts[i].tobytes() + b"|" + r.stops[i].tobytes()
                 if key in want and (chunk := self._referable(q, r, i, hashes)) is not None:
@@ -242,16 +251,16 @@ class Increment:
         self, items: list[StagedItem], leaves: list[Any]
     ) -> dict[int, dict[bytes, BaseChunk]]:
         """Per leaf of the items: the base's chunks of the items' boxes, by box key."""
-        lookup: dict[int, dict[bytes, BaseChunk]] = {}
         if self.base is None:
-            return lookup
+            return {}
         by_leaf: dict[int, list[Any]] = {}
         for it in items:
             by_leaf.setdefault(it.leaf, []).append((it.start, it.stop))
-        for i, boxes in by_leaf.items():
-            leaf = leaves[i]
-            lookup[i] = self.base.chunks(tuple(leaf.path), leaf.dtype.name, tuple(leaf.shape), boxes)
-        return lookup
+        wants = [
+            (tuple(leaves[i].path), leaves[i].dtype.name, tuple(leaves[i].shape), boxes)
+            for i, boxes in by_leaf.items()
+        ]
+        return dict(zip(by_leaf, self.base.chunks(wants), strict=True))
 
     def _refer_or_keep(
         self, it: StagedItem, base: dict[bytes, BaseChunk], lock: threading.Lock

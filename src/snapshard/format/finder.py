@@ -215,47 +215,63 @@ class ChunkFinder:
         }
 
     def hashed_records(
-        self, leaf: ArrayLeaf, boxes: Sequence[Box], hash_fn: int
-    ) -> list[tuple[int, rec.Records, np.ndarray | None]]:
-        """Per process that may hold chunks of `boxes`: its records of `leaf`, and their
-        content hashes where its record file stores hashes made by function `hash_fn`
-        (None otherwise). What an incremental save compares its chunks with."""
-        a = self.index[id(leaf)]
-        out = []
-        for q in self.candidates(leaf, boxes).tolist():
-            got = self._fetch_hashed(q, a, hash_fn)
-            if got is not None:
-                out.append((q, *got))
+        self, wants: Sequence[tuple[ArrayLeaf, Sequence[Box]]], hash_fn: int
+    ) -> dict[int, list[tuple[int, rec.Records, np.ndarray | None]]]:
+        """For each leaf (keyed by id), per process that may hold chunks of its boxes: that
+        process's records of it, with their content hashes where its record file stores
+        hashes made by function `hash_fn` (None otherwise). What an incremental save
+        compares its chunks with; each record file is read once, its ranges merged."""
+        by_process: dict[int, list[int]] = {}
+        for leaf, boxes in wants:
+            for q in self.candidates(leaf, boxes).tolist():
+                by_process.setdefault(q, []).append(self.index[id(leaf)])
+        items = sorted(by_process.items())
+        if self.threads > 1 and len(items) > 1:
+            with ThreadPoolExecutor(min(self.threads, len(items)), "snapshard-records") as pool:
+                results = list(pool.map(lambda qa: self._fetch_hashed(qa[0], qa[1], hash_fn), items))
+        else:
+            results = [self._fetch_hashed(q, a, hash_fn) for q, a in items]
+        out: dict[int, list[tuple[int, rec.Records, np.ndarray | None]]] = {
+            id(leaf): [] for leaf, _ in wants
+        }
+        for (q, _), got in zip(items, results, strict=True):
+            for a, (records, hashes) in got.items():
+                out[id(self.manifest.leaves[a])].append((q, records, hashes))
         return out
 
     def _fetch_hashed(
-        self, q: int, a: int, hash_fn: int
-    ) -> tuple[rec.Records, np.ndarray | None] | None:
-        """Process q's records of leaf a with their hashes (None: it wrote none)."""
+        self, q: int, leaves: list[int], hash_fn: int
+    ) -> dict[int, tuple[rec.Records, np.ndarray | None]]:
+        """Process q's records of `leaves` with their hashes (leaves it wrote none of left out)."""
         m = self.manifest
         assert m.processes is not None
         name = m.processes.record_name(q)
         size = m.processes.record_sizes[q]
         where = f"{self.storage.url}/{name}"
-        header, entry_raw = self._read(
-            name, [(0, rec.HEADER_SIZE), (rec.directory_offset(a), rec.directory_offset(a + 1))]
+        header, *entries = self._read(
+            name,
+            [(0, rec.HEADER_SIZE)]
+            + [(rec.directory_offset(a), rec.directory_offset(a + 1)) for a in leaves],
         )
         rec.decode_header(header, where, q, len(m.leaves))
         flags = rec.header_flags(header)
         hashed = bool(flags & rec.FILE_HASHES) and (flags >> rec.HASH_SHIFT) & 0xFF == hash_fn
-        leaf = m.leaves[a]
-        assert isinstance(leaf, ArrayLeaf)
-        entry = rec.decode_entries(entry_raw)[0]
-        ndim = len(leaf.shape)
-        off, length = rec.check_entry(entry, ndim, size, where)
-        if not length:
-            return None
-        extra = rec.HASH_SIZE * int(entry["count"]) + 4 if hashed else 0
-        (raw,) = self._read(name, [(off, min(off + length + extra, size))])
+        wanted: list[tuple[int, np.void, int, int, tuple[int, int]]] = []
+        for a, raw in zip(leaves, entries, strict=True):
+            e = rec.decode_entries(raw)[0]
+            ndim = len(m.leaves[a].shape)  # type: ignore[union-attr]
+            off, length = rec.check_entry(e, ndim, size, where)
+            if length:
+                extra = rec.HASH_SIZE * int(e["count"]) + 4 if hashed else 0
+                wanted.append((a, e, ndim, length, (off, min(off + length + extra, size))))
+        segments = self._read(name, [r for *_, r in wanted])
         salt = name_key(name) if m.bound else 0
-        where = f"{where}, leaf {leaf.name!r}"
-        records = rec.decode_segment(raw[:length], entry, ndim, q, a, where, salt)
-        return records, rec.decode_hashes(raw[length:], entry, ndim, where) if hashed else None
+        out = {}
+        for (a, e, ndim, length, _), raw in zip(wanted, segments, strict=True):
+            at = f"{where}, leaf {m.leaves[a].name!r}"
+            records = rec.decode_segment(raw[:length], e, ndim, q, a, at, salt)
+            out[a] = (records, rec.decode_hashes(raw[length:], e, ndim, at) if hashed else None)
+        return out
 
     def tables(self, wants: Sequence[tuple[ArrayLeaf, Sequence[Box]]]) -> dict[int, ChunkTable]:
         """For each leaf (keyed by id), the chunks written by every process that may hold
