@@ -47,6 +47,7 @@ from torch.futures import Future
 
 from .. import write_tuning
 from ..checksum import crc32c
+from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import (
     ArrayLeaf,
@@ -69,6 +70,7 @@ from ..saving import WrittenFile, commit_manifest, rows_by_leaf, staged_files, w
 from ..staging import StagedItem
 from ..storage import Location, Storage, is_object_store_url, storage_for
 from ..tree import Path, flatten, path_str
+from .coordination import default_coordinator
 from .dtypes import host_view, numpy_dtype
 
 PICKLED_KEY = "dcp"  # manifest extra: {"pickled": [leaf names stored as DCP's pickles]}
@@ -291,12 +293,17 @@ class StorageWriter(_DcpStorageWriter):
             )
         with self._storage() as storage:
             storage.set_attempt(numbering.attempt)
-            storage.prepare_staging()
             writer = _RankWriter(storage, numbering, self.options)
+            error: BaseException | None = None
             try:
+                storage.prepare_staging()
                 report = writer.write(plan.items, planner)
+            except Exception as e:  # told to every rank below, then raised
+                error = e
+            try:
+                _all_written(numbering.attempt, storage.url, self.options.timeout_s, error)
             except BaseException:
-                writer.discard()
+                writer.discard()  # every rank removes its files: DCP calls nothing after
                 raise
         results = [
             WriteResult(item.index, writer.sizes.get(item.index.fqn, 0), report)
@@ -407,6 +414,28 @@ class _RankWriter:
             self.storage.discard_staging_if_empty()
         except SnapshardError:
             pass
+
+
+def _all_written(attempt: str, url: str, timeout_s: float, error: BaseException | None) -> None:
+    """Every rank learns whether every rank wrote its share (one rendezvous through the
+    process group's store, under the save's attempt); raises on all of them, naming the
+    rank, when one did not: DCP calls nothing after a failed write, so each rank removes
+    its own staged files then."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    rv = Rendezvous(
+        default_coordinator(), f"snapshard/dcp-save/{attempt}", f"save to {url}", timeout_s
+    )
+    try:
+        all_succeeded(rv, "write", error)
+    except BaseException:
+        if error is not None:
+            raise error from None  # this rank's own error says more than the relayed one
+        raise
 
 
 def _reports(results: list[list[WriteResult]], attempt: str, url: str) -> list[RankReport]:
