@@ -9,6 +9,7 @@ library's exceptions into the few kinds of `Failure` the client reports differen
 from __future__ import annotations
 
 import enum
+import io
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
@@ -130,3 +131,34 @@ class Bucket(ABC):
     def classify(self, error: BaseException) -> Failure | None:
         """The kind of a failure of this library; None for an error that is not the
         store's (a bug), which is raised unchanged."""
+
+
+class ViewSink(io.RawIOBase):
+    """A write-only file filling a list of memoryviews in order: a store library's response
+    body written straight into the caller's memory."""
+
+    def __init__(self, views: Sequence[memoryview]):
+        self._views = list(views)
+        self._index = 0  # the view being filled
+        self._fill = 0  # bytes of it filled
+        self.capacity = sum(len(v) for v in self._views)
+        self.written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        src = memoryview(data).cast("B")
+        if self.written + len(src) > self.capacity:
+            raise ValueError("the store sent more bytes than the range asked for")
+        pos = 0
+        while pos < len(src):
+            view = self._views[self._index]
+            n = min(len(view) - self._fill, len(src) - pos)
+            view[self._fill : self._fill + n] = src[pos : pos + n]
+            pos += n
+            self._fill += n
+            if self._fill == len(view):
+                self._index, self._fill = self._index + 1, 0
+        self.written += len(src)
+        return len(src)

@@ -13,7 +13,6 @@ backoff on 429, 5xx and dropped connections, 120 s per call).
 from __future__ import annotations
 
 import contextlib
-import io
 import threading
 import uuid
 from collections import Counter
@@ -22,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import StorageError
-from .bucket import Bucket, Failure, TransferConfig, Upload
+from .bucket import Bucket, Failure, TransferConfig, Upload, ViewSink
 
 try:
     import google.auth.exceptions
@@ -135,7 +134,7 @@ class GcsBucket(Bucket):
         # The body is read in one piece and written straight into the views (not 8 KiB
         # at a time into a buffer that is then copied twice). A download cut short is
         # retried by the library from the first byte the sink has not seen.
-        sink = _ViewSink(views)
+        sink = ViewSink(views)
         if not sink.capacity:
             return 0
         try:
@@ -184,36 +183,6 @@ class GcsBucket(Bucket):
         if isinstance(error, _LIBRARY_ERRORS):
             return Failure.FAILED
         return None
-
-
-class _ViewSink(io.RawIOBase):
-    """A write-only file filling a list of memoryviews in order."""
-
-    def __init__(self, views: Sequence[memoryview]):
-        self._views = list(views)
-        self._index = 0  # the view being filled
-        self._fill = 0  # bytes of it filled
-        self.capacity = sum(len(v) for v in self._views)
-        self.written = 0
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        src = memoryview(data).cast("B")
-        if self.written + len(src) > self.capacity:
-            raise ValueError("the store sent more bytes than the range asked for")
-        pos = 0
-        while pos < len(src):
-            view = self._views[self._index]
-            n = min(len(view) - self._fill, len(src) - pos)
-            view[self._fill : self._fill + n] = src[pos : pos + n]
-            pos += n
-            self._fill += n
-            if self._fill == len(view):
-                self._index, self._fill = self._index + 1, 0
-        self.written += len(src)
-        return len(src)
 
 
 class GcsUpload(Upload):
