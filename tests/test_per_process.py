@@ -57,4 +57,7 @@ def test_values_that_differ_between_processes_are_refused_naming_the_leaf(tmp_pa
         r = p.result()
         assert r.get("error") == "CoordinationError", r
         assert __import__("re").search(match, r["message"]), r["message"]
+    if mode == "extra":  # the process whose tree has the leaf names it
+        message = procs[1].result()["message"]
+        assert message.endswith("this process's leaves that process 0 has not: 'extra'"), message
     assert not ckpt.exists()

@@ -346,7 +346,13 @@ def _write_file(
         for it in items:
             codec = codec_of(it) if codec_of is not None else 0
             row = write_chunk(
-                writer, it.materialize(), it.start, it.stop, file, offset, file_key=key,
+                writer,
+                it.materialize(),
+                it.start,
+                it.stop,
+                file,
+                offset,
+                file_key=key,
                 codec=codec,
             )
             rows.append((it.leaf, row))
@@ -530,12 +536,14 @@ def _other_leaves(prep: _Prepared, q: int, theirs: np.ndarray) -> CoordinationEr
     their_set = set(theirs["description"].tolist())
     lacking = [_name(prep.leaves[i]) for i, d in enumerate(mine) if d not in their_set]
     extra: list[str] = []
+    extra_at: list[int] = []  # positions in q's leaves: q names them (_named_by_us)
     last_common = None
-    for d in theirs["description"].tolist():
+    for j, d in enumerate(theirs["description"].tolist()):
         if d in ours:
             last_common = _name(prep.leaves[ours[d]])
         else:
             extra.append("first" if last_common is None else f"after {last_common!r}")
+            extra_at.append(j)
     count = lambda n: f"{n} leaf" if n == 1 else f"{n} leaves"  # noqa: E731
     parts = [f"process {q} saved {count(len(theirs))}, process 0 saved {count(len(mine))}"]
     if extra:
@@ -550,7 +558,23 @@ def _other_leaves(prep: _Prepared, q: int, theirs: np.ndarray) -> CoordinationEr
             + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
             + f" of process 0 not on process {q} (or with another kind, dtype, shape or layout)"
         )
-    return CoordinationError(f"{prep.rendezvous.what}: the trees differ: " + "; ".join(parts))
+    error = CoordinationError(f"{prep.rendezvous.what}: the trees differ: " + "; ".join(parts))
+    error.relay = {"tree_extra": {"process": q, "leaves": extra_at[:3]}}  # type: ignore[attr-defined]
+    return error
+
+
+def _named_by_us(prep: _Prepared, error: CoordinationError) -> CoordinationError | None:
+    """Process 0's tree check found leaves of this process that it has not, and could only
+    place them: this process names them."""
+    relay = getattr(error, "relay", None)
+    extra = relay.get("tree_extra") if isinstance(relay, dict) else None
+    if not extra or extra.get("process") != prep.rendezvous.coord.process_index:
+        return None
+    names = [_name(prep.leaves[i]) for i in extra["leaves"] if 0 <= i < len(prep.leaves)]
+    if not names:
+        return None
+    shown = ", ".join(repr(n) for n in names)
+    return type(error)(f"{error}; this process's leaves that process 0 has not: {shown}")
 
 
 def _name(leaf: Leaf | SaveArray) -> str:
@@ -760,10 +784,16 @@ def _finish(prep: _Prepared) -> SaveTimings:
         prep.timings.write_s = t1 - t0
         return report
 
-    write_then_commit(
-        prep.rendezvous, write, lambda reports: _commit(prep, reports), prep.storage.discard_staging,
-        lambda settled: _discard_own(prep, settled),
-    )  # fmt: skip
+    try:
+        write_then_commit(
+            prep.rendezvous, write, lambda reports: _commit(prep, reports),
+            prep.storage.discard_staging, lambda settled: _discard_own(prep, settled),
+        )  # fmt: skip
+    except CoordinationError as e:
+        named = _named_by_us(prep, e)
+        if named is None:
+            raise
+        raise named from e
     t2 = time.perf_counter()
     prep.timings.commit_s = t2 - t1
     prep.timings.total_s = prep.timings.blocking_s + (t2 - t0)

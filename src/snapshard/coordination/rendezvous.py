@@ -54,7 +54,10 @@ def relayed_error(context: str, doc: dict[str, Any]) -> CoordinationError:
     """Another process's failure (its report or outcome `doc`), raised here: a
     CoordinationError that is also of the failure's own class where that is one of
     snapshard's errors, so that every process raises the same type for one failure (an
-    `except CheckpointExistsError` catches it on every process, not only where it arose)."""
+    `except CheckpointExistsError` catches it on every process, not only where it arose).
+    Its `relay` is the failure's own `relay` attribute, where it had one: a small JSON
+    value for the processes that can say more (a tree check names the leaves of the
+    process whose tree differs, which only that process knows)."""
     message = f"{context}: {doc['error']}"
     name = str(doc.get("error_type") or "")
     cls = _relay_classes.get(name)
@@ -69,9 +72,11 @@ def relayed_error(context: str, doc: dict[str, Any]) -> CoordinationError:
             cls = type(name, (cause, CoordinationError), {"__module__": errors.__name__})
         _relay_classes[name] = cls
     try:
-        return cls(message)
+        out = cls(message)
     except TypeError:  # a class whose constructor takes more than a message
-        return CoordinationError(message)
+        out = CoordinationError(message)
+    out.relay = doc.get("relay")  # type: ignore[attr-defined]
+    return out
 
 
 @dataclass
@@ -103,6 +108,8 @@ class Rendezvous:
             "ok": error is None,
             "error": None if error is None else _error_text(error),
             "error_type": None if error is None else type(error).__name__,
+            # what a failure tells the other processes beyond its text (see `relay`)
+            "relay": getattr(error, "relay", None),
             **payload,
         }
         self.coord.set(f"{self.prefix}/{key}", json.dumps(doc))
