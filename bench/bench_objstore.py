@@ -18,7 +18,8 @@ obstore's multipart writer), and the very ranged reads its restore made, 4 at a 
 its files. Where snapshard matches that but not one object per array, the cost is the
 server's for that pattern of requests, not the library's. --read-once adds
 bench_read_once.py's 4-process job (every column band on all 4 processes) on each store:
-the job's bytes read against the unique bytes, read-once on and off.
+the job's bytes read against the unique bytes, read-once on and off. In each round the
+writes come first, then the reads, each group in reverse order every other round.
 --size-mib scales the state down (fewer layers). The servers and their settings as
 .ci/run starts and exports them (../shared/objstore/).
 
@@ -419,38 +420,53 @@ def timed(out: dict[str, float], name: str, fn: Any) -> Any:
     return result
 
 
-def plain_round(scheme: str, bucket: str, tree: Any, host: list[bytes]) -> dict[str, float]:
-    """One save and restore with snapshard; the plain client making the same requests on
-    the same objects (snapshard's ranged reads of its files; writes of files of the same
-    sizes); then the state's arrays as objects of their own through the plain client."""
+def plain_round(
+    scheme: str, bucket: str, tree: Any, host: list[bytes], sizes: list[int], flip: bool
+) -> tuple[dict[str, float], list[int]]:
+    """One round: the writes (snapshard's save; the plain client writing objects of the
+    sizes of snapshard's data files, `sizes` as the last save left them, the way snapshard
+    writes them; the state's arrays as objects of their own), then the reads (snapshard's
+    restore and the plain client's replay of its ranged reads; the arrays' objects), each
+    group in reverse order when `flip`, so that no one always goes first. Returns the
+    times and the data files' sizes."""
     import snapshard
+    from snapshard.storage.object_client import ObjectClient
 
     tag = uuid.uuid4().hex[:8]
     url = f"{scheme}://{bucket}/bench-{tag}/ckpt"
-    out: dict[str, float] = {}
-    timed(out, "save", lambda: snapshard.save(url, tree))
-    stats = snapshard.ReadStats()
-    with ReadRecorder(scheme) as reads:
-        timed(out, "restore", lambda: jax.block_until_ready(
-            snapshard.load(url, abstract(tree), stats=stats)
-        ))  # fmt: skip
-    out["read_ratio"] = stats.bytes_read / stats.bytes_needed
+    prefix = f"plain-{tag}"
     plain = PlainClient(scheme, bucket)
-    got = timed(out, "same_get", lambda: plain.get_ranges(reads.ranges))
-    assert got == sum(n for _, _, n in reads.ranges)
-    from snapshard.storage.object_client import ObjectClient
+    flat = memoryview(b"".join(host))
+    out: dict[str, float] = {}
+    writes = [
+        lambda: timed(out, "save", lambda: snapshard.save(url, tree)),
+        lambda: timed(out, "same_put", lambda: plain.put_files(f"{prefix}/same", flat, sizes)),
+        lambda: timed(out, "put", lambda: plain.put(prefix, host)),
+    ]
+    for write in writes[::-1] if flip else writes:
+        write()
+    stats = snapshard.ReadStats()
 
+    def snapshard_reads() -> None:
+        with ReadRecorder(scheme) as reads:
+            timed(out, "restore", lambda: jax.block_until_ready(
+                snapshard.load(url, abstract(tree), stats=stats)
+            ))  # fmt: skip
+        got = timed(out, "same_get", lambda: plain.get_ranges(reads.ranges))
+        assert got == sum(n for _, _, n in reads.ranges)
+
+    def plain_reads() -> None:
+        got = timed(out, "get", lambda: plain.get(prefix, len(host)))
+        assert got == sum(len(h) for h in host)
+
+    for read in [plain_reads, snapshard_reads] if flip else [snapshard_reads, plain_reads]:
+        read()
+    out["read_ratio"] = stats.bytes_read / stats.bytes_needed
     files = ObjectClient(url).listing()
     sizes = [n for name, n in sorted(files.items()) if name.startswith("data/")]
     remove(url.rsplit("/", 1)[0])
-    prefix = f"plain-{tag}"
-    flat = memoryview(b"".join(host))
-    timed(out, "same_put", lambda: plain.put_files(f"{prefix}/same", flat, sizes))
-    timed(out, "put", lambda: plain.put(prefix, host))
-    got = timed(out, "get", lambda: plain.get(prefix, len(host)))
-    assert got == sum(len(h) for h in host)
     remove(f"{scheme}://{bucket}/{prefix}")
-    return out
+    return out, sizes
 
 
 def read_once_check(args: argparse.Namespace, stores: list[str]) -> None:
@@ -491,9 +507,11 @@ def plain_bench(args: argparse.Namespace) -> None:
     print(f"state: {size:.0f} MiB, {len(host)} leaves; stores {stores}", flush=True)
     buckets = {s: bucket_of(s) for s in stores}
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in stores}
-    for r in range(args.rounds + 1):  # round 0 warms up
+    # Round 0 warms up; its same-requests writes guess two files of half the state each.
+    sizes = {s: [sum(len(h) for h in host) // 2] * 2 for s in stores}
+    for r in range(args.rounds + 1):
         for s in stores if r % 2 == 0 else stores[::-1]:
-            res = plain_round(s, buckets[s], tree, host)
+            res, sizes[s] = plain_round(s, buckets[s], tree, host, sizes[s], flip=r % 2 == 1)
             print(
                 f"round {r} {s}: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()), flush=True
             )
