@@ -218,7 +218,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def best_step(self) -> int | None:
-        """The best committed step by `best_fn`, or None without best_fn or metrics."""
+        """The best committed step by the retention's KeepBest, or None without one or metrics."""
         if self._best is None:
             return None
         with self._lock:
@@ -273,7 +273,7 @@ class CheckpointManager:
         """True when the job is being preempted and this step should save
         (`save(step, tree, force=True)`) and exit. Call it on every process at every step.
 
-        A single process: true once it saw SIGTERM (`handle_sigterm=True`) or
+        A single process: true once it saw SIGTERM (PreemptionPolicy(handle_sigterm=True)) or
         `notify_preemption()` was called. Several processes: where the framework's
         preemption sync service runs (JAX's, on by default with jax.distributed), its sync
         point decides, at one step on every process; the service catches SIGTERM on any

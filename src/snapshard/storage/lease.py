@@ -256,7 +256,8 @@ class WriterLease:
             f"{self.files.where}: another writer holds this checkpoint root: {holder}. "
             f"Two writers on one root could corrupt it; stop the other job, or wait "
             f"{other.get('timeout_s', self.timeout_s):g} s after it died, or pass "
-            f"takeover=True if it is known to be gone",
+            f"takeover=True if it is known to be gone (a CheckpointManager: "
+            f"policies=ManagerPolicies(lease=LeasePolicy(takeover=True)))",
             other,
         )
         timeout = float(other.get("timeout_s") or self.timeout_s)
