@@ -7,7 +7,7 @@ buffers (torch/saving.py) and restored in place (torch/loading.py). Steps on dis
 same as the JAX manager's, so either manager reads the other's directory.
 
 torch.distributed has no preemption service: `reached_preemption(step)` is true on every
-rank at one step, agreed through the store. A rank that saw SIGTERM (`handle_sigterm=True`)
+rank at one step, agreed through the store. A rank that saw SIGTERM (`PreemptionPolicy(handle_sigterm=True)`)
 or `notify_preemption()` publishes the step it is at, and every rank answers true at its
 first step past it (coordination/preemption.py); this needs the ranks to run in step, a
 collective between one call and the next, as synchronous training does. In a one-rank job
