@@ -7,6 +7,7 @@ from typing import Any
 
 from .errors import CheckpointNotFoundError
 from .format import ArrayLeaf
+from .format.kinds import LeafKind
 from .format.reading import read_manifest
 from .storage import Location, Storage, storage_for
 from .tree import unflatten
@@ -34,7 +35,7 @@ class ValueMetadata:
 
 def leaf_metadata(leaf: Any) -> ArrayMetadata | ValueMetadata:
     if isinstance(leaf, ArrayLeaf):
-        dtype = f"key<{leaf.key_impl}>" if leaf.kind == "prng_key" else leaf.dtype
+        dtype = f"key<{leaf.key_impl}>" if leaf.kind == LeafKind.PRNG_KEY else leaf.dtype
         return ArrayMetadata(
             shape=leaf.logical_shape,
             dtype=dtype,

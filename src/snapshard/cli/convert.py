@@ -25,6 +25,7 @@ import numpy as np
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import MANIFEST_NAME, ArrayLeaf, Manifest
+from ..format.kinds import LeafKind
 from ..interop import local_path
 from ..interop.reader import CheckpointReader, chunk_slabs
 from ..interop.writer import CheckpointWriter
@@ -215,7 +216,7 @@ def _chosen_leaves(
         name = leaf_name(leaf.path)
         if not names.selects(name):
             continue
-        if leaf.kind == "prng_key" and not names.check_key(leaf.name):
+        if leaf.kind == LeafKind.PRNG_KEY and not names.check_key(leaf.name):
             skipped.append(leaf.name)
             continue
         chosen.append((name, leaf))

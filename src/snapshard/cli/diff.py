@@ -15,6 +15,7 @@ import numpy as np
 
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf, Leaf, ValueLeaf
+from ..format.kinds import LeafKind
 from ..interop.reader import CheckpointReader, slabs
 from .ls import open_for_command
 from .options import add_memory_option
@@ -36,7 +37,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 def describe(leaf: Leaf) -> dict[str, Any]:
     if isinstance(leaf, ValueLeaf):
         return {"kind": "value", "value": json_value(leaf.value)}
-    dtype = f"key<{leaf.key_impl}>" if leaf.kind == "prng_key" else leaf.dtype
+    dtype = f"key<{leaf.key_impl}>" if leaf.kind == LeafKind.PRNG_KEY else leaf.dtype
     return {"kind": leaf.kind, "shape": list(leaf.logical_shape), "dtype": dtype}
 
 

@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from ..format import ArrayLeaf, Leaf, Manifest
+from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..interop.reader import CheckpointReader
 from .ls import open_for_command
@@ -38,7 +39,7 @@ def leaf_doc(leaf: Leaf) -> dict[str, Any]:
         **base,
         "kind": leaf.kind,
         "shape": list(leaf.logical_shape),
-        "dtype": f"key<{leaf.key_impl}>" if leaf.kind == "prng_key" else leaf.dtype,
+        "dtype": f"key<{leaf.key_impl}>" if leaf.kind == LeafKind.PRNG_KEY else leaf.dtype,
         "bytes": leaf.nbytes,
         "sharding": leaf.sharding,
         "chunks": leaf.num_chunks,

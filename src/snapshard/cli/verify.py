@@ -68,7 +68,9 @@ def file_problem(storage: Storage, m: Manifest) -> dict[str, Any] | None:
             and int(leaf.chunks.offset[c] + leaf.chunks.nbytes[c]) > (size or 0)
         ]
         what = "is missing or unreadable" if size is None else f"has {size} bytes"
-        message = refused or f"{storage.url}: data file {f.name!r} {what}, the manifest says {f.size}"
+        message = (
+            refused or f"{storage.url}: data file {f.name!r} {what}, the manifest says {f.size}"
+        )
         problem: dict[str, Any] = {"file": f.name, "leaf": None, "chunk": None}
         if hit:
             _, leaf_name, chunk = min(hit)

@@ -29,6 +29,7 @@ from ..adapters.leaves import SaveArray, classify, is_save_leaf
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.rendezvous import Rendezvous, namespace, write_then_commit
 from ..errors import CheckpointExistsError, StorageError, UnsupportedLeafError
+from ..format.kinds import LeafKind
 from ..options import SaveOptions, require
 from ..planning import overlap_runs, plan_writes
 from ..staging import stage
@@ -196,7 +197,7 @@ def _tensors(tree: Any, process_count: int, names: ExportNames) -> tuple[list[_T
                 f"leaf {path_str(path)!r}: safetensors files hold arrays only, not "
                 f"{type(value).__name__} (leave it out with select=...)"
             )
-        if leaf.kind == "prng_key" and not names.check_key(path_str(path)):
+        if leaf.kind == LeafKind.PRNG_KEY and not names.check_key(path_str(path)):
             skipped.append(path_str(path))
             continue
         chosen.append((name, leaf))

@@ -42,6 +42,7 @@ from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, Manifest, ValueLeaf
+from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
 from ..read_executor import Dest, ReadDests, ReadStats, aligned_empty, batches, saved_boxes
@@ -109,7 +110,7 @@ class _Entries:
                 md[name] = BytesStorageMetadata()
                 continue
             dt = torch_dtype(dtype_from_name(leaf.dtype))
-            if dt is None or leaf.kind == "prng_key":
+            if dt is None or leaf.kind == LeafKind.PRNG_KEY:
                 continue  # torch has no such dtype: not offered to DCP
             md[name] = TensorStorageMetadata(
                 TensorProperties(dtype=dt), torch.Size(leaf.shape), self._chunks(leaf)

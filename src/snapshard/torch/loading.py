@@ -22,6 +22,7 @@ from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, Manifest, ValueLeaf
+from ..format.kinds import LeafKind
 from ..format.leaves import PerProcessLeaf
 from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
@@ -356,7 +357,7 @@ def _whole_target(manifest: Manifest) -> tuple[Any, dict[Path, Any]]:
         if isinstance(leaf, ValueLeaf):
             return leaf.value
         dtype = dtype_from_name(leaf.dtype)
-        if leaf.kind == "scalar":
+        if leaf.kind == LeafKind.SCALAR:
             scalars[leaf.path] = out = np.empty((), dtype)
             return out
         dt = torch_dtype(dtype)
