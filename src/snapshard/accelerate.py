@@ -126,73 +126,94 @@ def _load(accelerator: Any, path: str, state: dict[str, Any]) -> None:
     dcp.load(state, storage_reader=sst.StorageReader(path, _SWITCHED[accelerator].read_options))
 
 
-def _fsdp_functions(originals: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
-    """snapshard's save_fsdp_model, load_fsdp_model, save_fsdp_optimizer and
-    load_fsdp_optimizer, each falling back to Accelerate's own (`originals`)."""
-    from accelerate.utils.constants import FSDP_MODEL_NAME, OPTIMIZER_NAME
+# Accelerate's own FSDP functions, where each call that is not ours goes.
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
+_NAMES = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
 
-    def save_fsdp_model(
-        fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: str, model_index: int = 0,
-        adapter_only: bool = False, use_dcp: bool = True,
-    ) -> Any:  # fmt: skip
-        if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only):
-            return originals["save_fsdp_model"](
-                fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only, use_dcp
-            )
-        state = {"model": get_model_state_dict(model, options=_SHARDED)}
-        _save(accelerator, os.path.join(output_dir, f"{FSDP_MODEL_NAME}_{model_index}"), state)
-        return None
 
-    def load_fsdp_model(
-        fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: str, model_index: int = 0,
-        adapter_only: bool = False, use_dcp: bool = True,
-    ) -> Any:  # fmt: skip
-        path = os.path.join(input_dir, f"{FSDP_MODEL_NAME}_{model_index}")
-        if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
-            return originals["load_fsdp_model"](
-                fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp
-            )
-        state = {"model": get_model_state_dict(model, options=_SHARDED)}
-        _load(accelerator, path, state)
-        result = set_model_state_dict(model, state["model"], options=_SHARDED)
-        accelerator.wait_for_everyone()
-        return result
+def _model_dir(directory: str, index: int) -> str:
+    from accelerate.utils.constants import FSDP_MODEL_NAME
 
-    def save_fsdp_optimizer(
-        fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,
-        optimizer_index: int = 0, use_dcp: bool = True,
-    ) -> None:  # fmt: skip
-        if not _ours(fsdp_plugin, accelerator, use_dcp):
-            return originals["save_fsdp_optimizer"](
-                fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp
-            )
-        plain = _plain_optimizer(optimizer)
-        state = {"optimizer": get_optimizer_state_dict(model, plain, options=_SHARDED)}
-        _save(accelerator, os.path.join(output_dir, f"{OPTIMIZER_NAME}_{optimizer_index}"), state)
-        return None
+    return os.path.join(directory, f"{FSDP_MODEL_NAME}_{index}")
 
-    def load_fsdp_optimizer(
-        fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
-        optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True,
-    ) -> None:  # fmt: skip
-        path = os.path.join(input_dir, f"{OPTIMIZER_NAME}_{optimizer_index}")
-        if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
-            return originals["load_fsdp_optimizer"](
-                fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index,
-                adapter_only, use_dcp,
-            )  # fmt: skip
-        plain = _plain_optimizer(optimizer)
-        state = {"optimizer": get_optimizer_state_dict(model, plain, options=_SHARDED)}
-        _load(accelerator, path, state)
-        set_optimizer_state_dict(model, plain, state["optimizer"], options=_SHARDED)
-        return None
 
-    return {
-        "save_fsdp_model": save_fsdp_model,
-        "load_fsdp_model": load_fsdp_model,
-        "save_fsdp_optimizer": save_fsdp_optimizer,
-        "load_fsdp_optimizer": load_fsdp_optimizer,
-    }
+def _optimizer_dir(directory: str, index: int) -> str:
+    from accelerate.utils.constants import OPTIMIZER_NAME
+
+    return os.path.join(directory, f"{OPTIMIZER_NAME}_{index}")
+
+
+def save_fsdp_model(
+    fsdp_plugin: Any, accelerator: Any, model: Any, output_dir: str, model_index: int = 0,
+    adapter_only: bool = False, use_dcp: bool = True,
+) -> Any:  # fmt: skip
+    """Accelerate's `save_fsdp_model`, through snapshard for a switched accelerator."""
+    if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only):
+        return _ORIGINALS["save_fsdp_model"](
+            fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only, use_dcp
+        )
+    state = {"model": get_model_state_dict(model, options=_SHARDED)}
+    _save(accelerator, _model_dir(output_dir, model_index), state)
+    return None
+
+
+def load_fsdp_model(
+    fsdp_plugin: Any, accelerator: Any, model: Any, input_dir: str, model_index: int = 0,
+    adapter_only: bool = False, use_dcp: bool = True,
+) -> Any:  # fmt: skip
+    """Accelerate's `load_fsdp_model`, through snapshard for a switched accelerator and a
+    snapshard checkpoint (one Accelerate wrote itself goes to Accelerate's)."""
+    path = _model_dir(input_dir, model_index)
+    if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
+        return _ORIGINALS["load_fsdp_model"](
+            fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp
+        )
+    state = {"model": get_model_state_dict(model, options=_SHARDED)}
+    _load(accelerator, path, state)
+    result = set_model_state_dict(model, state["model"], options=_SHARDED)
+    accelerator.wait_for_everyone()
+    return result
+
+
+def save_fsdp_optimizer(
+    fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,
+    optimizer_index: int = 0, use_dcp: bool = True,
+) -> None:  # fmt: skip
+    """Accelerate's `save_fsdp_optimizer`, through snapshard for a switched accelerator."""
+    if not _ours(fsdp_plugin, accelerator, use_dcp):
+        return _ORIGINALS["save_fsdp_optimizer"](
+            fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp
+        )
+    plain = _plain_optimizer(optimizer)
+    state = {"optimizer": get_optimizer_state_dict(model, plain, options=_SHARDED)}
+    _save(accelerator, _optimizer_dir(output_dir, optimizer_index), state)
+    return None
+
+
+def load_fsdp_optimizer(
+    fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
+    optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True,
+) -> None:  # fmt: skip
+    """Accelerate's `load_fsdp_optimizer`, through snapshard as `load_fsdp_model` is."""
+    path = _optimizer_dir(input_dir, optimizer_index)
+    if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
+        return _ORIGINALS["load_fsdp_optimizer"](
+            fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index,
+            adapter_only, use_dcp,
+        )  # fmt: skip
+    plain = _plain_optimizer(optimizer)
+    state = {"optimizer": get_optimizer_state_dict(model, plain, options=_SHARDED)}
+    _load(accelerator, path, state)
+    set_optimizer_state_dict(model, plain, state["optimizer"], options=_SHARDED)
+    return None
+
+
+_REPLACEMENTS: dict[str, Callable[..., Any]] = {
+    "save_fsdp_model": save_fsdp_model,
+    "load_fsdp_model": load_fsdp_model,
+    "save_fsdp_optimizer": save_fsdp_optimizer,
+    "load_fsdp_optimizer": load_fsdp_optimizer,
+}
 
 
 def _install_fsdp_functions() -> None:
@@ -200,23 +221,17 @@ def _install_fsdp_functions() -> None:
     up (the names `accelerate.accelerator` imported), once per process."""
     import accelerate.accelerator as module
 
-    if getattr(module.save_fsdp_model, "__snapshard__", False):
-        return
-    names = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
-    replacements = _fsdp_functions({name: getattr(module, name) for name in names})
-    for name, function in replacements.items():
-        function.__snapshard__ = True  # type: ignore[attr-defined]
-        setattr(module, name, function)
+    for name in _NAMES:
+        current = getattr(module, name)
+        if current is not _REPLACEMENTS[name]:
+            _ORIGINALS[name] = current
+            setattr(module, name, _REPLACEMENTS[name])
 
 
 def fsdp_functions() -> dict[str, Callable[..., Any]]:
     """The four FSDP functions `use_snapshard` installs, by name (as Accelerate calls them)."""
-    import accelerate.accelerator as module
-
     _install_fsdp_functions()
-    return {name: getattr(module, name) for name in (
-        "save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer"
-    )}  # fmt: skip
+    return dict(_REPLACEMENTS)
 
 
 def use_snapshard(
@@ -240,4 +255,15 @@ def stop_using(accelerator: Any) -> None:
     _SWITCHED.pop(accelerator, None)
 
 
-__all__ = ["NAME", "fsdp_functions", "load_hook", "save_hook", "stop_using", "use_snapshard"]
+__all__ = [
+    "NAME",
+    "fsdp_functions",
+    "load_fsdp_model",
+    "load_fsdp_optimizer",
+    "load_hook",
+    "save_fsdp_model",
+    "save_fsdp_optimizer",
+    "save_hook",
+    "stop_using",
+    "use_snapshard",
+]
