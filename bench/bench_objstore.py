@@ -3,7 +3,7 @@ GCS, and against each store's plain client on S3, GCS and Azure.
 
     python bench/bench_objstore.py [--size-mib 1024] [--rounds 3] [--store s3|gs]
     python bench/bench_objstore.py --plain [--stores s3,gs,az] [--rounds 3] [--size-mib N]
-                                   [--read-once]
+                                   [--read-once [--read-once-mib 128]]
 
 --plain: the peer-bench state (24 float32 and 3 bfloat16 arrays of (4096, 5120) and 24
 float32 biases of 5120: 2041 MiB; the arrays' rows sharded over 8 CPU devices, the biases
@@ -483,9 +483,11 @@ def read_once_check(args: argparse.Namespace, stores: list[str]) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.jsonl")
             cmd = [sys.executable, str(ROOT / "bench" / "bench_read_once.py"), "--s3", url]
-            cmd += ["--mb", str(args.size_mib), "--rounds", str(args.rounds + 1)]
+            cmd += ["--mb", str(args.read_once_mib), "--rounds", str(args.rounds + 1)]
             cmd += ["--dir", os.path.join(tmp, "local"), "--out", out]
-            subprocess.run(cmd, check=True, capture_output=True, timeout=1800)
+            job = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            if job.returncode:
+                raise SystemExit(f"bench_read_once.py on {url} failed:\n{job.stderr[-4000:]}")
             with open(out) as f:
                 rows = [json.loads(line) for line in f if line.strip()]
         remove(url)
@@ -559,6 +561,10 @@ def main() -> None:
     ap.add_argument(
         "--read-once", action="store_true",
         help="with --plain: also bench_read_once.py's 4-process job on each store",
+    )  # fmt: skip
+    ap.add_argument(
+        "--read-once-mib", type=int, default=128,
+        help="the state of the read-once job (4 processes each hold all of it)",
     )  # fmt: skip
     ap.add_argument("--store", default="s3", choices=("s3", "gs"), help="against orbax: where")
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
