@@ -23,8 +23,8 @@ subprocesses (peak RSS is per process):
            that process 0 holds anyway, "+" is what the commit added). Reading another
            process's record file would raise.
   read     a restoring process: format.reading.read_manifest (parse + validate + finder),
-           read_executor.chunk_tables (ChunkFinder: candidates, directory entries and segments
-           with ranged reads, checks) and read_executor.plan_tasks, on a storage that replays
+           reading.chunk_tables (ChunkFinder: candidates, directory entries and segments
+           with ranged reads, checks) and reading.plan_tasks, on a storage that replays
            the ranges the build step served, 10 ms per request. Targets: the save mesh
            ("same", process P/2+1) and P/2 processes ("P/2", mesh (dp, P/4, 8), process
            P/4+1). "needed" = the records of the chunks its boxes overlap plus one directory
@@ -412,9 +412,9 @@ def coordinator(n: int, index: int = 0, shared: Any = None) -> Any:
 
 # ---------------------------------------------------------------- the reader's boxes
 def target_dests(manifest: Any, n_target: int, p: int, dp: int) -> list[Any]:
-    """read_executor.Dest of every unique box process p of an n_target-process job (mesh (dp,
-    n_target/dp, 8)) holds, as read_executor.request_boxes makes them from the target sharding."""
-    from snapshard import read_executor as restore
+    """reading.Dest of every unique box process p of an n_target-process job (mesh (dp,
+    n_target/dp, 8)) holds, as reading.request_boxes makes them from the target sharding."""
+    from snapshard import reading as restore
     from snapshard.format.layouts import Mesh, mesh_layout
 
     tmesh = Mesh(("dp", "fsdp", "tp"), (dp, n_target // dp, DEVICES_PER_PROCESS),
@@ -534,7 +534,7 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
     parsed = Manifest.from_json(manifest, url)
     targets = {}
     for name, n_target, p in (("same", n, n // 2 + 1), ("P/2", n // 2, n // 4 + 1)):
-        from snapshard import read_executor as restore
+        from snapshard import reading as restore
         from snapshard.format.reading import read_manifest
 
         synth = synth_storage(url, writes, manifest)
@@ -573,7 +573,7 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
 
 def child_read(args: argparse.Namespace) -> dict[str, Any]:
     """A restoring process: parse the manifest, find its chunks' records, plan its reads."""
-    from snapshard import read_executor as restore
+    from snapshard import reading as restore
     from snapshard.format.reading import read_manifest
 
     n, dp = args.processes_one, args.dp

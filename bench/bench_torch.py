@@ -390,7 +390,7 @@ def _dcp_load(sd: dict, path: str) -> int:
 
 def _sst_load(sd: dict, path: str, verify: bool = True, read_once: bool | None = None) -> int:
     import snapshard.torch as sst
-    from snapshard.read_executor import ReadStats
+    from snapshard.reading import ReadStats
 
     stats = ReadStats()
     sst.load(path, sd, stats=stats, options=ReadOptions(verify=verify, read_once=read_once))

@@ -1,5 +1,6 @@
-"""The framework-neutral core imports no framework: the save executor, the chunk encoding
-and the coordination package load neither JAX nor torch until a value of one is met."""
+"""The framework-neutral core imports no framework: the save executor, the read executor,
+the chunk encoding and the coordination package load neither JAX nor torch until a value of
+one is met."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ CORE = [
     "snapshard.coordination.peer_memory",
     "snapshard.coordination.preemption",
     "snapshard.safetensors.export",
+    "snapshard.reading",
 ]
 
 

@@ -17,11 +17,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import snapshard
-from snapshard import cpus, read_executor
+from snapshard import cpus
 from snapshard.errors import ChecksumMismatchError
 from snapshard.format import checksum_block
 from snapshard.format.reading import read_manifest
-from snapshard.read_executor import Dest, ReadStats, aligned_empty, reader_of
+from snapshard.reading import Dest, ReadStats, aligned_empty, prefetch, reader_of, reads, windows
+from snapshard.reading import ranges as range_reads
 from snapshard.storage.local import LocalStorage
 
 from conftest import mesh
@@ -100,15 +101,15 @@ def test_in_memory_tells_cached_bytes(saved):
 
 def _windowed_calls(monkeypatch) -> list[int]:
     """The window of every windowed read (spied); windows as small as the pieces."""
-    monkeypatch.setattr(read_executor, "_WINDOW_BYTES", 1)
+    monkeypatch.setattr(windows, "_WINDOW_BYTES", 1)
     calls: list[int] = []
-    real = read_executor._read_windowed
+    real = reads.read_windowed
 
     def spy(storage, task, grids, dests, window, checked):
         calls.append(window)
         return real(storage, task, grids, dests, window, checked)
 
-    monkeypatch.setattr(read_executor, "_read_windowed", spy)
+    monkeypatch.setattr(reads, "read_windowed", spy)
     return calls
 
 
@@ -145,9 +146,9 @@ def test_column_split_reads_through_a_window_are_exact(
         r1 = data.draw(st.integers(r0 + 65, rows))  # enough runs for the scratch path
         boxes.append(((r0, c0), (r1, c1)))
     monkeypatch.setattr(LocalStorage, "read_piece_bytes", piece)
-    monkeypatch.setattr(read_executor, "_WINDOW_BYTES", 1)  # windows as small as the pieces
+    monkeypatch.setattr(windows, "_WINDOW_BYTES", 1)  # windows as small as the pieces
     # 0: every range through scratch (windowed where its overlaps lie whole in it).
-    monkeypatch.setattr(read_executor, "_MAX_SCATTER_PIECES", scatter_limit)
+    monkeypatch.setattr(reads, "_MAX_SCATTER_PIECES", scatter_limit)
     with LocalStorage(path) as storage:
         manifest = read_manifest(storage)
         leaf = manifest.arrays[0]
@@ -189,13 +190,11 @@ def test_a_window_never_outgrows_the_scratch_limit(tmp_path, monkeypatch):
     x = np.random.default_rng(4).standard_normal((4, 64, 256)).astype(np.float32)
     snapshard.save(tmp_path / "c", {"x": x})
     monkeypatch.setattr(LocalStorage, "read_piece_bytes", 1)
-    monkeypatch.setattr(read_executor, "_SCRATCH_REUSE_BYTES", 64 * 256 * 4)  # about a row
+    monkeypatch.setattr(range_reads, "_SCRATCH_REUSE_BYTES", 64 * 256 * 4)  # about a row
     calls = _windowed_calls(monkeypatch)
     copies: list[int] = []
-    real = read_executor._copy_from_scratch
-    monkeypatch.setattr(
-        read_executor, "_copy_from_scratch", lambda *a: copies.append(1) or real(*a)
-    )
+    real = reads.copy_from_scratch
+    monkeypatch.setattr(reads, "copy_from_scratch", lambda *a: copies.append(1) or real(*a))
     m = mesh(1, 8)
     target = jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=NamedSharding(m, P(None, None, "model"))
@@ -225,13 +224,13 @@ def test_damage_is_found_by_a_windowed_read(saved, monkeypatch):
 
 def _pool_sizes(monkeypatch) -> list[int]:
     sizes: list[int] = []
-    real = read_executor.ThreadPoolExecutor
+    real = reads.ThreadPoolExecutor
 
     def spy(max_workers, **kw):
         sizes.append(max_workers)
         return real(max_workers, **kw)
 
-    monkeypatch.setattr(read_executor, "ThreadPoolExecutor", spy)
+    monkeypatch.setattr(reads, "ThreadPoolExecutor", spy)
     return sizes
 
 
@@ -290,7 +289,7 @@ def test_hints_stay_within_the_window_ahead_of_the_reads(tmp_path, monkeypatch):
     """A window of 2 reads' bytes: while the first read waits, only the reads whose start
     lies within 2 reads of the next one are hinted (3, and the first's own when it came
     first); later hints follow the reads, in order, none twice."""
-    monkeypatch.setattr(read_executor, "_PREFETCH_BYTES", 2 * (64 << 10) * 4 // 8)
+    monkeypatch.setattr(prefetch, "_PREFETCH_BYTES", 2 * (64 << 10) * 4 // 8)
     hints, data, early = _hinted_reads(tmp_path, monkeypatch, False, wait_for=3, more=0.3)
     assert early in (3, 4), early
     hinted = [(n, o) for n, o, _ in hints]

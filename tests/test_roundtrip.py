@@ -312,9 +312,9 @@ def test_unsupported_leaves_are_refused_before_anything_is_written(ckpt):
 def test_both_read_paths_give_the_same_bits(
     ckpt, monkeypatch, pieces, verify, src_spec, dst_spec, dst_mesh
 ):
-    from snapshard import read_executor as restore
+    from snapshard.reading import reads
 
-    monkeypatch.setattr(restore, "_MAX_SCATTER_PIECES", pieces)
+    monkeypatch.setattr(reads, "_MAX_SCATTER_PIECES", pieces)
     x = random_bytes((96, 160), np.float32, seed=11)
     snapshard.save(ckpt, {"x": sharded(x, mesh(2, 4), *src_spec)})
     names = ("x",) if len(dst_mesh) == 1 else ("data", "model")

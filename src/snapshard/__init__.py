@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .manager import BackgroundSaveError, CheckpointManager, LocalTier
     from .options import ReadOptions, SaveOptions
     from .per_process import PerProcess
-    from .read_executor import ReadStats
+    from .reading import ReadStats
     from .restore import load
     from .saving import AsyncSave, SaveTimings, save, save_async
 
@@ -53,7 +53,7 @@ _LAZY = {
     "ReadOptions": "options",
     "SaveOptions": "options",
     "PerProcess": "per_process",
-    "ReadStats": "read_executor",
+    "ReadStats": "reading",
     "load": "restore",
     "AsyncSave": "saving",
     "SaveTimings": "saving",

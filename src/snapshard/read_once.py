@@ -46,7 +46,8 @@ from .dtypes import dtype_from_name
 from .options import ReadOptions
 from .planning.exchange import cuts_rows
 from .planning.layout import Box, slices_to_box
-from .read_executor import (
+from .read_once_policy import wanted
+from .reading import (
     Dest,
     Expand,
     ReadDests,
@@ -56,8 +57,7 @@ from .read_executor import (
     batches,
     request_boxes,
 )
-from .read_executor import execute as execute_all
-from .read_once_policy import wanted
+from .reading import execute as execute_all
 
 if TYPE_CHECKING:
     import jax

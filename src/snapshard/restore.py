@@ -1,5 +1,5 @@
 """`snapshard.load`: match a target to a checkpoint, restore per-process values, and run the
-read executor (read_executor.py) over the checkpoint's source (sources.py)."""
+read executor (reading/) over the checkpoint's source (sources.py)."""
 
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ from .format.naming import values_file_name
 from .gc_pause import collection_paused
 from .options import ReadOptions, require
 from .per_process import PerProcess, Resplit
-from .read_executor import ReadStats, Request, make_request
-from .read_executor import build as build_request
 from .read_once import execute as execute_read_once
+from .reading import ReadStats, Request, make_request
+from .reading import build as build_request
 from .sources import open_source
 from .storage import Location, Storage, storage_for
 from .tree import (

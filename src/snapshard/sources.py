@@ -20,7 +20,7 @@ from .errors import CheckpointNotFoundError
 from .format import ArrayLeaf, Manifest
 from .format.reading import read_manifest
 from .options import ReadOptions
-from .read_executor import Dest, ReadDests, ReadStats, reader_of, saved_boxes
+from .reading import Dest, ReadDests, ReadStats, reader_of, saved_boxes
 from .storage import Storage
 
 

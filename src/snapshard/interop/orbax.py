@@ -22,7 +22,7 @@ from ..dtypes import dtype_name
 from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
-from ..read_executor import chunk_boxes
+from ..reading import chunk_boxes
 from ..storage.location import parse_location
 from ..tree import JsonNode, Path, path_str
 from . import local_path, step_order
@@ -46,7 +46,7 @@ from .orbax_meta import (
 )
 
 if TYPE_CHECKING:
-    from ..read_executor import Dest, ReadStats
+    from ..reading import Dest, ReadStats
 
 FORMAT = "orbax"
 # Decoded chunks and OCDBT b-tree nodes cached by TensorStore: bounded, and enough to keep a

@@ -22,7 +22,7 @@ from ..format import ArrayLeaf, Leaf, Manifest
 # checksum verification) of a restore.
 from ..options import ReadOptions
 from ..planning.layout import Box
-from ..read_executor import Dest, ReadStats, aligned_empty
+from ..reading import Dest, ReadStats, aligned_empty
 from ..sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
 from . import local_path

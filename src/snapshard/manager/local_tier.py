@@ -46,7 +46,7 @@ from ..format.kinds import LeafKind
 from ..format.leaves import ArrayLeaf, ValueLeaf
 from ..options import SaveOptions
 from ..planning.layout import Box
-from ..read_executor import aligned_empty
+from ..reading import aligned_empty
 from ..restore import build_from_host, is_target_leaf, load
 from ..saving import classify_leaves, finish, prepare
 from ..staging import Snapshot, host_snapshot
@@ -273,7 +273,7 @@ class LocalStore:
 
     def read_own(self, step: int) -> tuple[dict[str, Any], list[TreePath], int]:
         """This process's own local checkpoint of `step`: entries by path string, paths, bytes read."""
-        from ..read_executor import ReadStats
+        from ..reading import ReadStats
 
         storage = LocalStorage(self.step_dir(step) / "own")
         extra = _read_extra(storage)

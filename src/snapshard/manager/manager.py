@@ -30,7 +30,7 @@ from ..coordination.rendezvous import Rendezvous, namespace
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
 from ..format.reading import read_manifest
 from ..options import ReadOptions, SaveOptions, require
-from ..read_executor import ReadStats
+from ..reading import ReadStats
 from ..saving import SaveTimings
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease

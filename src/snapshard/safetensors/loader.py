@@ -12,8 +12,8 @@ import numpy as np
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
-from ..read_executor import ReadStats, Request, make_request
 from ..read_once import execute as read_once_execute
+from ..reading import ReadStats, Request, make_request
 from ..restore import is_target_leaf
 from ..storage import Location, Storage
 from ..tree import Path, flatten_target

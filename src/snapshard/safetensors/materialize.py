@@ -16,7 +16,7 @@ import numpy as np
 
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf
-from ..read_executor import Dest, aligned_empty
+from ..reading import Dest, aligned_empty
 from .virtual import Composite, Derived, Stored, VArray, leaf_of
 
 Step = Callable[[], None]

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..format import ArrayLeaf, FileEntry
 from ..options import ReadOptions
-from ..read_executor import Dest, ReadStats, chunk_boxes, table_reader
+from ..reading import Dest, ReadStats, chunk_boxes, table_reader
 from .files import FileSet
 
 

@@ -45,8 +45,8 @@ from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
-from ..read_executor import Dest, ReadDests, ReadStats, aligned_empty, batches, saved_boxes
 from ..read_once_policy import wanted
+from ..reading import Dest, ReadDests, ReadStats, aligned_empty, batches, saved_boxes
 from ..sources import open_checkpoint
 from ..storage import Location, storage_for
 from ..tree import JsonNode, Path, unflatten

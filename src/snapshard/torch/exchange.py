@@ -55,7 +55,7 @@ from ..planning.exchange import (
     row_bands,
     slabs,
 )
-from ..read_executor import Dest, ReadDests, SavedBoxes, aligned_empty, batches
+from ..reading import Dest, ReadDests, SavedBoxes, aligned_empty, batches
 from ..staging import Box
 from .leaves import dtensor_layout, is_dtensor
 from .read_once import as_box

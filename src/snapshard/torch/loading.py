@@ -28,7 +28,8 @@ from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
 from ..per_process import PerProcess, Resplit
 from ..planning.layout import Box
-from ..read_executor import (
+from ..read_once_policy import wanted
+from ..reading import (
     Dest,
     ReadDests,
     ReadStats,
@@ -37,7 +38,6 @@ from ..read_executor import (
     batches,
     saved_boxes,
 )
-from ..read_once_policy import wanted
 from ..restore import missing_target_leaf, per_process_values, refuse_empty_containers
 from ..safetensors.surgery import Transform
 from ..safetensors.virtual import Derived, Stored, VArray

@@ -26,7 +26,7 @@ from ..format.manifest import Leaf
 from ..manager.framework import StartedSave
 from ..options import SaveOptions
 from ..planning import WritePlan
-from ..read_executor import aligned_empty
+from ..reading import aligned_empty
 from ..staging import StagedItem, planned_items
 from ..storage import Location, Storage
 from ..tree import Path
