@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, TypeVar
-from urllib.parse import urlparse
 
 import numpy as np
 
 from ..errors import CorruptCheckpointError, StorageError
 from .base import FileWriter
 from .bucket import Bucket, Failure, TransferConfig, Upload, brief
+from .location import parse_location
 
 T = TypeVar("T")
 
@@ -102,15 +102,14 @@ class _ByteBudget:
 
 
 def split_url(url: str) -> tuple[str, str, str]:
-    """(scheme, bucket, key prefix) of an object-store URL."""
-    u = urlparse(url)
-    if not u.scheme:
+    """(scheme, bucket, key prefix) of an object-store URL, checked."""
+    where = parse_location(url)
+    if not where.scheme:
         raise ValueError(f"{url!r} is not an object-store URL (e.g. s3://bucket/prefix)")
-    if u.scheme != "memory" and not u.netloc:
+    if where.scheme != "memory" and not where.bucket:
         raise ValueError(f"{url!r}: the URL names no bucket")
-    prefix = u.path.strip("/")
-    _check_key(prefix, url)
-    return u.scheme, u.netloc, prefix
+    _check_key(where.path, url)
+    return where.scheme, where.bucket, where.path
 
 
 def _check_key(key: str, where: str) -> None:
