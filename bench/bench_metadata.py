@@ -22,7 +22,7 @@ subprocesses (peak RSS is per process):
            left behind are counted after that). Time and peak RSS (VmHWM, reset just before; "abs" includes the plan
            that process 0 holds anyway, "+" is what the commit added). Reading another
            process's record file would raise.
-  read     a restoring process: format.reading.read_manifest (parse + validate + finder),
+  read     a restoring process: format.reading.read_checkpoint (parse + validate + finder),
            reading.chunk_tables (ChunkFinder: candidates, directory entries and segments
            with ranged reads, checks) and reading.plan_tasks, on a storage that replays
            the ranges the build step served, 10 ms per request. Targets: the save mesh
@@ -535,13 +535,13 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
     targets = {}
     for name, n_target, p in (("same", n, n // 2 + 1), ("P/2", n // 2, n // 4 + 1)):
         from snapshard import reading as restore
-        from snapshard.format.reading import read_manifest
+        from snapshard.format.reading import read_checkpoint
 
         synth = synth_storage(url, writes, manifest)
-        m = read_manifest(synth)
+        m, finder = read_checkpoint(synth)
         dests = target_dests(m, n_target, p, dp)
         stats = restore.ReadStats()
-        restore.chunk_tables(m.finder, dests, stats)
+        restore.chunk_tables(finder, dests, stats)
         rec, ent, files = needed_bytes(plan, m, dests)
         path = os.path.join(args.dir, f"served-{name.replace('/', '_')}.pkl")
         with open(path, "wb") as f:
@@ -574,7 +574,7 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
 def child_read(args: argparse.Namespace) -> dict[str, Any]:
     """A restoring process: parse the manifest, find its chunks' records, plan its reads."""
     from snapshard import reading as restore
-    from snapshard.format.reading import read_manifest
+    from snapshard.format.reading import read_checkpoint
 
     n, dp = args.processes_one, args.dp
     url = f"memory://bench/{n}"
@@ -588,12 +588,12 @@ def child_read(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.repeat):
         storage = replay_storage(url, args.latency_ms / 1000, manifest, served)
         c0, t0 = time.process_time(), time.perf_counter()
-        m = read_manifest(storage)
+        m, finder = read_checkpoint(storage)
         c1, t1 = time.process_time(), time.perf_counter()
         dests = target_dests(m, n_target, p, dp)  # from the target sharding: not timed
         c2, t2 = time.process_time(), time.perf_counter()
         stats = restore.ReadStats()
-        tables = restore.chunk_tables(m.finder, dests, stats)
+        tables = restore.chunk_tables(finder, dests, stats)
         t3 = time.perf_counter()
         tasks = restore.plan_tasks(m.files, dests, tables, True, 4096, stats, url)
         c4, t4 = time.process_time(), time.perf_counter()

@@ -107,9 +107,9 @@ def test_the_manager_restores_with_its_read_options_unless_given_others(tmp_path
     seen: list[tuple[bool, int]] = []
     real = sources.reader_of
 
-    def spy(storage, manifest, options, stats):
+    def spy(storage, manifest, finder, options, stats):
         seen.append((options.verify, options.threads))
-        return real(storage, manifest, options, stats)
+        return real(storage, manifest, finder, options, stats)
 
     monkeypatch.setattr(sources, "reader_of", spy)
     tree = {"w": np.arange(1000, dtype=np.float32)}

@@ -20,7 +20,7 @@ import snapshard
 from snapshard import cpus
 from snapshard.errors import ChecksumMismatchError
 from snapshard.format import checksum_block
-from snapshard.format.reading import read_manifest
+from snapshard.format.reading import read_checkpoint
 from snapshard.reading import Dest, ReadStats, aligned_empty, prefetch, reader_of, reads, windows
 from snapshard.reading import ranges as range_reads
 from snapshard.storage.local import LocalStorage
@@ -150,7 +150,7 @@ def test_column_split_reads_through_a_window_are_exact(
     # 0: every range through scratch (windowed where its overlaps lie whole in it).
     monkeypatch.setattr(reads, "_MAX_SCATTER_PIECES", scatter_limit)
     with LocalStorage(path) as storage:
-        manifest = read_manifest(storage)
+        manifest, finder = read_checkpoint(storage)
         leaf = manifest.arrays[0]
         dests = []
         for lo, hi in boxes:
@@ -159,7 +159,7 @@ def test_column_split_reads_through_a_window_are_exact(
             nbytes = int(np.prod(stop - start)) * 4
             dests.append(Dest(leaf, start, stop, aligned_empty(nbytes)))
         stats = ReadStats()
-        reader_of(storage, manifest, snapshard.ReadOptions(verify=verify), stats)(dests)
+        reader_of(storage, manifest, finder, snapshard.ReadOptions(verify=verify), stats)(dests)
     for d, (lo, hi) in zip(dests, boxes, strict=True):
         want = x[lo[0] : hi[0], lo[1] : hi[1]]
         assert np.array_equal(d.buf.view(np.float32).reshape(want.shape), want)

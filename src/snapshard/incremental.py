@@ -33,9 +33,10 @@ import numpy as np
 from .errors import SnapshardError
 from .format import records as rec
 from .format.files import FileEntry
+from .format.finder import ChunkFinder
 from .format.leaves import ArrayLeaf
 from .format.manifest import Manifest
-from .format.reading import read_manifest
+from .format.reading import read_checkpoint
 from .format.refs import check_checkpoint_name, ref_files, split_ref_name
 from .staging import StagedItem
 from .storage import Location, Storage, parse_location, storage_for
@@ -90,6 +91,7 @@ class Base:
     storage: Storage
     name: str
     manifest: Manifest
+    finder: ChunkFinder  # its chunk records (format.reading.read_checkpoint)
     # dicts {"checkpoint", "file", "size"}: what the new checkpoint's refs may name
     candidates: list[dict[str, Any]] = field(default_factory=list)
     _file_to_candidate: dict[int, int] = field(default_factory=dict)
@@ -100,10 +102,10 @@ class Base:
     def open(base: Location | Storage, target: Storage) -> Base:
         storage = storage_for(base)
         name = check_base_location(storage, target)
-        manifest = read_manifest(storage)
-        if manifest.version < 2 or manifest.processes is None:
+        manifest, finder = read_checkpoint(storage)
+        if finder is None or manifest.processes is None:
             raise ValueError(f"{storage.url}: the base of an incremental save must be format v2")
-        b = Base(storage, name, manifest)
+        b = Base(storage, name, manifest, finder)
         b._by_path = manifest.leaf_by_path()
         b._file_base = [int(x) for x in manifest.processes.base]
         own = b._file_base[-1]
@@ -125,7 +127,6 @@ class Base:
         m = self.manifest
         if not m.bound:  # a 2.0 base's checksums are not bound to its files: write anew
             return [{} for _ in wants]
-        assert m.finder is not None
         found: list[tuple[ArrayLeaf, list[Any]] | None] = []
         for path, dtype, shape, boxes in wants:
             leaf = self._by_path.get(path)
@@ -133,7 +134,7 @@ class Base:
             found.append((leaf, boxes) if ok else None)  # type: ignore[arg-type]
         asked = [(leaf, [(np.asarray(s), np.asarray(e)) for s, e in boxes])
                  for leaf, boxes in (f for f in found if f is not None)]  # fmt: skip
-        records = m.finder.hashed_records(asked, hash_id())
+        records = self.finder.hashed_records(asked, hash_id())
         return [{} if f is None else self._matching(f[1], records[id(f[0])]) for f in found]
 
     def _matching(

@@ -11,14 +11,15 @@ names the tensors it wants), by byte ranges (safetensors.source).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from .errors import CheckpointNotFoundError
 from .format import ArrayLeaf, Manifest
-from .format.reading import read_manifest
+from .format.finder import ChunkFinder
+from .format.reading import read_checkpoint
 from .options import ReadOptions
 from .reading import Dest, ReadDests, ReadStats, reader_of, saved_boxes
 from .storage import Storage
@@ -48,24 +49,31 @@ class TreeSource(CheckpointSource, Protocol):
 
 @dataclass
 class SnapshardSource:
-    """A snapshard checkpoint (format v1 or v2)."""
+    """A snapshard checkpoint (format v1 or v2). v2: `finder` fetches its chunk records
+    (format.reading.read_checkpoint's, which its lazy tables share; None: one of its own)."""
 
     storage: Storage
     manifest: Manifest
     options: ReadOptions
+    finder: ChunkFinder | None = field(default=None, repr=False)
     format: str = "snapshard"
 
+    def __post_init__(self) -> None:
+        if self.finder is None and self.manifest.version >= 2:
+            self.finder = ChunkFinder(self.storage, self.manifest)
+
     def read_dests(self, dests: list[Dest], stats: ReadStats) -> None:
-        reader_of(self.storage, self.manifest, self.options, stats)(dests)
+        reader_of(self.storage, self.manifest, self.finder, self.options, stats)(dests)
 
     def saved_boxes(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
-        return saved_boxes(self.manifest, leaf)
+        return saved_boxes(self.manifest, self.finder, leaf)
 
 
 def open_source(storage: Storage, options: ReadOptions) -> TreeSource:
     """The checkpoint at `storage`: snapshard's, else one of another library (Orbax)."""
     try:
-        return SnapshardSource(storage, read_manifest(storage), options)
+        manifest, finder = read_checkpoint(storage)
+        return SnapshardSource(storage, manifest, options, finder)
     except CheckpointNotFoundError as e:
         from .interop import open_foreign
 
@@ -74,7 +82,7 @@ def open_source(storage: Storage, options: ReadOptions) -> TreeSource:
 
 def open_checkpoint(
     storage: Storage, options: ReadOptions, stats: ReadStats
-) -> tuple[Manifest, ReadDests]:
-    """The checkpoint's manifest and the reader that fills buffers from it into `stats`."""
+) -> tuple[TreeSource, ReadDests]:
+    """The checkpoint's source and the reader that fills buffers from it into `stats`."""
     source = open_source(storage, options)
-    return source.manifest, lambda dests: source.read_dests(dests, stats)
+    return source, lambda dests: source.read_dests(dests, stats)

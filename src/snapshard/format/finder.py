@@ -424,7 +424,7 @@ def _check_found(leaf: ArrayLeaf, t: ChunkTable, where: str) -> None:
 
 def attach_lazy_tables(storage: Storage, manifest: Manifest) -> ChunkFinder:
     """Give every array of a v2 manifest a chunk table fetched on first use."""
-    finder = manifest.finder = ChunkFinder(storage, manifest)
+    finder = ChunkFinder(storage, manifest)
     for leaf in manifest.arrays:
         leaf.chunks = LazyChunkTable(lambda leaf=leaf: finder.full_table(leaf))  # type: ignore[misc]
     return finder

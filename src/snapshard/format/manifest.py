@@ -133,8 +133,6 @@ class Manifest:
     refs: list[Any] = field(default_factory=list)  # dicts, or None for an unused slot
     codecs: list[str] = field(default_factory=list)  # codecs some chunk uses (codecs.py)
     minor: int = FORMAT_MINOR  # of version 2: 0 for 2.0, 1 for 2.1 (format.binding)
-    # v2: the format.finder.ChunkFinder that fetches chunk records (set by read_manifest)
-    finder: Any = field(default=None, repr=False, compare=False)
 
     @property
     def bound(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .bases import check_bases
-from .finder import attach_lazy_tables
+from .finder import ChunkFinder, attach_lazy_tables
 from .manifest import Manifest
 from .validate import validate_structure
 
@@ -18,10 +18,16 @@ def read_manifest(storage: Storage) -> Manifest:
     """The validated manifest of the checkpoint at `storage` (CheckpointNotFoundError if
     none is committed there), with the checkpoints it refers to checked (format.bases).
     v2 chunk tables are fetched only when first used."""
+    return read_checkpoint(storage)[0]
+
+
+def read_checkpoint(storage: Storage) -> tuple[Manifest, ChunkFinder | None]:
+    """`read_manifest`, and (v2) the chunk finder its lazy tables fetch records through:
+    readers that fetch only the records a box needs use the same one (None: v1)."""
     manifest = Manifest.from_json(storage.read_manifest(), storage.url)
     validate_structure(manifest, storage.url)
-    if manifest.version >= 2:
-        if manifest.refs:
-            check_bases(storage, manifest)
-        attach_lazy_tables(storage, manifest)
-    return manifest
+    if manifest.version < 2:
+        return manifest, None
+    if manifest.refs:
+        check_bases(storage, manifest)
+    return manifest, attach_lazy_tables(storage, manifest)

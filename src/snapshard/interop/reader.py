@@ -83,10 +83,11 @@ def open_reader(location: Location, options: ReadOptions = ReadOptions()) -> Che
     storage = storage_for(location)
     stats = ReadStats()
     try:
-        manifest, read_dests = open_checkpoint(storage, options, stats)
+        source, read_dests = open_checkpoint(storage, options, stats)
     except BaseException:
         storage.close()
         raise
+    manifest = source.manifest
     fmt = str(manifest.extra.get("format", "snapshard"))
     return CheckpointReader(storage.url, fmt, manifest, read_dests, storage, stats)
 

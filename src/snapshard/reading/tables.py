@@ -25,13 +25,16 @@ from .reads import read_batch
 SavedBoxes = Callable[[ArrayLeaf], tuple[np.ndarray, np.ndarray] | None]
 
 
-def saved_boxes(manifest: Manifest, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
-    """The boxes the processes that saved `leaf` held: from its layout (v2), else its
-    chunks (v1, safetensors files; None: not known without reading records)."""
+def saved_boxes(
+    manifest: Manifest, finder: ChunkFinder | None, leaf: ArrayLeaf
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The boxes the processes that saved `leaf` held: from its layout (v2, through the
+    checkpoint's `finder`), else its chunks (v1, safetensors files; None: not known without
+    reading records)."""
     if manifest.version >= 2 and leaf.layout is not None:
-        if manifest.finder is None:
+        if finder is None:
             return None
-        groups = manifest.finder.holders(leaf).groups
+        groups = finder.holders(leaf).groups
         return groups.starts, groups.stops
     return chunk_boxes(leaf)
 
@@ -66,13 +69,19 @@ def chunk_tables(
 
 
 def reader_of(
-    storage: Storage, manifest: Manifest, options: ReadOptions, stats: ReadStats
+    storage: Storage,
+    manifest: Manifest,
+    finder: ChunkFinder | None,
+    options: ReadOptions,
+    stats: ReadStats,
 ) -> ReadDests:
     """The restore's reads of a snapshard checkpoint as a ReadDests (`options`: verify,
-    threads, max_gap); v2 chunk records are fetched as the dests need them."""
-    finder = manifest.finder if manifest.version >= 2 else None
-    if manifest.version >= 2 and finder is None:
-        finder = manifest.finder = ChunkFinder(storage, manifest)
+    threads, max_gap); v2 chunk records are fetched as the dests need them, through
+    `finder` (format.reading.read_checkpoint's; None: a finder of this reader's own)."""
+    if manifest.version < 2:
+        finder = None
+    elif finder is None:
+        finder = ChunkFinder(storage, manifest)
     files = manifest.files
     return lambda dests: read_batch(
         storage, files, chunk_tables(finder, dests, stats), dests, options, stats

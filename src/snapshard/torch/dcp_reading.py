@@ -46,7 +46,7 @@ from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
 from ..read_once_policy import wanted
-from ..reading import Dest, ReadDests, ReadStats, aligned_empty, batches, saved_boxes
+from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, batches
 from ..sources import open_checkpoint
 from ..storage import Location, storage_for
 from ..tree import JsonNode, Path, unflatten
@@ -84,8 +84,9 @@ def _value_containers(manifest: Manifest) -> dict[str, JsonNode]:
 class _Entries:
     """What a checkpoint offers DCP: arrays, values and value containers by DCP name."""
 
-    def __init__(self, manifest: Manifest, url: str) -> None:
+    def __init__(self, manifest: Manifest, url: str, saved_boxes: SavedBoxes) -> None:
         self.manifest = manifest
+        self.saved_boxes = saved_boxes
         self.pickled = set(manifest.extra.get(PICKLED_KEY, {}).get("pickled", []))
         self.arrays: dict[str, ArrayLeaf] = {}
         self.values: dict[str, Any] = {}
@@ -122,7 +123,7 @@ class _Entries:
 
     def _chunks(self, leaf: ArrayLeaf) -> list[ChunkStorageMetadata]:
         """The boxes the array was saved in (whole where the manifest does not say)."""
-        boxes = saved_boxes(self.manifest, leaf)
+        boxes = self.saved_boxes(leaf)
         if boxes is None:
             return [ChunkStorageMetadata(torch.Size([0] * len(leaf.shape)), torch.Size(leaf.shape))]
         return [
@@ -221,8 +222,8 @@ class StorageReader(_DcpStorageReader):
                     "dcp.load(..., checkpoint_id=path)"
                 )
             storage = storage_for(self.path)
-            manifest, read = open_checkpoint(storage, self.options, self.stats)
-            self._opened = (_Entries(manifest, storage.url), read)
+            source, read = open_checkpoint(storage, self.options, self.stats)
+            self._opened = (_Entries(source.manifest, storage.url, source.saved_boxes), read)
         return self._opened
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -362,7 +363,8 @@ def load_pickled(
     checkpoint that holds such objects is refused, naming them."""
     require(options, ReadOptions)
     with storage_for(path) as storage:
-        manifest, read = open_checkpoint(storage, options, ReadStats())
+        source, read = open_checkpoint(storage, options, ReadStats())
+        manifest = source.manifest
         names = list(manifest.extra.get(PICKLED_KEY, {}).get("pickled", []))
         if names and not trust_pickle:
             shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")

@@ -36,12 +36,11 @@ from ..reading import (
     SavedBoxes,
     aligned_empty,
     batches,
-    saved_boxes,
 )
 from ..restore import missing_target_leaf, per_process_values, refuse_empty_containers
 from ..safetensors.surgery import Transform
 from ..safetensors.virtual import Derived, Stored, VArray
-from ..sources import open_checkpoint
+from ..sources import TreeSource, open_checkpoint
 from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
@@ -413,16 +412,17 @@ def load(
     owns = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        manifest, read = open_checkpoint(storage, options, stats)
+        source, read = open_checkpoint(storage, options, stats)
+        manifest = source.manifest
         if target is None:
             whole, scalars = _whole_target(manifest)
             # Each rank on its own, as before a target existed: a rank may load a whole
             # checkpoint alone (to look into it), so nothing waits for the other ranks.
             alone = dataclasses.replace(options, read_once=False)
-            out = _load_into(storage, manifest, read, whole, alone, stats, None, resplit)
+            out = _load_into(storage, source, read, whole, alone, stats, None, resplit)
             out = _put_back(out, (), {p: a[()] for p, a in scalars.items()})
         else:
-            out = _load_into(storage, manifest, read, target, options, stats, transform, resplit)
+            out = _load_into(storage, source, read, target, options, stats, transform, resplit)
     finally:
         if owns:
             storage.close()
@@ -434,7 +434,7 @@ def load(
 
 def _load_into(
     storage: Storage,
-    manifest: Manifest,
+    source: TreeSource,
     read: ReadDests,
     target: Any,
     options: ReadOptions,
@@ -443,7 +443,7 @@ def _load_into(
     resplit: Resplit | None,
 ) -> Any:
     """`load` with the checkpoint open: fill `target`, return it."""
-    url = storage.url
+    url, manifest = storage.url, source.manifest
     saved = manifest.leaf_by_path()
     flat = flatten(target, is_leaf)
     values: dict[Path, Any] = {}
@@ -487,7 +487,7 @@ def _load_into(
             )
         arrays.append((t, _fills(leaf, t, perm), leaf if perm is None else None))
     values.update(_own_values(storage, manifest, own, resplit))
-    _read_targets(arrays, read, options, stats, url, lambda x: saved_boxes(manifest, x))
+    _read_targets(arrays, read, options, stats, url, source.saved_boxes)
     return _put_back(target, (), values)
 
 
