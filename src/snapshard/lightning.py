@@ -290,27 +290,52 @@ def load_sharded(
     return rest
 
 
-class _ShardedCheckpoints:
-    """What the two strategies share: their sharded checkpoints through snapshard."""
+def _lightning_layout(path: str) -> bool:
+    """A checkpoint in Lightning's own layout: a file, or a directory with its meta.pt."""
+    local = Path(path)
+    return "://" not in path and (local.is_file() or (local / "meta.pt").is_file())
 
-    def _setup_snapshard(
-        self, options: SaveOptions, read_options: ReadOptions, trust_pickle: bool
-    ) -> None:
+
+class _ShardedCheckpoints:
+    """What the two strategies share: their sharded checkpoints through snapshard. Mixed in
+    before Lightning's strategy class, whose methods `super()` reaches."""
+
+    def __init__(
+        self,
+        *args: Any,
+        options: SaveOptions = SaveOptions(),
+        read_options: ReadOptions = ReadOptions(),
+        trust_pickle: bool = False,
+        **kwargs: Any,
+    ):
+        super().__init__(*args, **kwargs)
         self.snapshard_options = options
         self.snapshard_read_options = read_options
         self.trust_pickle = trust_pickle
 
-    def _save_snapshard(self, checkpoint: dict[str, Any], filepath: Any) -> None:
+    def _sharded(self) -> bool:
+        """Whether the strategy writes distributed checkpoints (else Lightning's file)."""
+        raise NotImplementedError
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
         strategy: Any = self  # a Lightning strategy: the class this is mixed into
+        if not self._sharded() or storage_options is not None:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
         path = str(strategy.broadcast(str(filepath)))
         if "://" not in path and Path(path).is_file():
             if strategy.global_rank == 0:
                 Path(path).unlink()  # a full checkpoint saved there before
             strategy.barrier()
         save_sharded(path, checkpoint, strategy.global_rank, self.snapshard_options)
+        return None
 
-    def _load_snapshard(self, path: str, weights_only: bool | None) -> Any:
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
         strategy: Any = self
+        path = str(strategy.broadcast(str(checkpoint_path)))
+        if _lightning_layout(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)  # type: ignore[misc]
         module = strategy.lightning_module
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers] if fitting else []
@@ -325,44 +350,16 @@ class _ShardedCheckpoints:
         )
 
 
-def _lightning_layout(path: str) -> bool:
-    """A checkpoint in Lightning's own layout: a file, or a directory with its meta.pt."""
-    local = Path(path)
-    return "://" not in path and (local.is_file() or (local / "meta.pt").is_file())
-
-
 class ModelParallelStrategy(_ShardedCheckpoints, _LightningModelParallelStrategy):
     """Lightning's ModelParallelStrategy (FSDP2, tensor parallelism), with its distributed
     checkpoints written and read by snapshard: `Trainer.save_checkpoint` and
     `ModelCheckpoint` write one snapshard checkpoint (atomic, checksummed, restorable onto
     another mesh) through DCP with snapshard's storage; checkpoints in Lightning's own layout
-    still load. `save_distributed_checkpoint=False` keeps Lightning's full-state file."""
+    still load. `save_distributed_checkpoint=False` keeps Lightning's full-state file.
+    Takes Lightning's arguments and `options`, `read_options`, `trust_pickle`."""
 
-    def __init__(
-        self,
-        *args: Any,
-        options: SaveOptions = SaveOptions(),
-        read_options: ReadOptions = ReadOptions(),
-        trust_pickle: bool = False,
-        **kwargs: Any,
-    ):
-        super().__init__(*args, **kwargs)
-        self._setup_snapshard(options, read_options, trust_pickle)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        if not self._save_distributed_checkpoint or storage_options is not None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        self._save_snapshard(checkpoint, filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        path = str(self.broadcast(str(checkpoint_path)))
-        if _lightning_layout(path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        return self._load_snapshard(path, weights_only)
+    def _sharded(self) -> bool:
+        return bool(self._save_distributed_checkpoint)
 
 
 class FSDPStrategy(_ShardedCheckpoints, _LightningFSDPStrategy):
@@ -370,31 +367,8 @@ class FSDPStrategy(_ShardedCheckpoints, _LightningFSDPStrategy):
     read by snapshard, as `ModelParallelStrategy` here does; `"full"` keeps Lightning's
     file. Lightning runs this strategy on GPUs only."""
 
-    def __init__(
-        self,
-        *args: Any,
-        options: SaveOptions = SaveOptions(),
-        read_options: ReadOptions = ReadOptions(),
-        trust_pickle: bool = False,
-        **kwargs: Any,
-    ):
-        super().__init__(*args, **kwargs)
-        self._setup_snapshard(options, read_options, trust_pickle)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        if self._state_dict_type != "sharded" or storage_options is not None:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        self._save_snapshard(checkpoint, filepath)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> Any:
-        path = str(self.broadcast(str(checkpoint_path)))
-        if _lightning_layout(path):
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        return self._load_snapshard(path, weights_only)
+    def _sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
 
 
 __all__ = [

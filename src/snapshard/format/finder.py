@@ -34,7 +34,7 @@ from .validate import check_chunk_tables
 if TYPE_CHECKING:
     from ..storage import Storage
 
-Box = tuple[np.ndarray, np.ndarray]
+BoundsArrays = tuple[np.ndarray, np.ndarray]  # a box as (start, stop) arrays
 # Reads of one record file closer than this are merged into one.
 _MERGE_GAP = 64 << 10
 # Record reads are small and bound by the store's latency (two requests in a row per record
@@ -133,7 +133,7 @@ class ChunkFinder:
         self._holders[key] = grid
         return grid
 
-    def candidates(self, leaf: ArrayLeaf, boxes: Sequence[Box]) -> np.ndarray:
+    def candidates(self, leaf: ArrayLeaf, boxes: Sequence[BoundsArrays]) -> np.ndarray:
         """The processes that may have written chunks overlapping `boxes`."""
         if leaf.writers is not None and len(leaf.writers) <= 64:
             return np.asarray(leaf.writers, np.int64)
@@ -215,7 +215,7 @@ class ChunkFinder:
         }
 
     def hashed_records(
-        self, wants: Sequence[tuple[ArrayLeaf, Sequence[Box]]], hash_fn: int
+        self, wants: Sequence[tuple[ArrayLeaf, Sequence[BoundsArrays]]], hash_fn: int
     ) -> dict[int, list[tuple[int, rec.Records, np.ndarray | None]]]:
         """For each leaf (keyed by id), per process that may hold chunks of its boxes: that
         process's records of it, with their content hashes where its record file stores
@@ -273,7 +273,7 @@ class ChunkFinder:
             out[a] = (records, rec.decode_hashes(raw[length:], e, ndim, at) if hashed else None)
         return out
 
-    def tables(self, wants: Sequence[tuple[ArrayLeaf, Sequence[Box]]]) -> dict[int, ChunkTable]:
+    def tables(self, wants: Sequence[tuple[ArrayLeaf, Sequence[BoundsArrays]]]) -> dict[int, ChunkTable]:
         """For each leaf (keyed by id), the chunks written by every process that may hold
         chunks overlapping its boxes."""
         by_process: dict[int, list[int]] = {}
