@@ -23,7 +23,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from workers._dist import failing_torch_load, init_torch, report_torch_results
-from workers.torch_read_once import state
+from workers.torch_read_once import hsdp_target, state
 
 
 def main() -> None:
@@ -53,16 +53,7 @@ def main() -> None:
     hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
 
     def target() -> dict[str, torch.Tensor]:
-        return {
-            "a": distribute_tensor(torch.zeros(256, 64), hsdp, [Replicate(), Shard(0)]),
-            "b": distribute_tensor(
-                torch.zeros(64, 32, dtype=torch.bfloat16), hsdp, [Replicate(), Shard(0)]
-            ),
-            "c": torch.zeros(1000),
-            "d": distribute_tensor(
-                torch.zeros(5, 3, dtype=torch.int64), hsdp, [Replicate(), Replicate()]
-            ),
-        }
+        return {k: v for k, v in hsdp_target(hsdp).items() if k in want}
 
     def load(options: snapshard.ReadOptions) -> tuple[dict[str, torch.Tensor], st.StorageReader]:
         out = target()

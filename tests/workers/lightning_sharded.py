@@ -21,6 +21,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning_train import StartStep, data  # the same data and start record
 from torch.distributed.fsdp import fully_shard
 
 import snapshard.lightning
@@ -53,22 +54,6 @@ class Model(L.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.01)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
-
-
-def data() -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 4, generator=g)
-    y = x.sum(dim=1, keepdim=True).sin()
-    return torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(x, y), batch_size=8, shuffle=False
-    )
-
-
-class StartStep(Callback):
-    start: tuple[int, int] = (-1, -1)
-
-    def on_train_start(self, trainer, *_):
-        self.start = (trainer.global_step, trainer.current_epoch)
 
 
 class KillPoint(Callback):

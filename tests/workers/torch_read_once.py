@@ -38,6 +38,25 @@ def state() -> dict[str, torch.Tensor]:
     }
 
 
+def hsdp_target(hsdp) -> dict[str, torch.Tensor]:
+    """The restore's target on a (2 replicas x 2 shards) mesh, and plain tensors."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {
+        "a": distribute_tensor(torch.zeros(256, 64), hsdp, [Replicate(), Shard(0)]),
+        "b": distribute_tensor(
+            torch.zeros(64, 32, dtype=torch.bfloat16), hsdp, [Replicate(), Shard(0)]
+        ),
+        "c": torch.zeros(1000),
+        "d": distribute_tensor(
+            torch.zeros(5, 3, dtype=torch.int64), hsdp, [Replicate(), Replicate()]
+        ),
+        # a strided view (read through a buffer, broadcast through a contiguous copy)
+        "e": torch.zeros(30, 40).t(),
+        "f": torch.zeros(300, dtype=torch.float64),  # cast on the host, then broadcast
+    }
+
+
 def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Bit-exact, after the cast the target asked for (float32 to float64 is exact)."""
     if got.dtype != want.dtype:
@@ -75,19 +94,7 @@ def main() -> None:
     hsdp = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
 
     def target() -> dict[str, torch.Tensor]:
-        return {
-            "a": distribute_tensor(torch.zeros(256, 64), hsdp, [Replicate(), Shard(0)]),
-            "b": distribute_tensor(
-                torch.zeros(64, 32, dtype=torch.bfloat16), hsdp, [Replicate(), Shard(0)]
-            ),
-            "c": torch.zeros(1000),
-            "d": distribute_tensor(
-                torch.zeros(5, 3, dtype=torch.int64), hsdp, [Replicate(), Replicate()]
-            ),
-            # a strided view (read through a buffer, broadcast through a contiguous copy)
-            "e": torch.zeros(30, 40).t(),
-            "f": torch.zeros(300, dtype=torch.float64),  # cast on the host, then broadcast
-        }
+        return hsdp_target(hsdp)
 
     if args.fail_read is not None:
         options = snapshard.ReadOptions(read_once=True, timeout_s=20)
