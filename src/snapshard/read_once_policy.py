@@ -22,13 +22,21 @@ def wanted(location: str, enabled: bool | None, coord: Coordinator, timeout_s: f
     read-once agreement: so on a filesystem they agree first (`on_every_process`, one
     report each). Call it only where the plan is not empty: that is the same on every
     process, and a restore without read-once work stays free of coordination."""
+    if enabled is not None or is_object_store_url(location):
+        return wanted_here(location, enabled)
+    rv = Rendezvous(coord, namespace("read-once", location), f"load of {location}", timeout_s)
+    return on_every_process(rv, wanted_here(location, enabled))
+
+
+def wanted_here(location: str, enabled: bool | None) -> bool:
+    """This process's own view of `wanted`, before the processes agree: for a caller whose
+    reports already travel together (DCP's local plans), which then reads once only where
+    every process said yes."""
     if enabled is not None:
         return enabled
     if is_object_store_url(location):
         return True
     try:
-        mine = is_network_filesystem(location)
+        return is_network_filesystem(location)
     except Exception:  # this process must still report, or the others wait for it
-        mine = False
-    rv = Rendezvous(coord, namespace("read-once", location), f"load of {location}", timeout_s)
-    return on_every_process(rv, mine)
+        return False

@@ -45,7 +45,7 @@ from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
-from ..read_once_policy import wanted
+from ..read_once_policy import wanted_here
 from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, batches
 from ..sources import open_checkpoint
 from ..storage import Location, storage_for
@@ -235,13 +235,13 @@ class StorageReader(_DcpStorageReader):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Tells the coordinator whether this rank reads once (see dcp_read_once)."""
+        """Tells the coordinator whether this rank would read once (see dcp_read_once):
+        the ranks agree through DCP's own gather of the plans, with no rendezvous of
+        their own."""
         if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
             return plan
-        coord = default_coordinator()
         able = dcp_read_once.broadcast_device(backend_devices()) is not None
-        url = self._open()[0].url
-        once = able and wanted(url, self.options.read_once, coord, self.options.timeout_s)
+        once = able and wanted_here(self._open()[0].url, self.options.read_once)
         return dataclasses.replace(plan, storage_data=once)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
