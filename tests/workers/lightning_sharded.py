@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning_train import StartStep, data  # the same data and start record
+from lightning_train import KillPoint, StartStep, data  # the same data, start and kill point
 from torch.distributed.fsdp import fully_shard
 
 import snapshard.lightning
@@ -54,25 +53,6 @@ class Model(L.LightningModule):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=0.01)
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)]
-
-
-class KillPoint(Callback):
-    """From the second epoch on: wait for the first checkpoint, tell the parent, slow down."""
-
-    def __init__(self, directory: Path, marker: Path):
-        self.directory, self.marker = directory, marker
-
-    def on_train_batch_start(self, trainer, *_):
-        if trainer.current_epoch < 1:
-            return
-        deadline = time.monotonic() + 60
-        while not (self.directory / "last.ckpt" / "manifest.json").exists():
-            if time.monotonic() > deadline:
-                raise SystemExit("the first checkpoint never appeared")
-            time.sleep(0.05)
-        if trainer.global_rank == 0 and not self.marker.exists():
-            self.marker.write_text("checkpointed")
-        time.sleep(0.2)
 
 
 def main() -> None:

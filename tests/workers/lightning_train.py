@@ -66,7 +66,7 @@ class StartStep(Callback):
 
 class KillPoint(Callback):
     """In 'kill' mode: from the second epoch on, wait for the first epoch's checkpoint to be
-    committed, tell the parent, and slow down until killed."""
+    committed, tell the parent (rank 0 does), and slow down until killed."""
 
     def __init__(self, directory: Path, marker: Path):
         self.directory, self.marker = directory, marker
@@ -79,7 +79,7 @@ class KillPoint(Callback):
             if time.monotonic() > deadline:
                 raise SystemExit("the first checkpoint never appeared")
             time.sleep(0.05)
-        if not self.marker.exists():
+        if trainer.global_rank == 0 and not self.marker.exists():  # one writer of several ranks
             self.marker.write_text("checkpointed")
         time.sleep(0.2)
 
