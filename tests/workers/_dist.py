@@ -44,6 +44,16 @@ def init_torch() -> tuple[int, int]:
     return rank, world
 
 
+def torch_launch_env() -> None:
+    """The job's layout as torchrun would set it (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT), for libraries that read it themselves (Accelerate)."""
+    rank = os.environ["SNAPSHARD_TEST_PROCESS_ID"]
+    os.environ.update(
+        RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=os.environ["SNAPSHARD_TEST_NUM_PROCESSES"],
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["SNAPSHARD_TEST_PORT"],
+    )  # fmt: skip
+
+
 def report(**values: object) -> None:
     print("RESULT " + json.dumps(values), flush=True)
     sys.stdout.flush()

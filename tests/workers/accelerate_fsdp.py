@@ -22,15 +22,12 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 from torch.distributed.fsdp import fully_shard
 
 import snapshard.accelerate as sa
+from workers._dist import torch_launch_env
 
 
 def main() -> None:
     directory = Path(sys.argv[1])
-    rank = os.environ["SNAPSHARD_TEST_PROCESS_ID"]
-    os.environ.update(
-        RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=os.environ["SNAPSHARD_TEST_NUM_PROCESSES"],
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["SNAPSHARD_TEST_PORT"],
-    )  # fmt: skip
+    torch_launch_env()
     accelerator = Accelerator(cpu=True)
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
     sa.use_snapshard(accelerator)

@@ -17,15 +17,12 @@ import torch
 from accelerate import Accelerator
 
 import snapshard.accelerate as sa
+from workers._dist import torch_launch_env
 
 
 def main() -> None:
     directory = Path(sys.argv[1])
-    rank = os.environ["SNAPSHARD_TEST_PROCESS_ID"]
-    os.environ.update(
-        RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=os.environ["SNAPSHARD_TEST_NUM_PROCESSES"],
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["SNAPSHARD_TEST_PORT"],
-    )  # fmt: skip
+    torch_launch_env()
     accelerator = Accelerator(cpu=True)
     sa.use_snapshard(accelerator)
     torch.manual_seed(0)
