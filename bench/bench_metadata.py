@@ -24,7 +24,7 @@ subprocesses (peak RSS is per process):
            process's record file would raise.
   read     a restoring process: format.reading.read_checkpoint (parse + validate + finder),
            reading.chunk_tables (ChunkFinder: candidates, directory entries and segments
-           with ranged reads, checks) and reading.plan_tasks, on a storage that replays
+           with ranged reads, checks) and reading.plan_reads, on a storage that replays
            the ranges the build step served, 10 ms per request. Targets: the save mesh
            ("same", process P/2+1) and P/2 processes ("P/2", mesh (dp, P/4, 8), process
            P/4+1). "needed" = the records of the chunks its boxes overlap plus one directory
@@ -595,7 +595,7 @@ def child_read(args: argparse.Namespace) -> dict[str, Any]:
         stats = restore.ReadStats()
         tables = restore.chunk_tables(finder, dests, stats)
         t3 = time.perf_counter()
-        tasks = restore.plan_tasks(m.files, dests, tables, True, 4096, stats, url)
+        tasks = restore.plan_reads(m.files, dests, tables, True, 4096, stats, url)
         c4, t4 = time.process_time(), time.perf_counter()
         runs.append({"parse_s": t1 - t0, "find_s": t3 - t2, "plan_s": t4 - t3,
                      "total_s": (t1 - t0) + (t4 - t2), "boxes_s": t2 - t1,

@@ -15,7 +15,7 @@ Timed for process p = N // 2 + 1 (any process does the same work):
   write plan  plan_writes(layouts, mode) with fresh layouts (cold: nothing cached), again
               with the same layouts (cached: what a later save of an unchanged tree pays),
               and plan.items_of(p) (the process's own boxes; save.py calls it every save).
-  read plan   the read executor's own planning (reading.plan_tasks) of the process's target boxes
+  read plan   the read executor's own planning (reading.plan_reads) of the process's target boxes
               against the saved chunks (the auto write plan's boxes): chunk indexes shared
               by arrays with the same chunk boxes, the overlaps, their byte runs and the
               coalesced reads. Building the inputs (chunk tables, buffers) is not timed.
@@ -161,7 +161,7 @@ def target_boxes(la: ArrayLayout, process: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def read_plan(plan, layouts, process: int, target_layouts, times: dict[str, float]) -> int:
-    """the read executor's own planning (reading.plan_tasks) for the process's target boxes
+    """the read executor's own planning (reading.plan_reads) for the process's target boxes
     against the saved chunks, as it runs inside snapshard.load: returns the number of reads.
 
     Arrays sharing a layout share one chunk table, as reading a manifest interns them."""
@@ -189,7 +189,7 @@ def read_plan(plan, layouts, process: int, target_layouts, times: dict[str, floa
             )
     t1 = time.perf_counter()
     tables = {id(leaf): leaf.chunks for leaf in leaves}
-    tasks = reading.plan_tasks(manifest.files, dests, tables, True, 4096, reading.ReadStats())
+    tasks = reading.plan_reads(manifest.files, dests, tables, True, 4096, reading.ReadStats())
     times["setup_s"] += t1 - t0
     times["plan_s"] += time.perf_counter() - t1
     return len(tasks)

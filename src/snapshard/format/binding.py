@@ -19,6 +19,8 @@ Pure: no I/O here.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..checksum import crc32c
 
 _MIX = 0x9E3779B97F4A7C15
@@ -33,3 +35,10 @@ def name_key(name: str) -> int:
 def chunk_key(file_key: int, offset: int) -> int:
     """The key a chunk at `offset` of a file with key `file_key` XORs into its checksums."""
     return file_key ^ (((offset * _MIX) & _MASK64) >> 32)
+
+
+def chunk_keys(file_keys: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """chunk_key of many chunks at once (uint32): the file key of each and its offset."""
+    with np.errstate(over="ignore"):  # the product is meant to wrap at 2**64
+        mixed = (offsets.astype(np.uint64) * np.uint64(_MIX)) >> np.uint64(32)
+    return (file_keys.astype(np.uint64) ^ mixed).astype(np.uint32)

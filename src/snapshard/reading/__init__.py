@@ -22,7 +22,7 @@ the readers of a checkpoint (`tables.py`), and `execute` (`executor.py`).
 
 from .buffers import ALIGN, Dest, ReadDests, ReadStats, aligned_empty, batches
 from .executor import Expand, execute
-from .plan import plan_tasks
+from .plan import plan_reads
 from .requests import Request, build, make_request, request_boxes
 from .tables import SavedBoxes, chunk_boxes, chunk_tables, reader_of, saved_boxes, table_reader
 
@@ -41,7 +41,7 @@ __all__ = [
     "chunk_tables",
     "execute",
     "make_request",
-    "plan_tasks",
+    "plan_reads",
     "reader_of",
     "request_boxes",
     "saved_boxes",

@@ -62,9 +62,12 @@ class Dest:
     stop: np.ndarray
     buf: np.ndarray
     devices: tuple[Any, ...] = ()
+    box_shape: tuple[int, ...] | None = None  # stop - start, where the maker knows it
 
     @property
     def shape(self) -> tuple[int, ...]:
+        if self.box_shape is not None:
+            return self.box_shape
         return tuple(int(x) for x in self.stop - self.start)
 
 

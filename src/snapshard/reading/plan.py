@@ -1,11 +1,13 @@
 """The read plan: which byte ranges of which chunks fill a batch's host buffers.
 
 Pure functions over the chunk tables and the destination boxes; no I/O. Each destination
-box is checked to be tiled exactly once by the chunks overlapping it; each overlap becomes a
-`RunGrid` (planning/read_plan.py); the grids of one chunk become its reads (`ReadTask`),
-coalesced per checksum block (verified) or within `max_gap` (unverified). Whole one-block
-chunks lying back to back in a file merge into `ChunkRun`s, and `jobs` groups the reads for
-the read threads. The reads themselves are done by reads.py.
+box is checked to be tiled exactly once by the chunks overlapping it. A box that is
+exactly a whole one-block chunk (an array restored onto its saved layout) is planned in
+bulk: such chunks lying back to back in a file become `ChunkRun`s, one read each, built
+from columns with no object per chunk. Every other overlap becomes a `RunGrid`
+(planning/read_plan.py); the grids of one chunk become its reads (`ReadTask`), coalesced per
+checksum block (verified) or within `max_gap` (unverified). `jobs` groups the reads for the
+read threads. The reads themselves are done by reads.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from ..dtypes import dtype_from_name
 from ..errors import CorruptCheckpointError
 from ..format import ArrayLeaf, ChunkTable, FileEntry
+from ..format.binding import chunk_keys
 from ..format.validate import coverage_problems
 from ..planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
 from ..planning.read_plan import covering_range
@@ -80,6 +83,46 @@ class ReadTask:
     runs: ChunkRuns
     rng: ReadRange
 
+    @property
+    def file(self) -> str:
+        return self.runs.file
+
+    @property
+    def file_start(self) -> int:  # where the read starts in its file
+        return self.runs.file_offset + self.rng.start
+
+    @property
+    def size(self) -> int:
+        return self.rng.stop - self.rng.start
+
+    @property
+    def hintable(self) -> bool:
+        """Whether the read is a range of its file as stored (not of a compressed chunk's
+        decoded bytes): what a prefetch may ask the storage for."""
+        t = self.runs.table
+        return t.flags is None or not t.flags[self.runs.chunk]
+
+
+@dataclass
+class ChunkRun:
+    """Whole chunks of one checksum block each, lying back to back in one file, each
+    followed by its checksum: read with one request straight into their destinations (each
+    chunk is one whole destination buffer), then checked chunk by chunk. Columns, one entry
+    per chunk, in file order."""
+
+    file: str
+    file_start: int  # where the first chunk starts in the file
+    size: int  # bytes in the file, checksums included
+    dest: np.ndarray  # index into the batch's dest list
+    nbytes: np.ndarray  # bytes of each chunk
+    keys: np.ndarray  # what each chunk's stored checksum is XORed with (format.binding)
+    chunk: np.ndarray  # the chunk's number in its leaf's table (for errors)
+    verify: bool
+    hintable = True
+
+
+ReadUnit = ReadTask | ChunkRun
+
 
 # Overlaps that need this much of the span they cover are read as that one span.
 _DENSE = 0.98
@@ -125,7 +168,7 @@ def _check_cover(index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str
     return over
 
 
-def plan_tasks(
+def plan_reads(
     files: Sequence[FileEntry],
     dests: list[Dest],
     tables: dict[int, ChunkTable],
@@ -133,11 +176,12 @@ def plan_tasks(
     max_gap: int,
     stats: ReadStats,
     url: str = "",
-) -> list[ReadTask]:
+) -> list[ReadUnit]:
     """The reads that fill `dests` from the chunks of `tables` (`files`: the checkpoint's
-    file list, by the tables' file numbers), each checked to be covered exactly once."""
-    per_chunk, leaves = _overlaps(dests, tables, stats, url)
-    tasks = []
+    file list, by the tables' file numbers), each checked to be covered exactly once: the
+    runs of whole chunks first, then the other reads."""
+    whole, per_chunk, leaves = _overlaps(dests, tables, stats, url)
+    units: list[ReadUnit] = list(_chunk_runs(whole, files, verify, stats))
     for (key, c), grids in per_chunk.items():
         leaf = leaves[key]
         t = tables[key]
@@ -147,8 +191,45 @@ def plan_tasks(
         for r in _chunk_ranges(runs, grids, int(t.nbytes[c]), block, max_gap):
             stats.bytes_read += r.stop - r.start
             stats.reads += 1
-            tasks.append(ReadTask(runs, r))
-    return tasks
+            units.append(ReadTask(runs, r))
+    return units
+
+
+class _WholeChunks:
+    """Destination boxes that are exactly one whole chunk each, as columns (see ChunkRun).
+
+    A chunk qualifies when it is one checksum block, uncompressed, its checksum right after
+    it (what a save writes for small chunks); `whole_mask` says which chunks of a table do."""
+
+    def __init__(self) -> None:
+        self.dest: list[int] = []
+        self.file: list[int] = []
+        self.offset: list[int] = []
+        self.nbytes: list[int] = []
+        self.chunk: list[int] = []
+        self.file_key: list[int] = []  # of the chunk's file, where the table binds checksums
+        self.bound: list[bool] = []
+        self._masks: dict[int, np.ndarray] = {}
+
+    def whole_mask(self, t: ChunkTable) -> np.ndarray:
+        m = self._masks.get(id(t))
+        if m is None:
+            m = np.zeros(len(t), bool)
+            if t.crc_offset is not None:
+                m = (t.nbytes > 0) & (t.nbytes <= t.block) & (t.crc_offset == t.offset + t.nbytes)
+                if t.flags is not None:
+                    m &= t.flags == 0
+            self._masks[id(t)] = m
+        return m
+
+    def add(self, di: int, t: ChunkTable, c: int) -> None:
+        self.dest.append(di)
+        self.file.append(int(t.file[c]))
+        self.offset.append(int(t.offset[c]))
+        self.nbytes.append(int(t.nbytes[c]))
+        self.chunk.append(c)
+        self.bound.append(t.file_keys is not None)
+        self.file_key.append(0 if t.file_keys is None else int(t.file_keys[t.file[c]]))
 
 
 _Overlaps = dict[tuple[int, int], list[tuple[int, RunGrid]]]
@@ -156,14 +237,15 @@ _Overlaps = dict[tuple[int, int], list[tuple[int, RunGrid]]]
 
 def _overlaps(
     dests: list[Dest], tables: dict[int, ChunkTable], stats: ReadStats, url: str
-) -> tuple[_Overlaps, dict[int, ArrayLeaf]]:
-    """Per (leaf, chunk): the dests it overlaps, each with the grid of runs the overlap is
-    made of; and the leaves by id."""
+) -> tuple[_WholeChunks, _Overlaps, dict[int, ArrayLeaf]]:
+    """The dests that are whole chunks; per (leaf, chunk) of the others: the dests it
+    overlaps, each with the grid of runs the overlap is made of; and the leaves by id."""
     # Arrays with the same chunk boxes share their box columns (interned when the manifest is
     # read), hence one index.
     indexes: dict[int, ChunkIndex] = {}
     covered: dict[Any, np.ndarray] = {}
     grid_cache: dict[Any, RunGrid] = {}  # overlaps of arrays with equal boxes are equal
+    whole = _WholeChunks()
     per_chunk: _Overlaps = {}
     leaves: dict[int, ArrayLeaf] = {}
     for di, d in enumerate(dests):
@@ -178,7 +260,10 @@ def _overlaps(
         exact = index.exact(d.start, d.stop) if t.stores_own_boxes else -1
         over = _covered(index, t, d, exact, url, covered)
         if exact >= 0:  # the box is a chunk: one run, the whole of both
-            per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
+            if whole.whole_mask(t)[exact]:
+                whole.add(di, t, exact)
+            else:
+                per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
             continue
         itemsize = dtype_from_name(leaf.dtype).itemsize
         box = (id(t.starts), d.start.tobytes(), d.stop.tobytes(), itemsize)
@@ -191,7 +276,51 @@ def _overlaps(
                 grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
                 grid_cache[gk] = grid
             per_chunk.setdefault((key, c), []).append((di, grid))
-    return per_chunk, leaves
+    return whole, per_chunk, leaves
+
+
+def _chunk_runs(
+    whole: _WholeChunks, files: Sequence[FileEntry], verify: bool, stats: ReadStats
+) -> list[ChunkRun]:
+    """The whole chunks in file order, cut into ChunkRuns where the next chunk does not
+    follow the last one's checksum or the run would pass _JOB_BYTES: a restore of many
+    small arrays would otherwise pay Python's cost of a read per chunk."""
+    n = len(whole.dest)
+    if not n:
+        return []
+    file = np.asarray(whole.file, np.int64)
+    offset = np.asarray(whole.offset, np.int64)
+    nbytes = np.asarray(whole.nbytes, np.int64)
+    order = np.lexsort((offset, file))
+    file, offset, nbytes = file[order], offset[order], nbytes[order]
+    dest = np.asarray(whole.dest, np.int64)[order]
+    chunk = np.asarray(whole.chunk, np.int64)[order]
+    bound = np.asarray(whole.bound, bool)[order]
+    keys = np.where(bound, chunk_keys(np.asarray(whole.file_key, np.int64)[order], offset), 0)
+    stats.chunks_touched += n
+    stats.bytes_read += int(nbytes.sum()) + 4 * n
+    starts = _run_starts(file, offset, nbytes)
+    out = []
+    for a, b in zip(starts.tolist(), [*starts[1:].tolist(), n], strict=True):
+        size = int(offset[b - 1] + nbytes[b - 1] + 4 - offset[a])
+        out.append(ChunkRun(
+            files[int(file[a])].name, int(offset[a]), size, dest[a:b], nbytes[a:b], keys[a:b],
+            chunk[a:b], verify,
+        ))  # fmt: skip
+    stats.reads += len(out)
+    return out
+
+
+def _run_starts(file: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+    """Where runs start among chunks sorted by (file, offset): at a new file, at a gap, and
+    within a stretch of chunks back to back each time it passes another _JOB_BYTES."""
+    ends = offset + nbytes + 4  # each chunk and its checksum
+    breaks = np.ones(len(file), bool)
+    breaks[1:] = (file[1:] != file[:-1]) | (offset[1:] != ends[:-1])
+    stretch = np.cumsum(breaks) - 1
+    bucket = (ends - offset[np.flatnonzero(breaks)][stretch] - 1) // _JOB_BYTES
+    breaks[1:] |= bucket[1:] != bucket[:-1]
+    return np.flatnonzero(breaks)
 
 
 def _chunk_ranges(
@@ -239,75 +368,15 @@ def _coalesce_grids(
     return out
 
 
-@dataclass
-class ChunkRun:
-    """Whole chunks of one checksum block lying back to back in one file, each followed by
-    its checksum: read with one request, then checked chunk by chunk."""
-
-    tasks: list[ReadTask]
-    nbytes: int  # in the file, checksums included
-
-
-def _whole_chunk(task: ReadTask, verify: bool) -> bool:
-    """Whether a read is a whole verified chunk of one block, uncompressed, its checksum
-    right after it and its bytes one piece of one destination (a small array restored
-    onto its saved layout)."""
-    runs, r = task.runs, task.rng
-    t, c = runs.table, runs.chunk
-    if len(runs.grids) != 1 or runs.grids[0][1].count != 1 or t.crc_offset is None:
-        return False
-    n = int(t.nbytes[c])
-    g = runs.grids[0][1]
-    return (
-        0 < n <= int(t.block[c])
-        and r.start == 0 and r.stop == n and g.src_base == 0 and g.run_bytes == n
-        and verified(verify, t, c)
-        and int(t.crc_offset[c]) == runs.file_offset + n
-        and (t.flags is None or not t.flags[c])
-    )  # fmt: skip
-
-
-def merge_whole_chunks(tasks: list[ReadTask], verify: bool) -> list[ReadTask | ChunkRun]:
-    """The reads with whole one-block chunks that follow each other in a file merged into
-    ChunkRuns of up to _JOB_BYTES (after the other reads, which stay in their order): a
-    restore of many small arrays would otherwise make a request, and pay Python's cost of
-    a read, per chunk."""
-    out: list[ReadTask | ChunkRun] = []
-    whole: list[ReadTask] = []
-    for t in tasks:
-        (whole if _whole_chunk(t, verify) else out).append(t)
-    whole.sort(key=lambda t: (t.runs.file, t.runs.file_offset))
-    run: ChunkRun | None = None
-    for t in whole:
-        n = t.rng.stop + 4  # the chunk and its checksum
-        last = run.tasks[-1].runs if run is not None else None
-        if (
-            run is not None and last is not None
-            and last.file == t.runs.file
-            and last.file_offset + int(last.table.nbytes[last.chunk]) + 4 == t.runs.file_offset
-            and run.nbytes + n <= _JOB_BYTES
-        ):  # fmt: skip
-            run.tasks.append(t)
-            run.nbytes += n
-        else:
-            run = ChunkRun([t], n)
-            out.append(run)
-    return out
-
-
-def _size(unit: ReadTask | ChunkRun) -> int:
-    return unit.nbytes if isinstance(unit, ChunkRun) else unit.rng.stop - unit.rng.start
-
-
-def jobs(units: list[ReadTask | ChunkRun], threads: int) -> list[list[ReadTask | ChunkRun]]:
+def jobs(units: list[ReadUnit], threads: int) -> list[list[ReadUnit]]:
     """Consecutive reads (largest first) grouped into the read threads' jobs: a large read
     alone, small ones together up to _JOB_BYTES, and at least _JOBS_PER_THREAD jobs per
     thread where there are reads enough, so that the threads still share the work evenly.
     A restore of many small arrays would otherwise pay the pool's submit and lock per read,
     more than the read itself."""
-    sizes = [_size(u) for u in units]
+    sizes = [u.size for u in units]
     limit = max(1, min(_JOB_BYTES, sum(sizes) // (threads * _JOBS_PER_THREAD)))
-    out: list[list[ReadTask | ChunkRun]] = []
+    out: list[list[ReadUnit]] = []
     held = limit
     for t, n in zip(units, sizes, strict=True):
         if held + n > limit:

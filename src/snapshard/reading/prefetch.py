@@ -12,7 +12,7 @@ import threading
 import numpy as np
 
 from ..storage import Storage
-from .plan import ReadTask
+from .plan import ReadUnit
 
 # The largest reads of a restore probed for whether its bytes are in memory (`probe_cached`).
 _PROBED_READS = 8
@@ -22,14 +22,14 @@ _PROBED_READS = 8
 _PREFETCH_BYTES = 64 << 20
 
 
-def probe_cached(storage: Storage, tasks: list[ReadTask]) -> bool | None:
+def probe_cached(storage: Storage, tasks: list[ReadUnit]) -> bool | None:
     """Whether the bytes of a restore's largest reads are in memory (each range's last byte
     is read last: if even it is cached, the range is); None where the storage cannot tell
     or there are too few reads for it to matter."""
     if len(tasks) <= 1 or storage.cold_read_piece_bytes is None:
         return None
     probe = tasks[:_PROBED_READS]
-    last = [storage.in_memory(t.runs.file, t.runs.file_offset + t.rng.stop - 1) for t in probe]
+    last = [storage.in_memory(t.file, t.file_start + t.size - 1) for t in probe]
     if any(x is None for x in last):
         return None
     return all(last)
@@ -42,7 +42,7 @@ class Prefetch:
     queued, also while the threads check and copy what they read. Call `started` as each
     read starts (in task order) and `stop` at the end."""
 
-    def __init__(self, storage: Storage, tasks: list[ReadTask]) -> None:
+    def __init__(self, storage: Storage, tasks: list[ReadUnit]) -> None:
         self.storage, self.tasks = storage, tasks
         self.cond = threading.Condition()
         self.begun = 0  # reads started
@@ -62,7 +62,7 @@ class Prefetch:
         self.thread.join()
 
     def _run(self) -> None:
-        sizes = [t.rng.stop - t.rng.start for t in self.tasks]
+        sizes = [t.size for t in self.tasks]
         starts = np.cumsum([0, *sizes]).tolist()  # bytes of the reads before each
         for i, t in enumerate(self.tasks):
             with self.cond:
@@ -72,10 +72,9 @@ class Prefetch:
                     return
                 if i < self.begun:  # its read has started: the read fetches it
                     continue
-            c = t.runs.chunk
-            if t.runs.table.flags is not None and t.runs.table.flags[c]:
+            if not t.hintable:
                 continue  # compressed: the range is not a file range
             try:
-                self.storage.will_need(t.runs.file, t.runs.file_offset + t.rng.start, sizes[i])
+                self.storage.will_need(t.file, t.file_start, sizes[i])
             except Exception:  # a hint: the reads report what is wrong
                 return

@@ -256,20 +256,21 @@ def read_compressed(storage: Storage, task: ReadTask, bufs: list[memoryview], ve
 def read_chunk_run(storage: Storage, run: ChunkRun, dests: list[Dest]) -> None:
     """One request for a ChunkRun's chunks and checksums, straight into the destinations,
     then each chunk checked against its checksum as `RangeReads` would."""
-    crc_bytes = np.empty(4 * len(run.tasks), np.uint8)
+    n = len(run.dest)
+    crc_bytes = np.empty(4 * n, np.uint8)
+    crc_view = crc_bytes.data
     bufs: list[memoryview] = []
-    for i, t in enumerate(run.tasks):
-        di, g = t.runs.grids[0]
-        bufs.append(dests[di].buf.data[g.dst_base : g.dst_base + g.run_bytes])
-        bufs.append(crc_bytes.data[4 * i : 4 * i + 4])
-    first = run.tasks[0].runs
-    storage.read_into(first.file, first.file_offset, bufs)
-    stored = crc_bytes.view("<u4").tolist()
-    for i, t in enumerate(run.tasks):
-        expected = stored[i] ^ t.runs.table.key(t.runs.chunk)
+    for i, di in enumerate(run.dest.tolist()):
+        bufs.append(dests[di].buf.data)  # (the chunk is the whole destination)
+        bufs.append(crc_view[4 * i : 4 * i + 4])
+    storage.read_into(run.file, run.file_start, bufs)
+    if not run.verify:
+        return
+    expected = (crc_bytes.view("<u4") ^ run.keys).tolist()
+    for i, want in enumerate(expected):
         actual = crc32c(bufs[2 * i])
-        if actual != expected:
+        if actual != want:
             raise ChecksumMismatchError(
-                file=f"{storage.url}/{t.runs.file}", leaf=t.runs.leaf.name, chunk=t.runs.chunk,
-                block=0, expected=expected, actual=actual,
+                file=f"{storage.url}/{run.file}", leaf=dests[int(run.dest[i])].leaf.name,
+                chunk=int(run.chunk[i]), block=0, expected=want, actual=actual,
             )  # fmt: skip

@@ -15,7 +15,7 @@ from ..format import ChunkTable, FileEntry
 from ..options import ReadOptions
 from ..storage import Storage
 from .buffers import Dest, ReadStats
-from .plan import ChunkRun, ReadTask, jobs, merge_whole_chunks, plan_tasks, verified
+from .plan import ChunkRun, ReadTask, ReadUnit, jobs, plan_reads, verified
 from .prefetch import Prefetch, probe_cached
 from .ranges import (
     copy_from_scratch,
@@ -80,24 +80,22 @@ def read_batch(
     within which gap (None: the storage's)."""
     verify, threads = options.verify, options.threads
     gap = storage.read_gap_bytes if options.max_gap is None else options.max_gap
-    tasks = plan_tasks(files, dests, tables, verify, gap, stats, storage.url)
+    units = plan_reads(files, dests, tables, verify, gap, stats, storage.url)
     # Largest reads first keeps the threads busy to the end.
-    tasks.sort(key=lambda t: -(t.rng.stop - t.rng.start))
-    cached = probe_cached(storage, tasks)
+    units.sort(key=lambda u: -u.size)
+    cached = probe_cached(storage, units)
     if threads is None:
         threads = storage.cached_read_threads() if cached is True else storage.read_threads
-    ahead = Prefetch(storage, tasks) if cached is False else None
-    # (The prefetch follows the reads one by one, in order: with it, none are merged.)
-    units: list[ReadTask | ChunkRun] = [*tasks] if ahead else merge_whole_chunks(tasks, verify)
+    ahead = Prefetch(storage, units) if cached is False else None
 
-    def run(job: list[ReadTask | ChunkRun]) -> None:
+    def run(job: list[ReadUnit]) -> None:
         for u in job:
-            if isinstance(u, ChunkRun):
-                read_chunk_run(storage, u, dests)
-                continue
             if ahead is not None:
                 ahead.started()
-            _run_task(storage, u, dests, verify)
+            if isinstance(u, ChunkRun):
+                read_chunk_run(storage, u, dests)
+            else:
+                _run_task(storage, u, dests, verify)
 
     try:
         if threads > 1 and len(units) > 1:

@@ -8,6 +8,7 @@ asked for. JAX is imported only where a jax target is met (adapters/jax_arrays.p
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,20 @@ from ..format.kinds import LeafKind
 from .buffers import ALIGN, Dest, aligned_empty
 
 
+@dataclass(frozen=True)
+class _BoxPlan:
+    """The boxes one process holds of arrays of one shape and sharding, cut into one
+    allocation at 64-byte aligned offsets, computed once for all such arrays (a state of
+    many small arrays has few distinct ones)."""
+
+    boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]]
+    starts: tuple[np.ndarray, ...]  # read-only: shared by the dests of every such array
+    stops: tuple[np.ndarray, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]  # of each box in the allocation, then its size
+    sizes: tuple[int, ...]
+
+
 @dataclass
 class Request:
     """One leaf to produce. kind: 'numpy', 'scalar', 'jax', 'key' (typed PRNG key)."""
@@ -33,6 +48,7 @@ class Request:
     dtype: np.dtype
     sharding: Any = None
     dests: list[Dest] = field(default_factory=list)
+    box_plan: _BoxPlan | None = None
 
     @property
     def nbytes(self) -> int:
@@ -79,24 +95,43 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
     return request_boxes(Request(saved, "jax", out_dtype, sharding), sharding)
 
 
+@functools.lru_cache(maxsize=4096)
+def _box_plan(
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]], ...], itemsize: int
+) -> _BoxPlan:
+    def fixed(v: tuple[int, ...]) -> np.ndarray:
+        a = np.asarray(v, dtype=np.int64)
+        a.flags.writeable = False
+        return a
+
+    shapes = tuple(tuple(b - a for a, b in zip(s, e, strict=True)) for s, e, _ in boxes)
+    sizes = tuple(math.prod(sh) * itemsize for sh in shapes)
+    offsets = (0, *accumulate(-(-n // ALIGN) * ALIGN for n in sizes))
+    return _BoxPlan(
+        boxes, tuple(fixed(s) for s, _, _ in boxes), tuple(fixed(e) for _, e, _ in boxes),
+        shapes, offsets, sizes,
+    )  # fmt: skip
+
+
 def request_boxes(req: Request, sharding: Any) -> Request:
     shape = req.saved.shape
     itemsize = dtype_from_name(req.saved.dtype).itemsize
-    boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]]
     if sharding is None:
-        boxes = [(tuple(0 for _ in shape), shape, ())]
+        plan = _box_plan(((tuple(0 for _ in shape), shape, ()),), itemsize)
     else:
         from ..adapters.jax_arrays import local_device_boxes
 
-        boxes = local_device_boxes(sharding, shape)
-    sizes = [math.prod(b - a for a, b in zip(s, e, strict=True)) * itemsize for s, e, _ in boxes]
-    # One allocation per leaf, cut at 64-byte aligned offsets: a buffer per box would cost
-    # an allocation per shard.
-    offsets = [0, *accumulate(-(-n // ALIGN) * ALIGN for n in sizes)]
-    whole = aligned_empty(offsets[-1])
-    for (start, stop, devices), at, nbytes in zip(boxes, offsets[:-1], sizes, strict=True):
-        s, e = np.asarray(start, dtype=np.int64), np.asarray(stop, dtype=np.int64)
-        req.dests.append(Dest(req.saved, s, e, whole[at : at + nbytes], devices))
+        plan = _box_plan(local_device_boxes(sharding, shape), itemsize)
+    # One allocation per leaf: a buffer per box would cost an allocation per shard.
+    whole = aligned_empty(plan.offsets[-1])
+    req.box_plan = plan
+    req.dests.extend(
+        Dest(req.saved, s, e, whole[at : at + n], devices, shape)
+        for s, e, at, n, (_, _, devices), shape in zip(
+            plan.starts, plan.stops, plan.offsets, plan.sizes, plan.boxes, plan.shapes,
+            strict=False,  # (offsets has one more)
+        )
+    )
     return req
 
 
@@ -119,8 +154,10 @@ def build(req: Request) -> Any:
         impl = req.saved.key_impl
         data = host(req.dests[0], saved_dtype)
         return key_array(data, impl, req.sharding)
+    plan = req.box_plan
+    assert plan is not None  # (request_boxes made the dests)
     boxes = [
-        (tuple(d.start.tolist()), tuple(d.stop.tolist()), host(d, req.dtype), d.devices)
-        for d in req.dests
+        (s, e, host(d, req.dtype), devices)
+        for d, (s, e, devices) in zip(req.dests, plan.boxes, strict=True)
     ]
     return array_from_host_boxes(req.saved.shape, req.sharding, boxes)
