@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,9 @@ from ..format import ArrayLeaf, Leaf, ValueLeaf
 from ..format.kinds import LeafKind
 from ..interop.reader import CheckpointReader, slabs
 from .ls import open_for_command
-from .options import add_memory_option
+from .options import add_listing_options, add_memory_option, name_selector, shown_count
 from .output import Output, Progress, json_value
+from .tables import load_all_tables
 
 # Slabs are sized for the float64 / complex128 copies made to compare them.
 _WIDE_ITEMSIZE = 16
@@ -31,6 +33,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.add_argument("b", help="second checkpoint")
     p.add_argument("--values", action="store_true", help="also compare array values (reads both)")
     add_memory_option(p)
+    add_listing_options(p, "differences of each kind")
     p.set_defaults(run=run)
 
 
@@ -88,6 +91,10 @@ def compare_leaf(
         differing += n
         max_abs = max(max_abs, m)
         bar.update(p.nbytes)
+    return _value_doc(x, differing, max_abs)
+
+
+def _value_doc(x: ArrayLeaf, differing: int, max_abs: float) -> dict[str, Any] | None:
     if not differing:
         return None
     return {
@@ -98,43 +105,118 @@ def compare_leaf(
     }
 
 
+# Arrays small enough are compared many at a time: one batch of reads from each checkpoint
+# per group, not two per array. Bounded in count as verify bounds its batches.
+BATCH_ARRAYS = 8192
+
+
+def compare_small(
+    a: CheckpointReader,
+    b: CheckpointReader,
+    pairs: list[tuple[ArrayLeaf, ArrayLeaf]],
+    bar: Progress,
+) -> list[dict[str, Any]]:
+    """compare_leaf for arrays that fit in the buffer, each read whole, all in one batch."""
+    boxes = [((0,) * len(x.shape), x.shape) for x, _ in pairs]
+    ps = a.read_boxes([(x, s, e) for (x, _), (s, e) in zip(pairs, boxes, strict=True)])
+    qs = b.read_boxes([(y, s, e) for (_, y), (s, e) in zip(pairs, boxes, strict=True)])
+    found = []
+    for (x, _), p, q in zip(pairs, ps, qs, strict=True):
+        d = _value_doc(x, *compare_values(p, q))
+        if d is not None:
+            found.append(d)
+        bar.update(p.nbytes)
+    return found
+
+
+def compare_all(
+    a: CheckpointReader,
+    b: CheckpointReader,
+    pairs: list[tuple[ArrayLeaf, ArrayLeaf]],
+    buffer_bytes: int,
+    bar: Progress,
+) -> list[dict[str, Any]]:
+    """The value differences of `pairs` (same shapes), in their order: arrays whose wide
+    copies fit in `buffer_bytes` gathered into batches, larger ones slab by slab."""
+    found: list[dict[str, Any]] = []
+    group: list[tuple[ArrayLeaf, ArrayLeaf]] = []
+    held = 0
+
+    def flush() -> None:
+        nonlocal group, held
+        if group:
+            found.extend(compare_small(a, b, group, bar))
+        group, held = [], 0
+
+    for x, y in pairs:
+        wide = math.prod(x.shape) * _WIDE_ITEMSIZE
+        if wide > buffer_bytes:
+            flush()
+            d = compare_leaf(a, b, x, y, buffer_bytes, bar)
+            found.extend([d] if d is not None else [])
+            continue
+        if held + wide > buffer_bytes or len(group) >= BATCH_ARRAYS:
+            flush()
+        group.append((x, y))
+        held += wide
+    flush()
+    return found
+
+
+def _signature(leaf: Leaf) -> tuple[Any, ...]:
+    """What `describe` says of an array, as a tuple (no name, no dict: cheap per leaf)."""
+    assert isinstance(leaf, ArrayLeaf)
+    return (leaf.kind, leaf.logical_shape, leaf.dtype, leaf.key_impl)
+
+
 def diff(
-    a: CheckpointReader, b: CheckpointReader, values: bool, out: Output, buffer_bytes: int
+    a: CheckpointReader,
+    b: CheckpointReader,
+    values: bool,
+    out: Output,
+    buffer_bytes: int,
+    selects: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
-    la = {leaf.name: leaf for leaf in a.manifest.leaves}
-    lb = {leaf.name: leaf for leaf in b.manifest.leaves}
-    common = [n for n in la if n in lb]
+    # Matched by path; names are made only for the leaves reported (or chosen by --select).
+    la = _by_path(a.manifest.leaves, selects)
+    lb = _by_path(b.manifest.leaves, selects)
     changed = []
     to_compare: list[tuple[ArrayLeaf, ArrayLeaf]] = []
-    for name in common:
-        x, y = la[name], lb[name]
+    for path, x in la.items():
+        y = lb.get(path)
+        if y is None:
+            continue
         if isinstance(x, ArrayLeaf) and isinstance(y, ArrayLeaf):
-            if describe(x) != describe(y):
-                changed.append({"name": name, "a": describe(x), "b": describe(y)})
+            if _signature(x) != _signature(y):
+                changed.append({"name": x.name, "a": describe(x), "b": describe(y)})
             if x.shape == y.shape:
                 to_compare.append((x, y))
         elif not (
             isinstance(x, ValueLeaf) and isinstance(y, ValueLeaf) and _same_value(x.value, y.value)
         ):
-            changed.append({"name": name, "a": describe(x), "b": describe(y)})
+            changed.append({"name": x.name, "a": describe(x), "b": describe(y)})
     doc: dict[str, Any] = {
         "a": a.url,
         "b": b.url,
-        "added": [{"name": n, **describe(lb[n])} for n in lb if n not in la],
-        "removed": [{"name": n, **describe(la[n])} for n in la if n not in lb],
+        "added": [{"name": y.name, **describe(y)} for p, y in lb.items() if p not in la],
+        "removed": [{"name": x.name, **describe(x)} for p, x in la.items() if p not in lb],
         "changed": changed,
         "values": None,
     }
     if values:
-        doc["values"] = []
+        for reader in (a, b):
+            load_all_tables(reader)
         total = sum(math.prod(x.shape) * dtype_from_name(x.dtype).itemsize for x, _ in to_compare)
         with out.progress(total, "diff") as bar:
-            for x, y in to_compare:
-                d = compare_leaf(a, b, x, y, buffer_bytes, bar)
-                if d is not None:
-                    doc["values"].append(d)
+            doc["values"] = compare_all(a, b, to_compare, buffer_bytes, bar)
     doc["identical"] = not (doc["added"] or doc["removed"] or changed or doc["values"])
     return doc
+
+
+def _by_path(leaves: list[Leaf], selects: Callable[[str], bool] | None) -> dict[Any, Leaf]:
+    if selects is None:
+        return {leaf.path: leaf for leaf in leaves}
+    return {leaf.path: leaf for leaf in leaves if selects(leaf.name)}
 
 
 def _brief(d: dict[str, Any]) -> str:
@@ -143,25 +225,43 @@ def _brief(d: dict[str, Any]) -> str:
     return f"{tuple(d['shape'])} {d['dtype']}"
 
 
-def render(doc: dict[str, Any]) -> str:
+def render(doc: dict[str, Any], shown: int | None = None) -> str:
+    """The differences, one a line: the first `shown` of each kind (None: all)."""
     if doc["identical"]:
         return "identical" + (
             "" if doc["values"] is not None else " (shapes and dtypes; --values compares data)"
         )
-    lines = [f"+ {d['name']}: {_brief(d)}" for d in doc["added"]]
-    lines += [f"- {d['name']}: {_brief(d)}" for d in doc["removed"]]
-    lines += [f"~ {d['name']}: {_brief(d['a'])} -> {_brief(d['b'])}" for d in doc["changed"]]
-    lines += [
-        f"≠ {d['name']}: {d['differing']} of {d['elements']} elements differ, "
-        f"max abs difference {d['max_abs_diff']}"
-        for d in doc["values"] or []
-    ]
+    lines: list[str] = []
+
+    def listing(
+        entries: list[dict[str, Any]], what: str, line: Callable[[dict[str, Any]], str]
+    ) -> None:
+        lines.extend(line(d) for d in entries[:shown])
+        if shown is not None and len(entries) > shown:
+            lines.append(
+                f"  ... {len(entries) - shown} more {what} (--limit N or --all prints them)"
+            )
+
+    listing(doc["added"], "added", lambda d: f"+ {d['name']}: {_brief(d)}")
+    listing(doc["removed"], "removed", lambda d: f"- {d['name']}: {_brief(d)}")
+    listing(
+        doc["changed"], "changed", lambda d: f"~ {d['name']}: {_brief(d['a'])} -> {_brief(d['b'])}"
+    )
+    listing(
+        doc["values"] or [],
+        "differing in value",
+        lambda d: (
+            f"≠ {d['name']}: {d['differing']} of {d['elements']} elements differ, "
+            f"max abs difference {d['max_abs_diff']}"
+        ),
+    )
     return "\n".join(lines)
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
     buffer_bytes = args.buffer_bytes
+    shown = shown_count(args.limit, out.json_mode)
     with open_for_command(args.a, "diff") as a, open_for_command(args.b, "diff") as b:
-        doc = diff(a, b, args.values, out, buffer_bytes)
-    out.result(doc, lambda: render(doc))
+        doc = diff(a, b, args.values, out, buffer_bytes, name_selector(args.select))
+    out.result(doc, lambda: render(doc, shown))
     return 0 if doc["identical"] else 1

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from ..format import ArrayLeaf, Leaf, Manifest
@@ -10,6 +12,7 @@ from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..interop.reader import CheckpointReader
 from .ls import open_for_command
+from .options import add_listing_options, name_selector, shown_count
 from .output import (
     Output,
     describe_sharding,
@@ -26,6 +29,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
         "info", parents=[common], help="leaves of a checkpoint: shape, dtype, bytes, sharding"
     )
     p.add_argument("path", help="a snapshard or Orbax checkpoint, or a safetensors file")
+    add_listing_options(p, "leaves")
     p.set_defaults(run=run)
 
 
@@ -46,8 +50,18 @@ def leaf_doc(leaf: Leaf) -> dict[str, Any]:
     }
 
 
-def checkpoint_doc(reader: CheckpointReader) -> dict[str, Any]:
+def checkpoint_doc(
+    reader: CheckpointReader,
+    shown: int | None = None,
+    selects: Callable[[str], bool] | None = None,
+) -> dict[str, Any]:
+    """What `info` says of a checkpoint: its header, a summary of every leaf, and the
+    first `shown` leaves (None: all) of those `selects` chooses by name (None: every one)."""
     m: Manifest = reader.manifest
+    leaves: list[Leaf] = m.leaves
+    if selects is not None:
+        leaves = [leaf for leaf in leaves if selects(leaf.name)]
+    listed = leaves if shown is None else leaves[:shown]
     doc: dict[str, Any] = {
         "path": reader.url,
         "format": reader.format,
@@ -56,7 +70,10 @@ def checkpoint_doc(reader: CheckpointReader) -> dict[str, Any]:
         "process_count": m.process_count,
         "bytes": sum(a.nbytes for a in m.arrays),
         "files": len(m.files),
-        "leaves": [leaf_doc(leaf) for leaf in m.leaves],
+        "leaf_count": len(m.leaves),
+        "summary": summary(m.leaves),
+        "selected": len(leaves),
+        "leaves": [leaf_doc(leaf) for leaf in listed],
     }
     if reader.format == "snapshard":
         doc.update(version=m.version_text, write_mode=m.write_mode)  # "2.1": as the manifest says
@@ -69,6 +86,37 @@ def checkpoint_doc(reader: CheckpointReader) -> dict[str, Any]:
     return doc
 
 
+def summary(leaves: list[Leaf]) -> dict[str, Any]:
+    """Leaves counted by kind, and the arrays' count and bytes by dtype (largest first)."""
+    kinds: Counter[str] = Counter()
+    count: Counter[str] = Counter()
+    nbytes: Counter[str] = Counter()
+    for leaf in leaves:
+        if isinstance(leaf, PerProcessLeaf):
+            kinds["per_process"] += 1
+        elif not isinstance(leaf, ArrayLeaf):
+            kinds["value"] += 1
+        else:
+            kinds[str(leaf.kind)] += 1
+            dtype = f"key<{leaf.key_impl}>" if leaf.kind == LeafKind.PRNG_KEY else leaf.dtype
+            count[dtype] += 1
+            nbytes[dtype] += leaf.nbytes
+    dtypes = {
+        d: {"arrays": count[d], "bytes": nbytes[d]}
+        for d in sorted(count, key=lambda d: (-nbytes[d], d))
+    }
+    return {"kinds": dict(kinds), "dtypes": dtypes}
+
+
+def _summary_line(doc: dict[str, Any]) -> str:
+    kinds = ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in doc["summary"]["kinds"].items())
+    dtypes = ", ".join(
+        f"{d} {v['arrays']} ({human_bytes(v['bytes'])})"
+        for d, v in doc["summary"]["dtypes"].items()
+    )
+    return f"leaves: {kinds or 'none'}" + (f"; arrays by dtype: {dtypes}" if dtypes else "")
+
+
 def render(doc: dict[str, Any]) -> str:
     head = [doc["format"] + (f" v{doc['version']}" if "version" in doc else "")]
     if doc.get("layout"):
@@ -76,7 +124,7 @@ def render(doc: dict[str, Any]) -> str:
     head.append(f"{doc['process_count']} process(es)")
     if doc.get("created"):
         head.append(f"created {doc['created']}")
-    head.append(f"{human_bytes(doc['bytes'])} in {len(doc['leaves'])} leaves")
+    head.append(f"{human_bytes(doc['bytes'])} in {doc['leaf_count']} leaves")
     if doc.get("step") is not None:
         head.append(f"step {doc['step']}")
     if doc.get("metrics"):
@@ -100,11 +148,20 @@ def render(doc: dict[str, Any]) -> str:
                 ]
             )
     header = ["LEAF", "KIND", "SHAPE", "DTYPE", "BYTES", "CHUNKS", "SAVED SHARDING"]
-    return f"{doc['path']}: {', '.join(head)}\n" + table(header, rows)
+    lines = [f"{doc['path']}: {', '.join(head)}", _summary_line(doc)]
+    if rows:
+        lines.append(table(header, rows))
+    if doc["selected"] != doc["leaf_count"]:
+        lines.append(f"{doc['selected']} of {doc['leaf_count']} leaves match --select")
+    more = doc["selected"] - len(rows)
+    if more:
+        lines.append(f"... {more} more leaves (--limit N or --all prints them)")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
+    shown = shown_count(args.limit, out.json_mode)
     with open_for_command(args.path, "info") as reader:
-        doc = checkpoint_doc(reader)
+        doc = checkpoint_doc(reader, shown, name_selector(args.select))
     out.result(doc, lambda: render(doc))
     return 0

@@ -8,22 +8,25 @@ every chunk is read and decoded, which finds missing and undecodable chunks only
 from __future__ import annotations
 
 import argparse
+import math
+from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
+from ..dtypes import dtype_from_name
 from ..errors import (
     ChecksumMismatchError,
     CorruptCheckpointError,
     SnapshardError,
 )
-from ..format import MANIFEST_NAME, Manifest, validate_coverage
+from ..format import MANIFEST_NAME, ArrayLeaf, Manifest, validate_coverage
 from ..format.finder import check_record_files
 from ..interop.reader import CheckpointReader, chunk_slabs
+from ..planning.layout import Box
 from ..storage import LocalStorage, Storage
 from .ls import open_for_command
 from .options import add_memory_option
 from .output import Output, human_bytes
+from .tables import load_all_tables
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
@@ -107,7 +110,7 @@ def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str
         "ok": False,
         "checksums": "crc32c" if reader.format == "snapshard" else None,
         "leaves": len(m.leaves),
-        "chunks": sum(len(a.chunks) for a in arrays),
+        "chunks": sum(a.num_chunks for a in arrays),  # known without fetching the records
         "bytes": sum(a.nbytes for a in arrays),
         "bytes_checked": 0,
         "problem": None,
@@ -117,6 +120,7 @@ def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str
             if m.version >= 2:
                 assert reader.storage is not None
                 check_record_files(reader.storage, m)
+                load_all_tables(reader)
             validate_coverage(m, reader.url)
         except CorruptCheckpointError as e:
             doc["problem"] = {"message": str(e), "file": None, "leaf": None, "chunk": None}
@@ -126,33 +130,91 @@ def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str
         if doc["problem"] is not None:
             return doc
     with out.progress(doc["bytes"], "verify") as bar:
-        for leaf in arrays:
-            for c, (start, stop) in chunk_slabs(leaf, buffer_bytes):
-                try:
-                    box = reader.read_box(leaf, start, stop)
-                except ChecksumMismatchError as e:
-                    doc["problem"] = {
-                        "message": str(e),
-                        "file": e.file,
-                        "leaf": e.leaf,
-                        "chunk": e.chunk,
-                        "block": e.block,
-                    }
-                    return doc
-                except (SnapshardError, OSError, ValueError) as e:
-                    file = m.files[int(leaf.chunks.file[c])].name if m.files else None
-                    doc["problem"] = {
-                        "message": f"leaf {leaf.name!r}, chunk {c}: {e}",
-                        "file": file,
-                        "leaf": leaf.name,
-                        "chunk": c,
-                    }
-                    return doc
-                n = int(np.asarray(box).nbytes)
-                doc["bytes_checked"] += n
-                bar.update(n)
+        for batch in slab_batches(arrays, buffer_bytes):
+            problem, n = check_batch(reader, batch, buffer_bytes)
+            doc["bytes_checked"] += n
+            bar.update(n)
+            if problem is not None:
+                doc["problem"] = problem
+                return doc
     doc["ok"] = True
     return doc
+
+
+# A batch of slabs is read as one restore batch: many small arrays cost one plan, not one
+# each. Bounded in bytes (--buffer-mb) and in count (the plan's own per-slab cost).
+BATCH_SLABS = 8192
+WHOLE = -1  # the chunk number of a slab that is a whole array (every chunk of it)
+
+Slab = tuple[ArrayLeaf, int, Box]
+
+
+def array_slabs(leaf: ArrayLeaf, buffer_bytes: int) -> Iterator[Slab]:
+    """An array that fits in `buffer_bytes` as one slab (reading it reads every chunk),
+    else each of its chunks as slabs of at most `buffer_bytes`."""
+    if leaf.nbytes <= buffer_bytes:
+        yield leaf, WHOLE, ((0,) * len(leaf.shape), leaf.shape)
+        return
+    for c, box in chunk_slabs(leaf, buffer_bytes):
+        yield leaf, c, box
+
+
+def slab_batches(arrays: list[ArrayLeaf], buffer_bytes: int) -> Iterator[list[Slab]]:
+    """Every array's slabs gathered into batches of at most `buffer_bytes` and
+    BATCH_SLABS slabs (a slab larger than the budget goes alone)."""
+    batch: list[Slab] = []
+    held = 0
+    for leaf in arrays:
+        itemsize = dtype_from_name(leaf.dtype).itemsize
+        for slab in array_slabs(leaf, buffer_bytes):
+            start, stop = slab[2]
+            n = math.prod(b - a for a, b in zip(start, stop, strict=True)) * itemsize
+            if batch and (held + n > buffer_bytes or len(batch) >= BATCH_SLABS):
+                yield batch
+                batch, held = [], 0
+            batch.append(slab)
+            held += n
+    if batch:
+        yield batch
+
+
+def check_batch(
+    reader: CheckpointReader, batch: list[Slab], buffer_bytes: int
+) -> tuple[dict[str, Any] | None, int]:
+    """(the first problem, bytes checked) of reading a batch of slabs. A batch that fails
+    is read again chunk by chunk, so that the problem names the first damaged chunk."""
+    try:
+        boxes = reader.read_boxes([(leaf, a, b) for leaf, _, (a, b) in batch])
+    except (SnapshardError, OSError, ValueError):
+        pass
+    else:
+        return None, sum(int(x.nbytes) for x in boxes)
+    checked = 0
+    for leaf, c, box in batch:
+        pieces = chunk_slabs(leaf, buffer_bytes) if c == WHOLE else [(c, box)]
+        for chunk, (start, stop) in pieces:
+            try:
+                got = reader.read_box(leaf, start, stop)
+            except ChecksumMismatchError as e:
+                return _mismatch(e), checked
+            except (SnapshardError, OSError, ValueError) as e:
+                return _read_problem(reader.manifest, leaf, chunk, e), checked
+            checked += int(got.nbytes)
+    return None, checked  # the batch failed once, but every chunk of it reads: no damage
+
+
+def _mismatch(e: ChecksumMismatchError) -> dict[str, Any]:
+    return {"message": str(e), "file": e.file, "leaf": e.leaf, "chunk": e.chunk, "block": e.block}
+
+
+def _read_problem(m: Manifest, leaf: ArrayLeaf, c: int, e: Exception) -> dict[str, Any]:
+    file = m.files[int(leaf.chunks.file[c])].name if m.files else None
+    return {
+        "message": f"leaf {leaf.name!r}, chunk {c}: {e}",
+        "file": file,
+        "leaf": leaf.name,
+        "chunk": c,
+    }
 
 
 def _verify_or_damaged(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str, Any]:

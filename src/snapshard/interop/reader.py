@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,14 +43,25 @@ class CheckpointReader:
 
     def read_box(self, leaf: ArrayLeaf, start: Any, stop: Any) -> np.ndarray:
         """Box [start, stop) of a saved array, in its saved dtype (key data for PRNG keys)."""
-        dtype = dtype_from_name(leaf.dtype)
-        s, e = np.asarray(start, np.int64), np.asarray(stop, np.int64)
-        shape = tuple(int(x) for x in e - s)
-        if math.prod(shape) == 0:
-            return np.empty(shape, dtype)
-        dest = Dest(leaf, s, e, aligned_empty(math.prod(shape) * dtype.itemsize))
-        self._read([dest])
-        return dest.buf.view(dtype).reshape(shape)
+        return self.read_boxes([(leaf, start, stop)])[0]
+
+    def read_boxes(self, boxes: Sequence[tuple[ArrayLeaf, Any, Any]]) -> list[np.ndarray]:
+        """Many boxes (of one or many arrays) in one batch of reads: what `read_box` gives
+        for each, without a batch per box (tools walking many small arrays)."""
+        out: list[np.ndarray | Dest] = []
+        for leaf, start, stop in boxes:
+            dtype = dtype_from_name(leaf.dtype)
+            s, e = np.asarray(start, np.int64), np.asarray(stop, np.int64)
+            shape = tuple(int(x) for x in e - s)
+            if math.prod(shape) == 0:
+                out.append(np.empty(shape, dtype))
+            else:
+                out.append(Dest(leaf, s, e, aligned_empty(math.prod(shape) * dtype.itemsize)))
+        dests = [d for d in out if isinstance(d, Dest)]
+        if dests:
+            self._read(dests)
+        # Views taken after the reads: a source may hand over buffers of its own (Orbax's).
+        return [d if isinstance(d, np.ndarray) else _view(d) for d in out]
 
     def close(self) -> None:
         if self.storage is not None:
@@ -61,6 +72,10 @@ class CheckpointReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _view(d: Dest) -> np.ndarray:
+    return d.buf.view(dtype_from_name(d.leaf.dtype)).reshape(d.shape)
 
 
 def is_safetensors(location: Location) -> bool:
