@@ -17,7 +17,6 @@ import logging
 import os
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -28,6 +27,7 @@ from .adapters.jax_save import JaxAdapter
 from .adapters.leaves import MeshSpec, SaveArray
 from .background import BackgroundTask
 from .checksum import crc32c
+from .chunk_files import FileChunks, split_files, write_files
 from .coordination import Coordinator, default_coordinator
 from .coordination.rendezvous import (
     Rendezvous,
@@ -56,25 +56,23 @@ from .format import (
 )
 from .format.binding import name_key
 from .format.encoding import chunk_span as chunk_span  # for interop/writer.py, as before
-from .format.encoding import write_chunk
+from .format.encoding import write_chunk as write_chunk  # for interop/writer.py, as before
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
-from .format.records import ChunkRecord, ProcessReport, records_of
+from .format.records import RECORD_FIXED, ChunkRecord, ProcessReport
+from .format.records import records_of as records_of  # for interop/writer.py, as before
 from .gc_pause import collection_paused
 from .incremental import Increment, check_refs_committed, manifest_refs
 from .options import SaveOptions, require
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem
-from .storage import FileWriter, Location, Storage, is_object_store_url, storage_for
+from .storage import Location, Storage, is_object_store_url, storage_for
 from .tree import FlatTree, Path, flatten
 
 log = logging.getLogger("snapshard")
 
 WrittenFile = tuple[int, list[tuple[int, ChunkRecord]]]
 """A data file just written: its size, and the (leaf, record) of each chunk in it."""
-
-# Writes shorter than this are gathered before they reach the storage (`CoalescingWriter`).
-_COALESCE_BYTES = 1 << 20
 
 
 @dataclass
@@ -249,50 +247,6 @@ def _prepare(
     )  # fmt: skip
 
 
-class CoalescingWriter(FileWriter):
-    """Writes shorter than _COALESCE_BYTES gathered into one buffer and handed on together:
-    a file of many small chunks would otherwise cost two writes (system calls, on local
-    files) per chunk, its bytes and its checksums."""
-
-    def __init__(self, writer: FileWriter) -> None:
-        self.writer = writer
-        self.held = bytearray()
-
-    def write(self, data: memoryview) -> None:
-        if len(data) >= _COALESCE_BYTES:
-            self.flush()
-            self.writer.write(data)
-            return
-        self.held += data
-        if len(self.held) >= _COALESCE_BYTES:
-            self.flush()
-
-    def flush(self) -> None:
-        if self.held:
-            self.writer.write(memoryview(self.held))
-            self.held = bytearray()
-
-    def close(self) -> int:
-        self.flush()
-        return self.writer.close()
-
-    def abort(self) -> None:
-        self.held = bytearray()
-        self.writer.abort()
-
-
-def _split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
-    """Items into n files of nearly equal size (largest first, each to the lightest file)."""
-    n = max(1, min(n, len(items)))
-    files: list[list[StagedItem]] = [[] for _ in range(n)]
-    load = [0] * n
-    for it in sorted(items, key=lambda it: -it.nbytes):
-        j = load.index(min(load))
-        files[j].append(it)
-        load[j] += it.nbytes
-    return [f for f in files if f]
-
-
 def _layout_digest(arr: SaveArray) -> int:
     """crc32c of where an array's boxes live: equal on every process for a global array."""
     lay = arr.layout
@@ -308,19 +262,27 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
     """Per leaf, crc32c of its description and (with `values`) of its value for host values,
     as this process sees them: processes that disagree are found at commit."""
     out = np.zeros(len(leaves), records.DIGEST)
+    described: dict[tuple[Any, ...], tuple[str, str]] = {}  # arrays alike: all but the path
     for i, leaf in enumerate(leaves):
+        path = path_json(leaf.path)
         if isinstance(leaf, PerProcessLeaf):  # differs by design
-            out[i] = (crc32c(json.dumps(["per_process", list(leaf.path)]).encode()), 0)
+            out[i] = (crc32c(f'["per_process", {path}]'.encode()), 0)
             continue
         if not isinstance(leaf, SaveArray):
             assert isinstance(leaf, ValueLeaf)
-            desc = json.dumps(["value", list(leaf.path)]).encode()
+            desc = f'["value", {path}]'
             value = (
                 crc32c(json.dumps(encode_value(leaf.value, leaf.name)).encode()) if values else 0
             )
         else:
-            desc = json.dumps([leaf.kind, list(leaf.path), leaf.dtype.name, list(leaf.shape),
-                               leaf.key_impl, leaf.devices is None, _layout_digest(leaf)]).encode()  # fmt: skip
+            key = (id(leaf.layout), leaf.kind, leaf.dtype, leaf.key_impl, leaf.devices is None)
+            around = described.get(key)
+            if around is None:
+                # json.dumps([kind, path, dtype, shape, key_impl, host, layout digest])
+                rest = json.dumps([leaf.dtype.name, list(leaf.shape), leaf.key_impl,
+                                   leaf.devices is None, _layout_digest(leaf)])  # fmt: skip
+                around = described[key] = (f"[{json.dumps(leaf.kind)}, ", f", {rest[1:]}")
+            desc = around[0] + path + around[1]
             value = 0
             if values and isinstance(
                 leaf.source, np.ndarray | np.generic
@@ -328,41 +290,22 @@ def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
                 value = crc32c(np.ascontiguousarray(leaf.source).reshape(-1).view(np.uint8).data)
             elif values and isinstance(leaf.source, ReplicatedSource):
                 value = leaf.source.value_digest()
-        out[i] = (crc32c(desc), value)
+        out[i] = (crc32c(desc.encode()), value)
     return out
 
 
-def _write_file(
-    storage: Storage, name: str, items: list[StagedItem], codec_of: Any = None, file: int = 0
-) -> WrittenFile:
-    """Write items back to back into data file number `file`; returns its size and the
-    chunk records.
-    `codec_of(item)` gives each item's codec (format.encoding; None: nothing compressed)."""
-    writer = CoalescingWriter(storage.open_writer(name))
-    rows = []
-    offset = 0
-    key = name_key(name)
-    try:
-        for it in items:
-            codec = codec_of(it) if codec_of is not None else 0
-            row = write_chunk(
-                writer,
-                it.materialize(),
-                it.start,
-                it.stop,
-                file,
-                offset,
-                file_key=key,
-                codec=codec,
-            )
-            rows.append((it.leaf, row))
-            it.release()  # the bytes are in the file now: let the host copy go
-            offset = row.end()
-        size = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return size, rows
+_encode_str = json.encoder.encode_basestring_ascii  # what json.dumps writes a str as
+
+
+def path_json(path: Path) -> str:
+    """json.dumps(list(path)), without the encoder's cost per call (str and int keys)."""
+    parts = []
+    for k in path:
+        if type(k) is str:
+            parts.append(_encode_str(k))
+        else:
+            parts.append(int.__repr__(k) if type(k) is int else json.dumps(k))
+    return f"[{', '.join(parts)}]"
 
 
 def write_data_files(
@@ -375,17 +318,22 @@ def write_data_files(
 ) -> list[WrittenFile]:
     """Process `pid`'s items into at most `count` data files of nearly equal size, written in
     parallel (one thread per file); per file, its size and its (leaf, chunk record) rows."""
-    groups = _split_files(items, count)
+    files = write_chunk_files(storage, pid, nonce, items, count, codec_of)
+    return [(f.size, f.records()) for f in files]
+
+
+def write_chunk_files(
+    storage: Storage,
+    pid: int,
+    nonce: str,
+    items: list[StagedItem],
+    count: int,
+    codec_of: Any = None,
+) -> list[FileChunks]:
+    """write_data_files with each file's records as columns (chunk_files.FileChunks)."""
+    groups = split_files(items, count)
     names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
-    if len(groups) <= 1:
-        return [_write_file(storage, n, g, codec_of) for n, g in zip(names, groups, strict=True)]
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
-        return list(
-            pool.map(
-                lambda j: _write_file(storage, names[j], groups[j], codec_of, j),
-                range(len(groups)),
-            )
-        )
+    return write_files(storage, names, groups, codec_of)
 
 
 def _write_own(prep: _Prepared) -> dict[str, Any]:
@@ -393,27 +341,25 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
     process 0 what was written (names follow from process and nonce), as JSON."""
     pid, nonce, inc = prep.rendezvous.coord.process_index, prep.nonce, prep.increment
     prep.storage.prepare_staging()
-    results, data_bytes = _write_data(prep)
-    by_leaf = rows_by_leaf(results)
-    for leaf, row in inc.ref_rows if inc is not None else ():
-        by_leaf.setdefault(leaf, []).append(ChunkRecord(*row))
-    written = sum(len(r) for r in by_leaf.values())
-    if written != len(prep.items):  # each process checks its records against its own plan
+    files, data_bytes = _write_data(prep)
+    chunks = _Chunks.of(files, inc.ref_rows if inc is not None else [])
+    if len(chunks.leaf) != len(prep.items):  # each process checks its records against its plan
         raise CoordinationError(
-            f"{prep.rendezvous.what}: process {pid} wrote {written} chunks, its plan has {len(prep.items)}"
+            f"{prep.rendezvous.what}: process {pid} wrote {len(chunks.leaf)} chunks, its plan has {len(prep.items)}"
         )
-    data = _record_file(prep, by_leaf)
+    data = _record_file(prep, chunks)
     prep.storage.write_bytes(record_file_name(pid, nonce), data)
     own = {i: leaf.value for i, leaf in enumerate(prep.leaves) if isinstance(leaf, PerProcessLeaf)}
     values = b""
     if own:
         values = per_process.encode_file(own, {i: prep.leaves[i].name for i in own})
         prep.storage.write_bytes(values_file_name(pid, nonce), values)
-    sizes = tuple(size for size, _ in results)
-    packed = _packed(results) if prep.options.compression is not None else (0, 0, ())
+    sizes = tuple(f.size for f in files)
+    written = np.concatenate([f.fixed for f in files]) if files else np.zeros(0, RECORD_FIXED)
+    packed = _packed(written) if prep.options.compression is not None else (0, 0, ())
     prep.timings.bytes_written = data_bytes
     # Plain chunks' tables are their checksums, 4 bytes a block; compressed ones add offsets.
-    tables = sum(4 * row.nblocks for _, rows in results for _, row in rows) + packed[0]
+    tables = 4 * int(written["nblocks"].sum(dtype=np.int64)) + packed[0]
     prep.timings.bytes_metadata = tables + len(data)
     prep.timings.bytes_stored = sum(sizes) + len(data) + len(values)
     increment = inc.report() if inc is not None else {}
@@ -427,22 +373,48 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
     ).to_json()  # fmt: skip
 
 
-def _packed(results: list[WrittenFile]) -> tuple[int, int, tuple[int, ...]]:
-    """Of the compressed chunks written: the bytes of their block offsets (tables beyond
-    the checksums), the bytes compression saved (the commit's size check allows for it),
-    and the codecs used."""
-    offsets = saved = 0
-    used: set[int] = set()
-    for _, rows in results:
-        for _, row in rows:
-            if row.codec:
-                used.add(row.codec)
-                offsets += row.tables() - 4 * row.nblocks
-                saved += row.packed_saved()
-    return offsets, saved, tuple(sorted(used))
+@dataclass(frozen=True)
+class _Chunks:
+    """Every chunk record of this process's save as columns: the written chunks file by
+    file, then the references of an incremental save."""
+
+    leaf: np.ndarray
+    fixed: np.ndarray  # records.RECORD_FIXED
+    starts: list[Any]
+    stops: list[Any]
+
+    @staticmethod
+    def of(files: list[FileChunks], refs: list[tuple[int, tuple[Any, ...]]]) -> _Chunks:
+        fixed = [f.fixed for f in files]
+        leaf = [f.leaves for f in files]
+        starts = [it.start for f in files for it in f.items]
+        stops = [it.stop for f in files for it in f.items]
+        if refs:
+            ref_fixed = np.zeros(len(refs), RECORD_FIXED)
+            for i, (_, row) in enumerate(refs):
+                ref_fixed[i] = tuple(row[:7])
+            fixed.append(ref_fixed)
+            leaf.append(np.asarray([x for x, _ in refs], np.int64))
+            starts += [row[7] for _, row in refs]
+            stops += [row[8] for _, row in refs]
+        if not fixed:
+            return _Chunks(np.zeros(0, np.int64), np.zeros(0, RECORD_FIXED), [], [])
+        return _Chunks(np.concatenate(leaf), np.concatenate(fixed), starts, stops)
 
 
-def _write_data(prep: _Prepared) -> tuple[list[WrittenFile], int]:
+def _packed(fixed: np.ndarray) -> tuple[int, int, tuple[int, ...]]:
+    """Of the compressed chunks written (`fixed`: their records' fixed fields): the bytes of
+    their block offsets (tables beyond the checksums), the bytes compression saved (the
+    commit's size check allows for it), and the codecs used."""
+    codec = (fixed["flags"].astype(np.int64) & records.CODEC_MASK) >> records.CODEC_SHIFT
+    on = fixed[codec != 0]
+    offsets = 8 * int((on["nblocks"].astype(np.int64) + 1).sum())
+    stored = on["crc_offset"].astype(np.int64) - on["offset"].astype(np.int64)
+    saved = int((on["nbytes"].astype(np.int64) - stored).sum())
+    return offsets, saved, tuple(sorted(set(codec[codec != 0].tolist())))
+
+
+def _write_data(prep: _Prepared) -> tuple[list[FileChunks], int]:
     """This process's data files (as many as `writers` says, or the tuner picks); returns
     them and the array bytes they hold."""
     tuner = None
@@ -459,12 +431,12 @@ def _write_data(prep: _Prepared) -> tuple[list[WrittenFile], int]:
         option = prep.options.compression
         codec_of = lambda it: encoding.codec_for(option, prep.leaves[it.leaf].dtype)  # noqa: E731
     pid = prep.rendezvous.coord.process_index
-    results = write_data_files(prep.storage, pid, prep.nonce, items, count, codec_of)
     data_bytes = sum(it.nbytes for it in items)
+    files = write_chunk_files(prep.storage, pid, prep.nonce, items, count, codec_of)
     if tuner is not None:
         tuner.record(count, data_bytes, time.perf_counter() - t_data)
-    prep.timings.data_files = len(results)
-    return results, data_bytes
+    prep.timings.data_files = len(files)
+    return files, data_bytes
 
 
 def rows_by_leaf(files: list[WrittenFile]) -> dict[int, list[ChunkRecord]]:
@@ -476,12 +448,14 @@ def rows_by_leaf(files: list[WrittenFile]) -> dict[int, list[ChunkRecord]]:
     return by_leaf
 
 
-def _record_file(prep: _Prepared, by_leaf: dict[int, list[ChunkRecord]]) -> bytes:
+def _record_file(prep: _Prepared, chunks: _Chunks) -> bytes:
     """This process's record file: its records per leaf, the digests, and (incremental
     saves) the chunks' content hashes."""
     pid, inc = prep.rendezvous.coord.process_index, prep.increment
     ndims = [len(leaf.shape) if isinstance(leaf, SaveArray) else 0 for leaf in prep.leaves]
-    segments = {i: records_of(rows, ndims[i]) for i, rows in by_leaf.items()}
+    segments = records.sorted_segments(
+        chunks.leaf, chunks.fixed, chunks.starts, chunks.stops, ndims
+    )
     salt = name_key(record_file_name(pid, prep.nonce))
     if inc is not None:
         hashes = inc.segment_hashes(segments)

@@ -15,7 +15,6 @@ the caller not to donate or delete those arrays until the save has finished.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,26 +114,61 @@ def _rel(arr: SaveArray, row: int, start: np.ndarray, stop: np.ndarray) -> tuple
         return tuple(slice(x, y) for x, y in zip(start.tolist(), stop.tolist(), strict=True))
     origin = arr.layout.starts[row].tolist()
     return tuple(
-        slice(x - o, y - o)
-        for x, y, o in zip(start.tolist(), stop.tolist(), origin, strict=True)
+        slice(x - o, y - o) for x, y, o in zip(start.tolist(), stop.tolist(), origin, strict=True)
     )
 
 
 def planned_items(
     arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int
-) -> Iterator[tuple[StagedItem, int, SaveArray, int]]:
+) -> list[tuple[StagedItem, int, SaveArray, int]]:
     """This process's items of `plan` that hold bytes, in plan order: the item (nothing
     staged yet), the index of its array in `arrays`, the array, and the layout row the
     item is cut from. Every framework's staging walks this."""
-    for a, ks in plan.items_by_array(process):
+    t = plan.process_items(process)
+    plans = plan.arrays
+    out = []
+    rows_of: dict[int, tuple[list[np.ndarray], list[np.ndarray]]] = {}  # by id(starts)
+    for a, k, nbytes, row in zip(
+        t.array.tolist(), t.item.tolist(), t.nbytes.tolist(), t.source_row.tolist(), strict=True
+    ):
         leaf_index, arr = arrays[a]
-        p = plan.arrays[a]
-        starts, stops = p.starts[ks], p.stops[ks]
-        rows = p.source_row[ks].tolist()
-        for j, nbytes in enumerate(p.nbytes[ks].tolist()):
-            if nbytes:
-                item = StagedItem(leaf_index, arr.name, starts[j], stops[j], nbytes)
-                yield item, a, arr, rows[j]
+        p = plans[a]
+        if p.whole_boxes:  # arrays of one layout share its boxes: rows cut once, not per item
+            boxes = rows_of.get(id(p.starts))
+            if boxes is None:
+                boxes = rows_of[id(p.starts)] = (list(p.starts), list(p.stops))
+            item = StagedItem(leaf_index, arr.name, boxes[0][k], boxes[1][k], nbytes)
+        else:
+            item = StagedItem(leaf_index, arr.name, p.starts[k], p.stops[k], nbytes)
+        out.append((item, a, arr, row))
+    return out
+
+
+class _Shards:
+    """The addressable shards of the arrays being staged, by layout row. An array lists its
+    shards in its sharding's device order, so the row of each is found once per sharding
+    and layout, not per shard."""
+
+    def __init__(self) -> None:
+        self.index: dict[tuple[Any, int], list[int | None]] = {}
+        self.array = -1
+        self.shards: list[Any] = []
+        self.rows: list[int | None] = []
+
+    def data(self, a: int, arr: SaveArray, row: int) -> Any:
+        """The single-device array of array number `a` (`arr`) of layout row `row`."""
+        if a != self.array:
+            self.array, self.shards = a, arr.source.addressable_shards
+            assert arr.devices is not None
+            key = (arr.source.sharding, id(arr.devices))
+            rows = self.index.get(key)
+            if rows is None:
+                at = {s.device: i for i, s in enumerate(self.shards)}
+                rows = self.index[key] = [at.get(d) for d in arr.devices]
+            self.rows = rows
+        i = self.rows[row]
+        assert i is not None, "a process stages only the shards it holds"
+        return self.shards[i].data
 
 
 def stage(
@@ -154,30 +188,33 @@ def stage(
     items: list[StagedItem] = []
     copying: list[tuple[StagedItem, Any]] = []
     used = 0
-    shard_maps: dict[int, dict[Any, Any]] = {}
+    shards = _Shards()
     views: bool | None = None  # whether CPU shards may be staged as views; asked once
+    whole_boxes = [p.whole_boxes for p in plan.arrays]
     for item, a, arr, row in planned_items(arrays, plan, process):
         leaf_index, nbytes = item.leaf, item.nbytes
-        rel = _rel(arr, row, item.start, item.stop)
         items.append(item)
         if arr.devices is None:  # a host value: the caller may change it once we return
-            item.host = np.array(arr.source[rel], copy=True) if asynchronous else arr.source[rel]
+            cut = _rel(arr, row, item.start, item.stop)
+            item.host = np.array(arr.source[cut], copy=True) if asynchronous else arr.source[cut]
             used += nbytes if asynchronous else 0
             continue
+        # Items cut from whole boxes are their source row's whole shard: nothing to slice.
+        rel = None if whole_boxes[a] else _rel(arr, row, item.start, item.stop)
         if snapshot is not None:
             box = (tuple(arr.layout.starts[row].tolist()), tuple(arr.layout.stops[row].tolist()))
-            item.host = snapshot[leaf_index][box][rel]
+            held = snapshot[leaf_index][box]
+            item.host = held if rel is None else held[rel]
             continue
-        if a not in shard_maps:
-            shard_maps[a] = {s.device: s for s in arr.source.addressable_shards}
-        device = arr.devices[row]
-        data = shard_maps[a][device].data
-        if device.platform == "cpu":
+        data = shards.data(a, arr, row)
+        if arr.devices[row].platform == "cpu":
             views = _views_safe(asynchronous) if views is None else views
             if views:
-                item.host = np.asarray(data)[rel]
+                item.host = np.asarray(data) if rel is None else np.asarray(data)[rel]
                 continue
-        whole = all(s.start == 0 and s.stop == n for s, n in zip(rel, data.shape, strict=True))
+        whole = rel is None or all(
+            s.start == 0 and s.stop == n for s, n in zip(rel, data.shape, strict=True)
+        )
         src = data if whole else data[rel]
         if budget is not None and used + nbytes > budget:
             item.deferred = src

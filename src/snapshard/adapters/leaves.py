@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -46,13 +47,15 @@ class SaveArray:
     sharding: dict[str, Any]
     key_impl: str | None = None
 
-    @property
-    def name(self) -> str:
+    @cached_property
+    def name(self) -> str:  # asked per chunk of the array: made once
         return path_str(self.path)
 
 
 def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
     name = path_str(path)
+    if is_jax_array(value):  # first: most leaves of a training state
+        return _named(_jax_save_array(path, name, value), name)
     if isinstance(value, PerProcess):
         return PerProcessLeaf(path, checked(value.value, name))
     if is_data_iterator(value):  # a data iterator: its position, per process
@@ -61,24 +64,57 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
         value, np.generic
     ):  # np.float64 is a float
         return ValueLeaf(path, value)
-    if is_jax_array(value):
-        return _jax_save_array(path, name, value)
     if isinstance(value, np.ndarray | np.generic):
         arr = little_endian(np.asarray(value))
-        dtype_name(arr.dtype, leaf=name)
+        checked_dtype(arr.dtype, name)
         shape = tuple(arr.shape)
         kind = "scalar" if isinstance(value, np.generic) else "array"
         layout = host_layout(shape, arr.dtype.itemsize, process_count)
-        return SaveArray(path, kind, arr.dtype, shape, layout, None, arr, {"type": "host"})
+        saved = SaveArray(path, kind, arr.dtype, shape, layout, None, arr, {"type": "host"})
+        return _named(saved, name)
     raise UnsupportedLeafError(
         f"leaf {name!r}: values of type {type(value).__module__}.{type(value).__qualname__} cannot be saved"
     )
 
 
-def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
-    import jax
+def _named(arr: SaveArray, name: str) -> SaveArray:
+    """`arr` with its name (a cached property) already known."""
+    arr.__dict__["name"] = name
+    return arr
 
-    from .jax_arrays import describe_sharding, is_prng_key, layout_of
+
+# Per dtype, its stored name once checked (dtype_name costs ~5 us, asked per leaf).
+_DTYPE_NAMES: dict[np.dtype, str] = {}
+
+
+def checked_dtype(dt: np.dtype, leaf: str) -> str:
+    """The stored name of `dt` (dtypes.dtype_name, which raises naming `leaf`), cached."""
+    name = _DTYPE_NAMES.get(dt)
+    if name is None:
+        name = dtype_name(dt, leaf=leaf)
+        if len(_DTYPE_NAMES) < 256:
+            _DTYPE_NAMES[dt] = name
+    return name
+
+
+# Per sharding, its JSON description (shared by the leaves that have it: never mutated).
+_SHARDINGS: dict[Any, dict[str, Any]] = {}
+
+
+def _sharding_description(sharding: Any) -> dict[str, Any]:
+    from .jax_arrays import describe_sharding
+
+    found = _SHARDINGS.get(sharding)
+    if found is None:
+        found = describe_sharding(sharding)
+        if len(_SHARDINGS) >= 4096:
+            _SHARDINGS.clear()
+        _SHARDINGS[sharding] = found
+    return found
+
+
+def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
+    from .jax_arrays import is_prng_key, layout_of
 
     if value.is_deleted():
         raise DeletedArrayError(
@@ -87,12 +123,15 @@ def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
         )
     kind, key_impl, data = "array", None, value
     if is_prng_key(value):
+        import jax
+
         kind, key_impl = "prng_key", str(jax.random.key_impl(value))
         data = jax.random.key_data(value)
     dt = np.dtype(data.dtype)
-    dtype_name(dt, leaf=name)
+    checked_dtype(dt, name)
     shape = tuple(int(s) for s in data.shape)
-    placed = layout_of(shape, dt.itemsize, data.sharding)
+    sharding = data.sharding
+    placed = layout_of(shape, dt.itemsize, sharding)
     return SaveArray(
         path,
         kind,
@@ -101,6 +140,6 @@ def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
         placed.layout,
         placed.devices,
         data,
-        describe_sharding(data.sharding),
+        _sharding_description(sharding),
         key_impl,
     )

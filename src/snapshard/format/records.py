@@ -21,11 +21,13 @@ Pure encoding and decoding: no I/O here.
 from __future__ import annotations
 
 import functools
+import itertools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import crc32c as _crc32c
 import numpy as np
 
 from ..checksum import crc32c
@@ -221,32 +223,91 @@ def encode(
     `salt`: the file's name key (format.binding), which its segment checksums start from."""
     n = len(ndims)
     directory = np.zeros(n, DIR_ENTRY)
-    parts: list[bytes] = [np.ascontiguousarray(digests, DIGEST).tobytes()]
+    parts: list[Any] = [np.ascontiguousarray(digests, DIGEST).tobytes()]
     digest_at = HEADER_SIZE + n * DIR_ENTRY_SIZE
     pos = digest_at + n * DIGEST.itemsize
-    count = 0
-    for leaf in sorted(segments):
+    leaves = sorted(segments)
+    offsets, counts, crcs = [], [], []
+    prefix = struct.Struct("<II").pack
+    for leaf in leaves:
         recs = segments[leaf]
-        if recs.dtype != record_dtype(ndims[leaf]):
+        want = record_dtype(ndims[leaf])
+        if recs.dtype is not want and recs.dtype != want:
             raise ValueError(f"records of leaf {leaf} have the wrong layout")
-        raw = recs.tobytes()
-        crc = segment_crc(raw, process, leaf, salt)
-        directory[leaf] = (pos, len(recs), crc)
+        raw = recs if recs.flags.c_contiguous else np.ascontiguousarray(recs)
+        crc = _crc32c.crc32c(raw.data, _crc32c.crc32c(prefix(process, leaf), salt))
+        offsets.append(pos)
+        counts.append(len(recs))
+        crcs.append(crc)
         parts.append(raw)
-        pos += len(raw)
-        count += len(recs)
+        pos += recs.nbytes
         if hashes is not None:
             table = np.ascontiguousarray(hashes[leaf], np.uint8).tobytes()
             if len(table) != HASH_SIZE * len(recs):
                 raise ValueError(f"hashes of leaf {leaf} do not match its records")
             parts.append(table + struct.pack("<I", crc32c(table, crc)))
             pos += len(table) + 4
+    if leaves:
+        at = np.asarray(leaves, np.int64)
+        directory["offset"][at] = offsets
+        directory["count"][at] = counts
+        directory["crc"][at] = crcs
     header = HEADER.pack(
         RECORD_MAGIC, RECORD_VERSION, process, n, (FILE_HASHES | hash_id << HASH_SHIFT) if hashes is not None else 0,
         HEADER_SIZE, digest_at,
-        digest_at + n * DIGEST.itemsize, pos, count,
+        digest_at + n * DIGEST.itemsize, pos, sum(counts),
     )  # fmt: skip
     return header + directory.tobytes() + b"".join(parts)
+
+
+def sorted_segments(
+    leaf: np.ndarray,
+    fixed: np.ndarray,
+    starts: Sequence[Any],
+    stops: Sequence[Any],
+    ndims: Sequence[int],
+) -> dict[int, np.ndarray]:
+    """Chunk records given as columns (per chunk: its leaf, its RECORD_FIXED fields, its
+    box) as the segments of `encode`: per leaf its structured records, sorted by box,
+    chunks of equal boxes in the order given. The same segments as `records_of` of each
+    leaf's rows, built for all leaves at once."""
+    out: dict[int, np.ndarray] = {}
+    if not len(leaf):
+        return out
+    leaf = np.asarray(leaf, np.int64)
+    nd = np.asarray(ndims, np.int64)[leaf]
+    for d in np.unique(nd).tolist():
+        idx = np.flatnonzero(nd == d)
+        recs = np.zeros(len(idx), record_dtype(d))
+        for name in RECORD_FIXED.names or ():
+            recs[name] = fixed[name][idx]
+        if d:
+            pick = idx.tolist()
+            recs["start"] = _boxes([starts[i] for i in pick], d)
+            recs["stop"] = _boxes([stops[i] for i in pick], d)
+            keys = recs["start"].T[::-1]
+            order = np.lexsort((*keys, leaf[idx]))
+        else:
+            order = np.argsort(leaf[idx], kind="stable")
+        recs, of = recs[order], leaf[idx][order]
+        cut = np.flatnonzero(np.diff(of)) + 1
+        bounds = [0, *cut.tolist(), len(of)]
+        for a, b in itertools.pairwise(bounds):
+            out[int(of[a])] = recs[a:b]
+    return out
+
+
+def _boxes(rows: list[Any], ndim: int) -> np.ndarray:
+    """(n, ndim) int64 of box corners given as arrays or lists of ndim ints each."""
+    try:  # int64 arrays (a plan's rows), joined as bytes: no call per row
+        flat = np.frombuffer(b"".join(rows), np.int64)
+    except TypeError:  # lists of ints among them
+        flat = np.empty(0, np.int64)
+    if len(flat) != len(rows) * ndim or not all(
+        type(r) is np.ndarray and r.dtype == np.int64 for r in rows
+    ):
+        flat = np.concatenate(rows, dtype=np.int64)
+    return flat.reshape(len(rows), ndim)
 
 
 def decode_header(data: bytes, where: str, process: int, leaves: int) -> int:
@@ -337,4 +398,3 @@ def decode_hashes(data: bytes | memoryview, entry: np.void, ndim: int, where: st
     if len(tail) != 4 or struct.unpack("<I", tail)[0] != crc32c(table, int(entry["crc"])):
         raise CorruptCheckpointError(f"{where}: the chunks' content hashes fail their checksum")
     return np.frombuffer(table, np.uint8).reshape(count, HASH_SIZE)
-

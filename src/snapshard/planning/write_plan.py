@@ -17,7 +17,7 @@ ask another who writes what. Modes:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 from typing import Literal
 
@@ -79,6 +79,7 @@ class WritePlan:
     arrays: tuple[ArrayWritePlan, ...]
     num_processes: int
     load: np.ndarray | None = None  # bytes per process, when the planner counted them
+    _items: dict[int, ProcessItems] = field(default_factory=dict, compare=False, repr=False)
 
     def bytes_per_process(self) -> np.ndarray:
         if self.load is not None:
@@ -110,6 +111,67 @@ class WritePlan:
             ks = a.items_of(process)
             if len(ks):
                 yield i, ks
+
+    def process_items(self, process: int) -> ProcessItems:
+        """The items of `process` that hold bytes, in plan order, as columns; computed
+        once per plan (a save of the same layouts reuses its plan) and for all arrays of
+        one layout at once."""
+        found = self._items.get(process)
+        if found is None:
+            found = self._items[process] = _process_items(self.arrays, process)
+        return found
+
+
+@dataclass(frozen=True)
+class ProcessItems:
+    """The items one process writes, in plan order (by array, then item), as columns: the
+    array of each (index into WritePlan.arrays), its item number in that array's plan, its
+    bytes, and the layout row it is copied from. Items without bytes are left out."""
+
+    array: np.ndarray
+    item: np.ndarray
+    nbytes: np.ndarray
+    source_row: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.array)
+
+
+# Arrays of one layout are matched against its boxes this many (array, box) pairs at a time.
+_MATCH_CELLS = 1 << 22
+
+
+def _process_items(arrays: Sequence[ArrayWritePlan], process: int) -> ProcessItems:
+    cols: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+    alike: dict[int, list[int]] = {}  # id(groups): arrays written box by box from them
+    for i, a in enumerate(arrays):
+        if a.whole_boxes:
+            alike.setdefault(id(a.groups), []).append(i)
+            continue
+        ks = a.items_of(process)
+        cols.append((np.full(len(ks), i, np.int64), ks, a.nbytes[ks], a.source_row[ks]))
+    for members in alike.values():
+        sg = arrays[members[0]].groups
+        pos = sg.candidates_of(process)  # the boxes `process` holds, in candidate order
+        if not len(pos):
+            continue
+        boxes = sg.cand_box[pos]
+        by_box = np.argsort(boxes, kind="stable")
+        boxes, pos = boxes[by_box], pos[by_box]
+        step = max(1, _MATCH_CELLS // len(boxes))
+        for lo in range(0, len(members), step):
+            part = np.asarray(members[lo : lo + step], np.int64)
+            cand = np.stack([arrays[i].cand for i in part.tolist()])
+            # Item k of an array is box k; this process writes it where it was chosen.
+            which, col = np.nonzero(cand[:, boxes] == pos)
+            cols.append((part[which], boxes[col], sg.nbytes[boxes[col]], sg.cand_row[pos[col]]))
+    if not cols:
+        empty = np.zeros(0, np.int64)
+        return ProcessItems(empty, empty, empty, empty)
+    array, item, nbytes, row = (np.concatenate(c) for c in zip(*cols, strict=True))
+    keep = np.flatnonzero(nbytes)
+    order = keep[np.lexsort((item[keep], array[keep]))]
+    return ProcessItems(array[order], item[order], nbytes[order], row[order])
 
 
 def _whole(sg: ShardGroups, choice: np.ndarray) -> ArrayWritePlan:

@@ -1,0 +1,238 @@
+"""A save's data files: its staged items written back to back, their records as columns.
+
+Each plain chunk of one checksum block (every chunk of at most 4 KiB: a state of many small
+arrays is mostly these) is written in bulk: a run of them is checksummed, bound to its
+offsets (format.binding) and joined into one buffer of at most _PIECE_BYTES that goes out
+in one write. Other chunks (larger, compressed) go through format.encoding.write_chunk one
+by one, where the bytes, not the calls, set the time. Both give the same bytes: a file's
+layout is the chunks of its items in their order, each followed by its tables.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, cast
+
+import crc32c as _crc32c
+import numpy as np
+
+from .format.binding import name_key
+from .format.chunks import MIN_CHECKSUM_BLOCK
+from .format.encoding import write_chunk
+from .format.records import RECORD_FIXED, ChunkRecord
+from .staging import StagedItem
+from .storage import FileWriter, Storage
+
+# Writes shorter than this are gathered before they reach the storage (`CoalescingWriter`).
+COALESCE_BYTES = 1 << 20
+# A run of small chunks is joined into buffers of about this many bytes (bounded memory).
+_PIECE_BYTES = 4 << 20
+_MIX = np.uint64(0x9E3779B97F4A7C15)
+
+CodecOf = Callable[[StagedItem], int]
+# crc32c of any C-contiguous array's bytes (a memoryview cannot describe every dtype).
+_crc = cast(Callable[[Any], int], _crc32c.crc32c)
+
+
+class CoalescingWriter(FileWriter):
+    """Writes shorter than COALESCE_BYTES gathered into one buffer and handed on together:
+    a file of many small chunks would otherwise cost two writes (system calls, on local
+    files) per chunk, its bytes and its checksums."""
+
+    def __init__(self, writer: FileWriter) -> None:
+        self.writer = writer
+        self.held = bytearray()
+
+    def write(self, data: memoryview) -> None:
+        if len(data) >= COALESCE_BYTES:
+            self.flush()
+            self.writer.write(data)
+            return
+        self.held += data
+        if len(self.held) >= COALESCE_BYTES:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.held:
+            self.writer.write(memoryview(self.held))
+            self.held = bytearray()
+
+    def close(self) -> int:
+        self.flush()
+        return self.writer.close()
+
+    def abort(self) -> None:
+        self.held = bytearray()
+        self.writer.abort()
+
+
+@dataclass(frozen=True)
+class FileChunks:
+    """A data file just written: its size, and per chunk in file order its item (leaf and
+    box) and its record's fixed fields (format.records.RECORD_FIXED)."""
+
+    size: int
+    items: list[StagedItem]
+    fixed: np.ndarray  # RECORD_FIXED, one per item
+
+    @property
+    def leaves(self) -> np.ndarray:
+        return np.fromiter((it.leaf for it in self.items), np.int64, len(self.items))
+
+    def records(self) -> list[tuple[int, ChunkRecord]]:
+        """The (leaf, record) of each chunk, one object per chunk (the torch wing's DCP
+        storage takes them so)."""
+        rows = self.fixed.tolist()  # tuples of the fixed fields
+        return [
+            (
+                it.leaf,
+                ChunkRecord._make((*f, [int(x) for x in it.start], [int(x) for x in it.stop])),
+            )
+            for it, f in zip(self.items, rows, strict=True)
+        ]
+
+
+def split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
+    """Items into n files of nearly equal size (largest first, each to the lightest file,
+    the first of equally light ones)."""
+    n = max(1, min(n, len(items)))
+    sizes = np.fromiter((it.nbytes for it in items), np.int64, len(items))
+    order = np.argsort(-sizes, kind="stable").tolist()
+    files: list[list[StagedItem]] = [[] for _ in range(n)]
+    if n == 1:
+        return [[items[i] for i in order]] if items else []
+    heap = [(0, j) for j in range(n)]
+    nbytes = sizes.tolist()
+    for i in order:
+        load, j = heap[0]
+        files[j].append(items[i])
+        heapq.heapreplace(heap, (load + nbytes[i], j))
+    return [f for f in files if f]
+
+
+def _small(items: list[StagedItem], codec_of: CodecOf | None) -> np.ndarray:
+    """Per item, whether it is a plain chunk of one checksum block (written in bulk)."""
+    sizes = np.fromiter((it.nbytes for it in items), np.int64, len(items))
+    small = (sizes > 0) & (sizes <= MIN_CHECKSUM_BLOCK)
+    if codec_of is not None:
+        small &= np.fromiter((codec_of(it) == 0 for it in items), bool, len(items))
+    return small
+
+
+def _runs(small: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, bool]]:
+    """The items as runs [i, j): of small chunks (at most about _PIECE_BYTES of output
+    each), or single other chunks."""
+    out: list[tuple[int, int, bool]] = []
+    edges = np.flatnonzero(np.diff(small.astype(np.int8))) + 1
+    for i, j in itertools.pairwise([0, *edges.tolist(), len(small)]):
+        if not small[i]:
+            out.extend((k, k + 1, False) for k in range(i, j))
+            continue
+        piece = np.cumsum(sizes[i:j] + 4) // _PIECE_BYTES  # piece number of each chunk
+        cuts = (np.flatnonzero(np.diff(piece)) + 1 + i).tolist()
+        out.extend((a, b, True) for a, b in itertools.pairwise([i, *cuts, j]))
+    return out
+
+
+def _contiguous(data: Any) -> np.ndarray:
+    """The item's host bytes as one C-contiguous buffer."""
+    if type(data) is np.ndarray and data.flags.c_contiguous:
+        return data
+    return np.ascontiguousarray(data)
+
+
+def _write_run(
+    writer: FileWriter, run: list[StagedItem], file: int, offset: int, file_key: int
+) -> tuple[np.ndarray, int]:
+    """Small plain chunks (one checksum block each) back to back from `offset`: the bytes
+    of each, then its crc32c XOR its chunk key; returns their fixed record fields and the
+    offset after them."""
+    raws = [_contiguous(it.host if it.host is not None else it.materialize()) for it in run]
+    sizes = np.fromiter((it.nbytes for it in run), np.int64, len(run))
+    ends = offset + np.cumsum(sizes + 4)
+    starts = ends - sizes - 4
+    mixed = ((starts.astype(np.uint64) * _MIX) >> np.uint64(32)).astype(np.uint32)
+    crcs = np.fromiter((_crc(r) for r in raws), np.uint32, len(raws))
+    words = np.frombuffer((crcs ^ mixed ^ np.uint32(file_key)).astype("<u4").tobytes(), "V4")
+    parts: list[object] = [None] * (2 * len(run))
+    parts[0::2] = raws
+    parts[1::2] = words.tolist()
+    data = b"".join(parts)  # type: ignore[arg-type]
+    if len(data) != int(ends[-1]) - offset:
+        raise ValueError(f"leaf {run[0].name!r}: staged bytes do not match the planned sizes")
+    writer.write(memoryview(data))
+    fixed = np.zeros(len(run), RECORD_FIXED)
+    fixed["file"] = file
+    fixed["offset"] = starts
+    fixed["nbytes"] = sizes
+    fixed["block"] = sizes
+    fixed["nblocks"] = 1
+    fixed["crc_offset"] = starts + sizes
+    for it in run:
+        it.release()  # the bytes are in the file now: let the host copy go
+    return fixed, int(ends[-1])
+
+
+def _write_one(
+    writer: FileWriter, it: StagedItem, file: int, offset: int, file_key: int, codec: int
+) -> tuple[np.ndarray, int]:
+    row = write_chunk(
+        writer, it.materialize(), it.start, it.stop, file, offset, file_key=file_key, codec=codec
+    )
+    it.release()
+    fixed = np.zeros(1, RECORD_FIXED)
+    fixed[0] = tuple(row)[:7]
+    return fixed, row.end()
+
+
+def write_file(
+    storage: Storage,
+    name: str,
+    items: list[StagedItem],
+    codec_of: CodecOf | None = None,
+    file: int = 0,
+) -> FileChunks:
+    """Write items back to back into data file number `file` named `name`.
+    `codec_of(item)` gives each item's codec (format.encoding; None: nothing compressed)."""
+    writer = CoalescingWriter(storage.open_writer(name))
+    key = name_key(name)
+    parts: list[np.ndarray] = []
+    offset = 0
+    try:
+        sizes = np.fromiter((it.nbytes for it in items), np.int64, len(items))
+        for i, j, small in _runs(_small(items, codec_of), sizes) if items else ():
+            if small:
+                fixed, offset = _write_run(writer, items[i:j], file, offset, key)
+            else:
+                it = items[i]
+                codec = codec_of(it) if codec_of is not None else 0
+                fixed, offset = _write_one(writer, it, file, offset, key, codec)
+            parts.append(fixed)
+        size = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    fixed = np.concatenate(parts) if parts else np.zeros(0, RECORD_FIXED)
+    return FileChunks(size, items, fixed)
+
+
+def write_files(
+    storage: Storage,
+    names: list[str],
+    groups: list[list[StagedItem]],
+    codec_of: CodecOf | None = None,
+) -> list[FileChunks]:
+    """Each group of items into its data file, in parallel (one thread per file)."""
+    if len(groups) <= 1:
+        return [write_file(storage, n, g, codec_of) for n, g in zip(names, groups, strict=True)]
+    with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
+        return list(
+            pool.map(
+                lambda j: write_file(storage, names[j], groups[j], codec_of, j),
+                range(len(groups)),
+            )
+        )

@@ -1,0 +1,172 @@
+"""The save's bulk paths against the chunk-by-chunk definitions they replace: the same data
+file bytes and records (chunk_files), the same record segments (format.records), the same
+items per process (planning.write_plan) and the same leaf descriptions (saving)."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from snapshard import chunk_files
+from snapshard.format import records
+from snapshard.format.binding import name_key
+from snapshard.format.encoding import ZSTD, write_chunk
+from snapshard.planning import plan_writes
+from snapshard.saving import path_json
+from snapshard.staging import StagedItem
+from snapshard.storage import storage_for
+from test_write_plan import layouts
+
+
+def _items(rng: np.random.Generator) -> list[StagedItem]:
+    """Host items of many sizes and kinds: small and multi-block chunks, 0-d arrays, NumPy
+    scalars, non-contiguous views, dtypes a memoryview cannot describe."""
+    out = []
+    for i in range(300):
+        kind = i % 7
+        if kind == 0:
+            host: object = rng.standard_normal((8, 16)).astype(np.float32)
+        elif kind == 1:
+            host = rng.standard_normal((300, 40)).astype(np.float32)  # 48000 bytes: many blocks
+        elif kind == 2:
+            host = np.asarray(rng.standard_normal(), np.float64)  # 0-d
+        elif kind == 3:
+            host = np.float32(rng.standard_normal())  # a NumPy scalar
+        elif kind == 4:
+            host = rng.standard_normal((10, 12)).astype(np.float32)[:, ::3]  # not contiguous
+        elif kind == 5:
+            host = rng.standard_normal((5, 7)).astype(ml_dtypes.bfloat16)
+        else:
+            host = rng.integers(0, 9, int(rng.integers(1, 5000))).astype(np.int8)
+        arr = np.asarray(host)
+        start = np.zeros(arr.ndim, np.int64)
+        stop = np.asarray(arr.shape, np.int64)
+        out.append(StagedItem(i, f"leaf{i}", start, stop, arr.nbytes, host=host))  # type: ignore[arg-type]
+    return out
+
+
+def _one_by_one(path, name, items, codec_of):
+    """The definition: every chunk through write_chunk, in order."""
+    key = name_key(name)
+    data, rows, offset = bytearray(), [], 0
+
+    class Sink:
+        def write(self, b):
+            data.extend(b)
+
+    for it in items:
+        codec = codec_of(it) if codec_of is not None else 0
+        row = write_chunk(Sink(), np.asarray(it.host), it.start, it.stop, 0, offset,
+                          file_key=key, codec=codec)  # fmt: skip
+        rows.append((it.leaf, row))
+        offset = row.end()
+    return bytes(data), rows
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+def test_a_data_file_written_in_bulk_holds_the_bytes_and_records_of_chunk_by_chunk(
+    tmp_path, compressed
+):
+    from snapshard.format import compression
+
+    if compressed and not compression.available():
+        pytest.skip("zstd is not installed")
+    rng = np.random.default_rng(7)
+    # Compressed: every other leaf, so that runs of plain small chunks are cut by others.
+    codec_of = (lambda it: ZSTD if it.leaf % 2 else 0) if compressed else None
+    want_bytes, want_rows = _one_by_one(
+        tmp_path, "data/p00000-abcd0123-0.bin", _items(rng), codec_of
+    )
+    storage = storage_for(tmp_path / "ckpt")
+    storage.prepare_staging()
+    rng = np.random.default_rng(7)
+    got = chunk_files.write_file(storage, "data/p00000-abcd0123-0.bin", _items(rng), codec_of)
+    raw = storage.read_staging("data/p00000-abcd0123-0.bin")
+    assert raw == want_bytes and got.size == len(want_bytes)
+    assert [(leaf, tuple(r)) for leaf, r in got.records()] == [
+        (leaf, tuple(r)) for leaf, r in want_rows
+    ]
+    assert all(it.host is None for it in got.items)  # released once written
+
+
+def test_items_go_to_the_lightest_file_largest_first():
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(1, 50, 400).tolist() + [7] * 100
+    items = [StagedItem(i, "x", np.zeros(0), np.zeros(0), n) for i, n in enumerate(sizes)]
+    for n in (1, 2, 3, 8):
+        want: list[list[int]] = [[] for _ in range(n)]
+        load = [0] * n
+        for it in sorted(items, key=lambda it: -it.nbytes):
+            j = load.index(min(load))
+            want[j].append(it.leaf)
+            load[j] += it.nbytes
+        got = chunk_files.split_files(items, n)
+        assert [[it.leaf for it in f] for f in got] == [w for w in want if w]
+    assert chunk_files.split_files([], 4) == []
+
+
+def _random_rows(rng):
+    ndims = rng.integers(0, 4, int(rng.integers(1, 30))).tolist()
+    rows, seen0 = [], set()
+    for _ in range(int(rng.integers(0, 120))):
+        leaf = int(rng.integers(0, len(ndims)))
+        d = ndims[leaf]
+        if d == 0 and leaf in seen0:
+            continue
+        seen0.add(leaf)
+        start = rng.integers(0, 4, d)
+        fixed = tuple(int(x) for x in rng.integers(0, 1 << 30, 7))
+        rows.append((leaf, records.ChunkRecord(*fixed, start.tolist(), (start + 1).tolist())))
+    return ndims, rows
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_record_segments_built_for_all_leaves_at_once_are_those_of_each_leaf(seed):
+    rng = np.random.default_rng(seed)
+    ndims, rows = _random_rows(rng)
+    by_leaf: dict[int, list] = {}
+    for leaf, row in rows:
+        by_leaf.setdefault(leaf, []).append(row)
+    want = {leaf: records.records_of(rs, ndims[leaf]) for leaf, rs in by_leaf.items()}
+    fixed = np.zeros(len(rows), records.RECORD_FIXED)
+    for i, (_, row) in enumerate(rows):
+        fixed[i] = tuple(row)[:7]
+    # Boxes as a plan gives them (int64 arrays) for some chunks, as lists for others.
+    starts = [np.asarray(r.start, np.int64) if i % 2 else r.start for i, (_, r) in enumerate(rows)]
+    stops = [np.asarray(r.stop, np.int64) for _, r in rows]
+    leaf = np.asarray([x for x, _ in rows], np.int64)
+    got = records.sorted_segments(leaf, fixed, starts, stops, ndims)
+    assert got.keys() == want.keys()
+    assert all(got[k].tobytes() == want[k].tobytes() for k in want)
+    digests = np.zeros(len(ndims), records.DIGEST)
+    encoded = records.encode(1, ndims, got, digests, salt=5)
+    assert encoded == records.encode(1, ndims, want, digests, salt=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.sampled_from(["single_replica", "replica_parallel", "balanced", "auto"]))
+def test_a_process_s_items_found_in_bulk_are_those_of_each_array(lays, mode):
+    lays = lays + lays[:1]  # two arrays of one layout: matched together
+    num = max(int(la.process_ids.max()) for la in lays) + 1
+    plan = plan_writes(lays, mode, num_processes=num, min_band_bytes=16)
+    for q in range(num):
+        want = [
+            (a, k, int(p.nbytes[k]), int(p.source_row[k]))
+            for a, p in enumerate(plan.arrays)
+            for k in p.items_of(q).tolist()
+            if p.nbytes[k]
+        ]
+        t = plan.process_items(q)
+        got = list(zip(t.array.tolist(), t.item.tolist(), t.nbytes.tolist(),
+                       t.source_row.tolist(), strict=True))  # fmt: skip
+        assert got == want
+
+
+@pytest.mark.parametrize("path", [(), ("a",), ("layers", 3, "w"), ('ü"q\\', 0), ("x\n", -1, "")])
+def test_a_path_is_described_as_json_dumps_would(path):
+    assert path_json(path) == json.dumps(list(path))
