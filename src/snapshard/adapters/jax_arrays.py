@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from ..errors import TargetMismatchError
-from ..planning.layout import ArrayLayout, slices_to_box
+from ..planning.layout import ArrayLayout, Box, slices_to_box
 from .leaves import MeshSpec
 
 Index = tuple[slice, ...]
@@ -158,13 +158,33 @@ def array_from_host_boxes(
         and cpu_donation_keeps_memory()
     ):
         return _replicated_on_devices(shape, sharding, boxes)
+    if len(boxes) == 1:  # every local device holds the one box
+        only = boxes[0][2]
+        return jax.make_array_from_callback(shape, sharding, lambda _: only)
     hosts = {(start, stop): host for start, stop, host, _ in boxes}
+    known = _index_boxes(sharding, shape)
 
     def host_of(index: Index | None) -> np.ndarray:
         assert index is not None  # shards of jax.Arrays have indices
-        return hosts[slices_to_box(index, shape)]
+        hit = known.get(id(index))
+        box = hit[1] if hit is not None and hit[0] is index else slices_to_box(index, shape)
+        return hosts[box]
 
     return jax.make_array_from_callback(shape, sharding, host_of)
+
+
+@lru_cache(maxsize=4096)
+def _index_boxes(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
+) -> dict[int, tuple[Index, Box]]:
+    """The box of each local device's index, keyed by the index object (JAX caches the
+    indices of a sharding and shape, so a restore of many arrays sharded alike meets the
+    same ones again; the index is kept, so its id stays its own)."""
+    return {
+        id(idx): (idx, slices_to_box(idx, shape))
+        for idx in sharding.addressable_devices_indices_map(shape).values()
+        if idx is not None
+    }
 
 
 def _replicated_on_devices(

@@ -5,7 +5,7 @@ which processes may have written chunks a box overlaps (narrowed by the leaf's `
 where listed). Their directory entries and record segments are fetched with ranged reads,
 coalesced per record file, and checked against their checksums and the manifest's bounds
 before a single data byte is read. The planner's tiling guarantees the chunks found cover
-every box; the restore checks that too (see restore.plan_tasks).
+every box; the restore checks that too (see reading.plan_reads).
 """
 
 from __future__ import annotations
@@ -186,33 +186,72 @@ class ChunkFinder:
                 out[(x, y)] = bytes(buf[x - a : y - a])
         return [out[r] for r in ranges]
 
-    def _fetch_process(self, q: int, leaves: list[int]) -> dict[int, rec.Records]:
+    def _read_spans(self, name: str, lo: np.ndarray, hi: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """Byte ranges [lo, hi) of one committed file (sorted by lo, not overlapping), read
+        with ranges that (nearly) touch merged: the bytes of every range back to back, and
+        where each starts in them."""
+        if not len(lo):
+            return b"", np.zeros(0, np.int64)
+        heads = np.ones(len(lo), bool)
+        heads[1:] = lo[1:] > hi[:-1] + _MERGE_GAP
+        first = np.flatnonzero(heads)
+        last = np.append(first[1:], len(lo)) - 1
+        parts, pos, at = [], np.empty(len(lo), np.int64), 0
+        for i, j in zip(first.tolist(), last.tolist(), strict=True):
+            a, b = int(lo[i]), int(hi[i : j + 1].max())
+            buf = bytearray(b - a)
+            if b > a:
+                self.storage.read_into(name, a, [memoryview(buf)])
+            with self._lock:
+                self.metadata_bytes += b - a
+            pos[i : j + 1] = at + lo[i : j + 1] - a
+            parts.append(buf)
+            at += b - a
+        return b"".join(parts), pos
+
+    def _fetch_process(self, q: int, leaves: list[int]) -> dict[int, _Fetched]:
+        """Process q's records of `leaves` (manifest leaf indices, ascending), read and
+        checked together: per number of axes, the records of every such leaf back to back."""
         m = self.manifest
         assert m.processes is not None
         name = m.processes.record_name(q)
         size = m.processes.record_sizes[q]
         where = f"{self.storage.url}/{name}"
         n = len(m.leaves)
-        end = rec.directory_offset(n)
-        if end > size:
+        if rec.directory_offset(n) > size:
             raise CorruptCheckpointError(f"{where}: record file is smaller than its directory")
-        entries = self._read(
-            name, [(rec.directory_offset(a), rec.directory_offset(a + 1)) for a in leaves]
-        )
-        wanted: list[tuple[int, np.void, int, tuple[int, int]]] = []
-        for a, raw in zip(leaves, entries, strict=True):
-            e = rec.decode_entries(raw)[0]
-            leaf = m.leaves[a]
-            assert isinstance(leaf, ArrayLeaf)
-            off, length = rec.check_entry(e, len(leaf.shape), size, where)
-            if length:
-                wanted.append((a, e, len(leaf.shape), (off, off + length)))
-        segments = self._read(name, [r for *_, r in wanted])
+        a = np.asarray(leaves, np.int64)
+        at = rec.HEADER_SIZE + a * rec.DIR_ENTRY_SIZE
+        raw, pos = self._read_spans(name, at, at + rec.DIR_ENTRY_SIZE)
+        whole = np.frombuffer(raw, rec.DIR_ENTRY)
+        entries = whole[pos // rec.DIR_ENTRY_SIZE]
+        ndim = self._ndims()[a]
+        count = entries["count"].astype(np.int64)
+        offset = entries["offset"].astype(np.int64)
+        length = count * (rec.RECORD_FIXED.itemsize + 16 * ndim)
+        bad = (count > 0) & ((offset < rec.HEADER_SIZE) | (offset + length > size))
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise CorruptCheckpointError(
+                f"{where}: directory entry points outside the record file "
+                f"({int(count[i])} records at {int(offset[i])})"
+            )
+        has = np.flatnonzero(count > 0)
+        order = has[np.argsort(offset[has], kind="stable")]
+        raw, pos = self._read_spans(name, offset[order], offset[order] + length[order])
         salt = name_key(name) if m.bound else 0
-        return {
-            a: rec.decode_segment(raw, e, nd, q, a, f"{where}, leaf {m.leaves[a].name!r}", salt)
-            for (a, e, nd, _), raw in zip(wanted, segments, strict=True)
-        }
+        view = memoryview(raw)
+        got = [(int(a[i]), view[p : p + int(length[i])]) for i, p in zip(order.tolist(), pos.tolist(), strict=True)]
+        crcs = entries["crc"][order].tolist()
+        for (leaf, data), crc in zip(got, crcs, strict=True):
+            if rec.segment_crc(data, q, leaf, salt) != crc:
+                raise CorruptCheckpointError(
+                    f"{where}, leaf {m.leaves[leaf].name!r}: chunk records fail their checksum"
+                )
+        by_ndim: dict[int, list[tuple[int, memoryview]]] = {}
+        for (leaf, data), nd in zip(got, ndim[order].tolist(), strict=True):
+            by_ndim.setdefault(nd, []).append((leaf, data))
+        return {nd: _Fetched.decode(q, group, nd) for nd, group in by_ndim.items()}
 
     def hashed_records(
         self, wants: Sequence[tuple[ArrayLeaf, Sequence[BoundsArrays]]], hash_fn: int
@@ -293,16 +332,17 @@ class ChunkFinder:
                 procs = memo[key] = self.candidates(leaf, boxes)
             for q in procs.tolist():
                 by_process.setdefault(q, []).append(a)
-        found: dict[int, list[tuple[int, rec.Records]]] = {a: [] for a in leaves}
-        items = sorted(by_process.items())
+        items = sorted((q, sorted(a)) for q, a in by_process.items())
         if self.threads > 1 and len(items) > 1:
             with ThreadPoolExecutor(min(self.threads, len(items)), "snapshard-records") as pool:
                 results = list(pool.map(lambda qa: self._fetch_process(*qa), items))
         else:
             results = [self._fetch_process(q, a) for q, a in items]
-        for (q, _), got in zip(items, results, strict=True):
-            for a, r in got.items():
-                found[a].append((q, r))
+        found: dict[int, list[tuple[ChunkTable, bool]]] = {a: [] for a in leaves}
+        for got in results:
+            for fetched in got.values():
+                for a, t, in_order in fetched.tables(self):
+                    found[a].append((t, in_order))
         built: list[tuple[ArrayLeaf, ChunkTable, str]] = []
         for a, leaf in leaves.items():
             where = f"{self.storage.url}, leaf {leaf.name!r}"
@@ -320,57 +360,31 @@ class ChunkFinder:
         return out
 
     def _table(
-        self, leaf: ArrayLeaf, parts: list[tuple[int, rec.Records]], where: str
+        self, leaf: ArrayLeaf, parts: list[tuple[ChunkTable, bool]], where: str
     ) -> ChunkTable:
-        """The leaf's chunks from the records of the processes that hold them, in box
-        order, with global file numbers (check_chunk_tables checks them after). `where`
-        names the leaf in errors."""
-        m = self.manifest
-        assert m.processes is not None
-        base, nfiles_of, _, file_keys = self._per_process()
-        dt = NAME_TO_DTYPE.get(leaf.dtype)
-        if dt is None:
+        """The leaf's chunks from the tables of the processes that hold them (each with
+        whether it is in box order), in box order (check_chunk_tables checks them after).
+        `where` names the leaf in errors."""
+        if leaf.dtype not in NAME_TO_DTYPE:
             raise CorruptCheckpointError(f"{where}: unknown dtype {leaf.dtype!r}")
-        tables = []
-        own = int(base[-1])
-        for q, r in parts:
-            codec = None
-            if r.flags.any():  # references or codecs (most records have no flags at all)
-                ref = (r.flags & rec.FLAG_REFERENCE) != 0
-                codec = (r.flags & rec.CODEC_MASK) >> rec.CODEC_SHIFT
-                _check_flags(r.flags, codec, f"{where}: a record of {m.processes.record_name(q)}")
-                bad_file = bool(
-                    np.any(r.file[~ref] >= nfiles_of[q]) or np.any(r.file[ref] >= len(m.refs))
-                )
-                files = np.where(ref, own + r.file, base[q] + r.file)
-            else:
-                bad_file = bool((r.file >= nfiles_of[q]).any())
-                files = base[q] + r.file
-            if bad_file:
-                raise CorruptCheckpointError(
-                    f"{where}: a record of process {q} names a file it did not write"
-                )
-            tables.append(
-                ChunkTable(
-                    r.starts,
-                    r.stops,
-                    files,
-                    r.offset,
-                    r.nbytes,
-                    r.block,
-                    [],
-                    r.crc_offset,
-                    (r.flags & rec.CODEC_MASK) if codec is not None and codec.any() else None,
-                    file_keys,
-                    r.nblocks,
-                )
-            )
-        t = tables[0] if len(tables) == 1 else ChunkTable.concat(tables, len(leaf.shape))
-        t = t.sorted_by_box()
+        if len(parts) == 1:
+            t, in_order = parts[0]
+            t = t if in_order else t.sorted_by_box()
+        else:
+            t = ChunkTable.concat([t for t, _ in parts], len(leaf.shape)).sorted_by_box()
         _check_found(leaf, t, where)
-        if t.crc_offset is None:
-            t.crc_offset = np.zeros(len(t), np.int64)
         return t
+
+    def _ndims(self) -> np.ndarray:
+        """Each leaf's number of axes (0 for leaves without chunks), computed once."""
+        got = self.__dict__.get("_ndims_cache")
+        if got is None:
+            got = np.asarray(
+                [len(x.shape) if isinstance(x, ArrayLeaf) else 0 for x in self.manifest.leaves],
+                np.int64,
+            )
+            self.__dict__["_ndims_cache"] = got
+        return got
 
     def _per_process(self) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray | None]:
         """Each process's first global file number, its data file count, every data file's
@@ -396,6 +410,90 @@ class ChunkFinder:
                 f"the manifest says {leaf.chunk_count}"
             )
         return t
+
+
+@dataclass
+class _Fetched:
+    """One process's records of several leaves with the same number of axes, decoded in
+    one pass: the records of leaf `leaves[i]` are rows bounds[i]:bounds[i + 1] of `recs`.
+    A restore of many small arrays would otherwise pay NumPy's cost per call per leaf."""
+
+    process: int
+    leaves: list[int]
+    bounds: np.ndarray
+    recs: np.ndarray  # record_dtype(ndim) rows
+
+    @staticmethod
+    def decode(process: int, group: list[tuple[int, memoryview]], ndim: int) -> _Fetched:
+        dt = rec.record_dtype(ndim)
+        recs = np.frombuffer(b"".join(d for _, d in group), dt)
+        counts = np.asarray([len(d) // dt.itemsize for _, d in group], np.int64)
+        bounds = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
+        return _Fetched(process, [a for a, _ in group], bounds, recs)
+
+    def _where(self, finder: ChunkFinder, row: int) -> str:
+        a = self.leaves[int(np.searchsorted(self.bounds, row, side="right")) - 1]
+        return f"{finder.storage.url}, leaf {finder.manifest.leaves[a].name!r}"
+
+    def tables(self, finder: ChunkFinder) -> list[tuple[int, ChunkTable, bool]]:
+        """Per leaf: its chunk table from this process (global file numbers, flags
+        checked) and whether its records are in box order (as saves write them)."""
+        m, q, r = finder.manifest, self.process, self.recs
+        assert m.processes is not None
+        base, nfiles_of, _, file_keys = finder._per_process()
+        n, nd = len(r), r["start"].shape[1] if r["start"].ndim > 1 else 0
+        starts = r["start"].astype(np.int64).reshape(n, nd)
+        stops = r["stop"].astype(np.int64).reshape(n, nd)
+        file, flags = r["file"].astype(np.int64), r["flags"].astype(np.int64)
+        codec = None
+        if flags.any():  # references or codecs (most records have no flags at all)
+            ref = (flags & rec.FLAG_REFERENCE) != 0
+            codec = (flags & rec.CODEC_MASK) >> rec.CODEC_SHIFT
+            unknown = ((flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)) != 0) | (codec > max(rec.CODECS))
+            if unknown.any():
+                i = int(np.flatnonzero(unknown)[0])
+                _check_flags(flags[i : i + 1], codec[i : i + 1],
+                             f"{self._where(finder, i)}: a record of {m.processes.record_name(q)}")  # fmt: skip
+            bad = np.where(ref, file >= len(m.refs), file >= nfiles_of[q])
+            file = np.where(ref, int(base[-1]) + file, base[q] + file)
+        else:
+            bad = file >= nfiles_of[q]
+            file = base[q] + file
+        if bad.any():
+            raise CorruptCheckpointError(
+                f"{self._where(finder, int(np.flatnonzero(bad)[0]))}: a record of process {q} "
+                "names a file it did not write"
+            )
+        cols = [r[k].astype(np.int64) for k in ("offset", "nbytes", "block", "crc_offset", "nblocks")]
+        codecs = None if codec is None else flags & rec.CODEC_MASK
+        in_order = rows_in_order(starts, self.bounds)
+        out = []
+        for i, a in enumerate(self.leaves):
+            lo, hi = int(self.bounds[i]), int(self.bounds[i + 1])
+            offset, nbytes, block, crc_offset, nblocks = (c[lo:hi] for c in cols)
+            leaf_codecs = None if codecs is None or not codecs[lo:hi].any() else codecs[lo:hi]
+            t = ChunkTable(starts[lo:hi], stops[lo:hi], file[lo:hi], offset, nbytes, block, [],
+                           crc_offset, leaf_codecs, file_keys, nblocks)  # fmt: skip
+            out.append((a, t, bool(in_order[i])))
+        return out
+
+
+def rows_in_order(starts: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Per group of rows bounds[i]:bounds[i + 1] of `starts`: whether its rows are sorted
+    (lexicographically, ties allowed), for all groups at once."""
+    groups = len(bounds) - 1
+    if len(starts) < 2 or starts.shape[1] == 0:
+        return np.ones(groups, bool)
+    diff = starts[1:] - starts[:-1]
+    first = np.argmax(diff != 0, axis=1)  # the first axis where consecutive rows differ
+    ok = diff[np.arange(len(diff)), first] >= 0
+    bad_rows = np.flatnonzero(~ok) + 1  # row r is out of order with row r - 1
+    out = np.ones(groups, bool)
+    if len(bad_rows):
+        g = np.searchsorted(bounds, bad_rows, side="right") - 1
+        inside = bad_rows > bounds[g]  # (a pair across two groups says nothing)
+        out[g[inside]] = False
+    return out
 
 
 def _check_flags(flags: np.ndarray, codec: np.ndarray, where: str) -> None:

@@ -128,7 +128,7 @@ ReadUnit = ReadTask | ChunkRun
 _DENSE = 0.98
 
 # Small reads are handed to the read threads in jobs of up to this many bytes (`jobs`).
-_JOB_BYTES = 1 << 20
+JOB_BYTES = 1 << 20
 _JOBS_PER_THREAD = 4
 
 
@@ -138,17 +138,19 @@ def verified(verify: bool, t: ChunkTable, c: int) -> bool:
 
 
 def _covered(
-    index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str, seen: dict[Any, np.ndarray]
-) -> np.ndarray:
-    """The chunks overlapping dest `d`, after checking that they tile its box exactly once
-    (the planner guarantees it for what snapshard writes; a damaged checkpoint may not).
-    Arrays sharing their chunk boxes share the answer (`seen`)."""
-    key = (id(index), d.start.tobytes(), d.stop.tobytes())
+    index: ChunkIndex, t: ChunkTable, d: Dest, url: str, seen: dict[Any, tuple[int, np.ndarray]]
+) -> tuple[int, np.ndarray]:
+    """The chunk whose box is exactly dest `d`'s (-1: none) and the chunks overlapping it,
+    after checking that they tile its box exactly once (the planner guarantees it for what
+    snapshard writes; a damaged checkpoint may not). Arrays sharing their chunk boxes share
+    the answer (`seen`, keyed by the objects: dests of arrays alike share their box arrays,
+    and every key's objects live as long as the plan)."""
+    key = (id(index), id(d.start), id(d.stop))
     done = seen.get(key)
-    if done is not None:
-        return done
-    over = seen[key] = _check_cover(index, t, d, exact, url)
-    return over
+    if done is None:
+        exact = index.exact(d.start, d.stop) if t.stores_own_boxes else -1
+        done = seen[key] = (exact, _check_cover(index, t, d, exact, url))
+    return done
 
 
 def _check_cover(index: ChunkIndex, t: ChunkTable, d: Dest, exact: int, url: str) -> np.ndarray:
@@ -199,7 +201,7 @@ class _WholeChunks:
     """Destination boxes that are exactly one whole chunk each, as columns (see ChunkRun).
 
     A chunk qualifies when it is one checksum block, uncompressed, its checksum right after
-    it (what a save writes for small chunks); `whole_mask` says which chunks of a table do."""
+    it (what a save writes for small chunks), and fills the destination."""
 
     def __init__(self) -> None:
         self.dest: list[int] = []
@@ -209,27 +211,22 @@ class _WholeChunks:
         self.chunk: list[int] = []
         self.file_key: list[int] = []  # of the chunk's file, where the table binds checksums
         self.bound: list[bool] = []
-        self._masks: dict[int, np.ndarray] = {}
 
-    def whole_mask(self, t: ChunkTable) -> np.ndarray:
-        m = self._masks.get(id(t))
-        if m is None:
-            m = np.zeros(len(t), bool)
-            if t.crc_offset is not None:
-                m = (t.nbytes > 0) & (t.nbytes <= t.block) & (t.crc_offset == t.offset + t.nbytes)
-                if t.flags is not None:
-                    m &= t.flags == 0
-            self._masks[id(t)] = m
-        return m
-
-    def add(self, di: int, t: ChunkTable, c: int) -> None:
+    def add(self, di: int, d: Dest, t: ChunkTable, c: int) -> bool:
+        """Take dest `di` (`d`), exactly chunk `c` of `t`, if the chunk qualifies."""
+        if t.crc_offset is None or (t.flags is not None and t.flags[c]):
+            return False
+        offset, n = int(t.offset[c]), int(t.nbytes[c])
+        if not 0 < n <= t.block[c] or t.crc_offset[c] != offset + n or d.buf.nbytes != n:
+            return False
         self.dest.append(di)
         self.file.append(int(t.file[c]))
-        self.offset.append(int(t.offset[c]))
-        self.nbytes.append(int(t.nbytes[c]))
+        self.offset.append(offset)
+        self.nbytes.append(n)
         self.chunk.append(c)
         self.bound.append(t.file_keys is not None)
         self.file_key.append(0 if t.file_keys is None else int(t.file_keys[t.file[c]]))
+        return True
 
 
 _Overlaps = dict[tuple[int, int], list[tuple[int, RunGrid]]]
@@ -243,7 +240,7 @@ def _overlaps(
     # Arrays with the same chunk boxes share their box columns (interned when the manifest is
     # read), hence one index.
     indexes: dict[int, ChunkIndex] = {}
-    covered: dict[Any, np.ndarray] = {}
+    covered: dict[Any, tuple[int, np.ndarray]] = {}
     grid_cache: dict[Any, RunGrid] = {}  # overlaps of arrays with equal boxes are equal
     whole = _WholeChunks()
     per_chunk: _Overlaps = {}
@@ -257,12 +254,9 @@ def _overlaps(
         if index is None:
             index = indexes[id(t.starts)] = ChunkIndex(t.starts, t.stops)
         stats.bytes_needed += d.buf.nbytes
-        exact = index.exact(d.start, d.stop) if t.stores_own_boxes else -1
-        over = _covered(index, t, d, exact, url, covered)
+        exact, over = _covered(index, t, d, url, covered)
         if exact >= 0:  # the box is a chunk: one run, the whole of both
-            if whole.whole_mask(t)[exact]:
-                whole.add(di, t, exact)
-            else:
+            if not whole.add(di, d, t, exact):
                 per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
             continue
         itemsize = dtype_from_name(leaf.dtype).itemsize
@@ -283,7 +277,7 @@ def _chunk_runs(
     whole: _WholeChunks, files: Sequence[FileEntry], verify: bool, stats: ReadStats
 ) -> list[ChunkRun]:
     """The whole chunks in file order, cut into ChunkRuns where the next chunk does not
-    follow the last one's checksum or the run would pass _JOB_BYTES: a restore of many
+    follow the last one's checksum or the run would pass JOB_BYTES: a restore of many
     small arrays would otherwise pay Python's cost of a read per chunk."""
     n = len(whole.dest)
     if not n:
@@ -299,7 +293,7 @@ def _chunk_runs(
     keys = np.where(bound, chunk_keys(np.asarray(whole.file_key, np.int64)[order], offset), 0)
     stats.chunks_touched += n
     stats.bytes_read += int(nbytes.sum()) + 4 * n
-    starts = _run_starts(file, offset, nbytes)
+    starts = run_starts(file, offset, nbytes)
     out = []
     for a, b in zip(starts.tolist(), [*starts[1:].tolist(), n], strict=True):
         size = int(offset[b - 1] + nbytes[b - 1] + 4 - offset[a])
@@ -311,14 +305,14 @@ def _chunk_runs(
     return out
 
 
-def _run_starts(file: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+def run_starts(file: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
     """Where runs start among chunks sorted by (file, offset): at a new file, at a gap, and
-    within a stretch of chunks back to back each time it passes another _JOB_BYTES."""
+    within a stretch of chunks back to back each time it passes another JOB_BYTES."""
     ends = offset + nbytes + 4  # each chunk and its checksum
     breaks = np.ones(len(file), bool)
     breaks[1:] = (file[1:] != file[:-1]) | (offset[1:] != ends[:-1])
     stretch = np.cumsum(breaks) - 1
-    bucket = (ends - offset[np.flatnonzero(breaks)][stretch] - 1) // _JOB_BYTES
+    bucket = (ends - offset[np.flatnonzero(breaks)][stretch] - 1) // JOB_BYTES
     breaks[1:] |= bucket[1:] != bucket[:-1]
     return np.flatnonzero(breaks)
 
@@ -370,12 +364,12 @@ def _coalesce_grids(
 
 def jobs(units: list[ReadUnit], threads: int) -> list[list[ReadUnit]]:
     """Consecutive reads (largest first) grouped into the read threads' jobs: a large read
-    alone, small ones together up to _JOB_BYTES, and at least _JOBS_PER_THREAD jobs per
+    alone, small ones together up to JOB_BYTES, and at least _JOBS_PER_THREAD jobs per
     thread where there are reads enough, so that the threads still share the work evenly.
     A restore of many small arrays would otherwise pay the pool's submit and lock per read,
     more than the read itself."""
     sizes = [u.size for u in units]
-    limit = max(1, min(_JOB_BYTES, sum(sizes) // (threads * _JOBS_PER_THREAD)))
+    limit = max(1, min(JOB_BYTES, sum(sizes) // (threads * _JOBS_PER_THREAD)))
     out: list[list[ReadUnit]] = []
     held = limit
     for t, n in zip(units, sizes, strict=True):
