@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import snapshard
 from snapshard.errors import ChecksumMismatchError, CorruptCheckpointError
 from snapshard.format.binding import chunk_key, chunk_keys
-from snapshard.format.finder import rows_in_order
+from snapshard.format.finder import rows_in_order, span_heads
 from snapshard.reading.plan import JOB_BYTES, run_starts
 
 
@@ -136,3 +136,23 @@ def test_records_out_of_box_order_are_sorted(tmp_path: object) -> None:
     Path(idx).write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match="leaf 'b'"):
         snapshard.load(path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 3000)), min_size=1, max_size=40))
+def test_record_spans_read_little_beyond_their_ranges(gaps: list[tuple[int, int]]) -> None:
+    """Ranges laid out with gaps: every span starts at a range and reads at most 1.25 times
+    what its ranges need, plus at most 512 bytes per range (gaps that small always join)."""
+    lo, hi, at = [], [], 0
+    for gap, n in gaps:
+        at += gap
+        lo.append(at)
+        hi.append(at + n)
+        at += n
+    heads = span_heads(np.asarray(lo, np.int64), np.asarray(hi, np.int64)).tolist()
+    assert heads[0] == 0 and heads == sorted(set(heads))
+    for a, b in zip(heads, [*heads[1:], len(lo)], strict=True):
+        need = sum(hi[i] - lo[i] for i in range(a, b))
+        assert hi[b - 1] - lo[a] <= 1.25 * need + 512 * (b - a)
+    for i in heads[1:]:  # and a span ends only where the next range would cost too much
+        assert lo[i] - hi[i - 1] > 512

@@ -35,8 +35,12 @@ if TYPE_CHECKING:
     from ..storage import Storage
 
 BoundsArrays = tuple[np.ndarray, np.ndarray]  # a box as (start, stop) arrays
-# Reads of one record file closer than this are merged into one.
+# Reads of one record file closer than this are merged into one (`ChunkFinder._read`).
 _MERGE_GAP = 64 << 10
+# Record reads of a restore (`span_heads`): ranges this close always share a request; a
+# span of ranges is read whole while it is at most this many times the bytes they need.
+_TOUCH_GAP = 512
+_SPAN_SLACK = 1.25
 # Record reads are small and bound by the store's latency (two requests in a row per record
 # file: directory entries, then segments), and a restore touches hundreds of record files
 # (the writers of replicated arrays are spread over the job): many run at once.
@@ -187,14 +191,12 @@ class ChunkFinder:
         return [out[r] for r in ranges]
 
     def _read_spans(self, name: str, lo: np.ndarray, hi: np.ndarray) -> tuple[bytes, np.ndarray]:
-        """Byte ranges [lo, hi) of one committed file (sorted by lo, not overlapping), read
-        with ranges that (nearly) touch merged: the bytes of every range back to back, and
-        where each starts in them."""
+        """Byte ranges [lo, hi) of one committed file (sorted by lo), read in spans
+        (`span_heads`): the bytes of every range back to back, and where each starts in
+        them."""
         if not len(lo):
             return b"", np.zeros(0, np.int64)
-        heads = np.ones(len(lo), bool)
-        heads[1:] = lo[1:] > hi[:-1] + _MERGE_GAP
-        first = np.flatnonzero(heads)
+        first = span_heads(lo, hi)
         last = np.append(first[1:], len(lo)) - 1
         parts, pos, at = [], np.empty(len(lo), np.int64), 0
         for i, j in zip(first.tolist(), last.tolist(), strict=True):
@@ -411,6 +413,24 @@ class ChunkFinder:
             )
         return t
 
+
+
+def span_heads(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Where the spans that read byte ranges [lo, hi) (sorted by lo) start: a range joins
+    the span before it where the bytes between cost less than a request, i.e. where they
+    are few (_TOUCH_GAP) or the span would still be at most _SPAN_SLACK times the bytes its
+    ranges need. A reader of a few leaves of each of many record files then reads about
+    what it needs, and a reader of most of a file reads it with few requests."""
+    heads = [0]
+    start, end, need = int(lo[0]), int(hi[0]), int(hi[0] - lo[0])
+    for i, (a, b) in enumerate(zip(lo[1:].tolist(), hi[1:].tolist(), strict=True), 1):
+        span = max(end, b) - start
+        if a - end <= _TOUCH_GAP or span <= _SPAN_SLACK * (need + b - a):
+            end, need = max(end, b), need + b - a
+        else:
+            heads.append(i)
+            start, end, need = a, b, b - a
+    return np.asarray(heads, np.int64)
 
 @dataclass
 class _Fetched:

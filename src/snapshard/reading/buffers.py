@@ -53,7 +53,7 @@ def aligned_empty(nbytes: int) -> np.ndarray:
     return raw[off : off + nbytes]
 
 
-@dataclass
+@dataclass(slots=True)  # (a restore of many small arrays makes one per shard)
 class Dest:
     """One host buffer to fill: box [start, stop) of a saved array."""
 

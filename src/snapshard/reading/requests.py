@@ -95,6 +95,24 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
     return request_boxes(Request(saved, "jax", out_dtype, sharding), sharding)
 
 
+_BoxKey = tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]], ...]
+_box_plans: dict[tuple[int, int], tuple[_BoxKey, _BoxPlan]] = {}
+
+
+def _box_plan_of(boxes: _BoxKey, itemsize: int) -> _BoxPlan:
+    """_box_plan, looked up by the boxes object (local_device_boxes gives arrays sharded
+    alike the same one): hashing the boxes, devices and all, would cost more than the
+    plan saves. The entry keeps the object, so its id stays its own."""
+    hit = _box_plans.get((id(boxes), itemsize))
+    if hit is not None and hit[0] is boxes:
+        return hit[1]
+    if len(_box_plans) >= 4096:
+        _box_plans.clear()
+    plan = _box_plan(boxes, itemsize)
+    _box_plans[(id(boxes), itemsize)] = (boxes, plan)
+    return plan
+
+
 @functools.lru_cache(maxsize=4096)
 def _box_plan(
     boxes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]], ...], itemsize: int
@@ -121,7 +139,7 @@ def request_boxes(req: Request, sharding: Any) -> Request:
     else:
         from ..adapters.jax_arrays import local_device_boxes
 
-        plan = _box_plan(local_device_boxes(sharding, shape), itemsize)
+        plan = _box_plan_of(local_device_boxes(sharding, shape), itemsize)
     # One allocation per leaf: a buffer per box would cost an allocation per shard.
     whole = aligned_empty(plan.offsets[-1])
     req.box_plan = plan
