@@ -8,7 +8,8 @@ interpreter and the CLI's import (`import`), and the read of A's manifest alone
 (`manifest`: parsed and validated, format.reading.read_checkpoint), which every command but
 `ls` of a directory pays before it does its own work. With `--baseline REV` each command
 also runs with the library as of git commit REV (put first on PYTHONPATH), paired per
-repeat: the figures before and after a change, side by side.
+repeat: the figures before and after a change, side by side; `--at REV` measures the
+library as of REV instead of the working tree.
 
     python bench/bench_cli.py --leaves 1000,10000,100000 --repeats 3
     python bench/bench_cli.py --leaves 100000 --repeats 3 --baseline HEAD~3
@@ -84,8 +85,8 @@ def _make_job(n: int, kind: str, run: str) -> None:
     snapshard.save(os.path.join(run, "2"), b)
 
 
-def _make(n: int, kind: str, run: str) -> None:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def _make(n: int, kind: str, run: str, pythonpath: str) -> None:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": pythonpath}
     if kind == "mesh":
         env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     cmd = [sys.executable, __file__, "--make", str(n), "--kind", kind, "--into", run]
@@ -114,7 +115,7 @@ def _one_size(n: int, args: argparse.Namespace, paths: dict[str, str]) -> list[d
     run = os.path.join(bc.bench_dir(), "cli", f"run-{args.kind}-{n}")
     bc.fresh_dir(run)
     t = time.perf_counter()
-    _make(n, args.kind, run)
+    _make(n, args.kind, run, paths["now"])
     print(f"{n} leaves: made the run in {time.perf_counter() - t:.1f} s", flush=True)
     where = {"run": run, "a": os.path.join(run, "1"), "b": os.path.join(run, "2")}
     jobs: list[tuple[str, str, str, list[str]]] = []  # (name, version, code, argv)
@@ -211,6 +212,12 @@ def main() -> None:
         "--baseline", default=None, metavar="REV", help="also run the library as of this git commit"
     )
     ap.add_argument(
+        "--at",
+        default=None,
+        metavar="REV",
+        help="measure the library as of this git commit, not the working tree",
+    )
+    ap.add_argument(
         "--only", default=None, help="commands to run, comma-separated (names as printed)"
     )
     ap.add_argument("--out", default=None, help="JSON-lines file (default: bench/results/...)")
@@ -227,8 +234,10 @@ def main() -> None:
     os.makedirs(os.path.dirname(out), exist_ok=True)
     paths = {"now": os.path.join(ROOT, "src")}
     with tempfile.TemporaryDirectory() as tmp:
-        if args.baseline:
-            paths["base"] = bc.library_at(args.baseline, tmp)
+        for key, rev in (("now", args.at), ("base", args.baseline)):
+            if rev:
+                os.makedirs(os.path.join(tmp, key))
+                paths[key] = bc.library_at(rev, os.path.join(tmp, key))
         rows = []
         for n in (int(x) for x in args.leaves.split(",")):
             got = _one_size(n, args, paths)
