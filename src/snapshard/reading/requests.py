@@ -114,6 +114,12 @@ def _box_plan_of(boxes: _BoxKey, itemsize: int) -> _BoxPlan:
 
 
 @functools.lru_cache(maxsize=4096)
+def _whole_box_plan(shape: tuple[int, ...], itemsize: int) -> _BoxPlan:
+    """The plan of one box, the whole array, held by no device (NumPy targets)."""
+    return _box_plan(((tuple(0 for _ in shape), shape, ()),), itemsize)
+
+
+@functools.lru_cache(maxsize=4096)
 def _box_plan(
     boxes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]], ...], itemsize: int
 ) -> _BoxPlan:
@@ -135,7 +141,7 @@ def request_boxes(req: Request, sharding: Any) -> Request:
     shape = req.saved.shape
     itemsize = dtype_from_name(req.saved.dtype).itemsize
     if sharding is None:
-        plan = _box_plan(((tuple(0 for _ in shape), shape, ()),), itemsize)
+        plan = _whole_box_plan(shape, itemsize)
     else:
         from ..adapters.jax_arrays import local_device_boxes
 
