@@ -24,7 +24,7 @@ import numpy as np
 
 from . import per_process, write_tuning
 from .adapters.jax_save import JaxAdapter
-from .adapters.leaves import MeshSpec, SaveArray
+from .adapters.leaves import MeshSpec, SaveArray, checked_dtype
 from .background import BackgroundTask
 from .checksum import crc32c
 from .chunk_files import FileChunks, split_files, write_files
@@ -43,6 +43,7 @@ from .errors import (
 )
 from .format import (
     ArrayLeaf,
+    ChunkTable,
     Leaf,
     Manifest,
     ProcessTable,
@@ -565,6 +566,8 @@ def _layouts(prep: _Prepared) -> tuple[list[Leaf], list[dict[str, Any]], list[di
     per_layout: dict[int, tuple[int, bool]] = {}  # id(layout): (layout id, many candidates)
     plans = iter(prep.plan.arrays)
     out: list[Leaf] = []
+    counts: dict[int, int] = {}  # id(plan.nbytes): chunks (arrays alike share the column)
+    no_chunks = ChunkTable.empty(0)  # v2 leaves list no chunks: one table for them all
     for leaf in prep.leaves:
         if isinstance(leaf, PerProcessLeaf):
             out.append(PerProcessLeaf(leaf.path, None))  # the values stay in their files
@@ -588,10 +591,14 @@ def _layouts(prep: _Prepared) -> tuple[list[Leaf], list[dict[str, Any]], list[di
             w = np.unique(plan.writer)
             if len(w) <= 64:
                 writers = tuple(int(x) for x in w)
+        count = counts.get(id(plan.nbytes))
+        if count is None:
+            count = counts[id(plan.nbytes)] = int(np.count_nonzero(plan.nbytes))
         out.append(
             ArrayLeaf(
-                leaf.path, leaf.kind, leaf.dtype.name, leaf.shape, leaf.sharding, leaf.key_impl,
-                layout=lid, writers=writers, chunk_count=int(np.count_nonzero(plan.nbytes)),
+                leaf.path, leaf.kind, checked_dtype(leaf.dtype, leaf.name), leaf.shape,
+                leaf.sharding, leaf.key_impl, chunks=no_chunks, layout=lid, writers=writers,
+                chunk_count=count,
             )
         )  # fmt: skip
     return out, mesh_docs, layout_docs

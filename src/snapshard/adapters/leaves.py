@@ -113,6 +113,11 @@ def _sharding_description(sharding: Any) -> dict[str, Any]:
     return found
 
 
+# Per (dtype, shape, sharding) of a jax.Array that is not a key: its stored dtype and shape,
+# placed layout and sharding description (arrays alike are most of a training state).
+_PLACED: dict[tuple[Any, ...], tuple[np.dtype, tuple[int, ...], Any, dict[str, Any]]] = {}
+
+
 def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
     from .jax_arrays import is_prng_key, layout_of
 
@@ -121,6 +126,10 @@ def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
             f"leaf {name!r}: the jax.Array was deleted or donated (e.g. passed to a jitted "
             f"function with donate_argnums) before the save; save the array that replaced it"
         )
+    known = _PLACED.get((value.dtype, value.shape, value.sharding))
+    if known is not None:  # an array like one met before: what follows from the three
+        dt, shape, placed, described = known
+        return SaveArray(path, "array", dt, shape, placed.layout, placed.devices, value, described)
     kind, key_impl, data = "array", None, value
     if is_prng_key(value):
         import jax
@@ -132,6 +141,15 @@ def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
     shape = tuple(int(s) for s in data.shape)
     sharding = data.sharding
     placed = layout_of(shape, dt.itemsize, sharding)
+    if kind == "array":
+        if len(_PLACED) >= 4096:
+            _PLACED.clear()
+        _PLACED[(value.dtype, value.shape, sharding)] = (
+            dt,
+            shape,
+            placed,
+            _sharding_description(sharding),
+        )
     return SaveArray(
         path,
         kind,

@@ -63,9 +63,8 @@ def _check_leaf_paths(m: Manifest, where: str) -> None:
         if node.get("t") == "leaf":
             i = node["i"]
             leaf_path = m.leaves[i].path
-            if len(leaf_path) != len(path) or any(
-                type(a) is not type(b) or a != b for a, b in zip(leaf_path, path, strict=True)
-            ):
+            # Equal keys of equal types (1 and True, 1 and 1.0 compare equal), compared in C.
+            if tuple(leaf_path) != path or tuple(map(type, leaf_path)) != tuple(map(type, path)):
                 raise CorruptCheckpointError(
                     f"{where}: leaf {i} has path {'/'.join(map(str, leaf_path))[:200]!r}, the "
                     f"tree holds it at {'/'.join(map(str, path))[:200]!r}"
@@ -122,31 +121,34 @@ def validate_structure(m: Manifest, where: str) -> None:
         raise CorruptCheckpointError(
             f"{where}: the arrays need {m.total_bytes} bytes, the data files hold {stored}"
         )
+    n_layouts, v2 = len(m.layouts), m.version >= 2
     for leaf in m.arrays:
-        if m.version >= 2:
-            if leaf.layout is None or not 0 <= leaf.layout < len(m.layouts):
+        if v2:
+            if leaf.layout is None or not 0 <= leaf.layout < n_layouts:
                 raise CorruptCheckpointError(
-                    f"{where}, leaf {leaf.name!r}: layout {leaf.layout} is not in the manifest"
+                    f"{_at(where, leaf)}: layout {leaf.layout} is not in the manifest"
                 )
             if leaf.writers is not None and any(w >= m.process_count for w in leaf.writers):
-                raise CorruptCheckpointError(
-                    f"{where}, leaf {leaf.name!r}: writer beyond the process count"
-                )
-        name = f"{where}, leaf {leaf.name!r}"
+                raise CorruptCheckpointError(f"{_at(where, leaf)}: writer beyond the process count")
         dt = NAME_TO_DTYPE.get(leaf.dtype)
         if dt is None:
-            raise CorruptCheckpointError(f"{name}: unknown dtype {leaf.dtype!r}")
-        if leaf.kind == LeafKind.PRNG_KEY and (not leaf.key_impl or not leaf.shape):
-            raise CorruptCheckpointError(
-                f"{name}: PRNG key without implementation or key-data axis"
-            )
+            raise CorruptCheckpointError(f"{_at(where, leaf)}: unknown dtype {leaf.dtype!r}")
         if leaf.kind == LeafKind.PRNG_KEY:
-            _check_key_data(leaf, name)
-        if leaf.kind == LeafKind.SCALAR and leaf.shape:
-            raise CorruptCheckpointError(f"{name}: a scalar with shape {leaf.shape}")
+            if not leaf.key_impl or not leaf.shape:
+                raise CorruptCheckpointError(
+                    f"{_at(where, leaf)}: PRNG key without implementation or key-data axis"
+                )
+            _check_key_data(leaf, _at(where, leaf))
+        elif leaf.kind == LeafKind.SCALAR and leaf.shape:
+            raise CorruptCheckpointError(f"{_at(where, leaf)}: a scalar with shape {leaf.shape}")
         if m.version == 1:
-            check_chunks(leaf, leaf.chunks, dt.itemsize, sizes, name)
+            check_chunks(leaf, leaf.chunks, dt.itemsize, sizes, _at(where, leaf))
     _check_chunk_counts(m, where)
+
+
+def _at(where: str, leaf: ArrayLeaf) -> str:
+    """Where a problem of `leaf` is (made on error only: a manifest has many leaves)."""
+    return f"{where}, leaf {leaf.name!r}"
 
 
 # The key data of the PRNG implementations JAX ships: (dtype, size of the key-data axis).
