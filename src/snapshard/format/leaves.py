@@ -116,13 +116,21 @@ def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
         raise CorruptCheckpointError(f"{where}: malformed leaf entry")
     path = _path_from_json(d.get("path"), where)
     kind = d.get("kind")
-    where = f"{where}, leaf {path_str(path)!r}"
+    manifest = where
+
+    def at() -> str:  # (made only for an error: a manifest may list 100,000 leaves)
+        return f"{manifest}, leaf {path_str(path)!r}"
+
+    def number(x: Any, lo: int, hi: int, what: str) -> int:
+        ok = type(x) is int and lo <= x <= hi
+        return x if ok else bounded_int(x, lo, hi, what, at())
+
     if kind == LeafKind.VALUE:
-        return ValueLeaf(path, decode_value(d.get("value"), where))
+        return ValueLeaf(path, decode_value(d.get("value"), at()))
     if kind == LeafKind.PER_PROCESS and version >= 2:
         return PerProcessLeaf(path, None)
     if not isinstance(kind, str) or kind not in ARRAY_KINDS:
-        raise CorruptCheckpointError(f"{where}: unknown leaf kind {str(kind)[:100]!r}")
+        raise CorruptCheckpointError(f"{at()}: unknown leaf kind {str(kind)[:100]!r}")
     shape = d.get("shape")
     if (
         not isinstance(shape, list)
@@ -132,13 +140,13 @@ def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
         )
         or math.prod(shape) > MAX_BYTES
     ):
-        raise CorruptCheckpointError(f"{where}: malformed shape {str(shape)[:200]}")
+        raise CorruptCheckpointError(f"{at()}: malformed shape {str(shape)[:200]}")
     dtype = d.get("dtype")
     if not isinstance(dtype, str) or dtype not in NAME_TO_DTYPE:
-        raise CorruptCheckpointError(f"{where}: unknown dtype {str(dtype)[:100]!r}")
+        raise CorruptCheckpointError(f"{at()}: unknown dtype {str(dtype)[:100]!r}")
     key_impl = d.get("key_impl")
     if key_impl is not None and not isinstance(key_impl, str):
-        raise CorruptCheckpointError(f"{where}: malformed key_impl")
+        raise CorruptCheckpointError(f"{at()}: malformed key_impl")
     sharding = d.get("sharding")
     leaf = ArrayLeaf(
         path=path,
@@ -151,16 +159,16 @@ def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
     if version == 1:
         rows = d.get("chunks", [])
         if not isinstance(rows, list):
-            raise CorruptCheckpointError(f"{where}: malformed chunk list")
-        leaf.chunks = ChunkTable.from_rows(rows, len(shape), where)
+            raise CorruptCheckpointError(f"{at()}: malformed chunk list")
+        leaf.chunks = ChunkTable.from_rows(rows, len(shape), at())
         return leaf
-    leaf.layout = bounded_int(d.get("layout"), 0, 1 << 31, "layout number", where)
-    leaf.chunk_count = bounded_int(d.get("chunk_count"), 0, MAX_BYTES, "chunk count", where)
+    leaf.layout = number(d.get("layout"), 0, 1 << 31, "layout number")
+    leaf.chunk_count = number(d.get("chunk_count"), 0, MAX_BYTES, "chunk count")
     writers = d.get("writers")
     if writers is not None:
         if not isinstance(writers, list) or len(writers) > MAX_PROCESSES:
-            raise CorruptCheckpointError(f"{where}: malformed writer list")
-        leaf.writers = tuple(bounded_int(w, 0, MAX_PROCESSES, "writer", where) for w in writers)
+            raise CorruptCheckpointError(f"{at()}: malformed writer list")
+        leaf.writers = tuple(number(w, 0, MAX_PROCESSES, "writer") for w in writers)
     return leaf
 
 
