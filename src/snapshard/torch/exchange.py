@@ -46,6 +46,7 @@ from ..coordination.peer_memory import PeerMemory
 from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf, checksum_block
+from ..planning import ArrayLayout
 from ..planning.exchange import (
     Align,
     Messages,
@@ -147,15 +148,12 @@ def plan(
     if "cpu" not in devices or world < 2:
         return []
     out = []
+    cuts = Cuts(saved_boxes)
     for i, (t, leaf) in enumerate(zip(targets, saved, strict=True)):
-        if leaf is None or not isinstance(t, torch.Tensor) or not is_dtensor(t) or t.ndim < 2:
+        got = cuts.banded(t, leaf)
+        if got is None or leaf is None:
             continue
-        lay = dtensor_layout(t, 1).layout  # one row per rank: a replicated box on each holder
-        if lay.nbytes == 0:
-            continue
-        boxes = saved_boxes(leaf)
-        if boxes is None or not cuts_rows(*boxes, lay.starts, lay.stops):
-            continue
+        lay, boxes = got
         align = _block_aligner(*boxes, leaf)
         whole = row_bands(lay.shape, world, align)
         steps = 1
@@ -172,6 +170,38 @@ def plan(
             steps = min(lay.shape[0], steps * -(-most // step_bytes))
         out += cut
     return out
+
+
+class Cuts:
+    """Whether target leaves are read as bands (step 1's test), remembered per target layout
+    and saved boxes: the leaves of a state repeat a few layouts, and the test costs tens of
+    microseconds a leaf."""
+
+    def __init__(self, saved_boxes: SavedBoxes) -> None:
+        self.saved_boxes = saved_boxes
+        self._seen: dict[tuple[int, bytes, bytes], bool] = {}
+        self._keep: list[Any] = []  # the layouts keyed by id, alive while this lives
+
+    def banded(
+        self, target: Any, leaf: ArrayLeaf | None
+    ) -> tuple[ArrayLayout, tuple[np.ndarray, np.ndarray]] | None:
+        """(the target's layout, the saved boxes) where the target leaf is read as bands."""
+        if leaf is None or not isinstance(target, torch.Tensor) or not is_dtensor(target):
+            return None
+        if target.ndim < 2:
+            return None
+        lay = dtensor_layout(target, 1).layout  # one row per rank: a replicated box on each holder
+        if lay.nbytes == 0:
+            return None
+        boxes = self.saved_boxes(leaf)
+        if boxes is None:
+            return None
+        key = (id(lay), boxes[0].tobytes(), boxes[1].tobytes())
+        cut = self._seen.get(key)
+        if cut is None:
+            cut = self._seen[key] = cuts_rows(*boxes, lay.starts, lay.stops)
+            self._keep.append(lay)
+        return (lay, boxes) if cut else None
 
 
 def _block_aligner(starts: np.ndarray, stops: np.ndarray, leaf: ArrayLeaf) -> Align:

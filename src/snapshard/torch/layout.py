@@ -60,6 +60,23 @@ class TensorLayout:
             self._memo[("rows", rank)] = rows
         return rows
 
+    def boxes_of(self, rank: int) -> list[tuple[np.ndarray, np.ndarray, tuple[slice, ...] | None]]:
+        """(global start, stop, slices of the local tensor) of every box of some elements
+        `rank` holds; slices None where the box is the whole local tensor."""
+        out = self._memo.get(("boxes", rank))
+        if out is None:
+            lay, shape = self.layout, self.local_shape(rank)
+            out = []
+            for row in self.rows_of(rank):
+                s, e, o = lay.starts[row], lay.stops[row], self.local_starts[row]
+                if np.any(e <= s):
+                    continue
+                whole = not np.any(o) and tuple(int(x) for x in e - s) == shape
+                slc = tuple(slice(int(a), int(a + b - c)) for a, b, c in zip(o, e, s, strict=True))
+                out.append((s, e, None if whole else slc))
+            self._memo[("boxes", rank)] = out
+        return out
+
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """The shape of `rank`'s local tensor (its rows' boxes put side by side)."""
         shape = self._memo.get(("shape", rank))

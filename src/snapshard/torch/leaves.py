@@ -23,7 +23,7 @@ from ..per_process import PerProcess, checked
 from ..planning.layout import host_layout
 from ..saving import ReplicatedSource
 from ..tree import Path, path_str
-from .dtypes import host_view, numpy_dtype
+from .dtypes import TO_NUMPY, host_view, numpy_dtype
 from .layout import PlacementSpec, ShardSpec, TensorLayout, expand_submesh, tensor_layout
 from .values import host_values
 
@@ -49,9 +49,18 @@ def is_leaf(x: Any) -> bool:
     )
 
 
+def local_tensor(value: Any) -> torch.Tensor:
+    """A DTensor's local shard. Its `_local_tensor` where it has one: `to_local()` goes
+    through an autograd function, a few microseconds a call, which a state of 100,000
+    leaves pays several times per save and restore; the shard is only read, or filled in
+    place, here, so the autograd view it makes is not needed."""
+    local = getattr(value, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else value.to_local()
+
+
 def refuse_meta(value: torch.Tensor, leaf: str) -> None:
     """A tensor on the meta device has a shape and no data: nothing to save."""
-    meta = value.is_meta or (is_dtensor(value) and value.to_local().is_meta)  # type: ignore[attr-defined]
+    meta = value.is_meta or (is_dtensor(value) and local_tensor(value).is_meta)
     if meta:
         raise UnsupportedLeafError(
             f"leaf {leaf!r}: the tensor is on the meta device (a shape without data), so "
@@ -126,22 +135,51 @@ def mesh_ranks(mesh: Any) -> tuple[np.ndarray, bool]:
     return out
 
 
+# (id(mesh), placements, their types, shape, itemsize) -> (mesh, layout, description): the
+# layouts of a state's many leaves repeat, and tensor_layout's own cache key costs more to
+# build.
+_layouts: dict[tuple[Any, ...], tuple[Any, TensorLayout, dict[str, Any]]] = {}
+
+
 def dtensor_layout(value: Any, itemsize: int, leaf: str = "?") -> TensorLayout:
-    specs = placement_specs(value.placements, leaf)
-    ranks, widened = mesh_ranks(value.device_mesh)
+    return _dtensor_entry(value, itemsize, leaf)[1]
+
+
+def _dtensor_entry(
+    value: Any, itemsize: int, leaf: str | Path
+) -> tuple[Any, TensorLayout, dict[str, Any]]:
+    """(mesh, layout, description) of a DTensor; `leaf` (its name or path) for errors."""
+    mesh = value.device_mesh
+    placements = value.placements
+    # The types too: a placement may compare equal to one of a subclass (_StridedShard).
+    key = (id(mesh), placements, tuple(map(type, placements)), value.shape, itemsize)
+    hit = _layouts.get(key)
+    if hit is not None and hit[0] is mesh:
+        return hit
+    specs = placement_specs(placements, leaf if isinstance(leaf, str) else path_str(leaf))
+    ranks, widened = mesh_ranks(mesh)
     if widened:
         specs = [None, *specs]
-    return tensor_layout(tuple(value.shape), itemsize, ranks, specs)
+    tl = tensor_layout(tuple(value.shape), itemsize, ranks, specs)
+    if len(_layouts) > 4096:
+        _layouts.clear()
+    hit = _layouts[key] = (mesh, tl, describe(value))
+    return hit
 
 
 _described: dict[int, tuple[Any, dict[Any, dict[str, Any]]]] = {}
+_plain: dict[str, dict[str, Any]] = {}  # device type -> description of a plain tensor
 
 
 def describe(value: Any) -> dict[str, Any]:
     """A JSON description of where a leaf lived, for people and `metadata` (never read back).
     Cached per mesh and placements; the same dict is shared, and nobody changes it."""
     if not is_dtensor(value):
-        return {"type": "torch.Tensor", "device": value.device.type}
+        kind = value.device.type
+        plain = _plain.get(kind)
+        if plain is None:
+            plain = _plain[kind] = {"type": "torch.Tensor", "device": kind}
+        return plain
     mesh = value.device_mesh
     hit = _described.get(id(mesh))
     if hit is None or hit[0] is not mesh:
@@ -181,7 +219,12 @@ class TorchSource(ReplicatedSource):
         return crc32c(view.reshape(-1).view(np.uint8).data)
 
 
-def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
+def classify(
+    path: Path, value: Any, process_count: int, rank: int | None = None
+) -> SaveArray | ValueLeaf:
+    """The leaf `value` at `path` is saved as (`rank`: this process's, found when None)."""
+    if isinstance(value, torch.Tensor):  # first: nearly every leaf of a state dict
+        return _tensor_leaf(path, value, process_count, this_rank() if rank is None else rank)
     name = path_str(path)
     if isinstance(value, VALUE_TYPES) and not isinstance(value, np.generic):
         return ValueLeaf(path, value)
@@ -189,26 +232,6 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
         return PerProcessLeaf(path, checked(host_values(value.value, name), name))
     if isinstance(value, NOT_STATE):
         raise not_state(value, name)
-    if isinstance(value, torch.Tensor):
-        refuse_meta(value, name)
-        dt = numpy_dtype(value.dtype, leaf=name)
-        shape = tuple(int(s) for s in value.shape)
-        if is_dtensor(value):
-            tl = dtensor_layout(value, dt.itemsize, name)
-            local = value.to_local()  # type: ignore[attr-defined]
-            rank = this_rank()
-            want = tl.local_shape(rank)
-            if len(tl.rows_of(rank)) and tuple(local.shape) != want:
-                raise UnsupportedLeafError(
-                    f"leaf {name!r}: rank {rank}'s local tensor has shape {tuple(local.shape)}, "
-                    f"its mesh and placements say {want}"
-                )
-            source = TorchSource(local, tl.local_starts)
-            return SaveArray(path, "array", dt, shape, tl.layout, None, source, describe(value))
-        layout = host_layout(shape, dt.itemsize, process_count)
-        return SaveArray(
-            path, "array", dt, shape, layout, None, TorchSource(value, None), describe(value)
-        )
     from ..adapters.leaves import classify as classify_numpy
 
     if isinstance(value, np.ndarray | np.generic):
@@ -217,6 +240,32 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
         f"leaf {name!r}: values of type {type(value).__module__}.{type(value).__qualname__} "
         "cannot be saved"
     )
+
+
+def _tensor_leaf(path: Path, value: torch.Tensor, process_count: int, rank: int) -> SaveArray:
+    """A tensor or DTensor leaf; the leaf's name is made only for an error (100,000 leaves
+    would pay for their names twice)."""
+    dt = TO_NUMPY.get(value.dtype)
+    if dt is None:
+        dt = numpy_dtype(value.dtype, leaf=path_str(path))  # raises, naming the leaf
+    shape = tuple(value.shape)
+    if not is_dtensor(value):
+        if value.is_meta:
+            refuse_meta(value, path_str(path))
+        layout = host_layout(shape, dt.itemsize, process_count)
+        source = TorchSource(value, None)
+        return SaveArray(path, "array", dt, shape, layout, None, source, describe(value))
+    local = local_tensor(value)
+    if value.is_meta or local.is_meta:
+        refuse_meta(value, path_str(path))
+    _, tl, desc = _dtensor_entry(value, dt.itemsize, path)
+    if len(tl.rows_of(rank)) and tuple(local.shape) != tl.local_shape(rank):
+        raise UnsupportedLeafError(
+            f"leaf {path_str(path)!r}: rank {rank}'s local tensor has shape "
+            f"{tuple(local.shape)}, its mesh and placements say {tl.local_shape(rank)}"
+        )
+    source = TorchSource(local, tl.local_starts)
+    return SaveArray(path, "array", dt, shape, tl.layout, None, source, desc)
 
 
 def this_rank() -> int:

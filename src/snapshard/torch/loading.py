@@ -45,10 +45,10 @@ from ..storage import Location, Storage, storage_for
 from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype, torch_dtype
-from .exchange import BandLeaf, Exchange, Scratch, SharedBands, batches_of
+from .exchange import BandLeaf, Cuts, Exchange, Scratch, SharedBands, batches_of
 from .exchange import plan as plan_bands
-from .leaves import dtensor_layout, is_dtensor, is_leaf, this_rank
-from .read_once import ReadOncePlan, as_box, backend_devices
+from .leaves import dtensor_layout, is_dtensor, is_leaf, local_tensor, this_rank
+from .read_once import ReadOncePlan, any_shared, as_box, backend_devices
 from .read_once import plan as plan_read_once
 from .values import into_target
 
@@ -104,43 +104,33 @@ class _Fill:
         self._staged = None
 
 
-def _regions(target: Any) -> list[tuple[np.ndarray, np.ndarray, Any, tuple[slice, ...]]]:
-    """(global start, stop, local array, local slices) of every region this rank holds."""
-    nd = len(target.shape)
+def _regions(target: Any, rank: int) -> list[tuple[np.ndarray, np.ndarray, Any]]:
+    """(global start, stop, view of the target) of every region of some elements rank
+    `rank` holds."""
     if isinstance(target, torch.Tensor) and is_dtensor(target):
-        tl = dtensor_layout(target, 1)
-        lay = tl.layout
-        local = target.to_local()  # type: ignore[attr-defined]
-        out = []
-        for row in tl.rows_of(this_rank()):
-            s, e = lay.starts[row], lay.stops[row]
-            o = tl.local_starts[row]
-            out.append(
-                (
-                    s,
-                    e,
-                    local,
-                    tuple(slice(int(a), int(a + b - c)) for a, b, c in zip(o, e, s, strict=True)),
-                )
-            )
-        return out
-    shape = np.asarray(target.shape, dtype=np.int64).reshape(nd)
-    return [(np.zeros(nd, np.int64), shape, target, tuple(slice(0, int(n)) for n in shape))]
+        local = local_tensor(target)
+        return [
+            (s, e, local if slc is None else local[slc])
+            for s, e, slc in dtensor_layout(target, 1).boxes_of(rank)
+        ]
+    if 0 in target.shape:
+        return []
+    nd = len(target.shape)
+    return [(np.zeros(nd, np.int64), np.asarray(target.shape, dtype=np.int64), target)]
 
 
-def _fills(leaf: ArrayLeaf, target: Any, perm: tuple[int, ...] | None = None) -> list[_Fill]:
-    """The reads that fill `target` from `leaf`; with `perm`, the target is the saved array
-    transposed by it (target axis i is saved axis perm[i])."""
+def _fills(
+    leaf: ArrayLeaf, target: Any, rank: int, perm: tuple[int, ...] | None = None
+) -> list[_Fill]:
+    """The reads that fill rank `rank`'s part of `target` from `leaf`; with `perm`, the
+    target is the saved array transposed by it (target axis i is saved axis perm[i])."""
     saved_dt = dtype_from_name(leaf.dtype)
     out = []
-    for target_start, target_stop, local, slc in _regions(target):
+    for target_start, target_stop, region in _regions(target, rank):
         start, stop = target_start, target_stop
         if perm is not None:  # the box of the saved array that holds this region
             inv = np.argsort(perm)
             start, stop = start[inv], stop[inv]
-        if math.prod(int(b - a) for a, b in zip(start, stop, strict=True)) == 0:
-            continue
-        region = local[slc] if slc else local
         if isinstance(region, torch.Tensor):
             want = numpy_dtype(region.dtype, leaf=leaf.name)
             direct = region.device.type == "cpu" and region.is_contiguous() and want == saved_dt
@@ -222,16 +212,26 @@ def _read_once(
         return None, [], None
     devices = backend_devices()
     world = coord.process_count
-    banded = plan_bands(
-        [t for t, _, _ in arrays], [s for _, _, s in arrays], world, devices, boxes,
-        options.memory_budget,
-    )  # fmt: skip
-    skip = {b.leaf for b in banded}
-    targets = [None if i in skip else t for i, (t, _, _) in enumerate(arrays)]
-    once = plan_read_once(targets, coord.process_index, world, devices)
-    if once is None and not banded:
+    # Whether the plans below would be empty, told first and cheaply: the policy is asked
+    # only where they are not (on a filesystem that is an agreement of the ranks), and on a
+    # local disk it says no, so a restore there never pays for the plans themselves.
+    cuts = Cuts(boxes)
+    targets = [t for t, _, _ in arrays]
+    if not any_shared(targets, world, devices) and not (
+        "cpu" in devices and any(cuts.banded(t, s) for t, _, s in arrays)
+    ):
         return None, [], None
     if not wanted(url, options.read_once, coord, options.timeout_s):
+        return None, [], None
+    banded = plan_bands(
+        targets, [s for _, _, s in arrays], world, devices, boxes, options.memory_budget
+    )
+    skip = {b.leaf for b in banded}
+    once = plan_read_once(
+        [None if i in skip else t for i, t in enumerate(targets)],
+        coord.process_index, world, devices,
+    )  # fmt: skip
+    if once is None and not banded:
         return None, [], None
     # Taken here, in program order, the same on every rank.
     rv = Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
@@ -366,7 +366,7 @@ def _whole_target(manifest: Manifest) -> tuple[Any, dict[Path, Any]]:
 
 
 def _refuse_meta_target(t: torch.Tensor, leaf: str, url: str) -> None:
-    if t.is_meta or (is_dtensor(t) and t.to_local().is_meta):  # type: ignore[attr-defined]
+    if t.is_meta or (is_dtensor(t) and local_tensor(t).is_meta):
         raise TargetMismatchError(
             f"{url}: target leaf {leaf!r} is on the meta device (a shape without memory), so "
             "nothing can be loaded into it; materialise it first (model.to_empty(device=...)), "
@@ -452,6 +452,7 @@ def _load_into(
     mapped = _transformed(saved, transform, url) if transform is not None else None
     names = list(mapped) if mapped is not None else [leaf.name for leaf in manifest.leaves]
     refuse_empty_containers(url, target, names)
+    rank = this_rank()
     for path, t in zip(flat.paths, flat.leaves, strict=True):
         perm = None
         if mapped is not None:
@@ -485,7 +486,7 @@ def _load_into(
                 + (" (transposed)" if perm is not None else "")
                 + f", the target asks for {tuple(t.shape)}"
             )
-        arrays.append((t, _fills(leaf, t, perm), leaf if perm is None else None))
+        arrays.append((t, _fills(leaf, t, rank, perm), leaf if perm is None else None))
     values.update(_own_values(storage, manifest, own, resplit))
     _read_targets(arrays, read, options, stats, url, source.saved_boxes)
     return _put_back(target, (), values)

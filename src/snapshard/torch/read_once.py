@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 
 from ..coordination.rendezvous import Rendezvous, all_succeeded
@@ -163,14 +164,39 @@ def target_layout(target: Any, world: int, devices: frozenset[str]) -> ArrayLayo
     return host_layout(tuple(int(s) for s in target.shape), target.element_size(), world)
 
 
+def has_shared(layout: ArrayLayout | None) -> bool:
+    """Whether a layout has a box of some bytes that several ranks hold (what `plan` would
+    share), as cheaply as it can be told."""
+    if layout is None or layout.nbytes == 0:
+        return False
+    g = layout.shards
+    return bool(np.any((g.num_candidates > 1) & (g.nbytes > 0)))
+
+
+def any_shared(targets: Sequence[Any], world: int, devices: frozenset[str]) -> bool:
+    """Whether `plan` over these targets would share a box: the first target that has one
+    answers, each layout is tested once."""
+    seen: dict[int, bool] = {}
+    keep = []  # the layouts keyed by id, alive until the end
+    for t in targets:
+        la = target_layout(t, world, devices)
+        if la is None:
+            continue
+        hit = seen.get(id(la))
+        if hit is None:
+            hit = seen[id(la)] = has_shared(la)
+            keep.append(la)
+        if hit:
+            return True
+    return False
+
+
 def plan(targets: list[Any], rank: int, world: int, devices: frozenset[str]) -> ReadOncePlan | None:
     """Step 1 for the target leaves; None when no box of them has several holders."""
     return plan_layouts([target_layout(t, world, devices) for t in targets], rank, world)
 
 
-def plan_layouts(
-    layouts: list[ArrayLayout | None], rank: int, world: int
-) -> ReadOncePlan | None:
+def plan_layouts(layouts: list[ArrayLayout | None], rank: int, world: int) -> ReadOncePlan | None:
     """Step 1 from the leaves' layouts (None: a leaf every rank reads itself)."""
     chosen = [(i, la) for i, la in enumerate(layouts) if la is not None and la.nbytes > 0]
     if not chosen:

@@ -77,6 +77,7 @@ class TorchAdapter:
     def __init__(self, buffers: HostBuffers | None) -> None:
         self.buffers = buffers
         self.taken: list[tuple[np.ndarray, torch.Tensor | None]] = []
+        self.rank = _leaves.this_rank()  # asked once per save, not once per leaf
 
     def is_leaf(self, x: Any) -> bool:
         return _leaves.is_leaf(x)
@@ -91,7 +92,7 @@ class TorchAdapter:
             self.buffers.give_back(self.taken)
 
     def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray:
-        return _leaves.classify(path, value, process_count)
+        return _leaves.classify(path, value, process_count, self.rank)
 
     def _buffer(self, nbytes: int, pinned: bool) -> tuple[np.ndarray, torch.Tensor | None]:
         if self.buffers is None:
@@ -109,17 +110,19 @@ class TorchAdapter:
         streams: dict[torch.device, Any] = {}
         for item, _, arr, row in planned_items(arrays, plan, process):
             items.append(item)
-            rel = _leaves.row_slices(arr, row, item.start, item.stop)
             src = arr.source
             if isinstance(src, _leaves.TorchSource):
-                local = src.local[rel] if rel else src.local
+                local = src.local
+                # A box as large as the local tensor, and inside it, is all of it: no view.
+                if item.nbytes != local.nbytes:
+                    local = local[_leaves.row_slices(arr, row, item.start, item.stop)]
                 if local.device.type != "cpu":
                     item.host = self._to_pinned(local, item.nbytes, arr.dtype, streams)
                     used += item.nbytes
                     continue
                 view = host_view(local)
             else:  # a NumPy leaf
-                view = np.asarray(src)[rel]
+                view = np.asarray(src)[_leaves.row_slices(arr, row, item.start, item.stop)]
             if copy:
                 dst = self._buffer(item.nbytes, False)[0].view(view.dtype).reshape(view.shape)
                 np.copyto(dst, view)
