@@ -129,17 +129,31 @@ def barrier(name: str) -> None:
 Op = Callable[[], Any]
 
 
+# The ops that read the state's arrays: each is given arrays no one has read yet, as a
+# training step's are (see `measure`).
+READS_STATE = ("save", "async_block", "device_get", "shard_views")
+
+
 def measure(
-    ops: dict[str, Op], repeats: int, check: Callable[[], bool] | None = None
+    ops: dict[str, Op],
+    repeats: int,
+    check: Callable[[], bool] | None = None,
+    refresh: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Each op `repeats` + 1 times, in order: lists of seconds (an op that returns a float
     times itself: save_async's blocking part) and of memory over the RSS before it
-    (`<op>_s`, `<op>_mem_B`), and whether every check after a round held."""
+    (`<op>_s`, `<op>_mem_B`), and whether every check after a round held. `refresh`, called
+    untimed before every op that reads the state (READS_STATE), puts new arrays of the same
+    values in it: JAX keeps the host copy of a sharded array that was once fetched, so a
+    second `device_get` of the same arrays costs a tenth of the first, which a save in a
+    training loop never meets."""
     res: dict[str, Any] = {f"{k}_{x}": [] for k in ops for x in ("s", "mem_B")}
     ok = True
     method = ""
     for r in range(repeats + 1):
         for name, op in ops.items():
+            if refresh is not None and name in READS_STATE:
+                refresh()
             barrier(f"{name}-{r}")
             with PeakMemory() as mem:
                 t = time.perf_counter()
@@ -165,11 +179,12 @@ def floor_ops(
     import numpy as np
 
     one = jax.process_count() == 1
-    owned = (
-        list(state.values())
-        if one
-        else [s.data for a in state.values() for s in a.addressable_shards if s.replica_id == 0]
-    )
+
+    def owned() -> list[Any]:  # the state is refreshed between operations: asked each time
+        if one:
+            return list(state.values())
+        return [s.data for a in state.values() for s in a.addressable_shards if s.replica_id == 0]
+
     path = os.path.join(root, f"state.{jax.process_index()}.bin")
     need = _needed_slices(host, shardings)
     need_path = os.path.join(root, f"need.{jax.process_index()}.bin")
@@ -186,7 +201,7 @@ def floor_ops(
     out: list[Any] = []
 
     def save() -> None:
-        arrays = jax.device_get(owned)
+        arrays = jax.device_get(owned())
         with open(path, "wb") as f:
             f.write(b"".join(memoryview(np.ascontiguousarray(a)).cast("B") for a in arrays))
             f.flush()
@@ -212,7 +227,17 @@ def floor_ops(
         if one:
             jax.block_until_ready(jax.device_put(list(host.values()), list(shardings.values())))
 
-    ops = {"save": save, "load": load, "device_get": lambda: jax.device_get(owned)}
+    def views() -> None:  # one process: a host view of one copy of every distinct shard
+        for a in state.values():
+            if a.is_fully_replicated:
+                np.asarray(a)
+            else:  # sharded over every device: each shard is distinct
+                for s in a.addressable_shards:
+                    np.asarray(s.data)
+
+    ops = {"save": save, "load": load, "device_get": lambda: jax.device_get(owned())}
+    if one and jax.devices()[0].platform == "cpu":
+        ops["shard_views"] = views
     if (
         one
     ):  # a device_put of host arrays onto devices of other processes is not one process's floor
@@ -347,10 +372,18 @@ def main() -> None:
         bc.fresh_dir(root)
         os.makedirs(root, exist_ok=True)
     resident = sum(v.nbytes for v in host.values())
+    refresh: Callable[[], None] | None = None
     if args.lib in ("snap_torch", "dcp"):
         ops, check = torch_ops(args.lib, host, root)
     else:
         state, shardings = device_state(host, kinds)
+
+        def renew() -> None:  # new arrays of the same values, as after a training step
+            state.clear()
+            state.update(device_state(host, kinds)[0])
+
+        refresh = renew
+
         # What the state occupies here: a replicated array once per device of this process.
         resident = sum(s.data.nbytes for a in state.values() for s in a.addressable_shards)
         barrier("made")
@@ -358,7 +391,7 @@ def main() -> None:
             ops, check = floor_ops(state, host, shardings, root)
         else:
             ops, check = jax_ops(args.lib, state, host, root, bool(args.mesh))
-    res = measure(ops, args.repeats, check)
+    res = measure(ops, args.repeats, check, refresh)
     barrier("done")
     if args.process_id == 0:
         bc.remove(root)

@@ -119,3 +119,32 @@ def test_only_asynchronous_saves_wait_for_the_staging_check(ckpt, tmp_path, monk
     t = snapshard.save_async(tmp_path / "async", {"x": x}).wait(60)
     assert asked and t.bytes_staged == 0
     assert np.array_equal(snapshard.load(ckpt)["x"], np.asarray(x))
+
+
+@pytest.mark.parametrize("budget", [None, 1 << 20])
+def test_fully_replicated_arrays_are_copied_once_each(ckpt, monkeypatch, budget):
+    """A fully replicated array is staged through the array itself (one copy, not one
+    object per device's copy): deleted right after save_async returns, every copied byte
+    is still saved; beyond the budget, the copy is made later."""
+    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", False)  # the copying path
+    m = mesh(2, 4)
+    values = {f"r{i}": np.arange(1 << 18, dtype=np.float32).reshape(512, 512) + i for i in range(3)}
+    tree = {k: sharded(v, m, None, None) for k, v in values.items()}
+    assert all(a.is_fully_replicated for a in tree.values())
+    from snapshard.adapters import jax_save
+
+    staged: list[int] = []
+    real_stage = jax_save.stage
+    monkeypatch.setattr(
+        jax_save, "stage", lambda *a, **k: (r := real_stage(*a, **k), staged.append(len(r[0])))[0]
+    )
+    handle = snapshard.save_async(ckpt, tree, options=SaveOptions(host_budget=budget, writers=1))
+    assert staged == [3]  # one item (one copy) per array
+    if budget is None:
+        for a in tree.values():
+            a.delete()
+    t = handle.wait(60)
+    assert t.bytes_staged == (sum(v.nbytes for v in values.values()) if budget is None else budget)
+    out = snapshard.load(ckpt)
+    for k, v in values.items():
+        np.testing.assert_array_equal(out[k], v)

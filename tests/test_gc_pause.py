@@ -80,3 +80,77 @@ def test_load_and_save_run_paused_and_leave_the_collector_on(
     np.testing.assert_array_equal(out["a"], np.arange(6.0))
     assert gc.isenabled()
     assert seen == {"plan_writes": False, "open_source": False}
+
+
+class _Node:
+    """A tracked object that can sit in a cycle."""
+
+    def __init__(self) -> None:
+        self.other: object = None
+
+
+def _generation_of(obj: object) -> int | None:
+    """The generation that holds `obj`, or None (frozen or untracked)."""
+    for g in range(3):
+        if any(o is obj for o in gc.get_objects(generation=g)):
+            return g
+    return None
+
+
+def test_what_a_paused_call_leaves_alive_goes_to_the_oldest_generation() -> None:
+    with collection_paused():
+        kept = _Node()
+    assert gc.isenabled()
+    assert _generation_of(kept) == 2  # not traversed by the young collections
+    assert gc.get_freeze_count() == 0
+
+
+def test_cycles_made_while_paused_are_still_collected() -> None:
+    import weakref
+
+    with collection_paused():
+        a, b = _Node(), _Node()
+        a.other, b.other = b, a
+        ref = weakref.ref(a)
+        del a, b
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_asynchronous_save_keeps_what_existed_out_of_collections_until_it_ends(
+    tmp_path: Path,
+) -> None:
+    before = _Node()
+    pending = snapshard.save_async(tmp_path / "c", {"a": np.arange(6.0)})
+    pending.wait()
+    assert gc.get_freeze_count() == 0  # released once the background phase ended
+    assert _generation_of(before) == 2
+    assert gc.isenabled()
+
+
+def test_two_overlapping_frozen_holders_release_at_the_last() -> None:
+    from snapshard.gc_pause import Frozen
+
+    first = Frozen()
+    obj = _Node()
+    second = Frozen()
+    assert gc.get_freeze_count() > 0 and _generation_of(obj) is None
+    first.release()
+    first.release()  # twice is harmless
+    assert gc.get_freeze_count() > 0  # the second still holds them
+    second.release()
+    assert gc.get_freeze_count() == 0 and _generation_of(obj) == 2
+
+
+def test_objects_the_program_froze_itself_are_left_frozen(tmp_path: Path) -> None:
+    mine = _Node()
+    gc.freeze()
+    try:
+        with collection_paused():
+            pass
+        pending = snapshard.save_async(tmp_path / "c", {"a": np.arange(6.0)})
+        pending.wait()
+        assert _generation_of(mine) is None  # still frozen: not ours to thaw
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

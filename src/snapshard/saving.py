@@ -62,7 +62,7 @@ from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .format.records import RECORD_FIXED, ChunkRecord, ProcessReport
 from .format.records import records_of as records_of  # for interop/writer.py, as before
-from .gc_pause import collection_paused
+from .gc_pause import Frozen, collection_paused
 from .incremental import Increment, check_refs_committed, manifest_refs
 from .options import SaveOptions, require
 from .planning import WritePlan, plan_writes
@@ -843,7 +843,17 @@ class AsyncSave(BackgroundTask[SaveTimings]):
 
     def __init__(self, prep: _Prepared):
         self._prep = prep
-        super().__init__(lambda: finish(prep), f"save to {prep.storage.url}")
+        # What the blocking phase made (items, views, JAX's shard objects) is kept out of
+        # the collections the background phase sets off: gc_pause.py.
+        frozen = Frozen()
+
+        def run() -> SaveTimings:
+            try:
+                return finish(prep)
+            finally:
+                frozen.release()
+
+        super().__init__(run, f"save to {prep.storage.url}")
 
     @property
     def location(self) -> str:
