@@ -156,3 +156,31 @@ def test_record_spans_read_little_beyond_their_ranges(gaps: list[tuple[int, int]
         assert hi[b - 1] - lo[a] <= 1.25 * need + 512 * (b - a)
     for i in heads[1:]:  # and a span ends only where the next range would cost too much
         assert lo[i] - hi[i - 1] > 512
+
+
+@pytest.mark.parametrize("shared_host_memory", [True, False])
+def test_arrays_alike_are_assembled_from_their_own_boxes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared_host_memory: bool
+) -> None:
+    """Arrays of one shape and sharding share how they are put together (worked out once),
+    never their bytes: each gets its own boxes, on devices that share a replicated box's
+    host memory or (as on accelerators) on copies of it."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from snapshard.adapters import jax_arrays
+
+    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", shared_host_memory)
+    monkeypatch.setattr(jax_arrays, "_assemblies", {})
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
+    specs = [PartitionSpec("a"), PartitionSpec(), PartitionSpec(None, "b"), PartitionSpec("a", "b")]
+    values = {f"x{i}": np.arange(64.0).reshape(8, 8) * (i + 1) for i in range(12)}
+    shardings = {k: NamedSharding(mesh, specs[i % 4]) for i, k in enumerate(values)}
+    tree = {k: jax.device_put(v, shardings[k]) for k, v in values.items()}
+    snapshard.save(tmp_path / "c", tree)
+    target = {k: jax.ShapeDtypeStruct((8, 8), np.float64, sharding=s) for k, s in shardings.items()}
+    out = snapshard.load(tmp_path / "c", target)
+    for k, v in values.items():
+        assert out[k].sharding == shardings[k]
+        for shard in out[k].addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), v[shard.index])

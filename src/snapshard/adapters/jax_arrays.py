@@ -137,14 +137,14 @@ def start_cpu_donation_check() -> None:
         threading.Thread(target=cpu_donation_keeps_memory, name="snapshard-probe").start()
 
 
-HostBox = tuple[tuple[int, ...], tuple[int, ...], np.ndarray, tuple[Any, ...]]
-"""A box (start, stop) of an array, its bytes on the host and the local devices holding it."""
-
-
 def array_from_host_boxes(
-    shape: tuple[int, ...], sharding: jax.sharding.Sharding, boxes: list[HostBox]
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding,
+    boxes: tuple[DeviceBox, ...],
+    hosts: list[np.ndarray],
 ) -> jax.Array:
-    """The jax.Array on `sharding` whose local shards are `boxes`' host arrays.
+    """The jax.Array on `sharding` whose local shards are the host arrays `hosts`, one per
+    box of `boxes` (`local_device_boxes(sharding, shape)`).
 
     One `make_array_from_callback`: a single batched transfer per array, not a call per
     shard. On CPU devices a box held by several devices is the same host array for each, so
@@ -152,48 +152,73 @@ def array_from_host_boxes(
     replicated within the process then costs no copy and no memory beyond the one buffer
     read. Elsewhere the first device gets the host bytes and the others copies of them on
     the devices (`_replicated_on_devices`)."""
-    replicated = any(len(devices) > 1 for *_, devices in boxes)
-    if replicated and not (
-        all(d.platform == "cpu" for *_, devices in boxes for d in devices)
-        and cpu_donation_keeps_memory()
-    ):
-        return _replicated_on_devices(shape, sharding, boxes)
-    if len(boxes) == 1:  # every local device holds the one box
-        only = boxes[0][2]
+    how = _assembly(sharding, shape, boxes)
+    if how.copies:
+        return _replicated_on_devices(shape, sharding, boxes, hosts)
+    if len(hosts) == 1:  # every local device holds the one box
+        only = hosts[0]
         return jax.make_array_from_callback(shape, sharding, lambda _: only)
-    hosts = {(start, stop): host for start, stop, host, _ in boxes}
-    known = _index_boxes(sharding, shape)
+    by_index, by_box = how.by_index, how.by_box
 
     def host_of(index: Index | None) -> np.ndarray:
         assert index is not None  # shards of jax.Arrays have indices
-        hit = known.get(id(index))
-        box = hit[1] if hit is not None and hit[0] is index else slices_to_box(index, shape)
-        return hosts[box]
+        hit = by_index.get(id(index))
+        if hit is not None and hit[0] is index:
+            return hosts[hit[1]]
+        return hosts[by_box[slices_to_box(index, shape)]]
 
     return jax.make_array_from_callback(shape, sharding, host_of)
 
 
-@lru_cache(maxsize=4096)
-def _index_boxes(
-    sharding: jax.sharding.Sharding, shape: tuple[int, ...]
-) -> dict[int, tuple[Index, Box]]:
-    """The box of each local device's index, keyed by the index object (JAX caches the
-    indices of a sharding and shape, so a restore of many arrays sharded alike meets the
-    same ones again; the index is kept, so its id stays its own)."""
-    return {
-        id(idx): (idx, slices_to_box(idx, shape))
+@dataclass(frozen=True)
+class _Assembly:
+    """How the arrays of one sharding, shape and box list are put together from their host
+    boxes, worked out once for all of them (a state of many arrays has few such kinds)."""
+
+    copies: bool  # boxes held by several devices get device copies (not shared host memory)
+    by_index: dict[int, tuple[Index, int]]  # id of a device's index -> (index, box position)
+    by_box: dict[Box, int]
+
+
+_assemblies: dict[tuple[int, int], tuple[Any, Any, _Assembly]] = {}
+
+
+def _assembly(
+    sharding: jax.sharding.Sharding, shape: tuple[int, ...], boxes: tuple[DeviceBox, ...]
+) -> _Assembly:
+    """_Assembly looked up by the sharding and box objects (kept in the entry, so that
+    their ids stay theirs): local_device_boxes gives arrays sharded alike the same boxes."""
+    hit = _assemblies.get((id(sharding), id(boxes)))
+    if hit is not None and hit[0] is sharding and hit[1] is boxes:
+        return hit[2]
+    replicated = any(len(devices) > 1 for *_, devices in boxes)
+    copies = replicated and not (
+        all(d.platform == "cpu" for *_, devices in boxes for d in devices)
+        and cpu_donation_keeps_memory()
+    )
+    by_box = {(start, stop): k for k, (start, stop, _) in enumerate(boxes)}
+    by_index = {
+        id(idx): (idx, by_box[slices_to_box(idx, shape)])
         for idx in sharding.addressable_devices_indices_map(shape).values()
         if idx is not None
-    }
+    }  # JAX caches a sharding's indices: arrays sharded alike meet the same index objects
+    made = _Assembly(copies, by_index, by_box)
+    if len(_assemblies) >= 4096:
+        _assemblies.clear()
+    _assemblies[(id(sharding), id(boxes))] = (sharding, boxes, made)
+    return made
 
 
 def _replicated_on_devices(
-    shape: tuple[int, ...], sharding: jax.sharding.Sharding, boxes: list[HostBox]
+    shape: tuple[int, ...],
+    sharding: jax.sharding.Sharding,
+    boxes: tuple[DeviceBox, ...],
+    hosts: list[np.ndarray],
 ) -> jax.Array:
     """The array from one host-to-device copy per box and device-to-device copies for the
     other devices holding it."""
     per_device: dict[Any, jax.Array] = {}
-    for *_, host, devices in boxes:
+    for (*_, devices), host in zip(boxes, hosts, strict=True):
         first = jax.device_put(host, devices[0])
         per_device[devices[0]] = first
         per_device.update((d, jax.device_put(first, d)) for d in devices[1:])
@@ -293,7 +318,7 @@ def _key_data_ndim(impl: str | None) -> int:
         return int(jax.random.key_data(probe).ndim)
 
 
-def _is_abstract_mesh(mesh: Any) -> bool:
+def is_abstract_mesh(mesh: Any) -> bool:
     abstract = getattr(jax.sharding, "AbstractMesh", None)
     return abstract is not None and isinstance(mesh, abstract)
 
@@ -332,7 +357,7 @@ def resolve_target_sharding(sharding: Any, mesh: Any = None, *, leaf: str | None
     on the concrete mesh in context. The concrete mesh must have the abstract one's axis
     names and sizes. Any other sharding (or None) is returned unchanged.
     """
-    if not isinstance(sharding, jax.sharding.NamedSharding) or not _is_abstract_mesh(sharding.mesh):
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not is_abstract_mesh(sharding.mesh):
         return sharding
     where = f"leaf {leaf!r}: " if leaf is not None else ""
     abstract = sharding.mesh
@@ -345,7 +370,7 @@ def resolve_target_sharding(sharding: Any, mesh: Any = None, *, leaf: str | None
             "`with jax.set_mesh(mesh):` or pass `mesh=` with a concrete jax.sharding.Mesh "
             "of those axes"
         )
-    if _is_abstract_mesh(concrete):
+    if is_abstract_mesh(concrete):
         raise TargetMismatchError(
             f"{where}mesh= must be a concrete jax.sharding.Mesh, not an AbstractMesh"
         )

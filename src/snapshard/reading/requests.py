@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
@@ -31,7 +30,7 @@ class _BoxPlan:
     allocation at 64-byte aligned offsets, computed once for all such arrays (a state of
     many small arrays has few distinct ones)."""
 
-    boxes: Sequence[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]]]
+    boxes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]], ...]
     starts: tuple[np.ndarray, ...]  # read-only: shared by the dests of every such array
     stops: tuple[np.ndarray, ...]
     shapes: tuple[tuple[int, ...], ...]
@@ -57,13 +56,47 @@ class Request:
 
 def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> Request:
     """What to build for a saved array leaf given its target leaf (None: NumPy as saved)."""
-    name = saved.name
-    saved_dtype = dtype_from_name(saved.dtype)
     if target is None:
         if saved.kind == LeafKind.PRNG_KEY:
-            return request_boxes(Request(saved, "key", saved_dtype), None)
-        kind = "scalar" if saved.kind == LeafKind.SCALAR else "numpy"
-        return request_boxes(Request(saved, kind, saved_dtype), None)
+            kind = "key"
+        else:
+            kind = "scalar" if saved.kind == LeafKind.SCALAR else "numpy"
+        return request_boxes(Request(saved, kind, dtype_from_name(saved.dtype)), None)
+    # Leaves alike (the same target shape, dtype and sharding, saved alike) resolve alike:
+    # what they ask for is worked out once for all of them, since a state of many arrays has
+    # few kinds of leaf (the sharding by object: hashing one costs more than the rest).
+    sharding = getattr(target, "sharding", None)
+    t_shape, t_dtype = getattr(target, "shape", None), getattr(target, "dtype", None)
+    key = (type(target), t_shape, t_dtype, id(sharding), id(mesh), saved.dtype, saved.kind,
+           saved.shape)  # fmt: skip
+    hit = _resolved.get(key)
+    if hit is not None and hit[0] is sharding and hit[1] is mesh:
+        kind, dtype, resolved, plan = hit[2]
+    else:
+        kind, dtype, resolved = _resolve(saved, target, url, mesh)
+        plan = _plan_of(saved, resolved if kind == "jax" else None)
+        if t_shape is not None and not _on_abstract_mesh(sharding):  # placed on the mesh in context: asked each time
+            if len(_resolved) >= 4096:
+                _resolved.clear()
+            _resolved[key] = (sharding, mesh, (kind, dtype, resolved, plan))
+    return _with_dests(Request(saved, kind, dtype, resolved), plan)
+
+
+_resolved: dict[tuple[Any, ...], tuple[Any, Any, tuple[str, np.dtype, Any, _BoxPlan]]] = {}
+
+
+def _on_abstract_mesh(sharding: Any) -> bool:
+    if sharding is None:
+        return False
+    from ..adapters.jax_arrays import is_abstract_mesh  # (a sharding: JAX is loaded)
+
+    return is_abstract_mesh(getattr(sharding, "mesh", None))
+
+
+def _resolve(saved: ArrayLeaf, target: Any, url: str, mesh: Any) -> tuple[str, np.dtype, Any]:
+    """(kind, dtype, sharding) of the request for `saved` given its target leaf, checked."""
+    name = saved.name
+    saved_dtype = dtype_from_name(saved.dtype)
     if is_jax_array(target) or is_shape_dtype_struct(target):
         from ..adapters.jax_arrays import resolve_target_sharding
 
@@ -87,12 +120,10 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
             f"{url}: leaf {name!r} has shape {expected} in the checkpoint, the target asks for {shape}"
         )
     if wants_key:
-        return request_boxes(Request(saved, "key", saved_dtype, sharding), None)
-    out_dtype = np.dtype(dtype)
+        return "key", saved_dtype, sharding
     if sharding is None:
-        kind = "scalar" if isinstance(target, np.generic) else "numpy"
-        return request_boxes(Request(saved, kind, out_dtype), None)
-    return request_boxes(Request(saved, "jax", out_dtype, sharding), sharding)
+        return ("scalar" if isinstance(target, np.generic) else "numpy"), np.dtype(dtype), None
+    return "jax", np.dtype(dtype), sharding
 
 
 _BoxKey = tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]], ...]
@@ -137,20 +168,30 @@ def _box_plan(
     )  # fmt: skip
 
 
-def request_boxes(req: Request, sharding: Any) -> Request:
-    shape = req.saved.shape
-    itemsize = dtype_from_name(req.saved.dtype).itemsize
+def _plan_of(saved: ArrayLeaf, sharding: Any) -> _BoxPlan:
+    """The boxes this process holds of `saved` on `sharding` (None: the whole array)."""
+    shape = saved.shape
+    itemsize = dtype_from_name(saved.dtype).itemsize
     if sharding is None:
-        plan = _whole_box_plan(shape, itemsize)
-    else:
-        from ..adapters.jax_arrays import local_device_boxes
+        return _whole_box_plan(shape, itemsize)
+    from ..adapters.jax_arrays import local_device_boxes
 
-        plan = _box_plan_of(local_device_boxes(sharding, shape), itemsize)
+    return _box_plan_of(local_device_boxes(sharding, shape), itemsize)
+
+
+def request_boxes(req: Request, sharding: Any) -> Request:
+    """`req` with a host buffer for each box this process holds on `sharding` (None: one,
+    the whole array)."""
+    return _with_dests(req, _plan_of(req.saved, sharding))
+
+
+def _with_dests(req: Request, plan: _BoxPlan) -> Request:
     # One allocation per leaf: a buffer per box would cost an allocation per shard.
     whole = aligned_empty(plan.offsets[-1])
     req.box_plan = plan
+    saved = req.saved
     req.dests.extend(
-        Dest(req.saved, s, e, whole[at : at + n], devices, shape)
+        Dest(saved, s, e, whole[at : at + n], devices, shape)
         for s, e, at, n, (_, _, devices), shape in zip(
             plan.starts, plan.stops, plan.offsets, plan.sizes, plan.boxes, plan.shapes,
             strict=False,  # (offsets has one more)
@@ -180,8 +221,6 @@ def build(req: Request) -> Any:
         return key_array(data, impl, req.sharding)
     plan = req.box_plan
     assert plan is not None  # (request_boxes made the dests)
-    boxes = [
-        (s, e, host(d, req.dtype), devices)
-        for d, (s, e, devices) in zip(req.dests, plan.boxes, strict=True)
-    ]
-    return array_from_host_boxes(req.saved.shape, req.sharding, boxes)
+    dtype = req.dtype
+    hosts = [host(d, dtype) for d in req.dests]
+    return array_from_host_boxes(req.saved.shape, req.sharding, plan.boxes, hosts)
