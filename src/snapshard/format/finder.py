@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -345,36 +345,35 @@ class ChunkFinder:
             for fetched in got.values():
                 for a, t, in_order in fetched.tables(self):
                     found[a].append((t, in_order))
-        built: list[tuple[ArrayLeaf, ChunkTable, str]] = []
-        for a, leaf in leaves.items():
-            where = f"{self.storage.url}, leaf {leaf.name!r}"
-            built.append((leaf, self._table(leaf, found[a], where), where))
+        built = [(leaf, self._table(leaf, found[a])) for a, leaf in leaves.items()]
         check_chunk_tables(
             built,
-            [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf, _, _ in built],  # (_table checked them)
+            self._where,
+            [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf, _ in built],  # (_table checked them)
             self._per_process()[2],
         )
         out: dict[int, ChunkTable] = {}
-        for leaf, t, _ in built:
+        for leaf, t in built:
             t.intern_boxes(self._boxes)
             out[id(leaf)] = t
         out.update(empty)
         return out
 
-    def _table(
-        self, leaf: ArrayLeaf, parts: list[tuple[ChunkTable, bool]], where: str
-    ) -> ChunkTable:
+    def _where(self, leaf: ArrayLeaf) -> str:
+        """The leaf, named in errors (made only for one)."""
+        return f"{self.storage.url}, leaf {leaf.name!r}"
+
+    def _table(self, leaf: ArrayLeaf, parts: list[tuple[ChunkTable, bool]]) -> ChunkTable:
         """The leaf's chunks from the tables of the processes that hold them (each with
-        whether it is in box order), in box order (check_chunk_tables checks them after).
-        `where` names the leaf in errors."""
+        whether it is in box order), in box order (check_chunk_tables checks them after)."""
         if leaf.dtype not in NAME_TO_DTYPE:
-            raise CorruptCheckpointError(f"{where}: unknown dtype {leaf.dtype!r}")
+            raise CorruptCheckpointError(f"{self._where(leaf)}: unknown dtype {leaf.dtype!r}")
         if len(parts) == 1:
             t, in_order = parts[0]
             t = t if in_order else t.sorted_by_box()
         else:
             t = ChunkTable.concat([t for t, _ in parts], len(leaf.shape)).sorted_by_box()
-        _check_found(leaf, t, where)
+        _check_found(leaf, t, self._where)
         return t
 
     def _ndims(self) -> np.ndarray:
@@ -532,11 +531,11 @@ def _check_flags(flags: np.ndarray, codec: np.ndarray, where: str) -> None:
         )
 
 
-def _check_found(leaf: ArrayLeaf, t: ChunkTable, where: str) -> None:
+def _check_found(leaf: ArrayLeaf, t: ChunkTable, where: Callable[[ArrayLeaf], str]) -> None:
     """Records were found for an array with elements, and no more than the manifest counts."""
     if not len(t) or (leaf.chunk_count is not None and len(t) > leaf.chunk_count):
         raise CorruptCheckpointError(
-            f"{where}: {len(t)} chunk records found, the manifest says {leaf.chunk_count}"
+            f"{where(leaf)}: {len(t)} chunk records found, the manifest says {leaf.chunk_count}"
         )
 
 

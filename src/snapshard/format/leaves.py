@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,9 @@ from .bounds import MAX_BYTES, MAX_DIM, MAX_NDIM, MAX_PROCESSES, bounded_int
 from .chunks import ChunkTable
 from .kinds import ARRAY_KINDS, LeafKind
 from .values import decode_value, encode_value
+
+# The chunks of a leaf until its table is known (v2: fetched later; shared, never changed).
+_NO_CHUNKS = ChunkTable.empty(0)
 
 
 @dataclass
@@ -30,7 +34,7 @@ class ArrayLeaf:
     shape: tuple[int, ...]
     sharding: dict[str, Any] | None = None
     key_impl: str | None = None
-    chunks: ChunkTable = field(default_factory=lambda: ChunkTable.empty(0))
+    chunks: ChunkTable = field(default_factory=lambda: _NO_CHUNKS)
     layout: int | None = None
     writers: tuple[int, ...] | None = None
     chunk_count: int | None = None  # v2: the number of chunks, known without the records
@@ -39,8 +43,8 @@ class ArrayLeaf:
     def num_chunks(self) -> int:
         return self.chunk_count if self.chunk_count is not None else len(self.chunks)
 
-    @property
-    def name(self) -> str:
+    @cached_property
+    def name(self) -> str:  # (asked per box and per error of a restore: made once)
         return path_str(self.path)
 
     @property
@@ -60,8 +64,8 @@ class ValueLeaf:
     path: Path
     value: Any
 
-    @property
-    def name(self) -> str:
+    @cached_property
+    def name(self) -> str:  # (asked per box and per error of a restore: made once)
         return path_str(self.path)
 
 

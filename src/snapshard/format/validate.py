@@ -201,14 +201,17 @@ def check_chunks(
 
 
 def check_chunk_tables(
-    tables: list[tuple[ArrayLeaf, ChunkTable, str]], itemsizes: list[int], file_sizes: np.ndarray
+    tables: list[tuple[ArrayLeaf, ChunkTable]],
+    where: Callable[[ArrayLeaf], str],
+    itemsizes: list[int],
+    file_sizes: np.ndarray,
 ) -> None:
     """check_chunks of many v2 arrays (a restore checks every array it reads): the masks of
     all arrays with the same number of axes in one pass, so that the cost per array is not
     NumPy's per call; if such a group has a problem, its arrays are checked one by one, for
-    the message naming the array."""
+    the message naming the array (`where(leaf)`)."""
     groups: dict[int, list[int]] = {}
-    for k, (leaf, t, _) in enumerate(tables):
+    for k, (leaf, t) in enumerate(tables):
         if len(t):
             groups.setdefault(len(leaf.shape), []).append(k)
     for ks in groups.values():
@@ -227,8 +230,8 @@ def check_chunk_tables(
         )
         if _any_problem(checks):
             for k in ks:
-                leaf, table, name = tables[k]
-                check_chunks(leaf, table, itemsizes[k], cast(list[int], file_sizes), name)
+                leaf, table = tables[k]
+                check_chunks(leaf, table, itemsizes[k], cast(list[int], file_sizes), where(leaf))
 
 
 def _any_problem(checks: list[tuple[np.ndarray, Callable[[int], str]]]) -> bool:
