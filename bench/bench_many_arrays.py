@@ -45,6 +45,8 @@ the cost per array at each size and its ratio from the smallest to the largest (
 `--processes P` (with `--mesh`): P real processes per job (jax.distributed on 127.0.0.1,
 gloo), one mesh over every device of the job; each process measures its own operations
 after a barrier, a job's time is its slowest process's, its memory its largest.
+`--accelerator` (with `--mesh 1`): the JAX side on the accelerator's devices, where
+`device_get` and `make_array_from_callback` move bytes between host and device memory.
 `--mix` adds four arrays of 16, 32, 48 and 64 MiB (sharded) beside the small ones, so that
 bytes count too. `--orbax-max N` leaves Orbax out above N arrays (at 100,000 it takes too
 long). The last table lists the issue's targets at 10,000 arrays and more and whether each
@@ -89,15 +91,14 @@ def _job_cmd(lib: str, n: int, args: argparse.Namespace, pid: int, port: int) ->
 
 def _run(lib: str, n: int, args: argparse.Namespace, logs: str) -> dict[str, Any]:
     """One job: its processes started together, bounded by --timeout, none left behind."""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONWARNINGS": "ignore",
-        "PYTHONUNBUFFERED": "1",
-    }
-    if args.library:
-        env["PYTHONPATH"] = args.library
-    if args.mesh:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}
+    if not args.accelerator:
+        env["JAX_PLATFORMS"] = "cpu"
+    if args.library:  # ahead of what the environment's PYTHONPATH names (JAX's, on a TPU host)
+        env["PYTHONPATH"] = os.pathsep.join(
+            x for x in (args.library, os.environ.get("PYTHONPATH")) if x
+        )
+    if args.mesh and not args.accelerator:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.mesh}"
     port = bc.free_port()
     procs, errs = [], []
@@ -149,6 +150,7 @@ def _merge(results: list[dict[str, Any]]) -> dict[str, Any]:
             "memory_method",
         )
     }
+    row.update({k: first[k] for k in ("devices", "device_kind") if k in first})
     row["exact"] = all(r["exact"] for r in results)
     for op in OPS:
         if f"{op}_s" not in first:
@@ -184,7 +186,8 @@ def _size_table(rows: list[dict[str, Any]], libs: tuple[str, ...]) -> None:
     r0 = rows[0]
     n, side, mesh, procs = r0["arrays"], r0["side"], r0["mesh"], r0["processes"]
     what = (
-        f"{side}x16 float32 on {procs} x {mesh} CPU devices (half sharded, half replicated)"
+        f"{side}x16 float32 on {procs} x {r0.get('devices', mesh)} {r0.get('device_kind', 'CPU')} "
+        "device(s) (half sharded, half replicated)"
         if mesh
         else f"{side}x{side} float32"
     )
@@ -319,6 +322,9 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--mesh", type=int, default=0,
                     help="CPU devices per process for the JAX side's sharded layout (0: one device, torch too)")  # fmt: skip
     ap.add_argument("--processes", type=int, default=1, help="processes per job (with --mesh)")
+    ap.add_argument("--accelerator", action="store_true",
+                    help="the JAX side on the default backend's devices (a TPU, a GPU), all of "
+                         "them, instead of --mesh CPU devices (with --mesh, any value > 0)")  # fmt: skip
     ap.add_argument("--mix", action="store_true", help="add 4 arrays of 16-64 MiB")
     ap.add_argument(
         "--orbax-max", type=int, default=None, metavar="N", help="no Orbax above N arrays"

@@ -395,6 +395,10 @@ def main() -> None:
     barrier("done")
     if args.process_id == 0:
         bc.remove(root)
+    if args.mesh:
+        import jax
+
+        res |= {"devices": len(jax.devices()), "device_kind": jax.devices()[0].device_kind}
     bc.emit(lib=args.lib, arrays=args.arrays, side=args.side, mesh=args.mesh, mix=args.mix,
             processes=args.processes, process=args.process_id,
             state_B=sum(v.nbytes for v in host.values()), resident_B=resident, **res)  # fmt: skip
