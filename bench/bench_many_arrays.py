@@ -100,7 +100,7 @@ def _run(lib: str, n: int, args: argparse.Namespace, logs: str) -> dict[str, Any
         )
     if args.mesh and not args.accelerator:
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.mesh}"
-    port = bc.free_port()
+    port = bc.free_port() if args.processes > 1 else 0  # (a TPU host opens no sockets)
     procs, errs = [], []
     for pid in range(args.processes):
         err = open(os.path.join(logs, f"{lib}-{n}-{pid}.err"), "w+")  # noqa: SIM115
