@@ -116,12 +116,12 @@ def job(n: int, n_arrays: int, dp: int) -> tuple[Any, list[Any], list[Any], Any]
                  np.arange(n * DEVICES_PER_PROCESS, dtype=np.int64) // DEVICES_PER_PROCESS)  # fmt: skip
     arrays = []
     for shape, itemsize, spec in tree_arrays(n_arrays):
-        shape = list(shape)
+        padded = list(shape)
         for dim, axes in enumerate(spec):
             axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
             k = math.prod(mesh.shape[a] for a in axes)
-            shape[dim] = -(-shape[dim] // k) * k
-        arrays.append((tuple(shape), itemsize, spec))
+            padded[dim] = -(-padded[dim] // k) * k
+        arrays.append((tuple(padded), itemsize, spec))
     cache: dict[Any, Any] = {}
     leaves_in: dict[str, dict[str, Any]] = {"params": {}, "mu": {}, "nu": {}}
     for i, a in enumerate(arrays):
@@ -419,8 +419,8 @@ def target_dests(manifest: Any, n_target: int, p: int, dp: int) -> list[Any]:
 
     tmesh = Mesh(("dp", "fsdp", "tp"), (dp, n_target // dp, DEVICES_PER_PROCESS),
                  np.arange(n_target * DEVICES_PER_PROCESS, dtype=np.int64) // DEVICES_PER_PROCESS)  # fmt: skip
-    boxes: dict[Any, tuple[np.ndarray, np.ndarray]] = {}
-    dests = []
+    boxes: dict[Any, tuple[list[np.ndarray], list[np.ndarray]]] = {}
+    boxes_of = []
     for leaf in manifest.arrays:
         desc = manifest.layouts[leaf.layout]
         key = (json.dumps(desc), leaf.shape)
@@ -430,12 +430,18 @@ def target_dests(manifest: Any, n_target: int, p: int, dp: int) -> list[Any]:
             rows = np.flatnonzero(la.process_ids == p)
             nd = len(leaf.shape)
             u = np.unique(np.concatenate([la.starts[rows], la.stops[rows]], axis=1), axis=0)
-            boxes[key] = (u[:, :nd], u[:, nd:])
+            # One array per box, shared by every leaf of this layout and shape, as
+            # request_boxes shares a box plan's (the planner's caches go by these objects).
+            boxes[key] = (list(u[:, :nd]), list(u[:, nd:]))
         itemsize = 2 if leaf.dtype == "bfloat16" else 4
         for s, e in zip(*boxes[key], strict=True):
-            buf = np.empty(int(np.prod(e - s)) * itemsize, np.uint8)  # never touched
-            dests.append(restore.Dest(leaf, s, e, buf))
-    return dests
+            boxes_of.append((leaf, s, e, int(np.prod(e - s)) * itemsize))
+    # The planner never touches a destination's memory, so every box gets a view of one
+    # buffer: a buffer each would put the process's whole share of the state in the heap,
+    # where the allocator's headers fault in huge pages (GBs of RSS that a real restore
+    # spends on the data it reads, not on planning).
+    scratch = np.empty(max((n for *_, n in boxes_of), default=0), np.uint8)
+    return [restore.Dest(leaf, s, e, scratch[:n]) for leaf, s, e, n in boxes_of]
 
 
 def needed_bytes(plan: Any, manifest: Any, dests: list[Any]) -> tuple[int, int, int]:
@@ -475,6 +481,7 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
     from snapshard.checksum import crc32c
     from snapshard.coordination.rendezvous import Rendezvous, namespace
     from snapshard.format import Manifest
+    from snapshard.options import SaveOptions
     from snapshard.planning import plan_writes, write_plan
 
     n, dp, latency = args.processes_one, args.dp, args.latency_ms / 1000
@@ -506,7 +513,7 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
         rv = Rendezvous(coord, namespace("save", url), f"save to {url}", 600.0)
         for q in range(1, n):  # what every other process has reported by now
             rv.report(f"written/{q}", **reports[q])
-        prep = saving._Prepared(storage, rv, list(leaves), structure, plan, [], False, 1, {},
+        prep = saving._Prepared(storage, rv, list(leaves), structure, plan, [], False, SaveOptions(), {},
                                 digests)  # fmt: skip
         rv.report("written/0", **reports[0])
         base = rss()

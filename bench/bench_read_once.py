@@ -125,7 +125,9 @@ def worker(args: argparse.Namespace) -> None:
     mesh = Mesh(np.array(jax.devices()).reshape(n, -1), ("data", "model"))
     save_s = NamedSharding(mesh, P("data", "model"))
     if args.target == "cols":
-        target_s = NamedSharding(Mesh(mesh.devices.reshape(1, -1), mesh.axis_names), P(None, "model"))
+        target_s = NamedSharding(
+            Mesh(mesh.devices.reshape(1, -1), mesh.axis_names), P(None, "model")
+        )
     else:
         target_s = NamedSharding(mesh, P(None, "model"))
     refs = {f"w{i}": _host(i, rows) for i in range(N_ARRAYS)}
@@ -319,7 +321,9 @@ def main() -> None:
     out = args.out or os.path.join(HERE, "results", f"read_once-{stamp}.jsonl")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     rows = run_job(args, out)
-    shape = f"{PROCS} ranks" if args.framework == "torch" else f"{PROCS} processes x {DEVICES} devices"
+    shape = (
+        f"{PROCS} ranks" if args.framework == "torch" else f"{PROCS} processes x {DEVICES} devices"
+    )
     print(f"{len(rows)} restores ({args.framework}); {args.mb} MiB state, {shape}")
     report(rows)
     bc.remove(args.dir)

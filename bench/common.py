@@ -385,7 +385,9 @@ def library_at(rev: str, into: str) -> str:
     import tarfile
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    data = subprocess.run(["git", "-C", root, "archive", rev, "src"], check=True, capture_output=True).stdout
+    data = subprocess.run(
+        ["git", "-C", root, "archive", rev, "src"], check=True, capture_output=True
+    ).stdout
     path = os.path.join(into, f"src-{rev}.tar")
     with open(path, "wb") as f:
         f.write(data)
