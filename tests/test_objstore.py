@@ -26,8 +26,12 @@ from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
 
 from conftest import mesh, sharded
 
-# Small parts so that test-sized files go up as multipart uploads and reads are split.
-SMALL = TransferConfig(part_size=5 << 20, read_part_size=1 << 20, max_inflight_bytes=4 << 20)
+# Small parts, and files of more than one part in parts: test-sized files go up as
+# multipart uploads, and reads are split.
+SMALL = TransferConfig(
+    part_size=5 << 20, single_request_bytes=5 << 20, read_part_size=1 << 20,
+    max_inflight_bytes=4 << 20,
+)  # fmt: skip
 
 
 @pytest.fixture(params=["memory", *store_params()])
@@ -95,6 +99,43 @@ def test_save_and_restore_with_resharding_is_bit_exact(base):
     # Through the URL alone, into NumPy.
     plain = snapshard.load(f"{base}/step_1")
     assert plain["params"]["e"].tobytes() == g["e"].tobytes()
+
+
+ONE_REQUEST = TransferConfig(single_request_bytes=2 << 20)
+
+
+def test_a_file_sent_in_one_request_keeps_what_was_written_not_what_the_buffer_became(base):
+    """`write` copies what it holds (the caller may reuse its buffer); `write_kept` holds the
+    caller's buffer, which the caller leaves as it is until the file is closed."""
+    client = ObjectStorage(f"{base}/w", transfer=ONE_REQUEST).client
+    reused, kept = bytearray(b"a" * 1000), np.full(3000, 7, np.uint8)
+    writer = client.writer("f.bin")
+    writer.write(memoryview(reused))
+    reused[:] = b"b" * 1000
+    writer.write(memoryview(reused))
+    writer.write_kept(memoryview(kept))
+    before = client.stats
+    assert writer.close() == 5000
+    assert (client.stats - before).put == 1
+    assert client.get("f.bin") == b"a" * 1000 + b"b" * 1000 + bytes([7]) * 3000
+
+
+def test_a_file_that_outgrows_one_request_goes_up_in_parts_from_its_first_byte(base):
+    client = ObjectStorage(f"{base}/w", transfer=SMALL).client  # one request: up to 5 MiB
+    data = np.random.default_rng(1).integers(0, 256, 12 << 20, dtype=np.uint8)
+    writer = client.writer("f.bin")
+    writer.write_kept(memoryview(data[: 3 << 20]))  # held
+    writer.write(memoryview(data[3 << 20 : 4 << 20]))  # held, a copy
+    writer.write_kept(memoryview(data[4 << 20 :]))  # beyond one request: parts from here
+    before = client.stats
+    assert writer.close() == data.nbytes
+    spent = client.stats - before
+    assert spent.post >= 1 and spent.put >= 3  # a multipart (or composite) upload
+    assert client.get("f.bin") == data.tobytes()
+    aborted = client.writer("g.bin")
+    aborted.write_kept(memoryview(data[: 1 << 20]))
+    aborted.abort()
+    assert set(client.listing()) == {"f.bin"}
 
 
 def test_partial_restore_reads_only_the_needed_ranges(base):

@@ -36,7 +36,8 @@ FAST_RETRY = {
     },
     "retry_timeout": timedelta(seconds=30),
 }
-SMALL = TransferConfig(part_size=5 << 20, read_part_size=2 << 20)
+# Files of more than one part go up as multipart uploads.
+SMALL = TransferConfig(part_size=5 << 20, single_request_bytes=5 << 20, read_part_size=2 << 20)
 
 
 @pytest.fixture

@@ -41,24 +41,37 @@ _crc = cast(Callable[[Any], int], _crc32c.crc32c)
 class CoalescingWriter(FileWriter):
     """Writes shorter than COALESCE_BYTES gathered into one buffer and handed on together:
     a file of many small chunks would otherwise cost two writes (system calls, on local
-    files) per chunk, its bytes and its checksums."""
+    files) per chunk, its bytes and its checksums. Each gathered buffer is handed on as
+    kept (a new one is started after it); `kept`: so is every longer write (the caller
+    leaves its buffers unchanged until the file is closed, as a save's staged items are)."""
 
-    def __init__(self, writer: FileWriter) -> None:
+    def __init__(self, writer: FileWriter, kept: bool = False) -> None:
         self.writer = writer
+        self.kept = kept
         self.held = bytearray()
 
     def write(self, data: memoryview) -> None:
         if len(data) >= COALESCE_BYTES:
             self.flush()
-            self.writer.write(data)
+            if self.kept:
+                self.writer.write_kept(data)
+            else:
+                self.writer.write(data)
             return
         self.held += data
         if len(self.held) >= COALESCE_BYTES:
             self.flush()
 
+    def write_kept(self, data: memoryview) -> None:
+        if len(data) >= COALESCE_BYTES:
+            self.flush()
+            self.writer.write_kept(data)
+        else:
+            self.write(data)
+
     def flush(self) -> None:
         if self.held:
-            self.writer.write(memoryview(self.held))
+            self.writer.write_kept(memoryview(self.held))  # never changed after this
             self.held = bytearray()
 
     def close(self) -> int:
@@ -198,7 +211,8 @@ def write_file(
 ) -> FileChunks:
     """Write items back to back into data file number `file` named `name`.
     `codec_of(item)` gives each item's codec (format.encoding; None: nothing compressed)."""
-    writer = CoalescingWriter(storage.open_writer(name))
+    # The staged items stay as they are until the save ends: the file may keep them.
+    writer = CoalescingWriter(storage.open_writer(name), kept=True)
     key = name_key(name)
     parts: list[np.ndarray] = []
     offset = 0

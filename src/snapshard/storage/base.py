@@ -21,7 +21,14 @@ class FileWriter(ABC):
     """A file being written in the staging area. `close` makes it durable."""
 
     @abstractmethod
-    def write(self, data: memoryview) -> None: ...
+    def write(self, data: memoryview) -> None:
+        """Append the bytes; the caller may change or reuse `data` once this returns."""
+
+    def write_kept(self, data: memoryview) -> None:
+        """Append bytes that the caller leaves unchanged until the writer is closed or
+        aborted: a writer may keep them instead of a copy (an object-store file that goes
+        up in one request). By default, `write`."""
+        self.write(data)
 
     @abstractmethod
     def close(self) -> int:

@@ -20,11 +20,13 @@ from typing import Any
 @dataclass(frozen=True)
 class TransferConfig:
     """How data moves. Host memory held by transfers is bounded by these numbers:
-    uploads, `part_size * (upload_concurrency + 1)` per file being written; downloads,
+    uploads, `single_request_bytes` per file that goes up in one request, else
+    `part_size * (upload_concurrency + 1)` per file being written; downloads,
     `max_inflight_bytes` per storage (plus the caller's destination buffers)."""
 
-    part_size: int = 16 << 20  # multipart part size; smaller files go up in one PUT
+    part_size: int = 16 << 20  # multipart part size
     upload_concurrency: int = 8  # parts of one file in flight
+    single_request_bytes: int = 32 << 20  # a file up to this size goes up in one request
     read_part_size: int = 16 << 20  # a longer read is split into concurrent ranged GETs
     read_concurrency: int = 16  # ranged GETs in flight for one read
     max_inflight_bytes: int = 256 << 20  # GET responses held at once
@@ -90,6 +92,11 @@ class Bucket(ABC):
     @abstractmethod
     def put(self, key: str, data: bytes, *, create: bool) -> bool:
         """One-request write. With create, only if absent: False when the object exists."""
+
+    @abstractmethod
+    def put_pieces(self, key: str, pieces: Sequence[memoryview]) -> None:
+        """The object written in one request from `pieces`, in order (unconditional: safe to
+        retry). The pieces stay unchanged until this returns; nothing may keep them after."""
 
     @abstractmethod
     def get(self, key: str) -> bytes:
