@@ -27,8 +27,10 @@ from conftest import mesh, sharded
 pytestmark = pytest.mark.gcs
 
 PART = 5 << 20
-# Files of more than one part go up as composite uploads.
-SMALL = TransferConfig(part_size=PART, upload_concurrency=3, single_request_bytes=PART)
+# Files of more than one part go up as composite uploads (none cut to fit one request).
+SMALL = TransferConfig(
+    part_size=PART, upload_concurrency=3, single_request_bytes=PART, file_bytes=None
+)
 
 
 @pytest.fixture

@@ -59,6 +59,19 @@ class ObjectStorage(Storage):
     def stats(self) -> RequestStats:
         return self.client.stats
 
+    @property
+    def data_file_bytes(self) -> int | None:  # type: ignore[override]
+        """Files a save cuts to go up in one request each (TransferConfig.file_bytes)."""
+        t = self.client.transfer
+        return None if t.file_bytes is None else min(t.file_bytes, t.single_request_bytes)
+
+    @property
+    def files_per_writer(self) -> int:  # type: ignore[override]
+        """Whole files a writer sends at once: as many as the bytes its parts could hold in
+        flight (`part_size * (upload_concurrency + 1)`) allow."""
+        t, most = self.client.transfer, self.data_file_bytes
+        return 1 if most is None else max(1, t.part_size * (t.upload_concurrency + 1) // most)
+
     def _committed_files(self) -> set[str] | None:
         """Names the committed manifest refers to; None when nothing is committed."""
         if not self.client.exists(COMMIT_MARKER):
