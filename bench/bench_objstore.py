@@ -357,7 +357,7 @@ class PlainClient:
         its data files (see upload_pattern), `at_once` files at a time."""
         from concurrent.futures import ThreadPoolExecutor
 
-        single, at_once = upload_pattern(len(sizes))
+        single, at_once = upload_pattern(sizes)
         starts = np.cumsum([0, *sizes]).tolist()
         with ThreadPoolExecutor(at_once) as files:
             list(
@@ -407,22 +407,22 @@ class PlainClient:
             self.blobs.delete_blob(n)
 
 
-def upload_pattern(files: int) -> tuple[int, int]:
-    """How the measured library uploads a save's data files with its default settings: the
-    largest file it sends in one request (larger ones: on GCS 16 MiB parts as temporary
-    objects, 8 in flight per file, then one compose; on S3 and Azure obstore's multipart
-    writer), and how many files it writes at once (2 writers, each with its files in
-    flight). Versions before one-request files: files of less than a part went in one
+def upload_pattern(sizes: list[int]) -> tuple[int, int]:
+    """How the measured library uploads a save's data files of these sizes with its default
+    settings: the largest file it sends in one request (larger ones: on GCS 16 MiB parts as
+    temporary objects, 8 in flight per file, then one compose; on S3 and Azure obstore's
+    multipart writer), and how many files it writes at once (2 writers, each with as many
+    files in flight as part_size * (upload_concurrency + 1) bytes hold at the size of the
+    largest). Versions before one-request files: files of less than a part went in one
     request, every file written at once."""
     from snapshard.storage.object_client import TransferConfig
 
     t = TransferConfig()
     single = getattr(t, "single_request_bytes", t.part_size - 1)
     if getattr(t, "file_bytes", None) is None:
-        return single, files
-    most = min(t.file_bytes, single)
-    per_writer = max(1, t.part_size * (t.upload_concurrency + 1) // most)
-    return single, max(1, min(files, 2 * per_writer))
+        return single, len(sizes)
+    per_writer = max(1, t.part_size * (t.upload_concurrency + 1) // max(1, *sizes))
+    return single, max(1, min(len(sizes), 2 * per_writer))
 
 
 class ReadRecorder:

@@ -159,6 +159,18 @@ def test_a_file_that_outgrows_one_request_goes_up_in_parts_from_its_first_byte(b
     assert set(client.listing()) == {"f.bin"}
 
 
+def test_an_item_larger_than_a_cut_file_but_within_one_request_is_one_file_of_one_request(base):
+    w = np.random.default_rng(2).standard_normal((1536, 2048), dtype=np.float32)  # 12 MiB
+    st = ObjectStorage(
+        f"{base}/step_1", transfer=TransferConfig(file_bytes=2 << 20, single_request_bytes=16 << 20)
+    )
+    timings = snapshard.save(st, {"w": w, "b": np.arange(1000.0)})
+    saved = st.stats
+    assert timings.data_files == 2  # w alone, b beside it
+    assert (saved.put, saved.post, saved.delete) == (2 + 3, 0, 0)
+    assert snapshard.load(st)["w"].tobytes() == w.tobytes()
+
+
 @pytest.mark.parametrize("k", [0, 5])
 def test_a_failed_one_request_upload_fails_the_save_and_leaves_nothing(base, monkeypatch, k):
     from faultinject import INJECTED, FaultInjector

@@ -144,6 +144,18 @@ def test_the_peer_bench_state_is_cut_into_files_of_one_request():
     assert len(chunk_files.cut_files(items, 2, 1 << 20)) == chunk_files.MAX_CUT_FILES
 
 
+def test_files_at_once_hold_each_writers_upload_bytes_at_the_largest_file():
+    def groups(*mib):
+        return [[StagedItem(0, "x", np.zeros(0), np.zeros(0), m << 20)] for m in mib]
+
+    per_writer = 144 << 20  # 16 MiB parts, 8 in flight and one being filled
+    assert chunk_files.files_at_once(groups(*[30] * 20), 2, per_writer) == 8
+    assert chunk_files.files_at_once(groups(*[30] * 19, 64), 2, per_writer) == 4
+    assert chunk_files.files_at_once(groups(*[30] * 5, 1024), 2, per_writer) == 2  # parts
+    assert chunk_files.files_at_once(groups(1, 1, 1), 2, per_writer) == 3
+    assert chunk_files.files_at_once(groups(*[30] * 20), 2, None) == 20  # local: all
+
+
 def _random_rows(rng):
     ndims = rng.integers(0, 4, int(rng.integers(1, 30))).tolist()
     rows, seen0 = [], set()

@@ -142,6 +142,16 @@ def cut_files(
     return [f for f in files if f]
 
 
+def files_at_once(groups: list[list[StagedItem]], writers: int, per_writer: int | None) -> int:
+    """How many of these files to write at a time: `writers`, each with as many files in
+    flight as `per_writer` bytes hold at the size of the largest (at least one; a file in
+    parts holds no more than that). None: all of them (local files)."""
+    if per_writer is None or not groups:
+        return max(1, len(groups))
+    largest = max(sum(chunk_span(it.nbytes) for it in g) for g in groups)
+    return max(1, min(len(groups), writers * max(1, per_writer // max(1, largest))))
+
+
 def split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
     """Items into n files of nearly equal size (largest first, each to the lightest file,
     the first of equally light ones)."""

@@ -61,12 +61,12 @@ class Storage(ABC):
     # Read threads of a restore that does not set ReadOptions.threads: each thread keeps one
     # request in flight, which bounds reads that wait on the network or the device.
     read_threads: int = 4
-    # A save cuts each process's data into files of at most this many bytes where its items
-    # allow (chunk_files.cut_files; an object store sends such a file in one request), and
-    # each of its writers keeps `files_per_writer` of them in flight. None: as many files as
-    # writers, one each.
+    # A save cuts each process's data into files of at most `data_file_bytes` where its
+    # items allow (chunk_files.cut_files; an object store sends such a file in one request),
+    # and each of its writers has as many files in flight as `upload_bytes_per_writer` holds.
+    # None: as many files as writers, all at once.
     data_file_bytes: int | None = None
-    files_per_writer: int = 1
+    upload_bytes_per_writer: int | None = None
 
     def cached_read_threads(self) -> int:
         """Read threads for bytes already in memory (`in_memory`), which cost CPU rather

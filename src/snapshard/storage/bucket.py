@@ -30,7 +30,7 @@ class TransferConfig:
 
     part_size: int = 16 << 20  # multipart part size
     upload_concurrency: int = 8  # parts of one file in flight
-    single_request_bytes: int = 32 << 20  # a file up to this size goes up in one request
+    single_request_bytes: int = 128 << 20  # a file up to this size goes up in one request
     file_bytes: int | None = 32 << 20  # a save's data files are cut to at most this size
     read_part_size: int = 16 << 20  # a longer read is split into concurrent ranged GETs
     read_concurrency: int = 16  # ranged GETs in flight for one read

@@ -66,11 +66,11 @@ class ObjectStorage(Storage):
         return None if t.file_bytes is None else min(t.file_bytes, t.single_request_bytes)
 
     @property
-    def files_per_writer(self) -> int:  # type: ignore[override]
-        """Whole files a writer sends at once: as many as the bytes its parts could hold in
-        flight (`part_size * (upload_concurrency + 1)`) allow."""
-        t, most = self.client.transfer, self.data_file_bytes
-        return 1 if most is None else max(1, t.part_size * (t.upload_concurrency + 1) // most)
+    def upload_bytes_per_writer(self) -> int:  # type: ignore[override]
+        """What a file in parts holds in flight (`part_size * (upload_concurrency + 1)`):
+        as many whole files as fit in it go up side by side."""
+        t = self.client.transfer
+        return t.part_size * (t.upload_concurrency + 1)
 
     def _committed_files(self) -> set[str] | None:
         """Names the committed manifest refers to; None when nothing is committed."""
