@@ -1,9 +1,9 @@
 """Save and restore of a sharded pytree on object stores: against orbax-checkpoint on S3 and
 GCS, and against each store's plain client on S3, GCS and Azure.
 
-    python bench/bench_objstore.py [--size-mib 1024] [--rounds 3] [--store s3|gs]
+    python bench/bench_objstore.py [--size-mib 1024] [--rounds 3] [--store s3|gs] [--at REV]
     python bench/bench_objstore.py --plain [--stores s3,gs,az] [--rounds 3] [--size-mib N]
-                                   [--read-once [--read-once-mib 128]]
+                                   [--read-once [--read-once-mib 128]] [--at REV]
 
 --plain: the peer-bench state (24 float32 and 3 bfloat16 arrays of (4096, 5120) and 24
 float32 biases of 5120: 2041 MiB; the arrays' rows sharded over 8 CPU devices, the biases
@@ -12,16 +12,19 @@ replicated) saved and restored with snapshard on each configured store, and the 
 and Azure, google-cloud-storage for GCS), in interleaved rounds after a warm-up round; it
 prints medians, the throughput ratios and the bytes a restore read against those it needed.
 A second table has the plain client make snapshard's own requests in the same round: objects
-of the sizes of snapshard's data files written the way its store layer writes them (GCS:
-16 MiB parts as temporary objects, 8 in flight per file, then compose; S3 and Azure:
-obstore's multipart writer), and the very ranged reads its restore made, 4 at a time, on
-its files. Where snapshard matches that but not one object per array, the cost is the
+of the sizes of snapshard's data files written the way its store layer writes them (a file
+of up to `single_request_bytes` in one request: a media upload on GCS, one PUT on S3 and
+Azure; a larger one on GCS as 16 MiB parts, temporary objects, 8 in flight per file, then
+compose; on S3 and Azure through obstore's multipart writer; as many files at once as the
+library writes), and the very ranged reads its restore made, 4 at a time, on its files. Where snapshard matches that but not one object per array, the cost is the
 server's for that pattern of requests, not the library's. --read-once adds
 bench_read_once.py's 4-process job (every column band on all 4 processes) on each store:
 the job's bytes read against the unique bytes, read-once on and off. In each round the
 writes come first, then the reads, each group in reverse order every other round.
---size-mib scales the state down (fewer layers). The servers and their settings as
-.ci/run starts and exports them (../shared/objstore/).
+--size-mib scales the state down (fewer layers). --at REV measures the library as of that
+git commit instead of the working tree (the plain client then follows that version's upload
+pattern). The servers and their settings as .ci/run starts and exports them
+(../shared/objstore/).
 
 Needs the server (../shared/objstore/s3-server.sh start) and AWS_ENDPOINT_URL, the
 credentials and AWS_ALLOW_HTTP=true in the environment (as .ci/run exports them); orbax
@@ -60,7 +63,27 @@ from typing import Any
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+
+
+def _library() -> tuple[str, str]:
+    """The library measured and its name: with --at REV, as of that git commit (extracted
+    for this run); else the working tree's."""
+    if "--at" not in sys.argv[:-1]:
+        return str(ROOT / "src"), "working tree"
+    import atexit
+    import tempfile
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from common import library_at
+
+    rev = sys.argv[sys.argv.index("--at") + 1]
+    tmp = tempfile.mkdtemp(prefix="snapshard-at-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    return library_at(rev, tmp), rev
+
+
+LIBRARY, LIBRARY_NAME = _library()
+sys.path[:0] = [LIBRARY, str(ROOT / "tests")]
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -330,33 +353,45 @@ class PlainClient:
         return sum(len(b) for b in self.pool.map(lambda r: self.get_range(*r), ranges))
 
     def put_files(self, prefix: str, data: memoryview, sizes: list[int]) -> None:
-        """Objects of these sizes written the way snapshard's store layer writes its data
-        files, the files side by side: on GCS a parallel composite upload (16 MiB parts as
-        temporary objects, 8 in flight per file, one compose, the parts deleted); on S3 and
-        Azure obstore's multipart writer (16 MiB parts, 8 in flight)."""
+        """Objects of these sizes written the way the measured library's store layer writes
+        its data files (see upload_pattern), `at_once` files at a time."""
         from concurrent.futures import ThreadPoolExecutor
 
+        single, at_once = upload_pattern(sizes)
         starts = np.cumsum([0, *sizes]).tolist()
-        with ThreadPoolExecutor(len(sizes)) as files:
+        with ThreadPoolExecutor(at_once) as files:
             list(
                 files.map(
                     lambda i: self._put_file(
-                        f"{prefix}/f{i}", data[starts[i] : starts[i] + sizes[i]]
+                        f"{prefix}/f{i}", data[starts[i] : starts[i] + sizes[i]], single
                     ),
                     range(len(sizes)),
                 )
             )
 
-    def _put_file(self, key: str, data: memoryview) -> None:
+    def _put_file(self, key: str, data: memoryview, single: int) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
         part, parallel = 16 * MiB, 8
         if self.scheme != "gs":
             import obstore
 
+            if len(data) <= single:  # one PUT
+                obstore.put(self.store, key, [data], use_multipart=False)
+                return
             w = obstore.open_writer(self.store, key, buffer_size=part, max_concurrency=parallel)
             w.write(data)
             w.close()
+            return
+        if len(data) <= single:  # one media upload, as google-resumable-media sends it
+            from urllib.parse import quote
+
+            from google.resumable_media.requests import SimpleUpload
+
+            client = self.blobs.client
+            url = f"{client.api_endpoint}/upload/storage/v1/b/{self.blobs.name}/o"
+            url += f"?uploadType=media&name={quote(key, safe='')}"
+            SimpleUpload(url).transmit(client._http, bytes(data), "application/octet-stream")
             return
         names = [f"{key}.part{i:05d}" for i in range(-(-len(data) // part))]
 
@@ -370,6 +405,24 @@ class PlainClient:
         self.blobs.blob(key).compose([self.blobs.blob(n) for n in names])
         for n in names:
             self.blobs.delete_blob(n)
+
+
+def upload_pattern(sizes: list[int]) -> tuple[int, int]:
+    """How the measured library uploads a save's data files of these sizes with its default
+    settings: the largest file it sends in one request (larger ones: on GCS 16 MiB parts as
+    temporary objects, 8 in flight per file, then one compose; on S3 and Azure obstore's
+    multipart writer), and how many files it writes at once (2 writers, each with as many
+    files in flight as part_size * (upload_concurrency + 1) bytes hold at the size of the
+    largest). Versions before one-request files: files of less than a part went in one
+    request, every file written at once."""
+    from snapshard.storage.object_client import TransferConfig
+
+    t = TransferConfig()
+    single = getattr(t, "single_request_bytes", t.part_size - 1)
+    if getattr(t, "file_bytes", None) is None:
+        return single, len(sizes)
+    per_writer = max(1, t.part_size * (t.upload_concurrency + 1) // max(1, *sizes))
+    return single, max(1, min(len(sizes), 2 * per_writer))
 
 
 class ReadRecorder:
@@ -485,7 +538,8 @@ def read_once_check(args: argparse.Namespace, stores: list[str]) -> None:
             cmd = [sys.executable, str(ROOT / "bench" / "bench_read_once.py"), "--s3", url]
             cmd += ["--mb", str(args.read_once_mib), "--rounds", str(args.rounds + 1)]
             cmd += ["--dir", os.path.join(tmp, "local"), "--out", out]
-            job = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            env = dict(os.environ, PYTHONPATH=LIBRARY)
+            job = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
             if job.returncode:
                 raise SystemExit(f"bench_read_once.py on {url} failed:\n{job.stderr[-4000:]}")
             with open(out) as f:
@@ -506,7 +560,10 @@ def plain_bench(args: argparse.Namespace) -> None:
     tree = peer_state(args.size_mib if args.size_mib != 1024 else None)
     host = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(tree)]
     size = sum(len(h) for h in host) / MiB
-    print(f"state: {size:.0f} MiB, {len(host)} leaves; stores {stores}", flush=True)
+    print(
+        f"state: {size:.0f} MiB, {len(host)} leaves; stores {stores}; library: {LIBRARY_NAME}",
+        flush=True,
+    )
     buckets = {s: bucket_of(s) for s in stores}
     runs: dict[str, list[dict[str, float]]] = {s: [] for s in stores}
     # Round 0 warms up; its same-requests writes guess two files of half the state each.
@@ -567,6 +624,10 @@ def main() -> None:
         help="the state of the read-once job (4 processes each hold all of it)",
     )  # fmt: skip
     ap.add_argument("--store", default="s3", choices=("s3", "gs"), help="against orbax: where")
+    ap.add_argument(
+        "--at", default=None, metavar="REV",
+        help="measure the library as of this git commit, not the working tree",
+    )  # fmt: skip
     ap.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.plain:
@@ -581,7 +642,7 @@ def main() -> None:
     libs = [Snapshard(), Orbax(args.store)]
     print(
         f"tree: {nbytes(tree) / MiB:.0f} MiB, {len(jax.tree_util.tree_leaves(tree))} leaves, "
-        f"mesh (2, 4) of 8 CPU devices; {args.store}://{bucket}",
+        f"mesh (2, 4) of 8 CPU devices; {args.store}://{bucket}; library: {LIBRARY_NAME}",
         flush=True,
     )
     times: dict[str, dict[str, list[float]]] = {

@@ -7,12 +7,14 @@ through counting wrappers:
 
     local   open write fsync read pread mkdir list rename link unlink rmdir read_file rmtree
     object  s3.put s3.get s3.get_range s3.head s3.list s3.delete
+            s3.put_file (a file sent in one request)
             s3.open_upload s3.upload_part s3.close_upload, and on GCS s3.compose
 
 The object operations have the same names on every store (S3, Azure and memory through
 obstore; GCS through google-cloud-storage, where each wrapped `GcsBucket` method is one call
 of that library and a composite upload's parts, each an upload of its own, are its
-`s3.upload_part`s, made from the upload's threads).
+`s3.upload_part`s, made from the upload's threads). `s3.put_file` is the bucket's
+`put_pieces`, on every store (on obstore's stores its PUT also counts as an `s3.put`).
 
 With nothing armed the calls pass through and are counted (`counts`), so a fault-free run
 enumerates every operation index of a save or a restore; `arm(op, k)` makes the k-th call
@@ -240,6 +242,16 @@ class FaultInjector:
 
         return ObstoreProxy()
 
+    def _put_file(self, fn: Callable[..., Any], error: type[Exception]) -> Callable[..., Any]:
+        injector = self
+
+        def call(bucket: Any, key: str, pieces: Any) -> Any:
+            if injector._hit("s3.put_file", key):
+                raise error(f"{INJECTED}: {injector.fired}")
+            return fn(bucket, key, pieces)
+
+        return call
+
     # ---- GCS -----------------------------------------------------------------------------
     def _gcs_wrappers(self) -> dict[tuple[Any, str], Callable[..., Any]]:
         """(class, method) -> its counting wrapper, for GcsBucket and GcsUpload."""
@@ -270,6 +282,7 @@ class FaultInjector:
         }
         out = {(c, m): counted(op, getattr(c, m), key) for (c, m), op in ops.items()}
         out[(upload, "close")] = counted("s3.close_upload", upload.close, lambda u: u._key)
+        out[(bucket, "put_pieces")] = self._put_file(bucket.put_pieces, ServiceUnavailable)
         return out
 
     # ---- installing ----------------------------------------------------------------------
@@ -292,6 +305,10 @@ class FaultInjector:
                 pathlib.Path, name, self._path_method(op, getattr(pathlib.Path, name))
             )
         monkeypatch.setattr(obstore_bucket, "obstore", self._obstore_proxy())
+        put_file = obstore_bucket.ObstoreBucket.put_pieces
+        monkeypatch.setattr(
+            obstore_bucket.ObstoreBucket, "put_pieces", self._put_file(put_file, GenericError)
+        )
         if gcs_bucket is not None:
             for (cls, name), wrapper in self._gcs_wrappers().items():
                 monkeypatch.setattr(cls, name, wrapper)

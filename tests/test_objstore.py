@@ -26,8 +26,12 @@ from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
 
 from conftest import mesh, sharded
 
-# Small parts so that test-sized files go up as multipart uploads and reads are split.
-SMALL = TransferConfig(part_size=5 << 20, read_part_size=1 << 20, max_inflight_bytes=4 << 20)
+# Small parts, files of more than one part in parts and a save's data not cut into files
+# that fit one request: test-sized files go up as multipart uploads, and reads are split.
+SMALL = TransferConfig(
+    part_size=5 << 20, single_request_bytes=5 << 20, file_bytes=None,
+    read_part_size=1 << 20, max_inflight_bytes=4 << 20,
+)  # fmt: skip
 
 
 @pytest.fixture(params=["memory", *store_params()])
@@ -95,6 +99,91 @@ def test_save_and_restore_with_resharding_is_bit_exact(base):
     # Through the URL alone, into NumPy.
     plain = snapshard.load(f"{base}/step_1")
     assert plain["params"]["e"].tobytes() == g["e"].tobytes()
+
+
+# A save's data cut into files of at most 2 MiB, each sent in one request.
+ONE_REQUEST = TransferConfig(
+    single_request_bytes=2 << 20, file_bytes=2 << 20, read_part_size=1 << 20
+)
+
+
+def test_a_save_cuts_its_data_into_files_that_each_go_up_in_one_request(base):
+    g = arrays()
+    st = ObjectStorage(f"{base}/step_1", transfer=ONE_REQUEST)
+    timings = snapshard.save(st, tree_on_2x4(g), snapshard.SaveOptions(writers=2))
+    saved = st.stats
+    data = {n: size for n, size in st.client.listing().items() if n.startswith("data/")}
+    # w's 8 boxes of 1.5 MiB: one a file (two would not fit 2 MiB), e's and b's beside them.
+    assert timings.data_files == len(data) == 8
+    assert max(data.values()) <= 2 << 20
+    # One PUT per data file, then the record file, the manifest and the marker: no
+    # multipart upload, no compose, nothing deleted.
+    assert (saved.put, saved.post, saved.delete) == (len(data) + 3, 0, 0)
+    assert saved.bytes_sent >= sum(a.nbytes for a in g.values())
+    out = snapshard.load(st, target_on_1x8(g))
+    for k in ("w", "e", "b"):
+        assert bit_exact(out["params"][k], g[k]), k
+
+
+def test_a_file_sent_in_one_request_keeps_what_was_written_not_what_the_buffer_became(base):
+    """`write` copies what it holds (the caller may reuse its buffer); `write_kept` holds the
+    caller's buffer, which the caller leaves as it is until the file is closed."""
+    client = ObjectStorage(f"{base}/w", transfer=ONE_REQUEST).client
+    reused, kept = bytearray(b"a" * 1000), np.full(3000, 7, np.uint8)
+    writer = client.writer("f.bin")
+    writer.write(memoryview(reused))
+    reused[:] = b"b" * 1000
+    writer.write(memoryview(reused))
+    writer.write_kept(memoryview(kept))
+    before = client.stats
+    assert writer.close() == 5000
+    assert (client.stats - before).put == 1
+    assert client.get("f.bin") == b"a" * 1000 + b"b" * 1000 + bytes([7]) * 3000
+
+
+def test_a_file_that_outgrows_one_request_goes_up_in_parts_from_its_first_byte(base):
+    client = ObjectStorage(f"{base}/w", transfer=SMALL).client  # one request: up to 5 MiB
+    data = np.random.default_rng(1).integers(0, 256, 12 << 20, dtype=np.uint8)
+    writer = client.writer("f.bin")
+    writer.write_kept(memoryview(data[: 3 << 20]))  # held
+    writer.write(memoryview(data[3 << 20 : 4 << 20]))  # held, a copy
+    writer.write_kept(memoryview(data[4 << 20 :]))  # beyond one request: parts from here
+    before = client.stats
+    assert writer.close() == data.nbytes
+    spent = client.stats - before
+    assert spent.post >= 1 and spent.put >= 3  # a multipart (or composite) upload
+    assert client.get("f.bin") == data.tobytes()
+    aborted = client.writer("g.bin")
+    aborted.write_kept(memoryview(data[: 1 << 20]))
+    aborted.abort()
+    assert set(client.listing()) == {"f.bin"}
+
+
+def test_an_item_larger_than_a_cut_file_but_within_one_request_is_one_file_of_one_request(base):
+    w = np.random.default_rng(2).standard_normal((1536, 2048), dtype=np.float32)  # 12 MiB
+    st = ObjectStorage(
+        f"{base}/step_1", transfer=TransferConfig(file_bytes=2 << 20, single_request_bytes=16 << 20)
+    )
+    timings = snapshard.save(st, {"w": w, "b": np.arange(1000.0)})
+    saved = st.stats
+    assert timings.data_files == 2  # w alone, b beside it
+    assert (saved.put, saved.post, saved.delete) == (2 + 3, 0, 0)
+    assert snapshard.load(st)["w"].tobytes() == w.tobytes()
+
+
+@pytest.mark.parametrize("k", [0, 5])
+def test_a_failed_one_request_upload_fails_the_save_and_leaves_nothing(base, monkeypatch, k):
+    from faultinject import INJECTED, FaultInjector
+
+    injector = FaultInjector().install(monkeypatch)
+    injector.arm("s3.put_file", k)  # a data file, while others are in flight
+    st = ObjectStorage(f"{base}/step_1", transfer=ONE_REQUEST)
+    with pytest.raises(StorageError, match=rf"upload of 'data/.*' failed.*{INJECTED}"):
+        snapshard.save(st, tree_on_2x4(arrays()))
+    assert injector.fired is not None
+    monkeypatch.undo()
+    assert ObjectRoot(base).list() == {}
+    assert st.client.listing() == {}
 
 
 def test_partial_restore_reads_only_the_needed_ranges(base):

@@ -36,7 +36,10 @@ FAST_RETRY = {
     },
     "retry_timeout": timedelta(seconds=30),
 }
-SMALL = TransferConfig(part_size=5 << 20, read_part_size=2 << 20)
+# Files of more than one part go up as multipart uploads (none cut to fit one request).
+SMALL = TransferConfig(
+    part_size=5 << 20, single_request_bytes=5 << 20, file_bytes=None, read_part_size=2 << 20
+)
 
 
 @pytest.fixture
@@ -50,13 +53,19 @@ def base(s3_bucket):
     return f"s3://{s3_bucket}/{uuid.uuid4().hex[:12]}"
 
 
-def through(proxy: FaultProxy, url: str) -> ObjectStorage:
+# A save's data cut into files of at most 4 MiB, each sent in one PUT.
+ONE_REQUEST = TransferConfig(
+    single_request_bytes=4 << 20, file_bytes=4 << 20, read_part_size=2 << 20
+)
+
+
+def through(proxy: FaultProxy, url: str, transfer: TransferConfig = SMALL) -> ObjectStorage:
     options = {
         "endpoint": proxy.url,
         "client_options": {"allow_http": True, "timeout": "2s", "connect_timeout": "2s"},
         "retry_config": FAST_RETRY,
     }
-    return ObjectStorage(url, options, transfer=SMALL)
+    return ObjectStorage(url, options, transfer=transfer)
 
 
 def tree():
@@ -92,8 +101,9 @@ def test_transient_failures_are_retried_and_the_result_is_bit_exact(proxy, base)
     assert ObjectRoot(base).list() == {"ckpt": True}
 
 
-def test_retries_are_bounded_and_the_failed_save_leaves_nothing(proxy, base):
-    st = through(proxy, f"{base}/ckpt")
+@pytest.mark.parametrize("transfer", [SMALL, ONE_REQUEST], ids=["multipart", "one_request"])
+def test_retries_are_bounded_and_the_failed_save_leaves_nothing(proxy, base, transfer):
+    st = through(proxy, f"{base}/ckpt", transfer)
     proxy.add("PUT", "/data/", "status", times=10_000, status=503)
     t0 = time.monotonic()
     with pytest.raises(StorageError, match=rf"{base}/ckpt: upload of 'data/.*' failed"):
@@ -138,3 +148,18 @@ def test_request_counts_match_the_wire_and_the_marker_is_written_last(proxy, bas
         assert seen.get("GET", 0) == stats.get + stats.list  # a listing is a GET
         assert seen.get("DELETE", 0) == stats.delete
     assert saved.post == 4 and loaded.get >= 8  # 2 multipart files; reads split in 2 MiB
+
+
+def test_a_file_that_fits_one_request_is_one_put_on_the_wire(proxy, base):
+    st = through(proxy, f"{base}/ckpt", ONE_REQUEST)
+    w, t = tree()
+    timings = snapshard.save(st, t)
+    saved = st.stats
+    data = [p for m, p in proxy.log if m == "PUT" and "/data/" in p]
+    # 12 MiB in 8 boxes of 1.5 MiB: 4 files of 3 MiB, each one PUT, no multipart request.
+    assert timings.data_files == len(data) == len(set(data)) == 4
+    assert not [p for _, p in proxy.log if "uploadId" in p or "uploads" in p]
+    assert proxy.requests.get("POST", 0) == saved.post == 0
+    assert proxy.requests["PUT"] == saved.put == len(data) + 3  # record, manifest, marker
+    out = snapshard.load(st, {"w": t["w"], "n": 0})
+    assert np.asarray(out["w"]).tobytes() == w.tobytes()

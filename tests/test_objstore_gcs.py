@@ -1,9 +1,10 @@
-"""GCS composite uploads against the emulator (fake-gcs-server, marked `gcs`).
+"""GCS uploads against the emulator (fake-gcs-server, marked `gcs`).
 
-A file of several parts goes up as temporary part objects composed into the file: it comes
-back bit-exact (one compose, and a tree of composes for more than 32 sources), no part is
-left after a success or after a failure at any of its calls, and nothing of a save is
-visible before its marker.
+A file of up to `single_request_bytes` goes up in one media upload, checked against the
+CRC32C GCS reports. A larger file goes up as temporary part objects composed into the file:
+it comes back bit-exact (one compose, and a tree of composes for more than 32 sources), no
+part is left after a success or after a failure at any of its calls, and nothing of a save
+is visible before its marker.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from conftest import mesh, sharded
 pytestmark = pytest.mark.gcs
 
 PART = 5 << 20
-SMALL = TransferConfig(part_size=PART, upload_concurrency=3)
+# Files of more than one part go up as composite uploads (none cut to fit one request).
+SMALL = TransferConfig(
+    part_size=PART, upload_concurrency=3, single_request_bytes=PART, file_bytes=None
+)
 
 
 @pytest.fixture
@@ -54,6 +58,41 @@ def upload(client: ObjectClient, rel: str, data: bytes) -> None:
 
 def parts_left(client: ObjectClient) -> list[str]:
     return [name for name in client.listing() if ".part-" in name]
+
+
+def test_a_file_that_fits_one_request_is_one_media_upload(prefix, monkeypatch):
+    def never(*args, **kwargs):
+        raise AssertionError("a file of one request went up in parts")
+
+    monkeypatch.setattr(gcs_bucket.GcsBucket, "upload_part", never)
+    monkeypatch.setattr(gcs_bucket.GcsBucket, "compose", never)
+    sent: list[str] = []
+    transmit = gcs_bucket.SimpleUpload.transmit
+
+    def watch(self, *args, **kwargs):
+        sent.append(self.upload_url)
+        return transmit(self, *args, **kwargs)
+
+    monkeypatch.setattr(gcs_bucket.SimpleUpload, "transmit", watch)
+    client = ObjectClient(prefix, transfer=TransferConfig(single_request_bytes=8 << 20))
+    data = payload(1.5)  # 7.5 MiB, written in pieces of 3 MiB
+    before = client.stats
+    upload(client, "data/f.bin", data)
+    spent = client.stats - before
+    assert (spent.put, spent.post, spent.delete, spent.bytes_sent) == (1, 0, 0, len(data))
+    assert len(sent) == 1 and "uploadType=media" in sent[0] and "name=" in sent[0]
+    assert client.get("data/f.bin") == data
+    assert client.listing() == {"data/f.bin": len(data)}
+
+
+def test_a_one_request_upload_whose_crc32c_differs_fails_and_leaves_nothing(prefix, monkeypatch):
+    # The CRC32C computed of the bytes sent, made wrong: GCS's own differs from it.
+    crc = gcs_bucket.google_crc32c.value
+    monkeypatch.setattr(gcs_bucket.google_crc32c, "value", lambda data: crc(data) ^ 1)
+    client = ObjectClient(prefix)
+    with pytest.raises(StorageError, match=r"upload of .f\.bin. failed .*CRC32C"):
+        upload(client, "f.bin", payload(0.5))
+    assert client.listing() == {}
 
 
 @pytest.mark.parametrize("max_compose", [32, 3])

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from snapshard import chunk_files
 from snapshard.format import records
 from snapshard.format.binding import name_key
-from snapshard.format.encoding import ZSTD, write_chunk
+from snapshard.format.encoding import ZSTD, chunk_span, write_chunk
 from snapshard.planning import plan_writes
 from snapshard.saving import path_json
 from snapshard.staging import StagedItem
@@ -108,6 +108,52 @@ def test_items_go_to_the_lightest_file_largest_first():
         got = chunk_files.split_files(items, n)
         assert [[it.leaf for it in f] for f in got] == [w for w in want if w]
     assert chunk_files.split_files([], 4) == []
+
+
+def _spans(files):
+    return [sum(chunk_span(it.nbytes) for it in f) for f in files]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(1, 12 << 20), min_size=1, max_size=80),
+    st.integers(1, 4),
+    st.sampled_from([2 << 20, 8 << 20, 32 << 20]),
+)
+def test_object_store_files_are_cut_to_fit_one_request(sizes, writers, most):
+    """Every item in exactly one file; at least `writers` files (as the items allow), at
+    most MAX_CUT_FILES; each within `most` bytes unless it holds an item larger than that,
+    or the cap was reached."""
+    items = [StagedItem(i, "x", np.zeros(0), np.zeros(0), n) for i, n in enumerate(sizes)]
+    files = chunk_files.cut_files(items, writers, most)
+    assert sorted(it.leaf for f in files for it in f) == list(range(len(items)))
+    assert min(writers, len(items)) <= len(files) <= max(writers, chunk_files.MAX_CUT_FILES)
+    if len(files) < chunk_files.MAX_CUT_FILES:
+        for f, span in zip(files, _spans(files), strict=True):
+            assert span <= most or len(f) == 1 or max(chunk_span(it.nbytes) for it in f) > most
+
+
+def test_the_peer_bench_state_is_cut_into_files_of_one_request():
+    """600 MiB in 48 boxes of 10 MiB, 24 of 5 MiB and 6 of 20 KiB: 20 files of 30 MiB, not
+    2 of 300 MiB; without a limit (local files) as many as writers."""
+    sizes = [10 << 20] * 48 + [5 << 20] * 24 + [20 << 10] * 6
+    items = [StagedItem(i, "x", np.zeros(0), np.zeros(0), n) for i, n in enumerate(sizes)]
+    files = chunk_files.cut_files(items, 2, 32 << 20)
+    assert len(files) == 20 and max(_spans(files)) <= 32 << 20
+    assert len(chunk_files.cut_files(items, 2, None)) == 2
+    assert len(chunk_files.cut_files(items, 2, 1 << 20)) == chunk_files.MAX_CUT_FILES
+
+
+def test_files_at_once_hold_each_writers_upload_bytes_at_the_largest_file():
+    def groups(*mib):
+        return [[StagedItem(0, "x", np.zeros(0), np.zeros(0), m << 20)] for m in mib]
+
+    per_writer = 144 << 20  # 16 MiB parts, 8 in flight and one being filled
+    assert chunk_files.files_at_once(groups(*[30] * 20), 2, per_writer) == 8
+    assert chunk_files.files_at_once(groups(*[30] * 19, 64), 2, per_writer) == 4
+    assert chunk_files.files_at_once(groups(*[30] * 5, 1024), 2, per_writer) == 2  # parts
+    assert chunk_files.files_at_once(groups(1, 1, 1), 2, per_writer) == 3
+    assert chunk_files.files_at_once(groups(*[30] * 20), 2, None) == 20  # local: all
 
 
 def _random_rows(rng):

@@ -22,7 +22,7 @@ import numpy as np
 
 from .format.binding import name_key
 from .format.chunks import MIN_CHECKSUM_BLOCK
-from .format.encoding import write_chunk
+from .format.encoding import chunk_span, write_chunk
 from .format.records import RECORD_FIXED, ChunkRecord
 from .staging import StagedItem
 from .storage import FileWriter, Storage
@@ -31,6 +31,9 @@ from .storage import FileWriter, Storage
 COALESCE_BYTES = 1 << 20
 # A run of small chunks is joined into buffers of about this many bytes (bounded memory).
 _PIECE_BYTES = 4 << 20
+# The most data files cut_files makes a process write to keep each within one request:
+# every file is one more object to list at commit and one more row of the manifest.
+MAX_CUT_FILES = 32
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 
 CodecOf = Callable[[StagedItem], int]
@@ -41,24 +44,37 @@ _crc = cast(Callable[[Any], int], _crc32c.crc32c)
 class CoalescingWriter(FileWriter):
     """Writes shorter than COALESCE_BYTES gathered into one buffer and handed on together:
     a file of many small chunks would otherwise cost two writes (system calls, on local
-    files) per chunk, its bytes and its checksums."""
+    files) per chunk, its bytes and its checksums. Each gathered buffer is handed on as
+    kept (a new one is started after it); `kept`: so is every longer write (the caller
+    leaves its buffers unchanged until the file is closed, as a save's staged items are)."""
 
-    def __init__(self, writer: FileWriter) -> None:
+    def __init__(self, writer: FileWriter, kept: bool = False) -> None:
         self.writer = writer
+        self.kept = kept
         self.held = bytearray()
 
     def write(self, data: memoryview) -> None:
         if len(data) >= COALESCE_BYTES:
             self.flush()
-            self.writer.write(data)
+            if self.kept:
+                self.writer.write_kept(data)
+            else:
+                self.writer.write(data)
             return
         self.held += data
         if len(self.held) >= COALESCE_BYTES:
             self.flush()
 
+    def write_kept(self, data: memoryview) -> None:
+        if len(data) >= COALESCE_BYTES:
+            self.flush()
+            self.writer.write_kept(data)
+        else:
+            self.write(data)
+
     def flush(self) -> None:
         if self.held:
-            self.writer.write(memoryview(self.held))
+            self.writer.write_kept(memoryview(self.held))  # never changed after this
             self.held = bytearray()
 
     def close(self) -> int:
@@ -94,6 +110,46 @@ class FileChunks:
             )
             for it, f in zip(self.items, rows, strict=True)
         ]
+
+
+def cut_files(
+    items: list[StagedItem], writers: int, most_bytes: int | None
+) -> list[list[StagedItem]]:
+    """Items into `writers` files of nearly equal size (split_files); with `most_bytes`
+    (object stores, where a file of at most that size goes up in one request), into as
+    many files as keep each within it, at most MAX_CUT_FILES: the bytes over that many
+    files first, largest item first, each to the lightest file, or to a new file where it
+    would take the lightest beyond `most_bytes`. An item larger than `most_bytes` makes a
+    file of its own (it goes up in parts)."""
+    if most_bytes is None or not items:
+        return split_files(items, writers)
+    spans = np.fromiter((chunk_span(it.nbytes) for it in items), np.int64, len(items))
+    total = int(spans.sum())
+    n = min(MAX_CUT_FILES, max(writers, -(-total // most_bytes)))
+    if n <= writers:
+        return split_files(items, writers)
+    files: list[list[StagedItem]] = [[] for _ in range(n)]
+    heap = [(0, j) for j in range(n)]
+    for i in np.argsort(-spans, kind="stable").tolist():
+        span = int(spans[i])
+        load, j = heap[0]
+        if load and load + span > most_bytes and len(files) < MAX_CUT_FILES:
+            files.append([items[i]])
+            heapq.heappush(heap, (span, len(files) - 1))
+            continue
+        files[j].append(items[i])
+        heapq.heapreplace(heap, (load + span, j))
+    return [f for f in files if f]
+
+
+def files_at_once(groups: list[list[StagedItem]], writers: int, per_writer: int | None) -> int:
+    """How many of these files to write at a time: `writers`, each with as many files in
+    flight as `per_writer` bytes hold at the size of the largest (at least one; a file in
+    parts holds no more than that). None: all of them (local files)."""
+    if per_writer is None or not groups:
+        return max(1, len(groups))
+    largest = max(sum(chunk_span(it.nbytes) for it in g) for g in groups)
+    return max(1, min(len(groups), writers * max(1, per_writer // max(1, largest))))
 
 
 def split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
@@ -198,7 +254,8 @@ def write_file(
 ) -> FileChunks:
     """Write items back to back into data file number `file` named `name`.
     `codec_of(item)` gives each item's codec (format.encoding; None: nothing compressed)."""
-    writer = CoalescingWriter(storage.open_writer(name))
+    # The staged items stay as they are until the save ends: the file may keep them.
+    writer = CoalescingWriter(storage.open_writer(name), kept=True)
     key = name_key(name)
     parts: list[np.ndarray] = []
     offset = 0
@@ -225,14 +282,24 @@ def write_files(
     names: list[str],
     groups: list[list[StagedItem]],
     codec_of: CodecOf | None = None,
+    at_once: int | None = None,
 ) -> list[FileChunks]:
-    """Each group of items into its data file, in parallel (one thread per file)."""
-    if len(groups) <= 1:
-        return [write_file(storage, n, g, codec_of) for n, g in zip(names, groups, strict=True)]
-    with ThreadPoolExecutor(len(groups), thread_name_prefix="snapshard-write") as pool:
-        return list(
-            pool.map(
-                lambda j: write_file(storage, names[j], groups[j], codec_of, j),
-                range(len(groups)),
-            )
-        )
+    """Each group of items into its data file, `at_once` files at a time (None: all), one
+    thread each."""
+    threads = min(len(groups), at_once or len(groups))
+    if threads <= 1:
+        return [
+            write_file(storage, n, g, codec_of, j)
+            for j, (n, g) in enumerate(zip(names, groups, strict=True))
+        ]
+    with ThreadPoolExecutor(threads, thread_name_prefix="snapshard-write") as pool:
+        futures = [
+            pool.submit(write_file, storage, names[j], groups[j], codec_of, j)
+            for j in range(len(groups))
+        ]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            for f in futures:  # the save has failed: files not started yet are not written
+                f.cancel()
+            raise

@@ -53,9 +53,11 @@ class SaveOptions:
 
     mode: the write mode, which process writes which replica's bytes: 'auto' (default),
         'single_replica', 'replica_parallel' or 'balanced' (see planning/write_plan.py).
-    writers: data files each process writes in parallel, one thread each. None (default):
-        chosen per process from the write throughput that earlier saves to the same parent
-        location reached (see write_tuning.py).
+    writers: data files each process writes in parallel, one thread each. On an object
+        store a process's data is cut into more files, each sent in one request
+        (TransferConfig.file_bytes), and each writer has several in flight (see
+        docs/objstore.md). None (default): chosen per process from the write throughput
+        that earlier saves to the same parent location reached (see write_tuning.py).
     compression: None (default), 'zstd', 'zstd+shuffle' or 'zstd-noshuffle'; each checksum
         block is compressed on its own, so reads stay random-access (see format/encoding.py).
     hashes: record each chunk's content hash, so that a later save may use this checkpoint

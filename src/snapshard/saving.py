@@ -27,7 +27,7 @@ from .adapters.jax_save import JaxAdapter
 from .adapters.leaves import MeshSpec, SaveArray, checked_dtype
 from .background import BackgroundTask
 from .checksum import crc32c
-from .chunk_files import FileChunks, split_files, write_files
+from .chunk_files import FileChunks, cut_files, files_at_once, write_files
 from .coordination import Coordinator, default_coordinator
 from .coordination.rendezvous import (
     Rendezvous,
@@ -317,8 +317,11 @@ def write_data_files(
     count: int,
     codec_of: Any = None,
 ) -> list[WrittenFile]:
-    """Process `pid`'s items into at most `count` data files of nearly equal size, written in
-    parallel (one thread per file); per file, its size and its (leaf, chunk record) rows."""
+    """Process `pid`'s items into `count` data files of nearly equal size, written in
+    parallel (one thread per file), or on an object store into more files where that keeps
+    each within one request (`Storage.data_file_bytes`), as many at once as `count` writers'
+    upload memory holds (`files_at_once`); per file, its size and its (leaf, chunk record)
+    rows."""
     files = write_chunk_files(storage, pid, nonce, items, count, codec_of)
     return [(f.size, f.records()) for f in files]
 
@@ -332,9 +335,10 @@ def write_chunk_files(
     codec_of: Any = None,
 ) -> list[FileChunks]:
     """write_data_files with each file's records as columns (chunk_files.FileChunks)."""
-    groups = split_files(items, count)
+    groups = cut_files(items, count, storage.data_file_bytes)
     names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
-    return write_files(storage, names, groups, codec_of)
+    at_once = files_at_once(groups, count, storage.upload_bytes_per_writer)
+    return write_files(storage, names, groups, codec_of, at_once)
 
 
 def _write_own(prep: _Prepared) -> dict[str, Any]:

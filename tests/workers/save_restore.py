@@ -88,7 +88,7 @@ def save(args) -> None:
         from faultinject import FaultInjector
 
         injector = FaultInjector().install(pytest.MonkeyPatch())
-        injector.arm("s3.upload_part" if "://" in args.ckpt else "write", 0)
+        injector.arm("s3.put_file" if "://" in args.ckpt else "write", 0)
     if args.kill_before_commit == pid:
         from snapshard.storage import objstore
 

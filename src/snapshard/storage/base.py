@@ -21,7 +21,14 @@ class FileWriter(ABC):
     """A file being written in the staging area. `close` makes it durable."""
 
     @abstractmethod
-    def write(self, data: memoryview) -> None: ...
+    def write(self, data: memoryview) -> None:
+        """Append the bytes; the caller may change or reuse `data` once this returns."""
+
+    def write_kept(self, data: memoryview) -> None:
+        """Append bytes that the caller leaves unchanged until the writer is closed or
+        aborted: a writer may keep them instead of a copy (an object-store file that goes
+        up in one request). By default, `write`."""
+        self.write(data)
 
     @abstractmethod
     def close(self) -> int:
@@ -54,6 +61,12 @@ class Storage(ABC):
     # Read threads of a restore that does not set ReadOptions.threads: each thread keeps one
     # request in flight, which bounds reads that wait on the network or the device.
     read_threads: int = 4
+    # A save cuts each process's data into files of at most `data_file_bytes` where its
+    # items allow (chunk_files.cut_files; an object store sends such a file in one request),
+    # and each of its writers has as many files in flight as `upload_bytes_per_writer` holds.
+    # None: as many files as writers, all at once.
+    data_file_bytes: int | None = None
+    upload_bytes_per_writer: int | None = None
 
     def cached_read_threads(self) -> int:
         """Read threads for bytes already in memory (`in_memory`), which cost CPU rather

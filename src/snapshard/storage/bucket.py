@@ -20,17 +20,26 @@ from typing import Any
 @dataclass(frozen=True)
 class TransferConfig:
     """How data moves. Host memory held by transfers is bounded by these numbers:
-    uploads, `part_size * (upload_concurrency + 1)` per file being written; downloads,
-    `max_inflight_bytes` per storage (plus the caller's destination buffers)."""
+    uploads, `part_size * (upload_concurrency + 1)` per writer (a file in parts, or
+    whole files of up to `single_request_bytes` side by side); downloads,
+    `max_inflight_bytes` per storage (plus the caller's destination buffers).
 
-    part_size: int = 16 << 20  # multipart part size; smaller files go up in one PUT
+    A save to an object store cuts each process's data into files of at most `file_bytes`
+    where its arrays' boxes allow (at most 32 files a process; None: as many files as
+    writers), so that each goes up in one request: no multipart upload, no compose."""
+
+    part_size: int = 16 << 20  # multipart part size
     upload_concurrency: int = 8  # parts of one file in flight
+    single_request_bytes: int = 128 << 20  # a file up to this size goes up in one request
+    file_bytes: int | None = 32 << 20  # a save's data files are cut to at most this size
     read_part_size: int = 16 << 20  # a longer read is split into concurrent ranged GETs
     read_concurrency: int = 16  # ranged GETs in flight for one read
     max_inflight_bytes: int = 256 << 20  # GET responses held at once
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "file_bytes" and self.file_bytes is None:
+                continue
             if getattr(self, f.name) < 1:
                 raise ValueError(f"TransferConfig.{f.name} must be positive")
         if self.part_size < 5 << 20:
@@ -90,6 +99,11 @@ class Bucket(ABC):
     @abstractmethod
     def put(self, key: str, data: bytes, *, create: bool) -> bool:
         """One-request write. With create, only if absent: False when the object exists."""
+
+    @abstractmethod
+    def put_pieces(self, key: str, pieces: Sequence[memoryview]) -> None:
+        """The object written in one request from `pieces`, in order (unconditional: safe to
+        retry). The pieces stay unchanged until this returns; nothing may keep them after."""
 
     @abstractmethod
     def get(self, key: str) -> bytes:

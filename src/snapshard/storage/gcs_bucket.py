@@ -3,17 +3,21 @@
 The client finds its credentials the way Google's libraries do (application default
 credentials: GOOGLE_APPLICATION_CREDENTIALS, gcloud's login, the metadata server) and an
 emulator through STORAGE_EMULATOR_HOST. The commit marker and the writer lease are created
-with `ifGenerationMatch=0`, GCS's create-only precondition. A file of several parts goes up
-as a parallel composite upload (parts as temporary objects side by side, then `compose`;
-invisible until the last compose); one of a single part in one upload.
-Transient failures are retried by the library's own policy (`DEFAULT_RETRY`: exponential
-backoff on 429, 5xx and dropped connections, 120 s per call).
+with `ifGenerationMatch=0`, GCS's create-only precondition. A data file of up to
+`TransferConfig.single_request_bytes` goes up in one request, a media upload
+(`uploadType=media`, google-resumable-media's `SimpleUpload` on the client's authorized
+session), its CRC32C checked against the one GCS computed; a larger file as a parallel
+composite upload (parts as temporary objects side by side, then `compose`; invisible until
+the last compose). Transient failures are retried by the library's own policy
+(`DEFAULT_RETRY`: exponential backoff on 429, 5xx and dropped connections, 120 s per call).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import threading
+import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -25,12 +29,14 @@ from .bucket import Bucket, Failure, TransferConfig, Upload, ViewSink
 
 try:
     import google.auth.exceptions
+    import google_crc32c
     import requests.exceptions
     from google.api_core import exceptions as api_exceptions
     from google.api_core.retry import Retry
     from google.cloud import storage
     from google.cloud.storage.retry import DEFAULT_RETRY
     from google.resumable_media import common as resumable_common
+    from google.resumable_media.requests import SimpleUpload
 except ImportError as e:  # pragma: no cover - depends on the installation
     raise ImportError(
         "gs:// locations need google-cloud-storage: pip install 'snapshard[gcs]'"
@@ -48,6 +54,7 @@ _LIBRARY_ERRORS = (
     api_exceptions.GoogleAPIError,
     google.auth.exceptions.GoogleAuthError,
     resumable_common.InvalidResponse,
+    resumable_common.DataCorruption,
     requests.exceptions.RequestException,
 )
 
@@ -89,6 +96,44 @@ class GcsBucket(Bucket):
         except api_exceptions.PreconditionFailed:
             return False
         return True
+
+    def put_pieces(self, key: str, pieces: Sequence[memoryview]) -> None:
+        """A media upload: the bytes are the request's body. google-cloud-storage's own
+        one-request upload builds a multipart body (four more copies of the file: 4.1 s of
+        client CPU for 600 MiB on the emulator, against 0.9 s), and a resumable session
+        takes two requests (and cost the emulator 1.5 to 2.5 times the CPU)."""
+        data = b"".join(pieces)  # the library sends bytes only: the one copy of the file
+        crc = google_crc32c.value(data)
+        url = f"{self._upload_base}&name={urllib.parse.quote(key, safe='')}"
+
+        def send() -> None:
+            upload = SimpleUpload(url)  # sent through the client's authorized session
+            # One attempt per call: `self.retry` retries the call (the library would retry
+            # on its own too, for up to 600 s, as google-cloud-storage's uploads set it).
+            upload._retry_strategy = resumable_common.RetryStrategy(max_retries=0)
+            try:
+                response = upload.transmit(
+                    self.client._http, data, "application/octet-stream", timeout=self.timeout
+                )
+            except resumable_common.InvalidResponse as e:
+                raise api_exceptions.from_http_response(e.response) from e
+            stored = response.json().get("crc32c")
+            if stored and base64.b64decode(stored) != crc.to_bytes(4, "big"):
+                with contextlib.suppress(*_LIBRARY_ERRORS):  # what arrived is not the file
+                    self.bucket.delete_blob(key, retry=self.retry, timeout=self.timeout)
+                raise resumable_common.DataCorruption(
+                    response,
+                    f"the stored object's CRC32C ({stored}) is not that of the bytes sent",
+                )
+
+        self.retry(send)()
+
+    @property
+    def _upload_base(self) -> str:
+        bucket = urllib.parse.quote(self.bucket.name, safe="")
+        # The API's address: GCS, an emulator (STORAGE_EMULATOR_HOST) or client_options'.
+        host = getattr(self.client, "api_endpoint", None) or self.client._connection.API_BASE_URL
+        return f"{host}/upload/storage/v1/b/{bucket}/o?uploadType=media"
 
     def get(self, key: str) -> bytes:
         blob = self.bucket.blob(key)

@@ -59,6 +59,19 @@ class ObjectStorage(Storage):
     def stats(self) -> RequestStats:
         return self.client.stats
 
+    @property
+    def data_file_bytes(self) -> int | None:  # type: ignore[override]
+        """Files a save cuts to go up in one request each (TransferConfig.file_bytes)."""
+        t = self.client.transfer
+        return None if t.file_bytes is None else min(t.file_bytes, t.single_request_bytes)
+
+    @property
+    def upload_bytes_per_writer(self) -> int:  # type: ignore[override]
+        """What a file in parts holds in flight (`part_size * (upload_concurrency + 1)`):
+        as many whole files as fit in it go up side by side."""
+        t = self.client.transfer
+        return t.part_size * (t.upload_concurrency + 1)
+
     def _committed_files(self) -> set[str] | None:
         """Names the committed manifest refers to; None when nothing is committed."""
         if not self.client.exists(COMMIT_MARKER):

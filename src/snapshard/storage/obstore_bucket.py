@@ -84,6 +84,7 @@ class ObstoreBucket(Bucket):
 
     def __init__(self, scheme: str, bucket: str, options: Mapping[str, Any] | None):
         self.store = make_store(scheme, bucket, options)
+        self.memory = scheme == "memory"
         self.store_name = STORE_NAMES.get(scheme, "memory")
         self.credentials_hint = CREDENTIALS_HINTS.get(self.store_name, "")
 
@@ -98,6 +99,13 @@ class ObstoreBucket(Bucket):
         except NotSupportedError:  # no conditional put on this store: see docs/objstore.md
             put("overwrite")
         return True
+
+    def put_pieces(self, key: str, pieces: Sequence[memoryview]) -> None:
+        # One PUT of the pieces as they are: obstore takes a list of buffers without a copy
+        # on the Python side. A memory store would keep a lone buffer itself, not a copy of
+        # it, so it gets one.
+        payload = b"".join(pieces) if self.memory else list(pieces)
+        obstore.put(self.store, key, payload, use_multipart=False)
 
     def get(self, key: str) -> bytes:
         return bytes(obstore.get(self.store, key).bytes())
