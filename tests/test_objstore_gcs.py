@@ -200,3 +200,17 @@ def test_ranged_reads_fill_the_views_in_order_and_a_short_object_is_truncated(pr
     for offset in (len(data) - 10, len(data) + 5):  # the object ends inside, or before
         with pytest.raises(CorruptCheckpointError, match="is truncated"):
             client.read_into("r.bin", offset, [memoryview(bytearray(100))])
+
+
+def test_concurrent_ranged_reads_keep_their_connections(prefix, caplog):
+    """32 ranged GETs in flight stay within the client's connection pool: none is opened
+    for one request and thrown away (urllib3 warns when it discards one)."""
+    transfer = TransferConfig(read_part_size=64 << 10, read_concurrency=32)
+    client = ObjectClient(prefix, transfer=transfer)
+    data = payload(0.8)  # 4 MiB: 64 ranged GETs
+    client.put("many.bin", data)
+    buf = bytearray(len(data))
+    with caplog.at_level("WARNING", logger="urllib3.connectionpool"):
+        client.read_into("many.bin", 0, [memoryview(buf)])
+    assert buf == data
+    assert not [r for r in caplog.records if "pool is full" in r.getMessage()]

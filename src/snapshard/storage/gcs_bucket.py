@@ -30,6 +30,7 @@ from .bucket import Bucket, Failure, TransferConfig, Upload, ViewSink
 try:
     import google.auth.exceptions
     import google_crc32c
+    import requests.adapters
     import requests.exceptions
     from google.api_core import exceptions as api_exceptions
     from google.api_core.retry import Retry
@@ -50,6 +51,11 @@ CREDENTIALS_HINT = (
 _CHUNK_ALIGN = 256 << 10  # resumable-upload chunks are multiples of 256 KiB
 _MAX_ONE_REQUEST = 8 << 20  # google-cloud-storage sends larger uploads as a resumable session
 MAX_COMPOSE = 32  # sources of one compose request (the JSON API's limit)
+# Connections the client keeps open: more than a save or restore has requests in flight
+# (16 ranged GETs of a read times the read threads, or writers times files or parts at
+# once). requests keeps 10 by default, and a request beyond them opens a connection (a TLS
+# handshake on real GCS) that is thrown away after it.
+CONNECTIONS = 64
 _LIBRARY_ERRORS = (
     api_exceptions.GoogleAPIError,
     google.auth.exceptions.GoogleAuthError,
@@ -85,6 +91,9 @@ class GcsBucket(Bucket):
         self.timeout: float = float(opts.pop("timeout", 60.0))
         self.client = make_client(bucket, opts)
         self.bucket = self.client.bucket(bucket)
+        pooled = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=CONNECTIONS)
+        for scheme in ("https://", "http://"):
+            self.client._http.mount(scheme, pooled)
 
     def put(self, key: str, data: bytes, *, create: bool) -> bool:
         # An unconditional write of the same bytes is safe to repeat: retry it too.
