@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, SnapshardError
 from ..format import DATA_DIR, INDEX_DIR
-from ..format.reading import read_manifest
+from ..format.reading import read_summary
 from ..interop import local_path, looks_like_orbax, step_order
 from ..interop.reader import CheckpointReader, open_reader
 from ..storage import CheckpointRoot, root_for, storage_for
@@ -52,7 +52,7 @@ def _entry(root: CheckpointRoot, name: str, committed: bool) -> dict[str, Any]:
     if committed:
         child = root.child(name)
         try:
-            m = read_manifest(child)
+            m = read_summary(child)
         except SnapshardError as e:
             return {**entry, "format": "snapshard", "state": "unreadable", "error": str(e)}
         finally:

@@ -142,7 +142,7 @@ class ChunkTable:
             None
             if any(t.crc_offset is None for t in tables)
             else np.concatenate([t.crc_offset for t in tables]),
-            _concat_optional([t.flags for t in tables], [len(t) for t in tables]),
+            concat_optional([t.flags for t in tables], [len(t) for t in tables]),
             next((t.file_keys for t in tables if t.file_keys is not None), None),
             None
             if any(t.nblocks is None for t in tables)
@@ -157,7 +157,7 @@ class ChunkTable:
         return chunk_key(int(self.file_keys[self.file[i]]), int(self.offset[i]))
 
 
-def _concat_optional(columns: list[np.ndarray | None], lengths: list[int]) -> np.ndarray | None:
+def concat_optional(columns: list[np.ndarray | None], lengths: list[int]) -> np.ndarray | None:
     """Optional columns of tables concatenated, zeros for the tables without (None if none has it)."""
     if all(c is None for c in columns):
         return None

@@ -78,10 +78,12 @@ class PerProcessLeaf(ValueLeaf):
 Leaf = ArrayLeaf | ValueLeaf
 
 
+_KEY_TYPES = frozenset((str, int))  # a path's keys (not bool: type() is exact)
+_INT = frozenset((int,))
+
+
 def _path_from_json(p: Any, where: str) -> Path:
-    if not isinstance(p, list) or not all(
-        isinstance(k, str | int) and not isinstance(k, bool) for k in p
-    ):
+    if type(p) is not list or not _KEY_TYPES.issuperset(map(type, p)):
         raise CorruptCheckpointError(f"{where}: malformed leaf path {str(p)[:200]}")
     return tuple(p)
 
@@ -137,11 +139,10 @@ def leaf_from_json(d: Any, where: str, version: int) -> Leaf:
         raise CorruptCheckpointError(f"{at()}: unknown leaf kind {str(kind)[:100]!r}")
     shape = d.get("shape")
     if (
-        not isinstance(shape, list)
+        type(shape) is not list
         or len(shape) > MAX_NDIM
-        or not all(
-            isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_DIM for s in shape
-        )
+        or not _INT.issuperset(map(type, shape))
+        or (shape and not (min(shape) >= 0 and max(shape) <= MAX_DIM))
         or math.prod(shape) > MAX_BYTES
     ):
         raise CorruptCheckpointError(f"{at()}: malformed shape {str(shape)[:200]}")

@@ -98,6 +98,7 @@ __all__ = [
     "Leaf",
     "LeafKind",
     "Manifest",
+    "ManifestSummary",
     "PerProcessLeaf",
     "ProcessTable",
     "ValueLeaf",
@@ -218,21 +219,61 @@ def _parse_document(data: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
+@dataclass(frozen=True)
+class ManifestSummary:
+    """A manifest's own fields, for listings (the CLI's `ls`, a manager's scan of its
+    steps): checked against the manifest's checksum, its tree and leaves not parsed."""
+
+    version: int
+    minor: int
+    created_unix: float
+    total_bytes: int
+    leaf_count: int
+    extra: dict[str, Any]
+
+    @staticmethod
+    def from_json(data: bytes, where: str) -> ManifestSummary:
+        doc = _parse_document(data, where)
+        version, minor = _version(doc.get("version"), where)
+        if version >= 2:
+            _check_own_checksum(data, doc, where)
+        return ManifestSummary(
+            version, minor, _created(doc, where),
+            bounded_int(doc.get("total_bytes"), 0, MAX_BYTES, "total_bytes", where),
+            len(_leaf_list(doc, where)), _extra(doc, where),
+        )  # fmt: skip
+
+
+def _leaf_list(doc: dict[str, Any], where: str) -> list[Any]:
+    leaves = doc.get("leaves")
+    if not isinstance(leaves, list):
+        raise CorruptCheckpointError(f"{where}: manifest lacks its leaf list")
+    return leaves
+
+
+def _extra(doc: dict[str, Any], where: str) -> dict[str, Any]:
+    extra = doc.get("extra", {})
+    if not isinstance(extra, dict):
+        raise CorruptCheckpointError(f"{where}: malformed extra")
+    return extra
+
+
+def _created(doc: dict[str, Any], where: str) -> float:
+    created = doc.get("created_unix", 0.0)
+    if isinstance(created, bool) or not isinstance(created, int | float) or not math.isfinite(created):
+        raise CorruptCheckpointError(f"{where}: malformed created_unix {str(created)[:50]}")
+    return float(created)
+
+
 def _header(doc: dict[str, Any], where: str, version: int, minor: int) -> Manifest:
     """The manifest with its tree, leaves and scalar fields (files and tables still empty)."""
-    leaves_raw = doc.get("leaves")
-    if not isinstance(leaves_raw, list):
-        raise CorruptCheckpointError(f"{where}: manifest lacks its leaf list")
+    leaves_raw = _leaf_list(doc, where)
     structure = doc.get("tree")
     if not isinstance(structure, dict):
         raise CorruptCheckpointError(f"{where}: manifest lacks the tree structure")
     process_count = bounded_int(doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where)
-    extra = doc.get("extra", {})
-    if not isinstance(extra, dict):
-        raise CorruptCheckpointError(f"{where}: malformed extra")
-    created = doc.get("created_unix", 0.0)
-    if isinstance(created, bool) or not isinstance(created, int | float) or not math.isfinite(created):
-        raise CorruptCheckpointError(f"{where}: malformed created_unix {str(created)[:50]}")
+    extra = _extra(doc, where)
+    created = _created(doc, where)
     write_mode = doc.get("write_mode", "auto")
     if not isinstance(write_mode, str):
         raise CorruptCheckpointError(f"{where}: malformed write_mode {str(write_mode)[:50]}")
@@ -242,7 +283,7 @@ def _header(doc: dict[str, Any], where: str, version: int, minor: int) -> Manife
         files=[],
         process_count=process_count,
         write_mode=write_mode[:100],
-        created_unix=float(created),
+        created_unix=created,
         version=version,
         extra=extra,
         minor=minor,

@@ -5,13 +5,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..gc_pause import collection_paused
 from .bases import check_bases
 from .finder import ChunkFinder, attach_lazy_tables
-from .manifest import Manifest
+from .manifest import Manifest, ManifestSummary
 from .validate import validate_structure
 
 if TYPE_CHECKING:
     from ..storage import Storage
+
+
+def read_summary(storage: Storage) -> ManifestSummary:
+    """The manifest's own fields (creation time, bytes, leaf count, `extra`), checked
+    against its checksum, its tree and leaves not parsed: what a listing of many steps
+    shows of each (CheckpointNotFoundError if none is committed there)."""
+    return ManifestSummary.from_json(storage.read_manifest(), storage.url)
 
 
 def read_manifest(storage: Storage) -> Manifest:
@@ -21,6 +29,7 @@ def read_manifest(storage: Storage) -> Manifest:
     return read_checkpoint(storage)[0]
 
 
+@collection_paused()  # the manifest's objects survive the call: see gc_pause.py
 def read_checkpoint(storage: Storage) -> tuple[Manifest, ChunkFinder | None]:
     """`read_manifest`, and (v2) the chunk finder its lazy tables fetch records through:
     readers that fetch only the records a box needs use the same one (None: v1)."""

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from typing import cast
@@ -13,9 +12,8 @@ import numpy as np
 from ..dtypes import NAME_TO_DTYPE
 from ..errors import CorruptCheckpointError, ValidationError
 from ..planning.read_plan import ChunkIndex
-from ..tree import iter_leaf_nodes
 from .bounds import MAX_BYTES, MAX_DEPTH
-from .chunks import ChunkTable
+from .chunks import ChunkTable, concat_optional
 from .kinds import LeafKind
 from .leaves import ArrayLeaf, PerProcessLeaf
 from .manifest import Manifest
@@ -25,56 +23,70 @@ _HEX = frozenset("0123456789abcdef")
 _MAX_REPORTED = 4
 
 
-def _check_tree(structure: object, where: str) -> None:
-    """Node types, unique keys and bounded depth, without recursion."""
-    stack: list[tuple[object, int]] = [(structure, 0)]
+_CONTAINERS = frozenset(("dict", "list", "tuple", "namedtuple", "node"))
+_KEYED = frozenset(("dict", "namedtuple", "node"))
+_KEY_TYPES = frozenset((str, int))  # not bool: type() is exact
+
+
+def _check_tree(m: Manifest, where: str) -> None:
+    """One walk of the tree, without recursion: node types, unique keys, bounded depth, and
+    every leaf of the list referenced once, at the path its entry states (keys of dict-like
+    nodes, positions in lists and tuples), so that a leaf can never take another's place.
+
+    Paths hold str and int keys only (the leaf entries' and the tree's are checked for it),
+    which are equal only when of one type: `==` is the whole comparison. A leaf node is
+    checked where its parent is walked, not stacked: a manifest may have 100,000."""
+    leaves = m.leaves
+    seen = bytearray(len(leaves))
+    stack: list[tuple[object, tuple[object, ...]]] = [(m.structure, ())]
     while stack:
-        node, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise CorruptCheckpointError(f"{where}: the tree is nested more than {MAX_DEPTH} deep")
+        node, path = stack.pop()
         if not isinstance(node, dict):
             raise CorruptCheckpointError(f"{where}: malformed tree node")
         t = node.get("t")
         if t == "leaf":
-            if not isinstance(node.get("i"), int) or isinstance(node.get("i"), bool):
-                raise CorruptCheckpointError(f"{where}: malformed leaf reference")
+            _check_leaf_node(node, path, leaves, seen, where)
             continue
         kids = node.get("c", [])
-        if t not in ("dict", "list", "tuple", "namedtuple", "node") or not isinstance(kids, list):
+        if t not in _CONTAINERS or not isinstance(kids, list):
             raise CorruptCheckpointError(f"{where}: malformed tree node of type {str(t)[:50]!r}")
-        if t in ("dict", "namedtuple", "node"):
-            keys = node.get("k")
+        if kids and len(path) >= MAX_DEPTH:
+            raise CorruptCheckpointError(f"{where}: the tree is nested more than {MAX_DEPTH} deep")
+        keys: list[object] | range
+        if t in _KEYED:
+            keys = node.get("k")  # type: ignore[assignment]
             if not isinstance(keys, list) or len(keys) != len(kids):
                 raise CorruptCheckpointError(f"{where}: a {t} node's keys and children disagree")
-            if not all(isinstance(k, str | int) and not isinstance(k, bool) for k in keys):
+            if not _KEY_TYPES.issuperset(map(type, keys)):
                 raise CorruptCheckpointError(f"{where}: malformed key in a {t} node")
             if len(set(keys)) != len(keys):
                 raise CorruptCheckpointError(f"{where}: duplicate key in a {t} node")
-        stack.extend((c, depth + 1) for c in kids)
+        else:
+            keys = range(len(kids))
+        for k, child in zip(keys, kids, strict=True):
+            if type(child) is dict and child.get("t") == "leaf":
+                _check_leaf_node(child, (*path, k), leaves, seen, where)
+            else:
+                stack.append((child, (*path, k)))
+    if seen.count(0):
+        raise CorruptCheckpointError(f"{where}: the tree structure and the leaf list disagree")
 
 
-def _check_leaf_paths(m: Manifest, where: str) -> None:
-    """Every leaf's path is where the tree puts it (keys of dict-like nodes, positions in
-    lists and tuples), so that a leaf can never take another's place."""
-    stack: list[tuple[object, tuple[object, ...]]] = [(m.structure, ())]
-    while stack:
-        node, path = stack.pop()
-        assert isinstance(node, dict)  # _check_tree checked every node
-        if node.get("t") == "leaf":
-            i = node["i"]
-            leaf_path = m.leaves[i].path
-            # Equal keys of equal types (1 and True, 1 and 1.0 compare equal), compared in C.
-            if tuple(leaf_path) != path or tuple(map(type, leaf_path)) != tuple(map(type, path)):
-                raise CorruptCheckpointError(
-                    f"{where}: leaf {i} has path {'/'.join(map(str, leaf_path))[:200]!r}, the "
-                    f"tree holds it at {'/'.join(map(str, path))[:200]!r}"
-                )
-            continue
-        kids = node.get("c", [])
-        assert isinstance(kids, list)
-        keys = node.get("k") if node.get("t") in ("dict", "namedtuple", "node") else None
-        names = keys if isinstance(keys, list) else range(len(kids))
-        stack.extend((c, (*path, k)) for k, c in zip(names, kids, strict=True))
+def _check_leaf_node(
+    node: dict, path: tuple[object, ...], leaves: list, seen: bytearray, where: str
+) -> None:
+    i = node.get("i")
+    if type(i) is not int:
+        raise CorruptCheckpointError(f"{where}: malformed leaf reference")
+    if not 0 <= i < len(leaves) or seen[i]:
+        raise CorruptCheckpointError(f"{where}: the tree structure and the leaf list disagree")
+    seen[i] = 1
+    leaf_path = leaves[i].path
+    if leaf_path != path:
+        raise CorruptCheckpointError(
+            f"{where}: leaf {i} has path {'/'.join(map(str, leaf_path))[:200]!r}, the "
+            f"tree holds it at {'/'.join(map(str, path))[:200]!r}"
+        )
 
 
 def _check_per_process_table(m: Manifest, where: str) -> None:
@@ -102,11 +114,7 @@ def validate_structure(m: Manifest, where: str) -> None:
     """Everything a reader relies on, before anything is allocated or read: the tree, leaf
     references, unique paths, dtypes, and (v1) chunk and file bounds; (v2) layout numbers
     and that the arrays fit the bytes the files hold."""
-    _check_tree(m.structure, where)
-    refs = list(iter_leaf_nodes(m.structure))
-    if sorted(refs) != list(range(len(m.leaves))):
-        raise CorruptCheckpointError(f"{where}: the tree structure and the leaf list disagree")
-    _check_leaf_paths(m, where)
+    _check_tree(m, where)
     _check_per_process_table(m, where)
     paths = [leaf.path for leaf in m.leaves]
     if len(set(paths)) != len(paths):
@@ -402,7 +410,10 @@ def _coverage_by_index(
 def validate_coverage(m: Manifest, where: str) -> None:
     """Every array tiled exactly once by its chunks; no two chunks share bytes of a file."""
     for leaf in m.arrays:
-        missing, overlapping = coverage_problems(leaf.shape, leaf.chunks.starts, leaf.chunks.stops)
+        t = leaf.chunks
+        if len(t) == 1 and not t.starts.any() and tuple(t.stops[0].tolist()) == leaf.shape:
+            continue  # one chunk, the whole array (most small arrays): nothing to count
+        missing, overlapping = coverage_problems(leaf.shape, t.starts, t.stops)
         if missing or overlapping:
             parts = []
             if missing:
@@ -412,19 +423,40 @@ def validate_coverage(m: Manifest, where: str) -> None:
             raise ValidationError(
                 f"{where}: array {leaf.name!r} of shape {leaf.shape}: " + "; ".join(parts)
             )
-    spans: dict[int, list[tuple[int, int, str]]] = {}
-    for leaf in m.arrays:
-        t = leaf.chunks
-        data_end, table_end = stored_extents(t)
-        for i in range(len(t)):
-            in_file = spans.setdefault(int(t.file[i]), [])
-            in_file.append((int(t.offset[i]), int(data_end[i]), leaf.name))
-            if t.crc_offset is not None:
-                in_file.append((int(t.crc_offset[i]), int(table_end[i]), leaf.name))
-    for f, s in spans.items():
-        s.sort()
-        for (_, a1, n0), (b0, _, n1) in itertools.pairwise(s):
-            if b0 < a1:
-                raise ValidationError(
-                    f"{where}: file {m.files[f].name!r}: bytes {b0}..{a1} belong to both {n0!r} and {n1!r}"
-                )
+    _check_file_spans(m, where)
+
+
+def _check_file_spans(m: Manifest, where: str) -> None:
+    """No two chunks share bytes of a file (their data, and v2 their checksum tables): all
+    spans of all arrays sorted by (file, start), each compared with the next (two spans
+    that overlap leave an overlapping pair next to each other)."""
+    arrays = m.arrays
+    tables = [leaf.chunks for leaf in arrays]
+    counts = [len(t) for t in tables]
+    if not sum(counts):
+        return
+    owner = np.repeat(np.arange(len(tables)), counts)
+    column = lambda name: np.concatenate([getattr(t, name) for t in tables])  # noqa: E731
+    v2 = all(t.crc_offset is not None for t in tables)  # else data spans only, as for v1
+    no_box = np.zeros((len(owner), 0), np.int64)
+    merged = ChunkTable(
+        no_box, no_box, column("file"), column("offset"), column("nbytes"), column("block"), [],
+        column("crc_offset") if v2 else None, concat_optional([t.flags for t in tables], counts),
+    )  # fmt: skip
+    data_end, table_end = stored_extents(merged)
+    file, begin, end, who = [merged.file], [merged.offset], [data_end], [owner]
+    if merged.crc_offset is not None:
+        file.append(merged.file)
+        begin.append(merged.crc_offset)
+        end.append(table_end)
+        who.append(owner)
+    f, b, e, o = (np.concatenate(x) for x in (file, begin, end, who))
+    order = np.lexsort((e, b, f))
+    f, b, e, o = f[order], b[order], e[order], o[order]
+    clash = np.flatnonzero((f[1:] == f[:-1]) & (b[1:] < e[:-1]))
+    if len(clash):
+        k = int(clash[0])
+        raise ValidationError(
+            f"{where}: file {m.files[int(f[k])].name!r}: bytes {int(b[k + 1])}..{int(e[k])} "
+            f"belong to both {arrays[int(o[k])].name!r} and {arrays[int(o[k + 1])].name!r}"
+        )

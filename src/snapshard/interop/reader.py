@@ -49,9 +49,16 @@ class CheckpointReader:
         """Many boxes (of one or many arrays) in one batch of reads: what `read_box` gives
         for each, without a batch per box (tools walking many small arrays)."""
         out: list[np.ndarray | Dest] = []
+        # Boxes alike share their arrays: the read planner answers them once (it caches its
+        # coverage checks by the box arrays' identity), not once per array.
+        alike: dict[tuple[Any, Any], tuple[np.ndarray, np.ndarray]] = {}
         for leaf, start, stop in boxes:
             dtype = dtype_from_name(leaf.dtype)
-            s, e = np.asarray(start, np.int64), np.asarray(stop, np.int64)
+            key = (tuple(start), tuple(stop))
+            shared = alike.get(key)
+            if shared is None:
+                shared = alike[key] = (np.asarray(start, np.int64), np.asarray(stop, np.int64))
+            s, e = shared
             shape = tuple(int(x) for x in e - s)
             if math.prod(shape) == 0:
                 out.append(np.empty(shape, dtype))

@@ -288,10 +288,10 @@ class LocalStore:
 
 
 def _read_extra(storage: LocalStorage) -> dict[str, Any]:
-    from ..format.reading import read_manifest
+    from ..format.reading import read_summary
 
     with storage:
-        return read_manifest(storage).extra
+        return read_summary(storage).extra
 
 
 def parse_box_key(key: str) -> Box:

@@ -28,7 +28,7 @@ from ..coordination import Coordinator
 from ..coordination.preemption import PreemptionAgreement
 from ..coordination.rendezvous import Rendezvous, namespace
 from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
-from ..format.reading import read_manifest
+from ..format.reading import read_summary
 from ..options import ReadOptions, SaveOptions, require
 from ..reading import ReadStats
 from ..saving import SaveTimings
@@ -197,9 +197,9 @@ class CheckpointManager:
                     if is_retained(storage):
                         self._retained.add(name)
                         continue
-                    manifest = read_manifest(storage)
+                    summary = read_summary(storage)
                 steps[int(name)] = StepInfo(
-                    int(name), manifest.extra.get("metrics"), manifest.created_unix
+                    int(name), summary.extra.get("metrics"), summary.created_unix
                 )
         return steps
 
