@@ -258,25 +258,28 @@ def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
     return jax.jit(lambda *xs: xs, out_shardings=shardings)
 
 
-def _target_cuts_saved_rows(r: Request, saved_boxes: SavedBoxes | None) -> bool:
-    if saved_boxes is None:
-        return False
-    saved = saved_boxes(r.saved)
-    target = target_boxes(tuple(r.saved.shape), r.sharding)
-    return saved is not None and target is not None and cuts_rows(*saved, *target)
-
-
 def plan(
     reqs: list[Request], process: int, processes: int, saved_boxes: SavedBoxes | None = None
 ) -> dict[int, _Once]:
     """The requests to read once (by index in `reqs`), each re-planned on its read sharding
-    (pure: `reqs` are left as they are)."""
+    (pure: `reqs` are left as they are). Arrays of one shape, target sharding and saved
+    boxes have one leaf plan, made once (a state has few kinds of arrays, many arrays)."""
     out: dict[int, _Once] = {}
+    # (shape, sharding, ids of the saved boxes) -> (leaf plan, the saved boxes, kept alive
+    # while their ids are keys; a checkpoint's finder shares them per layout and shape)
+    alike: dict[Any, tuple[LeafPlan | None, Any]] = {}
     for i, r in enumerate(reqs):
         if r.kind != "jax" or r.sharding is None:
             continue
-        cuts = _target_cuts_saved_rows(r, saved_boxes)
-        lp = leaf_plan(tuple(r.saved.shape), r.sharding, cuts)
+        shape = tuple(r.saved.shape)
+        saved = saved_boxes(r.saved) if saved_boxes is not None else None
+        key = (shape, r.sharding, None if saved is None else (id(saved[0]), id(saved[1])))
+        known = alike.get(key)
+        if known is None:
+            target = target_boxes(shape, r.sharding) if saved is not None else None
+            cuts = saved is not None and target is not None and cuts_rows(*saved, *target)
+            known = alike[key] = (leaf_plan(shape, r.sharding, cuts), saved)
+        lp = known[0]
         if lp is None or len(lp.target_elements) != processes or 0 in lp.target_elements:
             continue  # (a sharding must span every process of the job to be read once)
         saved_size = dtype_from_name(r.saved.dtype).itemsize
