@@ -186,7 +186,8 @@ def _size_table(rows: list[dict[str, Any]], libs: tuple[str, ...]) -> None:
     r0 = rows[0]
     n, side, mesh, procs = r0["arrays"], r0["side"], r0["mesh"], r0["processes"]
     what = (
-        f"{side}x16 float32 on {procs} x {r0.get('devices', mesh)} {r0.get('device_kind', 'CPU')} "
+        f"{side}x16 float32 on {procs} x {r0.get('devices', mesh) // procs} "  # devices: global
+        f"{r0.get('device_kind', 'CPU')} "
         "device(s) (half sharded, half replicated)"
         if mesh
         else f"{side}x{side} float32"

@@ -78,12 +78,12 @@ class PerProcessLeaf(ValueLeaf):
 Leaf = ArrayLeaf | ValueLeaf
 
 
-_KEY_TYPES = frozenset((str, int))  # a path's keys (not bool: type() is exact)
+KEY_TYPES = frozenset((str, int))  # a path's keys (not bool: type() is exact)
 _INT = frozenset((int,))
 
 
 def _path_from_json(p: Any, where: str) -> Path:
-    if type(p) is not list or not _KEY_TYPES.issuperset(map(type, p)):
+    if type(p) is not list or not KEY_TYPES.issuperset(map(type, p)):
         raise CorruptCheckpointError(f"{where}: malformed leaf path {str(p)[:200]}")
     return tuple(p)
 

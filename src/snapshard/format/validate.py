@@ -15,7 +15,7 @@ from ..planning.read_plan import ChunkIndex
 from .bounds import MAX_BYTES, MAX_DEPTH
 from .chunks import ChunkTable, concat_optional
 from .kinds import LeafKind
-from .leaves import ArrayLeaf, PerProcessLeaf
+from .leaves import KEY_TYPES, ArrayLeaf, PerProcessLeaf
 from .manifest import Manifest
 
 _MAX_GRID_CELLS = 1 << 24
@@ -25,7 +25,6 @@ _MAX_REPORTED = 4
 
 _CONTAINERS = frozenset(("dict", "list", "tuple", "namedtuple", "node"))
 _KEYED = frozenset(("dict", "namedtuple", "node"))
-_KEY_TYPES = frozenset((str, int))  # not bool: type() is exact
 
 
 def _check_tree(m: Manifest, where: str) -> None:
@@ -57,7 +56,7 @@ def _check_tree(m: Manifest, where: str) -> None:
             keys = node.get("k")  # type: ignore[assignment]
             if not isinstance(keys, list) or len(keys) != len(kids):
                 raise CorruptCheckpointError(f"{where}: a {t} node's keys and children disagree")
-            if not _KEY_TYPES.issuperset(map(type, keys)):
+            if not KEY_TYPES.issuperset(map(type, keys)):
                 raise CorruptCheckpointError(f"{where}: malformed key in a {t} node")
             if len(set(keys)) != len(keys):
                 raise CorruptCheckpointError(f"{where}: duplicate key in a {t} node")
