@@ -65,3 +65,40 @@ def test_depth_is_bounded_without_recursion():
     for _ in range(256):
         ok = node("list", [ok])
     validate_structure(manifest(ok, [(0,) * 256]), "m")
+
+
+def test_a_summary_has_the_manifests_own_fields_and_is_checked_by_its_checksum(tmp_path):
+    import time
+
+    import numpy as np
+
+    import snapshard
+    from snapshard.format import MANIFEST_NAME
+    from snapshard.format.reading import read_summary
+    from snapshard.storage import storage_for
+
+    where = tmp_path / "c"
+    before = time.time()
+    snapshard.save(where, {"a": np.arange(4, dtype=np.float32), "b": np.ones(3), "n": 3})
+    with storage_for(where) as st:
+        s = read_summary(st)
+    assert (s.version, s.total_bytes, s.leaf_count) == (2, 16 + 24, 3)
+    assert before - 1 <= s.created_unix <= time.time() + 1
+    raw = (where / MANIFEST_NAME).read_bytes()
+    (where / MANIFEST_NAME).write_bytes(raw.replace(b'"float32"', b'"float64"', 1))
+    with storage_for(where) as st, pytest.raises(CorruptCheckpointError, match="checksum"):
+        read_summary(st)
+
+
+def test_equal_sharding_descriptions_share_one_object(tmp_path):
+    import numpy as np
+
+    import snapshard
+    from snapshard.format.reading import read_manifest
+    from snapshard.storage import storage_for
+
+    snapshard.save(tmp_path / "c", {f"x{i}": np.zeros(4, np.float32) for i in range(5)})
+    with storage_for(tmp_path / "c") as st:
+        leaves = read_manifest(st).arrays
+    assert leaves[0].sharding == {"type": "host"}
+    assert all(leaf.sharding is leaves[0].sharding for leaf in leaves)

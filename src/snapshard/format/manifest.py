@@ -274,12 +274,13 @@ def _header(doc: dict[str, Any], where: str, version: int, minor: int) -> Manife
     process_count = bounded_int(doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where)
     extra = _extra(doc, where)
     created = _created(doc, where)
+    shardings: dict[str, Any] = {}
     write_mode = doc.get("write_mode", "auto")
     if not isinstance(write_mode, str):
         raise CorruptCheckpointError(f"{where}: malformed write_mode {str(write_mode)[:50]}")
     return Manifest(
         structure=structure,
-        leaves=[leaf_from_json(d, where, version) for d in leaves_raw],
+        leaves=[leaf_from_json(d, where, version, shardings) for d in leaves_raw],
         files=[],
         process_count=process_count,
         write_mode=write_mode[:100],
