@@ -184,12 +184,9 @@ class Manifest:
 
     @staticmethod
     def from_json(data: bytes, where: str) -> Manifest:
-        doc = _parse_document(data, where)
-        version, minor = _version(doc.get("version"), where)
-        if version >= 2:
-            _check_own_checksum(data, doc, where)
+        doc, version, minor = _checked_document(data, where)
         m = _header(doc, where, version, minor)
-        total = bounded_int(doc.get("total_bytes"), 0, MAX_BYTES, "total_bytes", where)
+        total = _total_bytes(doc, where)
         if version == 1:
             m.files = _v1_files(doc, where)
             interned(m.leaves)
@@ -219,6 +216,20 @@ def _parse_document(data: bytes, where: str) -> dict[str, Any]:
     return doc
 
 
+def _checked_document(data: bytes, where: str) -> tuple[dict[str, Any], int, int]:
+    """(the manifest's JSON object, version, minor), v2 checked against its own checksum:
+    what every reader of a manifest, whole or summary, trusts first."""
+    doc = _parse_document(data, where)
+    version, minor = _version(doc.get("version"), where)
+    if version >= 2:
+        _check_own_checksum(data, doc, where)
+    return doc, version, minor
+
+
+def _total_bytes(doc: dict[str, Any], where: str) -> int:
+    return bounded_int(doc.get("total_bytes"), 0, MAX_BYTES, "total_bytes", where)
+
+
 @dataclass(frozen=True)
 class ManifestSummary:
     """A manifest's own fields, for listings (the CLI's `ls`, a manager's scan of its
@@ -233,13 +244,9 @@ class ManifestSummary:
 
     @staticmethod
     def from_json(data: bytes, where: str) -> ManifestSummary:
-        doc = _parse_document(data, where)
-        version, minor = _version(doc.get("version"), where)
-        if version >= 2:
-            _check_own_checksum(data, doc, where)
+        doc, version, minor = _checked_document(data, where)
         return ManifestSummary(
-            version, minor, _created(doc, where),
-            bounded_int(doc.get("total_bytes"), 0, MAX_BYTES, "total_bytes", where),
+            version, minor, _created(doc, where), _total_bytes(doc, where),
             len(_leaf_list(doc, where)), _extra(doc, where),
         )  # fmt: skip
 
@@ -274,10 +281,10 @@ def _header(doc: dict[str, Any], where: str, version: int, minor: int) -> Manife
     process_count = bounded_int(doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where)
     extra = _extra(doc, where)
     created = _created(doc, where)
-    shardings: dict[str, Any] = {}
     write_mode = doc.get("write_mode", "auto")
     if not isinstance(write_mode, str):
         raise CorruptCheckpointError(f"{where}: malformed write_mode {str(write_mode)[:50]}")
+    shardings: dict[str, Any] = {}  # equal descriptions, one object (leaf_from_json)
     return Manifest(
         structure=structure,
         leaves=[leaf_from_json(d, where, version, shardings) for d in leaves_raw],
