@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import snapshard
 from snapshard.errors import ChecksumMismatchError, CorruptCheckpointError
 from snapshard.format.binding import chunk_key, chunk_keys
-from snapshard.format.finder import rows_in_order, span_heads
+from snapshard.format.finder import span_heads
 from snapshard.reading.plan import JOB_BYTES, run_starts
 
 
@@ -26,20 +26,6 @@ def test_chunk_keys_are_chunk_key(pairs: list[tuple[int, int]]) -> None:
     fk = np.asarray([a for a, _ in pairs], np.int64)
     off = np.asarray([b for _, b in pairs], np.int64)
     assert chunk_keys(fk, off).tolist() == [chunk_key(a, b) for a, b in pairs]
-
-
-@settings(max_examples=200, deadline=None)
-@given(
-    st.lists(
-        st.lists(st.tuples(st.integers(0, 3), st.integers(0, 3)), max_size=6), max_size=6
-    )
-)
-def test_rows_in_order_per_group(groups: list[list[tuple[int, int]]]) -> None:
-    rows = [r for g in groups for r in g]
-    starts = np.asarray(rows, np.int64).reshape(len(rows), 2)
-    bounds = np.cumsum([0] + [len(g) for g in groups])
-    expected = [g == sorted(g) for g in groups]
-    assert rows_in_order(starts, bounds).tolist() == expected
 
 
 @settings(max_examples=200, deadline=None)

@@ -276,6 +276,39 @@ def test_unknown_record_flag_bits_are_named_as_such(plain, capsys) -> None:
     assert "codec none" not in message
 
 
+def test_more_records_than_the_manifest_counts_names_the_leaf(tmp_path, capsys) -> None:
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.asarray(jax.devices()), ("d",))
+    cut = jax.device_put(np.arange(64.0).reshape(16, 4), NamedSharding(mesh, PartitionSpec("d")))
+    path = tmp_path / "cut"
+    snapshard.save(path, {"cut": cut, "other": np.ones(3)}, options=SaveOptions(writers=1))
+    a = leaf_number(path, "cut")
+    count = json.loads((path / "manifest.json").read_bytes())["leaves"][a]["chunk_count"]
+    assert count > 1
+    _set_leaf(path, "cut", chunk_count=count - 1)
+    assert_refused(path, capsys, "'cut'", f"{count} chunk records found, the manifest says {count - 1}")
+
+
+def test_an_array_whose_records_are_gone_names_the_leaf(plain, capsys) -> None:
+    """A directory entry emptied (its segment's checksum and the record file's re-forged):
+    the array has no chunk records at all."""
+    a = leaf_number(plain, "w")
+    (idx,) = (plain / "index").glob("*.idx")
+    buf = bytearray(idx.read_bytes())
+    entry = rec.decode_entries(bytes(buf[rec.directory_offset(a) : rec.directory_offset(a + 1)]))
+    entry = entry.copy()
+    entry[0]["count"] = 0
+    entry[0]["crc"] = rec.segment_crc(b"", 0, a, name_key(f"index/{idx.name}"))
+    buf[rec.directory_offset(a) : rec.directory_offset(a + 1)] = entry.tobytes()
+    idx.write_bytes(bytes(buf))
+    forge_manifest(
+        plain, lambda d: d["processes"].__setitem__("record_crc32c", f"{crc32c(bytes(buf)):08x}")
+    )
+    assert_refused(plain, capsys, "'w'", "0 chunk records found")
+
+
 # ---- 6. bounds and strict JSON types ------------------------------------------------------
 
 

@@ -244,8 +244,8 @@ def leaf_plan(
 
 @dataclass
 class _Once:
-    req: Request  # the request on the read sharding
-    target: jax.sharding.Sharding
+    request: Request  # the restore's request, onto its target sharding
+    read_sharding: jax.sharding.Sharding  # the sharding each unique byte is read on
     cost: int  # the most host bytes one process holds for it (read pieces + target boxes)
     from_peers: int  # bytes of this process's target boxes it does not read itself
 
@@ -261,9 +261,11 @@ def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
 def plan(
     reqs: list[Request], process: int, processes: int, saved_boxes: SavedBoxes | None = None
 ) -> dict[int, _Once]:
-    """The requests to read once (by index in `reqs`), each re-planned on its read sharding
-    (pure: `reqs` are left as they are). Arrays of one shape, target sharding and saved
-    boxes have one leaf plan, made once (a state has few kinds of arrays, many arrays)."""
+    """The requests to read once (by index in `reqs`), each with the sharding to read it
+    on (pure: `reqs` are left as they are; `_once_request` makes the requests on those
+    shardings, once the processes agree to read once). Arrays of one shape, target
+    sharding and saved boxes have one leaf plan, made once (a state has few kinds of
+    arrays, many arrays)."""
     out: dict[int, _Once] = {}
     # (shape, sharding, ids of the saved boxes) -> (leaf plan, the saved boxes, kept alive
     # while their ids are keys; a checkpoint's finder shares them per layout and shape)
@@ -289,9 +291,14 @@ def plan(
             for t, e in zip(lp.target_elements, lp.read_elements, strict=True)
         )
         from_peers = lp.from_peers_elements[process] * out_size
-        once = request_boxes(Request(r.saved, "jax", r.dtype, lp.read_sharding), lp.read_sharding)
-        out[i] = _Once(once, r.sharding, cost, from_peers)
+        out[i] = _Once(r, lp.read_sharding, cost, from_peers)
     return out
+
+
+def _once_request(o: _Once) -> Request:
+    """The request that reads `o`'s array on its read sharding."""
+    r = o.request
+    return request_boxes(Request(r.saved, "jax", r.dtype, o.read_sharding), o.read_sharding)
 
 
 def execute(
@@ -360,14 +367,14 @@ def _read_and_share(
         if error is None:
             try:
                 arrays = execute_all(
-                    [once[i].req for i in batch], read, memory_budget=None, stats=stats,
+                    [_once_request(once[i]) for i in batch], read, memory_budget=None, stats=stats,
                     expand=expand,
                 )  # fmt: skip
             except Exception as e:
                 error = e
         all_succeeded(rv, f"read/{k}", error)
         t0 = time.perf_counter()
-        outs = _reshard(tuple(once[i].target for i in batch))(*arrays)
+        outs = _reshard(tuple(once[i].request.sharding for i in batch))(*arrays)
         del arrays
         jax.block_until_ready(outs)
         stats.reshard_s += time.perf_counter() - t0

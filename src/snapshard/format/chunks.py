@@ -56,7 +56,8 @@ class ChunkTable:
             np.zeros((0, ndim), np.int64), np.zeros((0, ndim), np.int64), z, z, z, z, [], z
         )
 
-    def _take(self, o: np.ndarray) -> ChunkTable:
+    def take(self, o: np.ndarray) -> ChunkTable:
+        """The chunks at positions `o`, in that order."""
         return ChunkTable(
             self.starts[o], self.stops[o], self.file[o], self.offset[o], self.nbytes[o], self.block[o],
             [self.crc32c[i] for i in o.tolist()] if self.crc32c else [],
@@ -64,6 +65,20 @@ class ChunkTable:
             None if self.flags is None else self.flags[o],
             self.file_keys,
             None if self.nblocks is None else self.nblocks[o],
+        )  # fmt: skip
+
+    def between(self, lo: int, hi: int) -> ChunkTable:
+        """Chunks lo:hi, as views of this table's columns (a table of many arrays' chunks
+        cut into the arrays' own: format.finder)."""
+        flags = self.flags
+        if flags is not None:  # (None: nothing compressed, as readers test first)
+            flags = flags[lo:hi] if flags[lo:hi].any() else None
+        return ChunkTable(
+            self.starts[lo:hi], self.stops[lo:hi], self.file[lo:hi], self.offset[lo:hi],
+            self.nbytes[lo:hi], self.block[lo:hi], self.crc32c[lo:hi],
+            None if self.crc_offset is None else self.crc_offset[lo:hi],
+            flags, self.file_keys,
+            None if self.nblocks is None else self.nblocks[lo:hi],
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -119,7 +134,7 @@ class ChunkTable:
         boxes then have equal box columns, which readers share (see intern_boxes)."""
         if len(self) < 2:
             return self
-        return self._take(np.lexsort(self.starts.T[::-1]))
+        return self.take(np.lexsort(self.starts.T[::-1]))
 
     def intern_boxes(self, seen: dict[bytes, tuple[np.ndarray, np.ndarray]]) -> None:
         """Share the box columns with an earlier table of equal boxes (one index serves both)."""

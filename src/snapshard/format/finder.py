@@ -30,7 +30,7 @@ from .chunks import ChunkTable, LazyChunkTable
 from .layouts import Mesh, host_holders, mesh_layout, rows_layout
 from .leaves import ArrayLeaf
 from .manifest import Manifest
-from .validate import check_chunk_tables
+from .validate import check_array_rows
 
 if TYPE_CHECKING:
     from ..storage import Storage
@@ -321,6 +321,9 @@ class ChunkFinder:
         by_process: dict[int, list[int]] = {}
         leaves: dict[int, ArrayLeaf] = {}
         memo: dict[tuple[Any, ...], np.ndarray] = {}
+        # (the same by the ids of the box arrays: the dests of arrays alike share them, and
+        # `wants` keeps them alive through the call)
+        by_ids: dict[tuple[Any, ...], np.ndarray] = {}
         empty: dict[int, ChunkTable] = {}
         for leaf, boxes in wants:
             if math.prod(leaf.shape) == 0:
@@ -328,11 +331,15 @@ class ChunkFinder:
                 continue
             a = self.index[id(leaf)]
             leaves[a] = leaf
-            key = (leaf.layout, leaf.shape, leaf.writers,
-                   b"".join(s.tobytes() + e.tobytes() for s, e in boxes))  # fmt: skip
-            procs = memo.get(key)
+            kind = (leaf.layout, leaf.shape, leaf.writers)
+            ids = (*kind, *(id(x) for box in boxes for x in box))
+            procs = by_ids.get(ids)
             if procs is None:
-                procs = memo[key] = self.candidates(leaf, boxes)
+                key = (*kind, b"".join(s.tobytes() + e.tobytes() for s, e in boxes))
+                procs = memo.get(key)
+                if procs is None:
+                    procs = memo[key] = self.candidates(leaf, boxes)
+                by_ids[ids] = procs
             for q in procs.tolist():
                 by_process.setdefault(q, []).append(a)
         items = sorted((q, sorted(a)) for q, a in by_process.items())
@@ -341,41 +348,52 @@ class ChunkFinder:
                 results = list(pool.map(lambda qa: self._fetch_process(*qa), items))
         else:
             results = [self._fetch_process(q, a) for q, a in items]
-        found: dict[int, list[tuple[ChunkTable, bool]]] = {a: [] for a in leaves}
-        for got in results:
-            for fetched in got.values():
-                for a, t, in_order in fetched.tables(self):
-                    found[a].append((t, in_order))
-        built = [(leaf, self._table(leaf, found[a])) for a, leaf in leaves.items()]
-        check_chunk_tables(
-            built,
-            self._where,
-            [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf, _ in built],  # (_table checked them)
-            self._per_process()[2],
-        )
-        out: dict[int, ChunkTable] = {}
-        for leaf, t in built:
-            t.intern_boxes(self._boxes)
-            out[id(leaf)] = t
+        out = self._assemble(leaves, [f for got in results for f in got.values()])
         out.update(empty)
+        return out
+
+    def _assemble(self, leaves: dict[int, ArrayLeaf], found: list[_Fetched]) -> dict[int, ChunkTable]:
+        """Each leaf's chunk table (keyed by id) from the records `found` in the record files
+        of the processes that hold them: per number of axes, the records of every leaf and
+        process in one table, sorted by leaf and box, checked at once (check_array_rows),
+        then cut into the leaves' own tables (views), leaves with equal boxes sharing their
+        box columns (one index serves them in the restore)."""
+        ndims = self._ndims()
+        by_ndim: dict[int, list[int]] = {}
+        for a in sorted(leaves):  # (ascending: searched below)
+            by_ndim.setdefault(int(ndims[a]), []).append(a)
+        fetched: dict[int, list[_Fetched]] = {}
+        for f in found:
+            fetched.setdefault(f.ndim, []).append(f)
+        sizes = self._per_process()[2]
+        out: dict[int, ChunkTable] = {}
+        for nd, ids in by_ndim.items():
+            group = [leaves[a] for a in ids]
+            for leaf in group:
+                if leaf.dtype not in NAME_TO_DTYPE:
+                    raise CorruptCheckpointError(f"{self._where(leaf)}: unknown dtype {leaf.dtype!r}")
+            parts = fetched.get(nd, [])
+            t = ChunkTable.concat([f.table(self) for f in parts], nd)
+            rows_of = np.concatenate([np.zeros(0, np.int64), *(f.leaf_of_rows() for f in parts)])
+            order = np.lexsort((*t.starts.T[::-1], rows_of))  # by leaf, then box
+            t = t.take(order) if len(t) > 1 else t
+            at = np.searchsorted(np.asarray(ids, np.int64), rows_of[order])
+            counts = np.bincount(at, minlength=len(ids))
+            bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            _check_found(group, counts, self._where)
+            check_array_rows(
+                group, t, bounds, self._where,
+                [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf in group], sizes,
+            )  # fmt: skip
+            for leaf, lo, hi in zip(group, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+                own = t.between(lo, hi)
+                own.intern_boxes(self._boxes)
+                out[id(leaf)] = own
         return out
 
     def _where(self, leaf: ArrayLeaf) -> str:
         """The leaf, named in errors (made only for one)."""
         return f"{self.storage.url}, leaf {leaf.name!r}"
-
-    def _table(self, leaf: ArrayLeaf, parts: list[tuple[ChunkTable, bool]]) -> ChunkTable:
-        """The leaf's chunks from the tables of the processes that hold them (each with
-        whether it is in box order), in box order (check_chunk_tables checks them after)."""
-        if leaf.dtype not in NAME_TO_DTYPE:
-            raise CorruptCheckpointError(f"{self._where(leaf)}: unknown dtype {leaf.dtype!r}")
-        if len(parts) == 1:
-            t, in_order = parts[0]
-            t = t if in_order else t.sorted_by_box()
-        else:
-            t = ChunkTable.concat([t for t, _ in parts], len(leaf.shape)).sorted_by_box()
-        _check_found(leaf, t, self._where)
-        return t
 
     def _ndims(self) -> np.ndarray:
         """Each leaf's number of axes (0 for leaves without chunks), computed once."""
@@ -439,6 +457,7 @@ class _Fetched:
     A restore of many small arrays would otherwise pay NumPy's cost per call per leaf."""
 
     process: int
+    ndim: int
     leaves: list[int]
     bounds: np.ndarray
     recs: np.ndarray  # record_dtype(ndim) rows
@@ -449,15 +468,19 @@ class _Fetched:
         recs = np.frombuffer(b"".join(d for _, d in group), dt)
         counts = np.asarray([len(d) // dt.itemsize for _, d in group], np.int64)
         bounds = np.concatenate([np.zeros(1, np.int64), np.cumsum(counts)])
-        return _Fetched(process, [a for a, _ in group], bounds, recs)
+        return _Fetched(process, ndim, [a for a, _ in group], bounds, recs)
 
     def _where(self, finder: ChunkFinder, row: int) -> str:
         a = self.leaves[int(np.searchsorted(self.bounds, row, side="right")) - 1]
         return f"{finder.storage.url}, leaf {finder.manifest.leaves[a].name!r}"
 
-    def tables(self, finder: ChunkFinder) -> list[tuple[int, ChunkTable, bool]]:
-        """Per leaf: its chunk table from this process (global file numbers, flags
-        checked) and whether its records are in box order (as saves write them)."""
+    def leaf_of_rows(self) -> np.ndarray:
+        """The manifest index of the leaf each row is a record of."""
+        return np.repeat(np.asarray(self.leaves, np.int64), np.diff(self.bounds))
+
+    def table(self, finder: ChunkFinder) -> ChunkTable:
+        """Every row as a chunk of one table: global file numbers, flags checked (the rows
+        of many leaves: `ChunkFinder._assemble` cuts it up)."""
         m, q, r = finder.manifest, self.process, self.recs
         assert m.processes is not None
         base, nfiles_of, _, file_keys = finder._per_process()
@@ -485,35 +508,10 @@ class _Fetched:
                 "names a file it did not write"
             )
         cols = [r[k].astype(np.int64) for k in ("offset", "nbytes", "block", "crc_offset", "nblocks")]
+        offset, nbytes, block, crc_offset, nblocks = cols
         codecs = None if codec is None else flags & rec.CODEC_MASK
-        in_order = rows_in_order(starts, self.bounds)
-        out = []
-        for i, a in enumerate(self.leaves):
-            lo, hi = int(self.bounds[i]), int(self.bounds[i + 1])
-            offset, nbytes, block, crc_offset, nblocks = (c[lo:hi] for c in cols)
-            leaf_codecs = None if codecs is None or not codecs[lo:hi].any() else codecs[lo:hi]
-            t = ChunkTable(starts[lo:hi], stops[lo:hi], file[lo:hi], offset, nbytes, block, [],
-                           crc_offset, leaf_codecs, file_keys, nblocks)  # fmt: skip
-            out.append((a, t, bool(in_order[i])))
-        return out
-
-
-def rows_in_order(starts: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """Per group of rows bounds[i]:bounds[i + 1] of `starts`: whether its rows are sorted
-    (lexicographically, ties allowed), for all groups at once."""
-    groups = len(bounds) - 1
-    if len(starts) < 2 or starts.shape[1] == 0:
-        return np.ones(groups, bool)
-    diff = starts[1:] - starts[:-1]
-    first = np.argmax(diff != 0, axis=1)  # the first axis where consecutive rows differ
-    ok = diff[np.arange(len(diff)), first] >= 0
-    bad_rows = np.flatnonzero(~ok) + 1  # row r is out of order with row r - 1
-    out = np.ones(groups, bool)
-    if len(bad_rows):
-        g = np.searchsorted(bounds, bad_rows, side="right") - 1
-        inside = bad_rows > bounds[g]  # (a pair across two groups says nothing)
-        out[g[inside]] = False
-    return out
+        return ChunkTable(starts, stops, file, offset, nbytes, block, [], crc_offset, codecs,
+                          file_keys, nblocks)  # fmt: skip
 
 
 def _check_flags(flags: np.ndarray, codec: np.ndarray, where: str) -> None:
@@ -532,11 +530,18 @@ def _check_flags(flags: np.ndarray, codec: np.ndarray, where: str) -> None:
         )
 
 
-def _check_found(leaf: ArrayLeaf, t: ChunkTable, where: Callable[[ArrayLeaf], str]) -> None:
-    """Records were found for an array with elements, and no more than the manifest counts."""
-    if not len(t) or (leaf.chunk_count is not None and len(t) > leaf.chunk_count):
+def _check_found(
+    leaves: list[ArrayLeaf], counts: np.ndarray, where: Callable[[ArrayLeaf], str]
+) -> None:
+    """Records were found for every array (of elements), and no more than the manifest
+    counts (`counts`: the records found of each of `leaves`)."""
+    stated = np.asarray([-1 if x.chunk_count is None else x.chunk_count for x in leaves], np.int64)
+    bad = (counts == 0) | ((stated >= 0) & (counts > stated))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
         raise CorruptCheckpointError(
-            f"{where(leaf)}: {len(t)} chunk records found, the manifest says {leaf.chunk_count}"
+            f"{where(leaves[i])}: {int(counts[i])} chunk records found, the manifest says "
+            f"{leaves[i].chunk_count}"
         )
 
 

@@ -213,32 +213,57 @@ def check_chunk_tables(
     itemsizes: list[int],
     file_sizes: np.ndarray,
 ) -> None:
-    """check_chunks of many v2 arrays (a restore checks every array it reads): the masks of
-    all arrays with the same number of axes in one pass, so that the cost per array is not
-    NumPy's per call; if such a group has a problem, its arrays are checked one by one, for
-    the message naming the array (`where(leaf)`)."""
+    """check_chunks of many arrays (`check_array_rows` of their tables put together, per
+    number of axes)."""
     groups: dict[int, list[int]] = {}
     for k, (leaf, t) in enumerate(tables):
         if len(t):
             groups.setdefault(len(leaf.shape), []).append(k)
     for ks in groups.values():
         parts = [tables[k][1] for k in ks]
-        counts = np.asarray([len(p) for p in parts])
+        counts = [len(p) for p in parts]
         t = parts[0] if len(parts) == 1 else ChunkTable.concat(parts, parts[0].starts.shape[1])
-        first = np.zeros(len(t), bool)
-        first[np.cumsum(counts) - counts] = True
-        shapes = np.asarray([tables[k][0].shape for k in ks], np.int64).reshape(len(ks), -1)
-        checks = _chunk_checks(
+        check_array_rows(
+            [tables[k][0] for k in ks],
             t,
-            np.repeat(shapes, counts, axis=0),
-            np.repeat(np.asarray([itemsizes[k] for k in ks], np.int64), counts),
+            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            where,
+            [itemsizes[k] for k in ks],
             file_sizes,
-            first,
         )
-        if _any_problem(checks):
-            for k in ks:
-                leaf, table = tables[k]
-                check_chunks(leaf, table, itemsizes[k], cast(list[int], file_sizes), where(leaf))
+
+
+def check_array_rows(
+    leaves: list[ArrayLeaf],
+    t: ChunkTable,
+    bounds: np.ndarray,
+    where: Callable[[ArrayLeaf], str],
+    itemsizes: list[int],
+    file_sizes: np.ndarray,
+) -> None:
+    """check_chunks of many arrays with the same number of axes, whose chunks are the rows
+    of one table (`leaves[i]`'s: rows bounds[i]:bounds[i + 1], in box order): the checks
+    of all rows in one pass, so that a restore of many arrays does not pay NumPy's cost per
+    call per array. If a row has a problem, the arrays are checked one by one, for the
+    message naming the array (`where(leaf)`)."""
+    if not len(t):
+        return
+    counts = np.diff(bounds)
+    first = np.zeros(len(t), bool)
+    first[bounds[:-1][counts > 0]] = True
+    shapes = np.asarray([leaf.shape for leaf in leaves], np.int64).reshape(len(leaves), -1)
+    checks = _chunk_checks(
+        t,
+        np.repeat(shapes, counts, axis=0),
+        np.repeat(np.asarray(itemsizes, np.int64), counts),
+        file_sizes,
+        first,
+    )
+    if _any_problem(checks):
+        sizes = cast(list[int], file_sizes)
+        for i, leaf in enumerate(leaves):
+            table = t.between(int(bounds[i]), int(bounds[i + 1]))
+            check_chunks(leaf, table, itemsizes[i], sizes, where(leaf))
 
 
 def _any_problem(checks: list[tuple[np.ndarray, Callable[[int], str]]]) -> bool:
