@@ -94,6 +94,46 @@ def test_a_data_file_written_in_bulk_holds_the_bytes_and_records_of_chunk_by_chu
     assert all(it.host is None for it in got.items)  # released once written
 
 
+@pytest.mark.parametrize("short", [False, True])
+def test_a_long_run_of_small_chunks_is_written_as_it_is(tmp_path, monkeypatch, short):
+    """A run of small chunks longer than a coalesced write goes to a local file as its
+    parts (writev, no copy joined); `short`: every writev writes only part of what it is
+    given (as a system call may), and the rest still lands in order."""
+    import os
+
+    from snapshard.storage import local
+
+    calls = []
+    real = os.writev
+
+    def writev(fd, bufs):
+        calls.append(len(bufs))
+        if not short:
+            return real(fd, bufs)
+        half = bufs[: max(1, len(bufs) // 2)]  # the first half of the parts, and 3 bytes more
+        n = real(fd, half)
+        rest = bufs[len(half)] if len(bufs) > len(half) else b""
+        return n + os.write(fd, memoryview(rest)[:3]) if len(rest) >= 3 else n
+
+    monkeypatch.setattr(local.os, "writev", writev)
+    rng = np.random.default_rng(3)
+    blocks = rng.standard_normal((1500, 16, 16)).astype(np.float32)  # 1 KiB each: 1.5 MiB
+
+    def items():
+        return [
+            StagedItem(i, f"l{i}", np.zeros(2, np.int64), np.asarray([16, 16]), 1024, host=b)
+            for i, b in enumerate(blocks)
+        ]
+
+    name = "data/p00000-abcd0123-0.bin"
+    want, _ = _one_by_one(tmp_path, name, items(), None)
+    storage = storage_for(tmp_path / "ckpt")
+    storage.prepare_staging()
+    got = chunk_files.write_file(storage, name, items())
+    assert storage.read_staging(name) == want and got.size == len(want)
+    assert calls and max(calls) <= local._IOV_MAX
+
+
 def test_items_go_to_the_lightest_file_largest_first():
     rng = np.random.default_rng(3)
     sizes = rng.integers(1, 50, 400).tolist() + [7] * 100

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import crc32c as _crc32c
 import numpy as np
@@ -26,10 +26,15 @@ from .format.encoding import chunk_span, write_chunk
 from .format.records import RECORD_FIXED, ChunkRecord
 from .staging import StagedItem
 from .storage import FileWriter, Storage
+from .storage.base import buffer_bytes, buffer_nbytes
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 # Writes shorter than this are gathered before they reach the storage (`CoalescingWriter`).
 COALESCE_BYTES = 1 << 20
-# A run of small chunks is joined into buffers of about this many bytes (bounded memory).
+# A run of small chunks is written in pieces of about this many bytes (FileWriter.write_parts:
+# joined into one buffer where the storage does not take the parts as they are).
 _PIECE_BYTES = 4 << 20
 # The most data files cut_files makes a process write to keep each within one request:
 # every file is one more object to list at commit and one more row of the manifest.
@@ -71,6 +76,14 @@ class CoalescingWriter(FileWriter):
             self.writer.write_kept(data)
         else:
             self.write(data)
+
+    def write_parts(self, parts: Sequence[Buffer]) -> None:
+        if sum(buffer_nbytes(p) for p in parts) < COALESCE_BYTES:
+            for p in parts:
+                self.write(buffer_bytes(p))
+            return
+        self.flush()
+        self.writer.write_parts(parts)
 
     def flush(self) -> None:
         if self.held:
@@ -214,13 +227,12 @@ def _write_run(
     mixed = ((starts.astype(np.uint64) * _MIX) >> np.uint64(32)).astype(np.uint32)
     crcs = np.fromiter((_crc(r) for r in raws), np.uint32, len(raws))
     words = np.frombuffer((crcs ^ mixed ^ np.uint32(file_key)).astype("<u4").tobytes(), "V4")
-    parts: list[object] = [None] * (2 * len(run))
+    if any(r.nbytes != n for r, n in zip(raws, sizes.tolist(), strict=True)):
+        raise ValueError(f"leaf {run[0].name!r}: staged bytes do not match the planned sizes")
+    parts: list[Any] = [None] * (2 * len(run))
     parts[0::2] = raws
     parts[1::2] = words.tolist()
-    data = b"".join(parts)  # type: ignore[arg-type]
-    if len(data) != int(ends[-1]) - offset:
-        raise ValueError(f"leaf {run[0].name!r}: staged bytes do not match the planned sizes")
-    writer.write(memoryview(data))
+    writer.write_parts(parts)  # (no copy of the run joined: local files take them as they are)
     fixed = np.zeros(len(run), RECORD_FIXED)
     fixed["file"] = file
     fixed["offset"] = starts

@@ -20,7 +20,7 @@ of one range (`ranges.py`, `windows.py`), where the bytes are and the prefetch
 the readers of a checkpoint (`tables.py`), and `execute` (`executor.py`).
 """
 
-from .buffers import ALIGN, Dest, ReadDests, ReadStats, aligned_empty, batches
+from .buffers import ALIGN, BATCH_ITEMS, Dest, ReadDests, ReadStats, aligned_empty, batches
 from .executor import Expand, execute
 from .plan import plan_reads
 from .requests import Request, build, make_request, request_boxes
@@ -28,6 +28,7 @@ from .tables import SavedBoxes, chunk_boxes, chunk_tables, reader_of, saved_boxe
 
 __all__ = [
     "ALIGN",
+    "BATCH_ITEMS",
     "Dest",
     "Expand",
     "ReadDests",

@@ -74,16 +74,26 @@ class Dest:
 T = TypeVar("T")
 
 
-def batches(items: Sequence[T], size: Callable[[T], int], budget: int | None) -> list[list[T]]:
+# The most regions one batch of a PyTorch restore reads (`batches`' `most`): what a batch
+# holds per region besides its bytes (its chunk table, fill, destination and read plan,
+# about 2 KiB) then stays bounded however many small tensors a state has. (A JAX restore
+# holds less per array and measured slower in such batches: it passes no bound.)
+BATCH_ITEMS = 2048
+
+
+def batches(
+    items: Sequence[T], size: Callable[[T], int], budget: int | None, most: int | None = None
+) -> list[list[T]]:
     """Consecutive items in batches of at most `budget` bytes by `size` (an item larger
-    than the budget goes alone); budget None: one batch. Every restore path cuts its work
-    with it, so that every process of a job cuts the same batches from the same sizes."""
+    than the budget goes alone; None: no bound on bytes) and at most `most` items (None:
+    no bound). Every restore path cuts its work with it, so that every process of a job
+    cuts the same batches from the same sizes."""
     out: list[list[T]] = []
     cur: list[T] = []
     total = 0
     for it in items:
         n = size(it)
-        if cur and budget is not None and total + n > budget:
+        if cur and (len(cur) == most or (budget is not None and total + n > budget)):
             out.append(cur)
             cur, total = [], 0
         cur.append(it)

@@ -11,10 +11,26 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from .location import parse_location
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer  # (typing's own from Python 3.12)
+
     from .lease import LeaseFiles
+
+
+def buffer_nbytes(p: Buffer) -> int:
+    """How many bytes a buffer holds (bytes, memoryviews, NumPy arrays and scalars)."""
+    n = getattr(p, "nbytes", None)
+    return len(p) if n is None else int(n)  # type: ignore[arg-type]
+
+
+def buffer_bytes(p: Buffer) -> memoryview:
+    """A buffer's bytes as a flat memoryview of unsigned bytes (`memoryview(p)` itself
+    fails for NumPy dtypes the buffer protocol cannot describe, such as bfloat16)."""
+    return memoryview(np.frombuffer(p, np.uint8))  # type: ignore[call-overload]
 
 
 class FileWriter(ABC):
@@ -29,6 +45,13 @@ class FileWriter(ABC):
         aborted: a writer may keep them instead of a copy (an object-store file that goes
         up in one request). By default, `write`."""
         self.write(data)
+
+    def write_parts(self, parts: Sequence[Buffer]) -> None:
+        """Append the bytes of `parts` back to back (many small buffers: a run of small
+        chunks and their checksums); the caller may change or reuse them once this
+        returns. By default, one `write_kept` of their bytes joined (a new buffer nobody
+        else holds)."""
+        self.write_kept(memoryview(b"".join(parts)))
 
     @abstractmethod
     def close(self) -> int:

@@ -30,6 +30,7 @@ from ..per_process import PerProcess, Resplit
 from ..planning.layout import Box
 from ..read_once_policy import wanted
 from ..reading import (
+    BATCH_ITEMS,
     Dest,
     ReadDests,
     ReadStats,
@@ -265,7 +266,7 @@ def _read_targets(
 
     with torch.no_grad():
         try:
-            for batch in batches(fills, lambda f: f.buffered, options.memory_budget):
+            for batch in batches(fills, lambda f: f.buffered, options.memory_budget, BATCH_ITEMS):
                 timed_read([f.dest() for f in batch])
                 t1 = time.perf_counter()
                 for f in batch:
