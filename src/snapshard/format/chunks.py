@@ -48,6 +48,9 @@ class ChunkTable:
     file_keys: np.ndarray | None = None
     # v2: the records' checksum block counts (checked against nbytes and block)
     nblocks: np.ndarray | None = None
+    # The table whose rows these are, and where they start in it (`between`): a reader of
+    # many small tables gathers their columns from it at once (reading.plan).
+    rows_of: tuple[ChunkTable, int] | None = None
 
     @staticmethod
     def empty(ndim: int) -> ChunkTable:
@@ -73,12 +76,14 @@ class ChunkTable:
         flags = self.flags
         if flags is not None:  # (None: nothing compressed, as readers test first)
             flags = flags[lo:hi] if flags[lo:hi].any() else None
+        source, at = self.rows_of or (self, 0)
         return ChunkTable(
             self.starts[lo:hi], self.stops[lo:hi], self.file[lo:hi], self.offset[lo:hi],
             self.nbytes[lo:hi], self.block[lo:hi], self.crc32c[lo:hi],
             None if self.crc_offset is None else self.crc_offset[lo:hi],
             flags, self.file_keys,
             None if self.nblocks is None else self.nblocks[lo:hi],
+            (source, at + lo),
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -204,6 +209,7 @@ class LazyChunkTable(ChunkTable):
     flags = _LoadedFirst()
     file_keys = _LoadedFirst()
     nblocks = _LoadedFirst()
+    rows_of = _LoadedFirst()
 
     def __init__(self, load: Callable[[], ChunkTable]):  # no fields yet: see __getattr__
         self.__dict__["_load"] = load

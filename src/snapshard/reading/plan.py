@@ -201,32 +201,59 @@ class _WholeChunks:
     """Destination boxes that are exactly one whole chunk each, as columns (see ChunkRun).
 
     A chunk qualifies when it is one checksum block, uncompressed, its checksum right after
-    it (what a save writes for small chunks), and fills the destination."""
+    it (what a save writes for small chunks), and fills the destination. `add` takes the
+    candidates; `settle` decides them all at once, from the tables their tables are rows of
+    (ChunkTable.rows_of): a restore of many small arrays would otherwise pay NumPy's cost
+    per call per chunk."""
 
     def __init__(self) -> None:
-        self.dest: list[int] = []
-        self.file: list[int] = []
-        self.offset: list[int] = []
-        self.nbytes: list[int] = []
-        self.chunk: list[int] = []
-        self.file_key: list[int] = []  # of the chunk's file, where the table binds checksums
-        self.bound: list[bool] = []
+        # by id of the source table: (it, dest indices, rows in it, dest bytes, chunks)
+        self._candidates: dict[int, tuple[ChunkTable, list[int], list[int], list[int], list[int]]] = {}
+        self.dest = self.file = self.offset = self.nbytes = self.chunk = np.zeros(0, np.int64)
+        self.keys = np.zeros(0, np.int64)  # of the chunk's file, where checksums are bound
+        self.bound = np.zeros(0, bool)
 
-    def add(self, di: int, d: Dest, t: ChunkTable, c: int) -> bool:
-        """Take dest `di` (`d`), exactly chunk `c` of `t`, if the chunk qualifies."""
-        if t.crc_offset is None or (t.flags is not None and t.flags[c]):
-            return False
-        offset, n = int(t.offset[c]), int(t.nbytes[c])
-        if not 0 < n <= t.block[c] or t.crc_offset[c] != offset + n or d.buf.nbytes != n:
-            return False
-        self.dest.append(di)
-        self.file.append(int(t.file[c]))
-        self.offset.append(offset)
-        self.nbytes.append(n)
-        self.chunk.append(c)
-        self.bound.append(t.file_keys is not None)
-        self.file_key.append(0 if t.file_keys is None else int(t.file_keys[t.file[c]]))
-        return True
+    def add(self, di: int, d: Dest, t: ChunkTable, c: int) -> None:
+        """Dest `di` (`d`) is exactly chunk `c` of `t`: a candidate."""
+        source, at = t.rows_of or (t, 0)
+        got = self._candidates.get(id(source))
+        if got is None:
+            got = self._candidates[id(source)] = (source, [], [], [], [])
+        got[1].append(di)
+        got[2].append(at + c)
+        got[3].append(d.buf.nbytes)
+        got[4].append(c)
+
+    def settle(self) -> list[tuple[int, int]]:
+        """Keep the candidates that qualify, as columns; the others as (dest index, chunk)."""
+        cols: list[list[np.ndarray]] = [[] for _ in range(7)]
+        rejected: list[tuple[int, int]] = []
+        for t, dis, rows, sizes, chunks in self._candidates.values():
+            r = np.asarray(rows, np.int64)
+            di, c = np.asarray(dis, np.int64), np.asarray(chunks, np.int64)
+            if t.crc_offset is None:
+                ok = np.zeros(len(r), bool)
+            else:
+                offset, n = t.offset[r], t.nbytes[r]
+                ok = (n > 0) & (n <= t.block[r]) & (t.crc_offset[r] == offset + n)
+                ok &= np.asarray(sizes, np.int64) == n
+                if t.flags is not None:
+                    ok &= t.flags[r] == 0
+            rejected.extend(zip(di[~ok].tolist(), c[~ok].tolist(), strict=True))
+            r = r[ok]
+            file = t.file[r]
+            key = np.zeros(len(r), np.int64) if t.file_keys is None else t.file_keys[file]
+            for k, col in enumerate((di[ok], file, t.offset[r], t.nbytes[r], c[ok], key)):
+                cols[k].append(col)
+            cols[6].append(np.full(len(r), t.file_keys is not None))
+        self._candidates.clear()
+        if cols[0]:
+            joined = [np.concatenate(c) for c in cols]
+            self.dest, self.file, self.offset, self.nbytes, self.chunk, self.keys = (
+                x.astype(np.int64) for x in joined[:6]
+            )
+            self.bound = joined[6]
+        return rejected
 
 
 _Overlaps = dict[tuple[int, int], list[tuple[int, RunGrid]]]
@@ -256,8 +283,7 @@ def _overlaps(
         stats.bytes_needed += d.buf.nbytes
         exact, over = _covered(index, t, d, url, covered)
         if exact >= 0:  # the box is a chunk: one run, the whole of both
-            if not whole.add(di, d, t, exact):
-                per_chunk.setdefault((key, exact), []).append((di, whole_grid(d.buf.nbytes)))
+            whole.add(di, d, t, exact)
             continue
         itemsize = dtype_from_name(leaf.dtype).itemsize
         box = (id(t.starts), d.start.tobytes(), d.stop.tobytes(), itemsize)
@@ -270,6 +296,9 @@ def _overlaps(
                 grid = run_grid(stored_start, stored_stop, d.start, d.stop, os_, oe, itemsize)
                 grid_cache[gk] = grid
             per_chunk.setdefault((key, c), []).append((di, grid))
+    for di, c in whole.settle():  # whole chunks read as any other (several blocks, ...)
+        d = dests[di]
+        per_chunk.setdefault((id(d.leaf), c), []).append((di, whole_grid(d.buf.nbytes)))
     return whole, per_chunk, leaves
 
 
@@ -282,15 +311,10 @@ def _chunk_runs(
     n = len(whole.dest)
     if not n:
         return []
-    file = np.asarray(whole.file, np.int64)
-    offset = np.asarray(whole.offset, np.int64)
-    nbytes = np.asarray(whole.nbytes, np.int64)
-    order = np.lexsort((offset, file))
-    file, offset, nbytes = file[order], offset[order], nbytes[order]
-    dest = np.asarray(whole.dest, np.int64)[order]
-    chunk = np.asarray(whole.chunk, np.int64)[order]
-    bound = np.asarray(whole.bound, bool)[order]
-    keys = np.where(bound, chunk_keys(np.asarray(whole.file_key, np.int64)[order], offset), 0)
+    order = np.lexsort((whole.offset, whole.file))
+    file, offset, nbytes = whole.file[order], whole.offset[order], whole.nbytes[order]
+    dest, chunk, bound = whole.dest[order], whole.chunk[order], whole.bound[order]
+    keys = np.where(bound, chunk_keys(whole.keys[order], offset), 0)
     stats.chunks_touched += n
     stats.bytes_read += int(nbytes.sum())  # (the checksums after them not counted, as elsewhere)
     starts = run_starts(file, offset, nbytes)
