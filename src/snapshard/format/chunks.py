@@ -70,15 +70,19 @@ class ChunkTable:
             None if self.nblocks is None else self.nblocks[o],
         )  # fmt: skip
 
-    def between(self, lo: int, hi: int) -> ChunkTable:
+    def between(
+        self, lo: int, hi: int, boxes: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> ChunkTable:
         """Chunks lo:hi, as views of this table's columns (a table of many arrays' chunks
-        cut into the arrays' own: format.finder)."""
+        cut into the arrays' own: format.finder); `boxes`: their box columns, where the
+        caller has them already (equal to these rows', shared with other tables)."""
         flags = self.flags
         if flags is not None:  # (None: nothing compressed, as readers test first)
             flags = flags[lo:hi] if flags[lo:hi].any() else None
         source, at = self.rows_of or (self, 0)
+        starts, stops = boxes or (self.starts[lo:hi], self.stops[lo:hi])
         return ChunkTable(
-            self.starts[lo:hi], self.stops[lo:hi], self.file[lo:hi], self.offset[lo:hi],
+            starts, stops, self.file[lo:hi], self.offset[lo:hi],
             self.nbytes[lo:hi], self.block[lo:hi], self.crc32c[lo:hi],
             None if self.crc_offset is None else self.crc_offset[lo:hi],
             flags, self.file_keys,
@@ -133,13 +137,6 @@ class ChunkTable:
             }
             for i in range(len(self))
         ]
-
-    def sorted_by_box(self) -> ChunkTable:
-        """The chunks in box order (start, lexicographically): arrays with the same chunk
-        boxes then have equal box columns, which readers share (see intern_boxes)."""
-        if len(self) < 2:
-            return self
-        return self.take(np.lexsort(self.starts.T[::-1]))
 
     def intern_boxes(self, seen: dict[bytes, tuple[np.ndarray, np.ndarray]]) -> None:
         """Share the box columns with an earlier table of equal boxes (one index serves both)."""

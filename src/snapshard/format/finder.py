@@ -318,15 +318,15 @@ class ChunkFinder:
     def tables(self, wants: Sequence[tuple[ArrayLeaf, Sequence[BoundsArrays]]]) -> dict[int, ChunkTable]:
         """For each leaf (keyed by id), the chunks written by every process that may hold
         chunks overlapping its boxes."""
-        by_process: dict[int, list[int]] = {}
         leaves: dict[int, ArrayLeaf] = {}
-        memo: dict[tuple[Any, ...], np.ndarray] = {}
+        memo: dict[tuple[Any, ...], tuple[int, ...]] = {}
         # (the same by the ids of the box arrays: the dests of arrays alike share them, and
         # `wants` keeps them alive through the call)
-        by_ids: dict[tuple[Any, ...], np.ndarray] = {}
+        by_ids: dict[tuple[Any, ...], tuple[int, ...]] = {}
+        of_procs: dict[tuple[int, ...], list[int]] = {}  # the leaves of each set of processes
         empty: dict[int, ChunkTable] = {}
         for leaf, boxes in wants:
-            if math.prod(leaf.shape) == 0:
+            if 0 in leaf.shape:
                 empty[id(leaf)] = ChunkTable.empty(len(leaf.shape))
                 continue
             a = self.index[id(leaf)]
@@ -338,10 +338,13 @@ class ChunkFinder:
                 key = (*kind, b"".join(s.tobytes() + e.tobytes() for s, e in boxes))
                 procs = memo.get(key)
                 if procs is None:
-                    procs = memo[key] = self.candidates(leaf, boxes)
+                    procs = memo[key] = tuple(self.candidates(leaf, boxes).tolist())
                 by_ids[ids] = procs
-            for q in procs.tolist():
-                by_process.setdefault(q, []).append(a)
+            of_procs.setdefault(procs, []).append(a)
+        by_process: dict[int, list[int]] = {}
+        for procs, some in of_procs.items():
+            for q in procs:
+                by_process.setdefault(q, []).extend(some)
         items = sorted((q, sorted(a)) for q, a in by_process.items())
         if self.threads > 1 and len(items) > 1:
             with ThreadPoolExecutor(min(self.threads, len(items)), "snapshard-records") as pool:
@@ -374,10 +377,10 @@ class ChunkFinder:
                     raise CorruptCheckpointError(f"{self._where(leaf)}: unknown dtype {leaf.dtype!r}")
             parts = fetched.get(nd, [])
             t = ChunkTable.concat([f.table(self) for f in parts], nd)
-            rows_of = np.concatenate([np.zeros(0, np.int64), *(f.leaf_of_rows() for f in parts)])
-            order = np.lexsort((*t.starts.T[::-1], rows_of))  # by leaf, then box
+            leaf_of = np.concatenate([np.zeros(0, np.int64), *(f.leaf_of_rows() for f in parts)])
+            order = np.lexsort((*t.starts.T[::-1], leaf_of))  # by leaf, then box
             t = t.take(order) if len(t) > 1 else t
-            at = np.searchsorted(np.asarray(ids, np.int64), rows_of[order])
+            at = np.searchsorted(np.asarray(ids, np.int64), leaf_of[order])
             counts = np.bincount(at, minlength=len(ids))
             bounds = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
             _check_found(group, counts, self._where)
@@ -385,10 +388,39 @@ class ChunkFinder:
                 group, t, bounds, self._where,
                 [NAME_TO_DTYPE[leaf.dtype].itemsize for leaf in group], sizes,
             )  # fmt: skip
-            for leaf, lo, hi in zip(group, bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
-                own = t.between(lo, hi)
-                own.intern_boxes(self._boxes)
-                out[id(leaf)] = own
+            boxes = self._shared_boxes(t, bounds)
+            rows = zip(bounds[:-1].tolist(), bounds[1:].tolist(), boxes, strict=True)
+            for leaf, (lo, hi, own) in zip(group, rows, strict=True):
+                out[id(leaf)] = t.between(lo, hi, own)
+        return out
+
+    def _shared_boxes(self, t: ChunkTable, bounds: np.ndarray) -> list[BoundsArrays]:
+        """The box columns of each leaf's rows bounds[i]:bounds[i + 1] of `t` (at least one
+        each), equal ones as one pair of arrays, shared with the tables of earlier calls
+        (`_boxes`): one index then serves arrays alike in the restore. Leaves with as many
+        rows are grouped by their boxes with one sort of integer columns, not one by one."""
+        counts = np.diff(bounds)
+        nd = t.starts.shape[1]
+        out: list[BoundsArrays] = [None] * len(counts)  # type: ignore[list-item]
+        for k in np.unique(counts).tolist():
+            which = np.flatnonzero(counts == k)
+            rows = bounds[which][:, None] + np.arange(k)
+            both = np.concatenate(
+                [t.starts[rows].reshape(len(which), -1), t.stops[rows].reshape(len(which), -1)],
+                axis=1,
+            )
+            order = np.lexsort(both.T[::-1]) if both.shape[1] else np.arange(len(which))
+            both = both[order]
+            new = np.ones(len(which), bool)  # where a run of equal boxes starts
+            new[1:] = np.any(both[1:] != both[:-1], axis=1)
+            heads = np.flatnonzero(new)
+            pairs = []
+            for u in both[heads]:
+                s, e = u[: k * nd].reshape(k, nd).copy(), u[k * nd :].reshape(k, nd).copy()
+                pairs.append(self._boxes.setdefault(s.tobytes() + b"|" + e.tobytes(), (s, e)))
+            kind = np.cumsum(new) - 1
+            for i, j in zip(which[order].tolist(), kind.tolist(), strict=True):
+                out[i] = pairs[j]
         return out
 
     def _where(self, leaf: ArrayLeaf) -> str:
