@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import snapshard
 from snapshard.errors import ChecksumMismatchError, CorruptCheckpointError
+from snapshard.format import finder
 from snapshard.format.binding import chunk_key, chunk_keys
 from snapshard.format.finder import span_heads
 from snapshard.reading.plan import JOB_BYTES, run_starts
@@ -125,10 +126,11 @@ def test_records_out_of_box_order_are_sorted(tmp_path: object) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 4000), st.integers(1, 3000)), min_size=1, max_size=40))
+@given(st.lists(st.tuples(st.integers(0, 12000), st.integers(1, 3000)), min_size=1, max_size=40))
 def test_record_spans_read_little_beyond_their_ranges(gaps: list[tuple[int, int]]) -> None:
     """Ranges laid out with gaps: every span starts at a range and reads at most 1.25 times
-    what its ranges need, plus at most 512 bytes per range (gaps that small always join)."""
+    what its ranges need, plus at most _TOUCH_GAP bytes per range (gaps that small always
+    join)."""
     lo, hi, at = [], [], 0
     for gap, n in gaps:
         at += gap
@@ -137,11 +139,20 @@ def test_record_spans_read_little_beyond_their_ranges(gaps: list[tuple[int, int]
         at += n
     heads = span_heads(np.asarray(lo, np.int64), np.asarray(hi, np.int64)).tolist()
     assert heads[0] == 0 and heads == sorted(set(heads))
+    touch = finder._TOUCH_GAP
     for a, b in zip(heads, [*heads[1:], len(lo)], strict=True):
         need = sum(hi[i] - lo[i] for i in range(a, b))
-        assert hi[b - 1] - lo[a] <= 1.25 * need + 512 * (b - a)
+        assert hi[b - 1] - lo[a] <= 1.25 * need + touch * (b - a)
     for i in heads[1:]:  # and a span ends only where the next range would cost too much
-        assert lo[i] - hi[i - 1] > 512
+        assert lo[i] - hi[i - 1] > touch
+
+
+def test_every_fourth_segment_of_a_record_file_is_one_request() -> None:
+    """A process restoring replicated arrays that another process wrote needs every P-th
+    of its record segments (here 72 bytes in 360): one request, not one per segment
+    (which on an object store is a round trip each, one after the other)."""
+    lo = np.arange(2500, dtype=np.int64) * 360
+    assert span_heads(lo, lo + 72).tolist() == [0]
 
 
 @pytest.mark.parametrize("shared_host_memory", [True, False])

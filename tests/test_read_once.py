@@ -200,3 +200,26 @@ def test_read_sharding_of_a_target_that_cuts_saved_rows():
     assert lp.read_sharding.mesh == m
     assert leaf_plan((64, 32), cols, False) is None  # one holder per box, nothing to gain
     assert leaf_plan((6, 32), cols, True) is None  # 6 rows over 8 devices
+
+
+def test_by_default_arrays_under_the_minimum_are_read_by_every_holder(monkeypatch):
+    """read_once=None leaves out arrays of fewer than READ_ONCE_MIN_BYTES (moving one costs
+    more than reading it again); read_once=True takes every array a read sharding fits."""
+    from snapshard import read_once
+    from snapshard.format import ArrayLeaf
+    from snapshard.read_once_policy import READ_ONCE_MIN_BYTES
+    from snapshard.reading import Request
+
+    m = mesh(2, 4)
+    target = NamedSharding(m, P())
+    # (one process here: a leaf plan as two processes would have it)
+    monkeypatch.setattr(
+        read_once, "leaf_plan", lambda shape, s, cuts: read_once.LeafPlan(s, (8, 8), (4, 4), (4, 4))
+    )
+    side = int(np.sqrt(READ_ONCE_MIN_BYTES // 4))
+    reqs = [
+        Request(ArrayLeaf(("small",), "array", "float32", (4, 16)), "jax", np.dtype(np.float32), target),
+        Request(ArrayLeaf(("large",), "array", "float32", (side, side)), "jax", np.dtype(np.float32), target),
+    ]
+    assert sorted(read_once.plan(reqs, 0, 2, None, READ_ONCE_MIN_BYTES)) == [1]
+    assert sorted(read_once.plan(reqs, 0, 2, None, 0)) == [0, 1]

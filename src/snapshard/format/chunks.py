@@ -4,7 +4,7 @@ parses them from the manifest, v2 fetches them from the record files: format.fin
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -73,22 +73,13 @@ class ChunkTable:
     def between(
         self, lo: int, hi: int, boxes: tuple[np.ndarray, np.ndarray] | None = None
     ) -> ChunkTable:
-        """Chunks lo:hi, as views of this table's columns (a table of many arrays' chunks
-        cut into the arrays' own: format.finder); `boxes`: their box columns, where the
-        caller has them already (equal to these rows', shared with other tables)."""
-        flags = self.flags
-        if flags is not None:  # (None: nothing compressed, as readers test first)
-            flags = flags[lo:hi] if flags[lo:hi].any() else None
+        """Chunks lo:hi (a table of many arrays' chunks cut into the arrays' own:
+        format.finder), their columns sliced from this table's when first read (RowsTable);
+        `boxes`: their box columns, where the caller has them already (equal to these
+        rows', shared with other tables)."""
         source, at = self.rows_of or (self, 0)
         starts, stops = boxes or (self.starts[lo:hi], self.stops[lo:hi])
-        return ChunkTable(
-            starts, stops, self.file[lo:hi], self.offset[lo:hi],
-            self.nbytes[lo:hi], self.block[lo:hi], self.crc32c[lo:hi],
-            None if self.crc_offset is None else self.crc_offset[lo:hi],
-            flags, self.file_keys,
-            None if self.nblocks is None else self.nblocks[lo:hi],
-            (source, at + lo),
-        )  # fmt: skip
+        return RowsTable(source, at + lo, at + hi, starts, stops)
 
     def __len__(self) -> int:
         return len(self.nbytes)
@@ -215,10 +206,64 @@ class LazyChunkTable(ChunkTable):
         """Fetch the table's records now (once)."""
         load = self.__dict__.pop("_load", None)
         if load is not None:
-            self.__dict__.update(load().__dict__)
+            t = load()
+            self.__dict__.update({f.name: getattr(t, f.name) for f in fields(ChunkTable)})
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_load" not in self.__dict__:
             raise AttributeError(name)
         self.fetch()
         return getattr(self, name)
+
+
+class _Sliced:
+    """A column of a RowsTable that ChunkTable gives a class default: its rows of the
+    source's column, sliced when first read (then the instance's own value is found)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return obj.column(self.name)
+
+
+class RowsTable(ChunkTable):
+    """Chunks lo:hi of a source table (`between`), their columns sliced from the source's
+    when first read. A restore of many small arrays reads most of its chunks through the
+    source's columns at once (reading.plan, by `rows_of`): most of these views would be
+    made and freed unread, several per array."""
+
+    crc_offset = _Sliced()
+    flags = _Sliced()
+    nblocks = _Sliced()
+
+    def __init__(
+        self, source: ChunkTable, lo: int, hi: int, starts: np.ndarray, stops: np.ndarray
+    ):  # the other fields: see column
+        d = self.__dict__
+        d["starts"], d["stops"], d["rows_of"], d["_stop"] = starts, stops, (source, lo), hi
+        d["file_keys"] = source.file_keys
+
+    def column(self, name: str) -> Any:
+        """A column of these rows, sliced from the source's (once)."""
+        source, lo = self.__dict__["rows_of"]
+        col = getattr(source, name)
+        if col is not None:
+            col = col[lo : self.__dict__["_stop"]]
+            if name == "flags" and not col.any():
+                col = None  # (None: nothing compressed, as readers test first)
+        self.__dict__[name] = col
+        return col
+
+    def __getattr__(self, name: str) -> Any:  # the fields without a class default
+        if name in _ROW_COLUMNS:
+            return self.column(name)
+        raise AttributeError(name)
+
+    def __len__(self) -> int:
+        return int(self.__dict__["_stop"]) - int(self.__dict__["rows_of"][1])
+
+
+_ROW_COLUMNS = frozenset({"file", "offset", "nbytes", "block", "crc32c"})

@@ -40,7 +40,9 @@ BoundsArrays = tuple[np.ndarray, np.ndarray]  # a box as (start, stop) arrays
 _MERGE_GAP = 64 << 10
 # Record reads of a restore (`span_heads`): ranges this close always share a request; a
 # span of ranges is read whole while it is at most this many times the bytes they need.
-_TOUCH_GAP = 512
+# (A process restoring the replicated arrays another wrote needs every P-th segment of
+# its record file, some hundreds of bytes apart: one request for all, not one each.)
+_TOUCH_GAP = 4096
 _SPAN_SLACK = 1.25
 # Record reads are small and bound by the store's latency (two requests in a row per record
 # file: directory entries, then segments), and a restore touches hundreds of record files
