@@ -57,6 +57,20 @@ def test_on_a_network_filesystem_read_once_is_the_default_where_every_rank_sees_
         assert read > 2 * unique and peers == 0  # every holder read its own boxes
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_by_default_tensors_under_the_size_floor_are_read_by_every_holder(tmp_path):
+    """The default reads once only tensors of READ_ONCE_MIN_BYTES and more (moving a small
+    one costs more than reading it again): on a network filesystem, tensors this small are
+    read by each of their holders."""
+    ranks = _run(str(tmp_path), "--network", "0,1,2,3", "--size-floor")
+    unique = ranks[0]["unique"]
+    for r in ranks:
+        assert all(r["None"]["equal"].values()), (r["rank"], r["None"]["equal"])
+    assert sum(r["None"]["bytes_from_peers"] for r in ranks) == 0
+    assert sum(r["None"]["bytes_read"] for r in ranks) > 2 * unique
+
+
 def _run(root: str, *extra: str) -> list[dict]:
     procs = multiproc.run("torch_read_once.py", 4, 1, root, *extra, timeout=150, env=ENV)
     return [p.result() for p in procs]

@@ -120,10 +120,10 @@ class ReadOptions:
         exchanged. None (default): on for object stores and network filesystems (NFS,
         Lustre, GPFS, gcsfuse... by the mount table), off for the machine's own disks,
         where moving the bytes between processes measured slower than reading them
-        again; and, for JAX targets, only for arrays of at least READ_ONCE_MIN_BYTES
-        (1 MiB): a smaller one costs more to move (its share of a compiled program and a
-        collective) than to read again. True: every array it can apply to; False: every
-        holder reads its own boxes.
+        again; and there only for arrays of at least READ_ONCE_MIN_BYTES (1 MiB): a
+        smaller one costs more to move (a collective each, and for JAX its share of a
+        compiled program) than to read again. True: every array it can apply to; False:
+        every holder reads its own boxes.
     timeout_s: how long a process waits for the others during a restore (read-once reads,
         the manager's agreement on which tier serves).
     """

@@ -46,7 +46,7 @@ from .dtypes import dtype_from_name
 from .options import ReadOptions
 from .planning.exchange import cuts_rows
 from .planning.layout import Box, slices_to_box
-from .read_once_policy import READ_ONCE_MIN_BYTES, wanted
+from .read_once_policy import smallest_read_once, wanted
 from .reading import (
     Dest,
     Expand,
@@ -328,7 +328,7 @@ def execute(
     def read(dests: list[Dest]) -> None:
         source.read_dests(dests, stats)
 
-    smallest = 0 if options.read_once else READ_ONCE_MIN_BYTES  # (True: every array it fits)
+    smallest = smallest_read_once(options.read_once)
     once = (
         plan(reqs, coord.process_index, coord.process_count, source.saved_boxes, smallest)
         if options.read_once is not False and coord.process_count > 1

@@ -9,6 +9,8 @@
     torch_read_once.py DIR --network R,...   the default restore alone, where the mount
                                              table of ranks R,... (none: "") says DIR is on
                                              NFS, and the others' that it is on a local disk
+    ... --size-floor                         with the default's size floor (these tensors
+                                             are all under it); without, a floor of 0
 
 Reports, per rank and mode, whether every restored tensor equals the saved one, and the
 bytes read from storage and received from peers.
@@ -69,6 +71,7 @@ def main() -> None:
     ap.add_argument("root")
     ap.add_argument("--fail-read", type=int, default=None)
     ap.add_argument("--network", default=None)
+    ap.add_argument("--size-floor", action="store_true", help="keep READ_ONCE_MIN_BYTES")
     args = ap.parse_args()
     rank, world = init_torch()
     from torch.distributed.device_mesh import init_device_mesh
@@ -76,6 +79,12 @@ def main() -> None:
 
     import snapshard
     import snapshard.torch as st
+    from snapshard import read_once_policy
+
+    # Where the default reads once (object stores, network filesystems), for tensors as
+    # small as these; the size floor is tested with --size-floor.
+    if not args.size_floor:
+        read_once_policy.READ_ONCE_MIN_BYTES = 0
 
     want = state()
     flat = init_device_mesh("cpu", (world,))
