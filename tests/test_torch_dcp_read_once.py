@@ -44,6 +44,17 @@ def test_on_an_object_store_read_once_is_the_default(remote_prefix):
 
 
 @pytest.mark.multiprocess
+def test_by_default_tensors_under_the_size_floor_are_read_by_every_holder(remote_prefix):
+    """On an object store the default reads once only tensors of READ_ONCE_MIN_BYTES and
+    more: these small ones are read by each of their holders, as with read_once=False."""
+    ranks = _run(remote_prefix, "--size-floor")
+    for r in ranks:
+        assert all(r["None"]["equal"].values()), (r["rank"], r["None"]["equal"])
+    assert sum(r["None"]["bytes_from_peers"] for r in ranks) == 0
+    assert sum(r["None"]["bytes_read"] for r in ranks) == sum(r["False"]["bytes_read"] for r in ranks)
+
+
+@pytest.mark.multiprocess
 def test_a_failed_read_fails_every_rank_naming_it(tmp_path):
     _run(str(tmp_path))  # writes the checkpoint
     ranks = _run(str(tmp_path), "--fail-read", "2")

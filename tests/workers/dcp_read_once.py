@@ -30,6 +30,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
     ap.add_argument("--fail-read", type=int, default=None)
+    ap.add_argument("--size-floor", action="store_true", help="keep READ_ONCE_MIN_BYTES")
     args = ap.parse_args()
     rank, world = init_torch()
     from torch.distributed.device_mesh import init_device_mesh
@@ -37,6 +38,12 @@ def main() -> None:
 
     import snapshard
     import snapshard.torch as st
+    from snapshard import read_once_policy
+
+    # Where the default reads once (object stores), for tensors as small as these; the
+    # size floor is tested with --size-floor.
+    if not args.size_floor:
+        read_once_policy.READ_ONCE_MIN_BYTES = 0
 
     want = {k: v for k, v in state().items() if k in ("a", "b", "c", "d")}
     flat = init_device_mesh("cpu", (world,))

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import math
 import os
 from typing import Any
 
@@ -45,7 +46,7 @@ from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
-from ..read_once_policy import wanted_here
+from ..read_once_policy import smallest_read_once, wanted_here
 from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, batches
 from ..sources import open_checkpoint
 from ..storage import Location, storage_for
@@ -254,9 +255,17 @@ class StorageReader(_DcpStorageReader):
             size = dtype_from_name(entries.arrays[key[0]].dtype).itemsize
             return int(np.prod(np.subtract(key[2], key[1]))) * size
 
+        smallest = smallest_read_once(self.options.read_once)
+
+        def large(key: dcp_read_once.BoxKey) -> bool:  # (the others: read by every holder)
+            leaf = entries.arrays[key[0]]
+            return math.prod(leaf.shape) * dtype_from_name(leaf.dtype).itemsize >= smallest
+
         keys = [
-            [_box_key(item) for item in p.items if item.type != LoadItemType.BYTE_IO] for p in plans
-        ]
+            [k for item in p.items if item.type != LoadItemType.BYTE_IO
+             if large(k := _box_key(item))]
+            for p in plans
+        ]  # fmt: skip
         once = dcp_read_once.plan(keys, nbytes)
         return [dataclasses.replace(p, storage_data=once) for p in plans]
 
