@@ -51,6 +51,7 @@ from common import (  # noqa: E402
     evict,
     force_cpu_devices,
     fsync_path,
+    new_s3_bucket,
     remove,
     settle,
     spread,
@@ -469,9 +470,7 @@ def main() -> None:
     bucket = None
     if not args.no_s3:
         if os.environ.get("AWS_ENDPOINT_URL"):
-            from s3env import create_bucket
-
-            bucket = create_bucket("snapshard-bench")
+            bucket = new_s3_bucket()
         else:
             print("no AWS_ENDPOINT_URL: local disk only (start the S3 server for the S3 rows)")
     rows: list[dict[str, Any]] = []

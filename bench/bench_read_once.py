@@ -312,10 +312,7 @@ def main() -> None:
             report([json.loads(line) for line in f if line.strip()])
         return
     if args.s3 is None and not args.no_s3 and os.environ.get("AWS_ENDPOINT_URL"):
-        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-        from s3env import create_bucket
-
-        args.s3 = f"s3://{create_bucket('snapshard-bench')}/read-once"
+        args.s3 = f"s3://{bc.new_s3_bucket()}/read-once"
     os.makedirs(args.dir, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = args.out or os.path.join(HERE, "results", f"read_once-{stamp}.jsonl")

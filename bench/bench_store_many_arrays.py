@@ -28,7 +28,6 @@ from typing import Any
 
 import common as bc
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 PROCS = 2
 MODES = {"off": False, "default": None, "on": True}
 
@@ -112,6 +111,7 @@ def _torch_job(args: argparse.Namespace, pid: int) -> None:
         return all(torch.equal(out[k].to_local(), state[k].to_local()) for k in list(out)[:100])
 
     _rounds(args, pid, load, exact, lambda name: dist.barrier())
+    dist.barrier()  # (a rank that tears down while the other still talks aborts)
     dist.destroy_process_group()
 
 
@@ -185,10 +185,7 @@ def main() -> None:
         return
     local = None
     if args.url is None and os.environ.get("AWS_ENDPOINT_URL"):
-        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-        from s3env import create_bucket
-
-        args.url = f"s3://{create_bucket('snapshard-bench')}/many"
+        args.url = f"s3://{bc.new_s3_bucket()}/many"
     elif args.url is None:
         local = args.url = os.path.join(bc.bench_dir(), "store_many_arrays")
         bc.fresh_dir(local)

@@ -158,10 +158,7 @@ def main() -> None:
     os.makedirs(os.path.dirname(out_path), exist_ok=True)
     stores = {"filesystem": os.path.join(bc.bench_dir(), "tiers", "persistent")}
     if args.s3:
-        sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-        from s3env import create_bucket
-
-        stores["s3"] = f"s3://{create_bucket('snapshard-tiers')}/persistent"
+        stores["s3"] = f"s3://{bc.new_s3_bucket('snapshard-tiers')}/persistent"
     local = os.path.join(bc.bench_dir(), "tiers", "local")
     rows: list[dict] = []
     with open(out_path, "a") as out:

@@ -28,6 +28,19 @@ def bench_dir() -> str:
     )
 
 
+def new_s3_bucket(prefix: str = "snapshard-bench") -> str:
+    """A new, empty bucket on the local S3 server that AWS_ENDPOINT_URL names (the tests'
+    own helper, tests/s3env.py); returns its name."""
+    import sys
+
+    tests = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from s3env import create_bucket
+
+    return str(create_bucket(prefix))
+
+
 def ckpt_dir(name: str) -> str:
     return os.path.join(bench_dir(), "ckpt", name)
 
