@@ -1,5 +1,6 @@
-"""check_chunk_tables (all arrays of a restore at once) finds exactly what check_chunks finds
-array by array, and names the same array and problem."""
+"""check_array_rows (all arrays of a restore at once, their chunks the rows of one table)
+finds exactly what check_chunks finds array by array, and names the same array and
+problem."""
 
 from __future__ import annotations
 
@@ -11,9 +12,29 @@ from hypothesis import strategies as st
 from snapshard.errors import CorruptCheckpointError
 from snapshard.format import validate
 from snapshard.format.manifest import ArrayLeaf, ChunkTable
-from snapshard.format.validate import check_chunk_tables, check_chunks
+from snapshard.format.validate import check_array_rows, check_chunks
 
 FIELDS = ("starts", "stops", "file", "offset", "nbytes", "block", "crc_offset", "flags")
+
+
+def check_chunk_tables(tables, where, itemsizes, file_sizes) -> None:
+    """check_array_rows of the arrays' own tables put together, per number of axes (as the
+    chunk finder hands it the records of many arrays)."""
+    groups: dict[int, list[int]] = {}
+    for k, (leaf, t) in enumerate(tables):
+        if len(t):
+            groups.setdefault(len(leaf.shape), []).append(k)
+    for ks in groups.values():
+        parts = [tables[k][1] for k in ks]
+        counts = [len(p) for p in parts]
+        check_array_rows(
+            [tables[k][0] for k in ks],
+            ChunkTable.concat(parts, parts[0].starts.shape[1]),
+            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
+            where,
+            [itemsizes[k] for k in ks],
+            file_sizes,
+        )
 
 
 @st.composite

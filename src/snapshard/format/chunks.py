@@ -131,8 +131,7 @@ class ChunkTable:
 
     def intern_boxes(self, seen: dict[bytes, tuple[np.ndarray, np.ndarray]]) -> None:
         """Share the box columns with an earlier table of equal boxes (one index serves both)."""
-        key = self.starts.tobytes() + b"|" + self.stops.tobytes()
-        self.starts, self.stops = seen.setdefault(key, (self.starts, self.stops))
+        self.starts, self.stops = shared_boxes(seen, self.starts, self.stops)
 
     @staticmethod
     def concat(tables: list[ChunkTable], ndim: int) -> ChunkTable:
@@ -163,6 +162,13 @@ class ChunkTable:
         if self.file_keys is None:
             return 0
         return chunk_key(int(self.file_keys[self.file[i]]), int(self.offset[i]))
+
+
+def shared_boxes(
+    seen: dict[bytes, tuple[np.ndarray, np.ndarray]], starts: np.ndarray, stops: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Box columns `starts`, `stops`, or an equal pair met before (kept in `seen`)."""
+    return seen.setdefault(starts.tobytes() + b"|" + stops.tobytes(), (starts, stops))
 
 
 def concat_optional(columns: list[np.ndarray | None], lengths: list[int]) -> np.ndarray | None:

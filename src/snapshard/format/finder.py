@@ -26,7 +26,7 @@ from ..planning.layout import ArrayLayout, ShardGroups
 from ..planning.read_plan import ChunkIndex
 from . import records as rec
 from .binding import name_key
-from .chunks import ChunkTable, LazyChunkTable
+from .chunks import ChunkTable, LazyChunkTable, shared_boxes
 from .layouts import Mesh, host_holders, mesh_layout, rows_layout
 from .leaves import ArrayLeaf
 from .manifest import Manifest
@@ -419,7 +419,7 @@ class ChunkFinder:
             pairs = []
             for u in both[heads]:
                 s, e = u[: k * nd].reshape(k, nd).copy(), u[k * nd :].reshape(k, nd).copy()
-                pairs.append(self._boxes.setdefault(s.tobytes() + b"|" + e.tobytes(), (s, e)))
+                pairs.append(shared_boxes(self._boxes, s, e))
             kind = np.cumsum(new) - 1
             for i, j in zip(which[order].tolist(), kind.tolist(), strict=True):
                 out[i] = pairs[j]
@@ -541,8 +541,9 @@ class _Fetched:
                 f"{self._where(finder, int(np.flatnonzero(bad)[0]))}: a record of process {q} "
                 "names a file it did not write"
             )
-        cols = [r[k].astype(np.int64) for k in ("offset", "nbytes", "block", "crc_offset", "nblocks")]
-        offset, nbytes, block, crc_offset, nblocks = cols
+        offset, nbytes, block, crc_offset, nblocks = (
+            r[k].astype(np.int64) for k in ("offset", "nbytes", "block", "crc_offset", "nblocks")
+        )
         codecs = None if codec is None else flags & rec.CODEC_MASK
         return ChunkTable(starts, stops, file, offset, nbytes, block, [], crc_offset, codecs,
                           file_keys, nblocks)  # fmt: skip

@@ -207,32 +207,6 @@ def check_chunks(
             raise CorruptCheckpointError(f"{name}: chunk {i} has a checksum that is not hex")
 
 
-def check_chunk_tables(
-    tables: list[tuple[ArrayLeaf, ChunkTable]],
-    where: Callable[[ArrayLeaf], str],
-    itemsizes: list[int],
-    file_sizes: np.ndarray,
-) -> None:
-    """check_chunks of many arrays (`check_array_rows` of their tables put together, per
-    number of axes)."""
-    groups: dict[int, list[int]] = {}
-    for k, (leaf, t) in enumerate(tables):
-        if len(t):
-            groups.setdefault(len(leaf.shape), []).append(k)
-    for ks in groups.values():
-        parts = [tables[k][1] for k in ks]
-        counts = [len(p) for p in parts]
-        t = parts[0] if len(parts) == 1 else ChunkTable.concat(parts, parts[0].starts.shape[1])
-        check_array_rows(
-            [tables[k][0] for k in ks],
-            t,
-            np.concatenate([[0], np.cumsum(counts)]).astype(np.int64),
-            where,
-            [itemsizes[k] for k in ks],
-            file_sizes,
-        )
-
-
 def check_array_rows(
     leaves: list[ArrayLeaf],
     t: ChunkTable,
