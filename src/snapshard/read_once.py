@@ -336,8 +336,6 @@ def execute(
     )
     if not once or not wanted(location, options.read_once, coord, options.timeout_s):
         return execute_all(reqs, read, memory_budget=budget, stats=stats, expand=expand)
-    for i in once:
-        reqs[i].dests.clear()  # the target boxes' buffers: not read into
     rv = Rendezvous(coord, namespace("load", location), f"load of {location}", options.timeout_s)
     results: dict[int, Any] = {}
     error: BaseException | None = None

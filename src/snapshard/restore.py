@@ -26,7 +26,7 @@ from .gc_pause import collection_paused
 from .options import ReadOptions, require
 from .per_process import PerProcess, Resplit
 from .read_once import execute as execute_read_once
-from .reading import ReadStats, Request, make_request
+from .reading import ReadStats, Request, make_request, with_buffers
 from .reading import build as build_request
 from .sources import open_source
 from .storage import Location, Storage, storage_for
@@ -122,7 +122,7 @@ def build_from_host(
     boxes this process holds for the target."""
     req = make_request(saved, target, url, mesh)
     dtype = dtype_from_name(saved.dtype)
-    for d in req.dests:
+    for d in with_buffers(req):
         buf = d.buf.view(dtype).reshape(d.shape)
         for (start, stop), values in boxes.items():
             lo, hi = np.maximum(d.start, start), np.minimum(d.stop, stop)

@@ -11,7 +11,8 @@ The internal API of every reader in the package (snapshard.load, Orbax and safet
 sources, the torch adapter, read-once): `make_request` says what to build for a leaf,
 `execute` reads and builds requests in memory-bounded batches through a `ReadDests`, and
 `reader_of` is the `ReadDests` of a snapshard checkpoint. Call order: make_request for each
-leaf → execute(requests, reader) → values in request order.
+leaf → execute(requests, reader), which gives each batch its buffers (`with_buffers`) →
+values in request order.
 
 One job per module: host buffers and batching (`buffers.py`), requests and building their
 values (`requests.py`, JAX only for jax targets), the pure read plan (`plan.py`), the reads
@@ -23,7 +24,7 @@ the readers of a checkpoint (`tables.py`), and `execute` (`executor.py`).
 from .buffers import ALIGN, BATCH_ITEMS, Dest, ReadDests, ReadStats, aligned_empty, batches
 from .executor import Expand, execute
 from .plan import plan_reads
-from .requests import Request, build, make_request, request_boxes
+from .requests import Request, build, make_request, request_boxes, with_buffers
 from .tables import SavedBoxes, chunk_boxes, chunk_tables, reader_of, saved_boxes, table_reader
 
 __all__ = [
@@ -47,4 +48,5 @@ __all__ = [
     "request_boxes",
     "saved_boxes",
     "table_reader",
+    "with_buffers",
 ]

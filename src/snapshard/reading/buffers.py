@@ -74,10 +74,11 @@ class Dest:
 T = TypeVar("T")
 
 
-# The most regions one batch of a PyTorch restore reads (`batches`' `most`): what a batch
-# holds per region besides its bytes (its chunk table, fill, destination and read plan,
-# about 2 KiB) then stays bounded however many small tensors a state has. (A JAX restore
-# holds less per array and measured slower in such batches: it passes no bound.)
+# The most regions one batch of a PyTorch restore, or of a JAX restore onto accelerators,
+# reads (`batches`' `most`): what a batch holds per region besides its bytes (its chunk
+# table, fill, destination and read plan, about 2 KiB) then stays bounded however many
+# small arrays a state has. (On JAX's CPU backend the arrays keep their host buffers, and
+# such batches measured slower: no bound there.)
 BATCH_ITEMS = 2048
 
 

@@ -1,8 +1,14 @@
 """The entry point of every reader of the package: requests read and built in batches.
 
 `execute(requests, read)` cuts the requests into batches under the memory budget (jax.Array
-targets only), has `read` (a source's `ReadDests`) fill each batch's host buffers and builds
-the values (requests.py) before the next batch is allocated.
+targets only), allocates each batch's host buffers, has `read` (a source's `ReadDests`) fill
+them and builds the values (requests.py) before the next batch is allocated.
+
+On the CPU backend a jax.Array keeps its host buffer (XLA aliases it), so batches there
+only bound the bytes. On an accelerator a buffer is dropped once its device copy is made;
+batches of at most `BATCH_ITEMS` requests then keep the host memory of a restore of many
+small arrays (buffers and the objects of their reads) a fraction of the state's, not all
+of it at once.
 """
 
 from __future__ import annotations
@@ -11,8 +17,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .buffers import Dest, ReadDests, ReadStats, batches
-from .requests import Request, build
+from .buffers import BATCH_ITEMS, Dest, ReadDests, ReadStats, batches
+from .requests import Request, build, with_buffers
 
 # Turns the destination buffers of a batch into the buffers actually read from storage, and
 # the steps that fill the former from the latter once read (in order). Readers of other
@@ -33,14 +39,17 @@ def execute(
     Returns the built values in the order of `reqs`.
     """
     budget = None if all(r.kind in ("numpy", "scalar") for r in reqs) else memory_budget
-    if any(len(d.devices) > 1 and d.devices[0].platform == "cpu" for r in reqs for d in r.dests):
+    plans = {id(r.box_plan): r.box_plan for r in reqs if r.box_plan is not None}
+    box_devices = [devs for p in plans.values() for _, _, devs in p.boxes if devs]
+    if any(len(devs) > 1 and devs[0].platform == "cpu" for devs in box_devices):
         from ..adapters.jax_arrays import start_cpu_donation_check
 
         start_cpu_donation_check()  # overlaps the reads (see array_from_host_boxes)
+    on_device = any(devs[0].platform != "cpu" for devs in box_devices)
     results: dict[int, Any] = {}
-    for batch in batches(reqs, lambda r: r.nbytes, budget):
+    for batch in batches(reqs, lambda r: r.nbytes, budget, BATCH_ITEMS if on_device else None):
         t0 = time.perf_counter()
-        dests = [d for r in batch for d in r.dests]
+        dests = [d for r in batch for d in with_buffers(r)]
         steps: list[Callable[[], None]] = []
         if expand is not None:
             dests, steps = expand(dests)

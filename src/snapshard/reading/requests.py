@@ -2,8 +2,10 @@
 
 `make_request` matches a saved array leaf with its target (None: NumPy as saved; a NumPy
 array; a jax.Array or ShapeDtypeStruct, whose sharding gives the boxes this process holds)
-and gives each box an aligned host buffer; `build` turns the filled buffers into the value
-asked for. JAX is imported only where a jax target is met (adapters/jax_arrays.py).
+and plans its boxes; `with_buffers` gives each box an aligned host buffer when the request's
+batch is read (so that only one batch's buffers are alive at a time); `build` turns the
+filled buffers into the value asked for. JAX is imported only where a jax target is met
+(adapters/jax_arrays.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ class _BoxPlan:
 
 @dataclass
 class Request:
-    """One leaf to produce. kind: 'numpy', 'scalar', 'jax', 'key' (typed PRNG key)."""
+    """One leaf to produce. kind: 'numpy', 'scalar', 'jax', 'key' (typed PRNG key).
+
+    `dests` stays empty until `with_buffers` gives the planned boxes their host buffers,
+    and is emptied again once the value is built."""
 
     saved: ArrayLeaf
     kind: str
@@ -51,6 +56,9 @@ class Request:
 
     @property
     def nbytes(self) -> int:
+        """The bytes of the host buffers this request reads into."""
+        if self.box_plan is not None:
+            return sum(self.box_plan.sizes)
         return sum(d.buf.nbytes for d in self.dests)
 
 
@@ -79,7 +87,7 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
             if len(_resolved) >= 4096:
                 _resolved.clear()
             _resolved[key] = (sharding, mesh, (kind, dtype, resolved, plan))
-    return _with_dests(Request(saved, kind, dtype, resolved), plan)
+    return Request(saved, kind, dtype, resolved, box_plan=plan)
 
 
 _resolved: dict[tuple[Any, ...], tuple[Any, Any, tuple[str, np.dtype, Any, _BoxPlan]]] = {}
@@ -131,7 +139,7 @@ _box_plans: dict[tuple[int, int], tuple[_BoxKey, _BoxPlan]] = {}
 
 
 def _box_plan_of(boxes: _BoxKey, itemsize: int) -> _BoxPlan:
-    """_box_plan, looked up by the boxes object (local_device_boxes gives arrays sharded
+    """plan_of_boxes, looked up by the boxes object (local_device_boxes gives arrays sharded
     alike the same one): hashing the boxes, devices and all, would cost more than the
     plan saves. The entry keeps the object, so its id stays its own."""
     hit = _box_plans.get((id(boxes), itemsize))
@@ -139,7 +147,7 @@ def _box_plan_of(boxes: _BoxKey, itemsize: int) -> _BoxPlan:
         return hit[1]
     if len(_box_plans) >= 4096:
         _box_plans.clear()
-    plan = _box_plan(boxes, itemsize)
+    plan = plan_of_boxes(boxes, itemsize)
     _box_plans[(id(boxes), itemsize)] = (boxes, plan)
     return plan
 
@@ -147,13 +155,16 @@ def _box_plan_of(boxes: _BoxKey, itemsize: int) -> _BoxPlan:
 @functools.lru_cache(maxsize=4096)
 def _whole_box_plan(shape: tuple[int, ...], itemsize: int) -> _BoxPlan:
     """The plan of one box, the whole array, held by no device (NumPy targets)."""
-    return _box_plan(((tuple(0 for _ in shape), shape, ()),), itemsize)
+    return plan_of_boxes(((tuple(0 for _ in shape), shape, ()),), itemsize)
 
 
 @functools.lru_cache(maxsize=4096)
-def _box_plan(
+def plan_of_boxes(
     boxes: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[Any, ...]], ...], itemsize: int
 ) -> _BoxPlan:
+    """The plan of `boxes`, each (start, stop, the devices that take it), of `itemsize`
+    bytes per element."""
+
     def fixed(v: tuple[int, ...]) -> np.ndarray:
         a = np.asarray(v, dtype=np.int64)
         a.flags.writeable = False
@@ -180,15 +191,19 @@ def _plan_of(saved: ArrayLeaf, sharding: Any) -> _BoxPlan:
 
 
 def request_boxes(req: Request, sharding: Any) -> Request:
-    """`req` with a host buffer for each box this process holds on `sharding` (None: one,
-    the whole array)."""
-    return _with_dests(req, _plan_of(req.saved, sharding))
+    """`req` planned to read each box this process holds on `sharding` (None: one, the
+    whole array)."""
+    req.box_plan = _plan_of(req.saved, sharding)
+    return req
 
 
-def _with_dests(req: Request, plan: _BoxPlan) -> Request:
-    # One allocation per leaf: a buffer per box would cost an allocation per shard.
+def with_buffers(req: Request) -> list[Dest]:
+    """`req`'s destinations, each box of its plan with its aligned host buffer, allocated
+    on the first call (one allocation per leaf: a buffer per box would cost one per shard)."""
+    plan = req.box_plan
+    if req.dests or plan is None:
+        return req.dests
     whole = aligned_empty(plan.offsets[-1])
-    req.box_plan = plan
     saved = req.saved
     req.dests.extend(
         Dest(saved, s, e, whole[at : at + n], devices, shape)
@@ -197,7 +212,7 @@ def _with_dests(req: Request, plan: _BoxPlan) -> Request:
             strict=False,  # (offsets has one more)
         )
     )
-    return req
+    return req.dests
 
 
 def build(req: Request) -> Any:
