@@ -36,7 +36,7 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check)
 "$VENV/bin/python" -c "import jax, numpy; print('jax', jax.__version__, 'numpy', numpy.__version__)"
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider \
   tests/test_roundtrip.py tests/test_async_save.py tests/test_resume.py tests/test_mesh_context.py \
-  tests/test_cli.py -k "not orbax and not safetensors"
+  tests/test_cli.py tests/test_jax_transfer.py -k "not orbax and not safetensors"
 if [ -n "${SMOKE_TESTS:-}" ]; then
   # shellcheck disable=SC2086
   "$VENV/bin/python" -m pytest -q -p no:cacheprovider $SMOKE_TESTS

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from ..errors import TargetMismatchError
-from ..planning.layout import ArrayLayout, Box, slices_to_box
+from ..planning.layout import ArrayLayout, slices_to_box
 from .leaves import MeshSpec
 
 Index = tuple[slice, ...]
@@ -104,7 +104,7 @@ _cpu_donation_lock = threading.Lock()
 def cpu_donation_keeps_memory() -> bool:
     """Whether donating a CPU array leaves alone the memory that others see: a NumPy view of
     its buffer (zero-copy staging of a save, staging.py) and a host buffer that arrays on
-    several devices alias (replicas of a restore, `array_from_host_boxes`). XLA's CPU client does not
+    several devices alias (replicas of a restore, `jax_transfer.array_from_host_boxes`). XLA's CPU client does not
     reuse a buffer that something else still references: the output gets a fresh one.
     Checked once per process, on two devices of our own, outside any context mesh; JAX
     arrays are otherwise immutable, so this is all that could change the shared bytes."""
@@ -135,95 +135,6 @@ def start_cpu_donation_check() -> None:
     in C++ at shutdown; the interpreter joins it first (a fraction of a second at most)."""
     if _cpu_donation_safe is None:
         threading.Thread(target=cpu_donation_keeps_memory, name="snapshard-probe").start()
-
-
-def array_from_host_boxes(
-    shape: tuple[int, ...],
-    sharding: jax.sharding.Sharding,
-    boxes: tuple[DeviceBox, ...],
-    hosts: list[np.ndarray],
-) -> jax.Array:
-    """The jax.Array on `sharding` whose local shards are the host arrays `hosts`, one per
-    box of `boxes` (`local_device_boxes(sharding, shape)`).
-
-    One `make_array_from_callback`: a single batched transfer per array, not a call per
-    shard. On CPU devices a box held by several devices is the same host array for each, so
-    they share its memory where that is safe (see `cpu_donation_keeps_memory`): a box
-    replicated within the process then costs no copy and no memory beyond the one buffer
-    read. Elsewhere the first device gets the host bytes and the others copies of them on
-    the devices (`_replicated_on_devices`)."""
-    how = _assembly(sharding, shape, boxes)
-    if how.copies:
-        return _replicated_on_devices(shape, sharding, boxes, hosts)
-    if len(hosts) == 1:  # every local device holds the one box
-        only = hosts[0]
-        return jax.make_array_from_callback(shape, sharding, lambda _: only)
-    by_index, by_box = how.by_index, how.by_box
-
-    def host_of(index: Index | None) -> np.ndarray:
-        assert index is not None  # shards of jax.Arrays have indices
-        hit = by_index.get(id(index))
-        if hit is not None and hit[0] is index:
-            return hosts[hit[1]]
-        return hosts[by_box[slices_to_box(index, shape)]]
-
-    return jax.make_array_from_callback(shape, sharding, host_of)
-
-
-@dataclass(frozen=True)
-class _Assembly:
-    """How the arrays of one sharding, shape and box list are put together from their host
-    boxes, worked out once for all of them (a state of many arrays has few such kinds)."""
-
-    copies: bool  # boxes held by several devices get device copies (not shared host memory)
-    by_index: dict[int, tuple[Index, int]]  # id of a device's index -> (index, box position)
-    by_box: dict[Box, int]
-
-
-_assemblies: dict[tuple[int, int], tuple[Any, Any, _Assembly]] = {}
-
-
-def _assembly(
-    sharding: jax.sharding.Sharding, shape: tuple[int, ...], boxes: tuple[DeviceBox, ...]
-) -> _Assembly:
-    """_Assembly looked up by the sharding and box objects (kept in the entry, so that
-    their ids stay theirs): local_device_boxes gives arrays sharded alike the same boxes."""
-    hit = _assemblies.get((id(sharding), id(boxes)))
-    if hit is not None and hit[0] is sharding and hit[1] is boxes:
-        return hit[2]
-    replicated = any(len(devices) > 1 for *_, devices in boxes)
-    copies = replicated and not (
-        all(d.platform == "cpu" for *_, devices in boxes for d in devices)
-        and cpu_donation_keeps_memory()
-    )
-    by_box = {(start, stop): k for k, (start, stop, _) in enumerate(boxes)}
-    by_index = {
-        id(idx): (idx, by_box[slices_to_box(idx, shape)])
-        for idx in sharding.addressable_devices_indices_map(shape).values()
-        if idx is not None
-    }  # JAX caches a sharding's indices: arrays sharded alike meet the same index objects
-    made = _Assembly(copies, by_index, by_box)
-    if len(_assemblies) >= 4096:
-        _assemblies.clear()
-    _assemblies[(id(sharding), id(boxes))] = (sharding, boxes, made)
-    return made
-
-
-def _replicated_on_devices(
-    shape: tuple[int, ...],
-    sharding: jax.sharding.Sharding,
-    boxes: tuple[DeviceBox, ...],
-    hosts: list[np.ndarray],
-) -> jax.Array:
-    """The array from one host-to-device copy per box and device-to-device copies for the
-    other devices holding it."""
-    per_device: dict[Any, jax.Array] = {}
-    for (*_, devices), host in zip(boxes, hosts, strict=True):
-        first = jax.device_put(host, devices[0])
-        per_device[devices[0]] = first
-        per_device.update((d, jax.device_put(first, d)) for d in devices[1:])
-    devs = list(sharding.addressable_devices_indices_map(shape))
-    return jax.make_array_from_single_device_arrays(shape, sharding, [per_device[d] for d in devs])
 
 
 def mesh_and_spec(sharding: Any, ndim: int) -> MeshSpec | None:

@@ -227,7 +227,8 @@ def build(req: Request) -> Any:
     if req.kind in ("numpy", "scalar"):
         a = host(req.dests[0], req.dtype)
         return a[()] if req.kind == "scalar" else a
-    from ..adapters.jax_arrays import array_from_host_boxes, key_array  # keys, jax.Arrays
+    from ..adapters.jax_arrays import key_array  # keys, jax.Arrays
+    from ..adapters.jax_transfer import array_from_host_boxes
 
     if req.kind == "key":
         # Key arrays are small: every process reads all of the key data and builds its part.
