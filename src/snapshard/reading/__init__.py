@@ -2,10 +2,10 @@
 
 For every target box this process holds (replicated boxes once), the overlapping chunks are
 found through an index, the overlaps become byte runs, runs are coalesced into reads, and
-each read scatters straight into preallocated, aligned host buffers (preadv). With
-verification on (the default), every checksum block a read touches is read whole and
-checked. Buffers become jax.Arrays with make_array_from_callback; on the CPU backend the
-first device of a box takes the buffer without a copy.
+each read scatters straight into aligned host buffers (preadv), allocated batch by batch.
+With verification on (the default), every checksum block a read touches is read whole and
+checked. Buffers become jax.Arrays with one batched transfer each (adapters/jax_transfer.py);
+on the CPU backend the first device of a box takes the buffer without a copy.
 
 The internal API of every reader in the package (snapshard.load, Orbax and safetensors
 sources, the torch adapter, read-once): `make_request` says what to build for a leaf,
