@@ -165,10 +165,10 @@ def test_arrays_alike_are_assembled_from_their_own_boxes(
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from snapshard.adapters import jax_arrays
+    from snapshard.adapters import jax_arrays, jax_transfer
 
     monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", shared_host_memory)
-    monkeypatch.setattr(jax_arrays, "_assemblies", {})
+    monkeypatch.setattr(jax_transfer, "_assemblies", {})
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("a", "b"))
     specs = [PartitionSpec("a"), PartitionSpec(), PartitionSpec(None, "b"), PartitionSpec("a", "b")]
     values = {f"x{i}": np.arange(64.0).reshape(8, 8) * (i + 1) for i in range(12)}

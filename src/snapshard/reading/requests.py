@@ -236,7 +236,7 @@ def build(req: Request) -> Any:
         data = host(req.dests[0], saved_dtype)
         return key_array(data, impl, req.sharding)
     plan = req.box_plan
-    assert plan is not None  # (request_boxes made the dests)
+    assert plan is not None  # (every request is planned when made)
     dtype = req.dtype
     hosts = [host(d, dtype) for d in req.dests]
     return array_from_host_boxes(req.saved.shape, req.sharding, plan.boxes, hosts)
