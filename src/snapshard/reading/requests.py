@@ -56,10 +56,9 @@ class Request:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of the host buffers this request reads into."""
-        if self.box_plan is not None:
-            return sum(self.box_plan.sizes)
-        return sum(d.buf.nbytes for d in self.dests)
+        """The bytes of the host buffers this request reads into (none before it is
+        planned: `with_buffers` gives an unplanned request no buffers)."""
+        return sum(self.box_plan.sizes) if self.box_plan is not None else 0
 
 
 def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> Request:
