@@ -46,7 +46,7 @@ from .dtypes import dtype_from_name
 from .options import ReadOptions
 from .planning.exchange import cuts_rows
 from .planning.layout import Box, slices_to_box
-from .read_once_policy import smallest_read_once, wanted
+from .read_once_policy import too_small, wanted
 from .reading import (
     Dest,
     Expand,
@@ -263,13 +263,14 @@ def plan(
     process: int,
     processes: int,
     saved_boxes: SavedBoxes | None = None,
-    min_bytes: int = 0,
+    read_once: bool | None = True,
 ) -> dict[int, _Once]:
     """The requests to read once (by index in `reqs`), each with the sharding to read it
     on (pure: `reqs` are left as they are; `_once_request` makes the requests on those
     shardings, once the processes agree to read once). Arrays of one shape, target
     sharding and saved boxes have one leaf plan, made once (a state has few kinds of
-    arrays, many arrays). Arrays of fewer than `min_bytes` are left out."""
+    arrays, many arrays). `read_once`: ReadOptions' (by default, None, small arrays are
+    left out: read_once_policy.too_small)."""
     out: dict[int, _Once] = {}
     # (shape, sharding, ids of the saved boxes) -> (leaf plan, the saved boxes, kept alive
     # while their ids are keys; a checkpoint's finder shares them per layout and shape)
@@ -278,7 +279,7 @@ def plan(
         if r.kind != "jax" or r.sharding is None:
             continue
         shape = tuple(r.saved.shape)
-        if min_bytes and math.prod(shape) * np.dtype(r.dtype).itemsize < min_bytes:
+        if too_small(r.saved.nbytes, read_once):
             continue
         saved = saved_boxes(r.saved) if saved_boxes is not None else None
         key = (shape, r.sharding, None if saved is None else (id(saved[0]), id(saved[1])))
@@ -328,9 +329,8 @@ def execute(
     def read(dests: list[Dest]) -> None:
         source.read_dests(dests, stats)
 
-    smallest = smallest_read_once(options.read_once)
     once = (
-        plan(reqs, coord.process_index, coord.process_count, source.saved_boxes, smallest)
+        plan(reqs, coord.process_index, coord.process_count, source.saved_boxes, options.read_once)
         if options.read_once is not False and coord.process_count > 1
         else {}
     )

@@ -16,10 +16,13 @@ from .storage.mounts import is_network_filesystem
 READ_ONCE_MIN_BYTES = 1 << 20
 
 
-def smallest_read_once(enabled: bool | None) -> int:
-    """The fewest bytes of an array that a restore reads once (`enabled`: ReadOptions'
-    read_once): READ_ONCE_MIN_BYTES by default, 0 (every array) where asked for."""
-    return 0 if enabled else READ_ONCE_MIN_BYTES
+def too_small(saved_nbytes: int, enabled: bool | None) -> bool:
+    """Whether a restore leaves an array out of read-once, to be read by every process
+    that holds it: by default (`enabled`, ReadOptions' read_once, None) where it has
+    fewer than READ_ONCE_MIN_BYTES; never where read-once was asked for. `saved_nbytes`:
+    the array's bytes as saved, what a read fetches whatever the target's dtype (the one
+    size floor of the JAX, torch and DCP read-once paths)."""
+    return not enabled and saved_nbytes < READ_ONCE_MIN_BYTES
 
 
 def wanted(location: str, enabled: bool | None, coord: Coordinator, timeout_s: float) -> bool:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import math
 import os
 from typing import Any
 
@@ -46,7 +45,7 @@ from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
-from ..read_once_policy import smallest_read_once, wanted_here
+from ..read_once_policy import too_small, wanted_here
 from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, batches
 from ..sources import open_checkpoint
 from ..storage import Location, storage_for
@@ -255,11 +254,8 @@ class StorageReader(_DcpStorageReader):
             size = dtype_from_name(entries.arrays[key[0]].dtype).itemsize
             return int(np.prod(np.subtract(key[2], key[1]))) * size
 
-        smallest = smallest_read_once(self.options.read_once)
-
         def large(key: dcp_read_once.BoxKey) -> bool:  # (the others: read by every holder)
-            leaf = entries.arrays[key[0]]
-            return math.prod(leaf.shape) * dtype_from_name(leaf.dtype).itemsize >= smallest
+            return not too_small(entries.arrays[key[0]].nbytes, self.options.read_once)
 
         keys = [
             [k for item in p.items if item.type != LoadItemType.BYTE_IO

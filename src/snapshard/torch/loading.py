@@ -28,7 +28,7 @@ from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
 from ..per_process import PerProcess, Resplit
 from ..planning.layout import Box
-from ..read_once_policy import smallest_read_once, wanted
+from ..read_once_policy import too_small, wanted
 from ..reading import (
     BATCH_ITEMS,
     Dest,
@@ -228,10 +228,10 @@ def _read_once(
         targets, [s for _, _, s in arrays], world, devices, boxes, options.memory_budget
     )
     skip = {b.leaf for b in banded}
-    smallest = smallest_read_once(options.read_once)
     skip |= {
-        i for i, t in enumerate(targets)
-        if isinstance(t, torch.Tensor) and t.numel() * t.element_size() < smallest
+        i for i, (t, fills, _) in enumerate(arrays)
+        if isinstance(t, torch.Tensor) and fills
+        and too_small(fills[0].leaf.nbytes, options.read_once)
     }  # fmt: skip
     once = plan_read_once(
         [None if i in skip else t for i, t in enumerate(targets)],
