@@ -199,8 +199,9 @@ def _transformed(
     return out
 
 
-# A target leaf, its fills, and the saved leaf it may be read from as bands (None: not).
-_Array = tuple[Any, list[_Fill], ArrayLeaf | None]
+# A target leaf, its fills (this rank's), its saved leaf, and that leaf again where the
+# target may be read from it as bands (None: not, a transposed one).
+_Array = tuple[Any, list[_Fill], ArrayLeaf, ArrayLeaf | None]
 
 
 def _read_once(
@@ -217,21 +218,20 @@ def _read_once(
     # only where they are not (on a filesystem that is an agreement of the ranks), and on a
     # local disk it says no, so a restore there never pays for the plans themselves.
     cuts = Cuts(boxes)
-    targets = [t for t, _, _ in arrays]
+    targets = [t for t, *_ in arrays]
     if not any_shared(targets, world, devices) and not (
-        "cpu" in devices and any(cuts.banded(t, s) for t, _, s in arrays)
+        "cpu" in devices and any(cuts.banded(t, s) for t, _, _, s in arrays)
     ):
         return None, [], None
     if not wanted(url, options.read_once, coord, options.timeout_s):
         return None, [], None
     banded = plan_bands(
-        targets, [s for _, _, s in arrays], world, devices, boxes, options.memory_budget
+        targets, [s for *_, s in arrays], world, devices, boxes, options.memory_budget
     )
     skip = {b.leaf for b in banded}
-    skip |= {
-        i for i, (t, fills, _) in enumerate(arrays)
-        if isinstance(t, torch.Tensor) and fills
-        and too_small(fills[0].leaf.nbytes, options.read_once)
+    skip |= {  # (from what every rank knows alike: the saved leaf, not this rank's fills)
+        i for i, (t, _, leaf, _) in enumerate(arrays)
+        if isinstance(t, torch.Tensor) and too_small(leaf.nbytes, options.read_once)
     }  # fmt: skip
     once = plan_read_once(
         [None if i in skip else t for i, t in enumerate(targets)],
@@ -258,7 +258,7 @@ def _read_targets(
     banded_leaves = {b.leaf for b in banded}
     fills = [
         f
-        for i, (_, fs, _) in enumerate(arrays)
+        for i, (_, fs, _, _) in enumerate(arrays)
         if i not in banded_leaves
         for f in (once.bind(i, fs) if once is not None else fs)
     ]
@@ -492,7 +492,7 @@ def _load_into(
                 + (" (transposed)" if perm is not None else "")
                 + f", the target asks for {tuple(t.shape)}"
             )
-        arrays.append((t, _fills(leaf, t, rank, perm), leaf if perm is None else None))
+        arrays.append((t, _fills(leaf, t, rank, perm), leaf, leaf if perm is None else None))
     values.update(_own_values(storage, manifest, own, resplit))
     _read_targets(arrays, read, options, stats, url, source.saved_boxes)
     return _put_back(target, (), values)
