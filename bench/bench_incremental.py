@@ -42,7 +42,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import snapshard  # noqa: E402
-from snapshard import SaveOptions, codecs  # noqa: E402
+from snapshard import SaveOptions  # noqa: E402
+from snapshard.format import compression  # noqa: E402
 
 
 def frozen_state(scale: float, m) -> dict:
@@ -212,7 +213,7 @@ def main() -> None:
 
     m = mesh(2, 4)
     table = bench_incremental(args, m)
-    if not args.skip_compression and codecs.available():
+    if not args.skip_compression and compression.available():
         table += bench_compression(args)
     print(f"\nscale {args.scale}, adapter rank {args.rank}")
     for name, v, target in table:

