@@ -3,10 +3,51 @@
 from __future__ import annotations
 
 import errno
+import pickle
+from typing import Any
+
+# OSError keeps these in slots of its own, not in the instance's __dict__.
+_OS_FIELDS = ("errno", "strerror", "filename", "filename2")
 
 
 class SnapshardError(Exception):
-    """Base class of every error raised by snapshard."""
+    """Base class of every error raised by snapshard.
+
+    Every instance pickles with its type, its message (`args`) and its fields (the instance's
+    attributes, and OSError's errno, strerror and filenames): the stacks move errors between
+    processes with pickle (DCP gathers each rank's exception with all_gather_object;
+    multiprocessing; launchers). Python's default calls the class again with `args`, which
+    fails for constructors that take something else than the message (keyword-only fields,
+    a cause); here the instance is rebuilt without calling `__init__` (`_rebuild`)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild, (type(self), self.args, _fields(self)))
+
+
+def _fields(error: BaseException) -> dict[str, Any]:
+    """The attributes of `error` to restore after unpickling. A value that cannot be
+    pickled travels as its repr: the error must arrive, even with a field described."""
+    fields = dict(vars(error))
+    if isinstance(error, OSError):
+        # An unset slot reads as None, but a None set back counts as set for str().
+        os_fields = ((name, getattr(error, name)) for name in _OS_FIELDS)
+        fields.update((name, value) for name, value in os_fields if value is not None)
+    for name, value in fields.items():
+        try:
+            pickle.dumps(value)
+        except Exception:
+            fields[name] = repr(value)
+    return fields
+
+
+def _rebuild(cls: type[SnapshardError], args: tuple[Any, ...], fields: dict[str, Any]) -> Any:
+    """A pickled SnapshardError again: made by its `__new__` (OSError's parses `args` as
+    when it was raised), its `args` and fields set back, its `__init__` not called."""
+    error = cls.__new__(cls, *args)
+    error.args = args
+    for name, value in fields.items():
+        setattr(error, name, value)
+    return error
 
 
 class CheckpointNotFoundError(SnapshardError, FileNotFoundError):

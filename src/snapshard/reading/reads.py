@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from ..errors import SnapshardError
 from ..format import ChunkTable, FileEntry
 from ..options import ReadOptions
 from ..storage import Storage
@@ -67,6 +68,21 @@ def _run_task(storage: Storage, task: ReadTask, dests: list[Dest], verify: bool)
         copy_from_scratch(task, scratch, dests)
 
 
+def _name_leaves(error: SnapshardError, unit: ReadUnit, dests: list[Dest]) -> None:
+    """Say in the message of a failed read's error which leaves it was for, where it names
+    none: a truncated file or a failed read of the storage knows only the file. The error
+    keeps its type and fields (only its message grows)."""
+    if isinstance(unit, ChunkRun):
+        names = list(dict.fromkeys(dests[int(i)].leaf.name for i in unit.dest))
+    else:
+        names = [unit.runs.leaf.name]
+    message = error.args[0] if len(error.args) == 1 else None
+    if not isinstance(message, str) or any(repr(n) in message for n in names):
+        return
+    shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+    error.args = (f"{message} (reading leaf {shown})",)
+
+
 def read_batch(
     storage: Storage,
     files: Sequence[FileEntry],
@@ -92,10 +108,14 @@ def read_batch(
         for u in job:
             if ahead is not None:
                 ahead.started()
-            if isinstance(u, ChunkRun):
-                read_chunk_run(storage, u, dests)
-            else:
-                _run_task(storage, u, dests, verify)
+            try:
+                if isinstance(u, ChunkRun):
+                    read_chunk_run(storage, u, dests)
+                else:
+                    _run_task(storage, u, dests, verify)
+            except SnapshardError as e:
+                _name_leaves(e, u, dests)
+                raise
 
     try:
         if threads > 1 and len(units) > 1:
