@@ -107,10 +107,11 @@ def test_retention_given_as_a_list_or_one_policy():
 
 
 def test_lease_policy_takes_over_a_held_lease(tmp_path):
-    first = CheckpointManager(tmp_path)
+    eager = ManagerPolicies(lease=LeasePolicy(at_start=True))  # the lease when made
+    first = CheckpointManager(tmp_path, policies=eager)
     try:
         with pytest.raises(snapshard.WriterLeaseError):
-            CheckpointManager(tmp_path)
+            CheckpointManager(tmp_path, policies=eager)
         with CheckpointManager(tmp_path, policies=ManagerPolicies(lease=LeasePolicy(takeover=True))) as m:
             m.save(1, state(1))
         assert on_disk(tmp_path) == [1]
@@ -134,7 +135,8 @@ def test_incomplete_steps_are_never_listed_and_are_cleaned_at_start(tmp_path):
     (tmp_path / ("3" + local.STAGING_SUFFIX) / "data").mkdir(parents=True)
     (tmp_path / ("3" + local.STAGING_SUFFIX) / "data" / "p00000-x-0.bin").write_bytes(b"partial")
     (tmp_path / "4").mkdir()  # a directory without a manifest is not a step either
-    with CheckpointManager(tmp_path) as m:
+    eager = ManagerPolicies(lease=LeasePolicy(at_start=True))  # cleans when made
+    with CheckpointManager(tmp_path, policies=eager) as m:
         assert m.all_steps() == [1, 2] and m.latest_step() == 2
         # (the writer lease is there while the manager runs)
         assert sorted(p.name for p in tmp_path.iterdir() if p.name[0] != ".") == ["1", "2"]

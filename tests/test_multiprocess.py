@@ -115,7 +115,9 @@ def test_managed_async_saves_on_two_processes_use_no_barrier(tmp_path):
         # The outcome of process 0's start-up; and the job token, read by whoever set it second.
         assert r["at_start"]["get"] <= (1 if r["pid"] == 0 else 2)
         assert r["per_save"]["barrier"] == 0
-        assert r["per_save"]["get"] == (0 if r["pid"] == 0 else 1)
+        # The others wait once more at the first save, which makes the manager the writer
+        # (the lease and the clean-up): 6 waits over 5 saves.
+        assert r["per_save"]["get"] == (0 if r["pid"] == 0 else 6 / 5)
 
 
 def test_without_the_preemption_service_processes_agree_on_the_step_through_the_store(

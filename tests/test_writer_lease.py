@@ -149,8 +149,11 @@ def test_a_second_manager_on_a_root_fails_and_the_first_carries_on(root_url):
     tree = {"w": np.arange(8.0)}
     with snapshard.CheckpointManager(root_url) as m:
         m.save(1, tree)
-        with pytest.raises(WriterLeaseError, match="another writer holds"):
-            snapshard.CheckpointManager(root_url)
+        m.wait_until_finished()
+        with snapshard.CheckpointManager(root_url) as second:  # a reader until it saves
+            assert second.all_steps() == [1]
+            with pytest.raises(WriterLeaseError, match="another writer of this process holds"):
+                second.save(2, tree)
         m.save(2, tree)
         m.wait_until_finished()
         assert m.all_steps() == [1, 2]

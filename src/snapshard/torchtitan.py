@@ -7,16 +7,22 @@ it does its own DCP manager. Every step is one snapshard checkpoint under ``<dum
 folder>/<folder>/<step>``, saved asynchronously through ``snapshard.torch.CheckpointManager``:
 ``save`` returns once every byte this rank writes is on the host, so the optimizer may step
 at once. See docs/integrations.md, "torchtitan".
+
+A manager with ``load_only=True`` (an evaluation job beside training on the same folder) is a
+read-only snapshard manager: it lists and loads, and never takes the folder's writer lease,
+which a training manager takes at its first save.
 """
 
 from __future__ import annotations
 
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -31,6 +37,9 @@ from torchtitan.components.checkpointer.base import (
 
 import snapshard
 import snapshard.torch as sst
+from snapshard.errors import TargetMismatchError
+from snapshard.format.reading import read_manifest
+from snapshard.storage import storage_for
 
 _EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _BYTES = "__snapshard_bytes__"
@@ -99,7 +108,7 @@ class CheckpointManager(BaseCheckpointManager):
         self.enable = config.enable
         if not self.enable:
             return
-        self.save_future = None
+        self.save_future: Future[None] | None = None
         self.config = config
         self.folder = os.path.join(base_folder, config.folder) if base_folder else config.folder
         self.states = states
@@ -135,6 +144,7 @@ class CheckpointManager(BaseCheckpointManager):
             self.folder,
             save_interval_steps=1,  # when to save is decided here, with torchtitan's rules
             max_to_keep=config.keep_latest_k or None,
+            read_only=config.load_only,  # an evaluation job: no writer lease, no deletions
             async_save=config.async_save,
         )
 
@@ -195,6 +205,10 @@ class CheckpointManager(BaseCheckpointManager):
         self._manager.save(curr_step, self._state(keys), force=True)
         if last_step:
             self._manager.wait_until_finished()
+        elif self.config.async_save:
+            # The base class's maybe_wait_for_saving() waits (through _wait_for_saving)
+            # only while save_future is set; the manager holds the save itself.
+            self.save_future = Future[None]()
         return True
 
     def _export_hf(self, step: int, dtype: torch.dtype) -> None:
@@ -237,9 +251,15 @@ class CheckpointManager(BaseCheckpointManager):
             raise FileNotFoundError(
                 f"no checkpoint of step {step} in {self.folder} (steps there: {steps})"
             )
-        saved = set(sst.metadata(os.path.join(self.folder, str(step))))
+        path = os.path.join(self.folder, str(step))
+        saved = set(sst.metadata(path))
         keys = [k for k in self.states if k in saved and k not in self.config.exclude_from_loading]
-        loaded = self._manager.restore(step, self._target(keys))
+        try:
+            loaded = self._manager.restore(step, self._target(keys))
+        except TargetMismatchError as e:
+            if DATALOADER in keys:
+                _check_world_size(path, e)
+            raise
         self._apply(loaded)
         return True
 
@@ -286,6 +306,25 @@ class CheckpointManager(BaseCheckpointManager):
             if key != MODEL and key in state:
                 self.states[key].load_state_dict(state[key])
         return True
+
+
+def _check_world_size(path: str, error: TargetMismatchError) -> None:
+    """Raise torchtitan's advice, caused by `error`, when the checkpoint at `path` was saved
+    by another number of ranks: the data loader's state is one value per rank and cannot
+    follow a world-size change, and what a torchtitan user can do about it is to leave it
+    out (the core's advice, a `resplit` function, is an argument torchtitan cannot pass)."""
+    with storage_for(path) as storage:
+        saved = read_manifest(storage).process_count
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if saved == world:
+        return
+    raise TargetMismatchError(
+        f"{path}: the {DATALOADER!r} state was saved per rank by {saved} rank(s), and this "
+        f"job has {world}: a data loader's position cannot follow a change of world size. "
+        f'Set checkpoint.exclude_from_loading = ["{DATALOADER}"] (on the command line: '
+        f"--checkpoint.exclude_from_loading {DATALOADER}) to load the model, the optimizer "
+        f"and the rest, with the data loader starting afresh"
+    ) from error
 
 
 __all__ = ["CheckpointManager"]

@@ -3,10 +3,13 @@
 Steps are checkpoints named by their number (`DIR/100`). Saves are asynchronous by default:
 `save` returns once the owned slices are on the host; a save started while another is in
 flight first waits for that one. After a commit the retention policies run and old steps are
-deleted in the background by process 0 (never the newest committed step). A manager that
-starts removes what crashed saves left behind (process 0, then one barrier), and never lists
-incomplete steps. A background failure is logged when it happens and raised, naming the
-step, by the next `save`, `wait_until_finished` or `close` (once). What depends on the
+deleted in the background by process 0 (never the newest committed step). Only a writer
+changes the directory: at its first save (or when it is made, LeasePolicy.at_start) the
+manager takes the directory's writer lease and removes what crashed saves left behind
+(process 0, then one rendezvous); a manager that only restores and lists takes no lease and
+works beside a live writer. Incomplete steps are never listed, and every process of a job
+holds the listing process 0 made. A background failure is logged when it happens and raised,
+naming the step, by the next `save`, `wait_until_finished` or `close` (once). What depends on the
 arrays (which values are leaves, the default coordinator, a save's blocking phase, load,
 preemption) comes from a `Framework` (framework.py): JAX's by default, PyTorch's from
 snapshard.torch.
@@ -15,10 +18,12 @@ snapshard.torch.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -27,7 +32,12 @@ from ..background import BackgroundTask
 from ..coordination import Coordinator
 from ..coordination.preemption import PreemptionAgreement
 from ..coordination.rendezvous import Rendezvous, namespace
-from ..errors import CheckpointExistsError, CheckpointNotFoundError, SnapshardError
+from ..errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    SnapshardError,
+    WriterLeaseError,
+)
 from ..format.reading import read_summary
 from ..options import ReadOptions, SaveOptions, require
 from ..reading import ReadStats
@@ -36,7 +46,7 @@ from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
 from ..tree import FlatTree, flatten
 from .framework import JAX, Framework, StartedSave
-from .policies import LeasePolicy, ManagerPolicies, StepInfo, young_daly_interval
+from .policies import ManagerPolicies, StepInfo, young_daly_interval
 from .references import References, identical_leaves, is_retained, saved_arrays
 from .tier_config import LocalTier, RestoreReport, TierReport
 
@@ -62,9 +72,21 @@ class CheckpointManager:
 
     `should_save(step)` and `save(step, tree)` (asynchronous by default: it returns once the
     owned slices are on the host), `restore(step, target)`, `latest_step()` and
-    `all_steps()`, `reached_preemption(step)`, `wait_until_finished()`, `close()` (or use it
-    as a context manager). Every process of the job makes one and calls the same methods in
-    the same order; a background failure is raised by the next call, never swallowed."""
+    `all_steps()`, `reload()`, `reached_preemption(step)`, `wait_until_finished()`,
+    `close()` (or use it as a context manager). Every process of the job makes one and calls
+    the same methods in the same order; a background failure is raised by the next call,
+    never swallowed.
+
+    Readers are not writers. Making a manager, listing its steps and restoring take no
+    writer lease, so an evaluation job (or any job that only loads) works beside the
+    training job that saves into the same directory. The lease is taken at the first save
+    that writes, which is also when what crashed saves left is removed; that is what an
+    Orbax or DCP user expects (neither locks a directory to read it). A training job that
+    wants to learn of another writer before it trains passes
+    `policies=ManagerPolicies(lease=LeasePolicy(at_start=True))`; `read_only=True` (Orbax's
+    option of the same name) makes a manager that refuses to save. A reader's listing is
+    the one made when it was made (or at its last `reload()`); `restore(step)` of a step
+    not in it lists again first."""
 
     def __init__(
         self,
@@ -72,6 +94,7 @@ class CheckpointManager:
         *,
         save_interval_steps: int = 1,
         max_to_keep: int | None = None,
+        read_only: bool = False,
         async_save: bool = True,
         incremental: bool = False,
         save_options: SaveOptions = SaveOptions(),
@@ -82,7 +105,9 @@ class CheckpointManager:
         framework: Framework = JAX,
     ):
         """`save_interval_steps`: `should_save` is true every that many steps; `max_to_keep`:
-        keep the newest that many steps (None: all). `policies` (ManagerPolicies) gives any
+        keep the newest that many steps (None: all); `read_only`: a manager that restores
+        and lists only (an evaluation job): `save` raises, `should_save` is false, and it
+        never takes the writer lease. `policies` (ManagerPolicies) gives any
         other save policy or retention in their place (the best steps by a metric, every
         k-th step forever, given steps), SIGTERM handling and the writer lease's timeout.
         `save_options`: how every step is written (snapshard.SaveOptions; its `timeout_s`
@@ -91,9 +116,11 @@ class CheckpointManager:
         `local_tier`: also keep each process's shards on node-local storage and on peers
         (see local_tier.py).
 
-        One writer per directory: process 0 takes the directory's writer lease when the
-        manager starts and gives it up in `close` (see storage/lease.py and LeasePolicy); a
-        second manager on the directory fails with WriterLeaseError naming the holder.
+        One writer per directory: process 0 takes the directory's writer lease at the first
+        save (or when the manager starts, with LeasePolicy(at_start=True)) and gives it up in
+        `close` (see storage/lease.py and LeasePolicy); a second writer on the directory
+        fails there with WriterLeaseError naming the holder: another job by its host and
+        pid, another manager of this process by where it was made.
         `incremental`: every step records its chunks' content hashes and refers to the
         newest kept step for chunks that did not change (see references.py).
         `framework`: whose arrays the trees hold (see framework.py); `snapshard.torch`'s
@@ -103,6 +130,11 @@ class CheckpointManager:
         require(save_options, SaveOptions, "save_options")
         require(read_options, ReadOptions, "read_options")
         require(policies, ManagerPolicies, "policies")
+        if read_only and policies.lease.at_start:
+            raise ValueError("a read_only manager takes no writer lease: not with at_start=True")
+        self._read_only = read_only
+        self._lease_policy = policies.lease
+        self._owner = f"the CheckpointManager created at {_created_at()} (id {id(self):#x})"
         self._save_policy = policies.save_policy(save_interval_steps)
         self._retention = policies.retention_of(max_to_keep)
         self._best = policies.best()
@@ -121,8 +153,7 @@ class CheckpointManager:
         if policies.preemption.handle_sigterm:
             self._old_sigterm = signal.signal(signal.SIGTERM, self._on_sigterm)
         try:
-            self._start(policies.lease)
-            self._steps: dict[int, StepInfo] = self._scan()
+            self._steps: dict[int, StepInfo] = self._start()
         except BaseException:
             self._release()
             raise
@@ -143,7 +174,8 @@ class CheckpointManager:
         )
         self._tier_reports: dict[int, TierReport] = {}
         self.last_restore: RestoreReport | None = None
-        self._lease: WriterLease | None = None
+        self._lease: WriterLease | None = None  # held by process 0 of a writer
+        self._writing = False  # every process: the writer's start-up has run
         self._references = References(self._root)  # (references.py)
         self._retained: set[str] = set()
         self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
@@ -158,50 +190,103 @@ class CheckpointManager:
         return store
 
     # ---- start-up --------------------------------------------------------------------
-    def _start(self, policy: LeasePolicy) -> None:
-        """Process 0 takes the writer lease and removes what crashed saves left; the others
-        wait for its outcome (one rendezvous), so they learn of a failure too. The job's
-        token (which names its staging areas) is agreed here, not in the first save."""
+    def _start(self) -> dict[int, StepInfo]:
+        """The job's token (which names its staging areas) is agreed here, not in the first
+        save; then the steps, listed by process 0 (after taking the writer lease, with
+        LeasePolicy.at_start)."""
         self._coord.job_token()
+        if self._lease_policy.at_start:
+            return self._become_writer()
+        return self._agreed_steps("manager-start", "checkpoint manager start")
+
+    def _become_writer(self) -> dict[int, StepInfo]:
+        """Process 0 takes the writer lease and removes what crashed saves left; every
+        process then holds the steps as the writer sees them (one rendezvous, so that the
+        others learn of a refusal too)."""
+        try:
+            steps = self._agreed_steps(
+                "manager-writer", "writer start of the checkpoint manager", self._take_lease
+            )
+        except BaseException:
+            if self._lease is not None:  # the lease was taken, a later part failed
+                self._lease.release()
+                self._lease = None
+            raise
+        self._writing = True
+        return steps
+
+    def _take_lease(self) -> None:
+        """Process 0: the directory's writer lease, then the clean-up of incomplete steps
+        (a writer's act: with no lease, a live writer's staging area could be one)."""
+        policy = self._lease_policy
+        files = self._root.lease_files()
+        lease = WriterLease(files, timeout_s=policy.timeout_s, owner=self._owner)
+        lease.acquire(takeover=policy.takeover)
+        self._lease = lease
+        for name, committed in self._root.list().items():
+            if not committed:
+                log.info("removing incomplete checkpoint %s/%s", self._root.url, name)
+                self._root.remove_incomplete(name)
+
+    def _agreed_steps(
+        self, kind: str, what: str, act: Callable[[], None] | None = None
+    ) -> dict[int, StepInfo]:
+        """The committed steps as process 0 lists them (after `act`, when given); the others
+        take its listing with its outcome, so every process of a job holds the same steps
+        even while another job commits and deletes, and learns of a failure. Sets the
+        steps retained for references too."""
         rv = Rendezvous(
             self._coord,
-            namespace("manager-start", self._root.url),
-            f"checkpoint manager start on {self._root.url}",
+            namespace(kind, self._root.url),
+            f"{what} on {self._root.url}",
             self._save_options.timeout_s,
         )
         rv.start_clock()
         if not self._coord.is_leader:
-            rv.await_outcome()
-            return
+            doc = rv.await_outcome()
+            self._retained = set(doc["retained"])
+            return {d["step"]: StepInfo(d["step"], d["metrics"], d["time"]) for d in doc["steps"]}
         try:
-            lease = WriterLease(self._root.lease_files(), timeout_s=policy.timeout_s)
-            lease.acquire(takeover=policy.takeover)
-            self._lease = lease
-            for name, committed in self._root.list().items():
-                if not committed:
-                    log.info("removing incomplete checkpoint %s/%s", self._root.url, name)
-                    self._root.remove_incomplete(name)
+            if act is not None:
+                act()
+            steps, self._retained = self._scan()
         except BaseException as e:
-            if self._lease is not None:
-                self._lease.release()
-                self._lease = None
             rv.publish_outcome(e)
             raise
-        rv.publish_outcome()
+        listing = [{"step": i.step, "metrics": i.metrics, "time": i.time} for i in steps.values()]
+        rv.publish_outcome(steps=listing, retained=sorted(self._retained))
+        return steps
 
-    def _scan(self) -> dict[int, StepInfo]:
-        steps = {}
+    def _scan(self) -> tuple[dict[int, StepInfo], set[str]]:
+        """The committed steps under the root, and the steps retained for references. A
+        step deleted between the listing and the reading of its manifest (by a writer
+        beside this reader) is not listed: a listing never shows a step being deleted or
+        committed (both are one rename, or the commit marker, on the stores)."""
+        steps, retained = {}, set()
         for name, committed in self._root.list().items():
-            if committed and name.isdigit():
+            if not (committed and name.isdigit()):
+                continue
+            try:
                 with self._root.child(name) as storage:
                     if is_retained(storage):
-                        self._retained.add(name)
+                        retained.add(name)
                         continue
                     summary = read_summary(storage)
-                steps[int(name)] = StepInfo(
-                    int(name), summary.extra.get("metrics"), summary.created_unix
-                )
-        return steps
+            except CheckpointNotFoundError:
+                continue  # deleted meanwhile
+            metrics = summary.extra.get("metrics")
+            steps[int(name)] = StepInfo(int(name), metrics, summary.created_unix)
+        return steps, retained
+
+    def reload(self) -> None:
+        """List the committed steps again. Every process calls it; process 0 lists and the
+        others take its listing (one rendezvous). A manager that only restores (an
+        evaluation job beside training) sees from then on the steps committed since it was
+        made; a writer's own listing is current already."""
+        self._wait_inflight()
+        steps = self._agreed_steps("manager-scan", "listing of the checkpoint manager")
+        with self._lock:
+            self._steps = steps
 
     # ---- queries ---------------------------------------------------------------------
     @property
@@ -230,6 +315,8 @@ class CheckpointManager:
             return self._steps[step].metrics
 
     def should_save(self, step: int) -> bool:
+        if self._read_only:
+            return False
         with self._lock:
             if step in self._steps:
                 return False
@@ -335,12 +422,23 @@ class CheckpointManager:
         still in flight first. Raises the error of an earlier background save, and
         CheckpointExistsError for a step that is already committed, ValueError for a step
         not newer than the newest saved one, and WriterLeaseError when this manager lost
-        the directory's writer lease."""
+        the directory's writer lease, or another writer holds it (taken at the first save
+        that writes: see the class docstring)."""
+        if self._read_only:
+            raise ValueError(
+                f"{self._root.url}: this CheckpointManager is read_only: it restores and lists, "
+                "and saves nothing (make one without read_only=True to save)"
+            )
         self._check_new_step(step)
         persistent = force or self._save_policy.should_save(step)
         local = self._local is not None and (force or self._local.tier.should_save(step))
         if not (persistent or local):
             return False
+        if not self._writing:
+            steps = self._become_writer()
+            with self._lock:
+                self._steps = steps
+            self._check_unsaved(step)  # against the steps as the writer sees them
         t0 = time.perf_counter()
         info_metrics = dict(metrics) if metrics is not None else None
         flat = flatten(tree, self._framework.is_leaf)
@@ -388,6 +486,10 @@ class CheckpointManager:
         self._raise_pending()
         if self._lease is not None:
             self._lease.check()
+        self._check_unsaved(step)
+
+    def _check_unsaved(self, step: int) -> None:
+        """Raise for a step that is committed already, or older than the newest one."""
         with self._lock:
             if step in self._steps:
                 raise CheckpointExistsError(
@@ -439,8 +541,9 @@ class CheckpointManager:
             for s in doomed:
                 del self._steps[s]
         if self._coord.is_leader and (doomed or self._retained):
-            if self._lease is not None:
-                self._lease.verify()
+            if self._lease is None:  # (a save made this manager the writer first)
+                raise WriterLeaseError(f"{self._root.url}: the writer lease is not held")
+            self._lease.verify()
             # Never a file a kept step refers to (steps of an incremental run, even when this
             # manager is not incremental): see references.py.
             with self._lock:
@@ -492,6 +595,8 @@ class CheckpointManager:
             options = self._read_options
         require(options, ReadOptions)
         self._wait_inflight()
+        if step is not None and not self._writing and step not in self.all_steps():
+            self.reload()  # a reader: the step may have been committed since its listing
         t0 = time.perf_counter()
         skipped: tuple[str, ...] = ()
         if self._local is not None and target is not None:
@@ -505,9 +610,10 @@ class CheckpointManager:
             step = self.latest_step()
             if step is None:
                 raise CheckpointNotFoundError(f"no committed step in {self._root.url}")
-        elif step not in self._steps:
+        elif step not in self.all_steps():
             raise CheckpointNotFoundError(
-                f"step {step} is not a committed step of {self._root.url}"
+                f"step {step} is not a committed step of {self._root.url} "
+                f"(its steps: {_steps_text(self.all_steps())})"
             )
         stats = stats if stats is not None else ReadStats()
         out = self._framework.load(
@@ -576,3 +682,24 @@ class CheckpointManager:
                 self.close()
             except BaseException as e:
                 log.error("while closing the checkpoint manager: %s", e)
+
+
+def _steps_text(steps: list[int]) -> str:
+    """A listing of steps for a message: all of few, the ends of many."""
+    if not steps:
+        return "none"
+    if len(steps) <= 8:
+        return ", ".join(map(str, steps))
+    return f"{', '.join(map(str, steps[:3]))}, ..., {', '.join(map(str, steps[-3:]))}"
+
+
+def _created_at() -> str:
+    """`file:line` of the code that made the manager: the first frame outside snapshard,
+    so that a message about two managers names the user's line, not the package's."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame = sys._getframe(1)
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
+        package
+    ):
+        frame = frame.f_back
+    return f"{frame.f_code.co_filename}:{frame.f_lineno}"

@@ -153,13 +153,17 @@ class PreemptionPolicy:
 
 @dataclass(frozen=True)
 class LeasePolicy:
-    """The directory's writer lease, which process 0 takes when the manager starts (then it
-    removes what crashed saves left behind) and gives up in `close` (see storage/lease.py).
+    """The directory's writer lease (see storage/lease.py), which process 0 takes at the
+    manager's first save (then it removes what crashed saves left behind) and gives up in
+    `close`; a manager that only restores and lists never takes it, so it works beside a
+    live writer. `at_start=True` takes it when the manager is made instead: a training job
+    that would rather learn of another writer before it trains than at its first save.
     A lease whose holder stopped its heartbeat for `timeout_s` is taken over;
     `takeover=True` takes it whatever its state."""
 
     timeout_s: float = DEFAULT_LEASE_TIMEOUT_S  # (checked by the lease)
     takeover: bool = False
+    at_start: bool = False
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,13 @@ A document of this very process that none of its leases holds any more (its remo
 failed) is stale at once.
 A fresh lease held by a live process fails at once (same host) or within one heartbeat
 (another host), with a WriterLeaseError naming the holder. `takeover=True` takes the
-lease whatever its state (for a scheduler that knows the old job is gone).
+lease whatever its state (for a scheduler that knows the old job is gone). A lease held by
+another writer of this very process (two managers on one root) is refused naming that
+writer by its `owner` text (where it was made), never as another job, and never with the
+advice to take it over.
+
+Only writers take the lease: loading, listing and evaluation jobs read beside a holder
+without one (the manager takes it at its first save, see manager/manager.py).
 
 The holder checks before each commit and each deletion that its generation is still the
 highest (`verify`), so a writer that lost the lease (it was paused for longer than the
@@ -46,10 +52,10 @@ log = logging.getLogger("snapshard")
 LEASE_DIR = ".snapshard-writer"
 DEFAULT_LEASE_TIMEOUT_S = 30.0
 _NAME = re.compile(r"^(\d{8})\.json$")
-# Tokens of the leases this process holds now. A document naming this process with another
-# token is stale: its writer gave the lease up (or never finished taking it) but could not
-# remove the document.
-_held: set[str] = set()
+# Tokens of the leases this process holds now, with their owners' descriptions. A document
+# naming this process with another token is stale: its writer gave the lease up (or never
+# finished taking it) but could not remove the document.
+_held: dict[str, str] = {}
 _held_lock = threading.Lock()
 
 
@@ -167,14 +173,23 @@ def describe_holder(doc: dict[str, Any]) -> str:
 
 
 class WriterLease:
-    """The writer lease of one root, for one writer."""
+    """The writer lease of one root, for one writer. `owner` describes the writer to
+    another writer of this process that finds the lease held (e.g. "CheckpointManager
+    created at train.py:12"); it stays in this process, never in the document."""
 
-    def __init__(self, files: LeaseFiles, *, timeout_s: float = DEFAULT_LEASE_TIMEOUT_S):
+    def __init__(
+        self,
+        files: LeaseFiles,
+        *,
+        timeout_s: float = DEFAULT_LEASE_TIMEOUT_S,
+        owner: str | None = None,
+    ):
         if not timeout_s > 0:
             raise ValueError(f"lease timeout must be positive, got {timeout_s!r}")
         self.files = files
         self.timeout_s = float(timeout_s)
         self.token = uuid.uuid4().hex
+        self.owner = owner or f"WriterLease {self.token[:8]}"
         self.generation: int | None = None
         now = time.time()
         self.doc: dict[str, Any] = {
@@ -251,6 +266,11 @@ class WriterLease:
 
     def _check_stale(self, gen: int, other: dict[str, Any]) -> None:
         """Return if the lease of generation `gen` is stale; raise naming its holder if not."""
+        if other.get("pid") == os.getpid() and other.get("host") == _this_host():
+            with _held_lock:
+                owner = _held.get(str(other.get("token")))
+            if owner is not None:
+                raise self._refuse_own(owner, other)
         holder = describe_holder(other)
         refuse = WriterLeaseError(
             f"{self.files.where}: another writer holds this checkpoint root: {holder}. "
@@ -263,11 +283,8 @@ class WriterLease:
         timeout = float(other.get("timeout_s") or self.timeout_s)
         if other.get("host") == _this_host() and isinstance(other.get("pid"), int):
             beat_age = time.time() - float(other.get("beat_unix") or 0)
-            if other["pid"] == os.getpid():
-                with _held_lock:
-                    if other.get("token") in _held:
-                        raise refuse
-            elif _pid_alive(other["pid"]) and beat_age <= timeout:
+            # (this process's own document, held by none of its writers: stale at once)
+            if other["pid"] != os.getpid() and _pid_alive(other["pid"]) and beat_age <= timeout:
                 raise refuse
             log.warning("%s: taking over the stale writer lease of %s", self.files.where, holder)
             return
@@ -289,11 +306,22 @@ class WriterLease:
             timeout,
         )
 
+    def _refuse_own(self, owner: str, other: dict[str, Any]) -> WriterLeaseError:
+        """The refusal when a writer of this very process holds the lease: it names that
+        writer; taking over would only fence this process's own writer."""
+        return WriterLeaseError(
+            f"{self.files.where}: another writer of this process holds this checkpoint "
+            f"root's writer lease: {owner} ({describe_holder(other)}). One root takes one "
+            f"writer: close that one first (its close(), or the end of its with block), or "
+            f"save through it",
+            other,
+        )
+
     def _won(self, gen: int, previous: dict[str, Any] | None) -> None:
         self.generation = gen
         self.lost = None
         with _held_lock:
-            _held.add(self.token)
+            _held[self.token] = self.owner
         if previous:
             self.doc["took_over"] = {k: previous.get(k) for k in ("host", "pid", "started")}
         self._stop.clear()
@@ -358,7 +386,7 @@ class WriterLease:
             with contextlib.suppress(OSError):
                 self.files.remove(self._name(self.generation))
             with _held_lock:
-                _held.discard(self.token)
+                _held.pop(self.token, None)
             self.generation = None
 
 
@@ -386,4 +414,4 @@ def _release(files: LeaseFiles, name: str, stop: threading.Event, token: str) ->
     with contextlib.suppress(Exception):
         files.remove(name)
     with _held_lock:
-        _held.discard(token)
+        _held.pop(token, None)
