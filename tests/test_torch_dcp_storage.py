@@ -187,9 +187,11 @@ def test_async_save_in_a_thread(tmp_path):
 def test_an_existing_checkpoint_is_kept(tmp_path):
     path = tmp_path / "ck"
     dcp.save(_state(), storage_writer=sst.StorageWriter(path))
-    again = lambda: dcp.save(_state(step=4), storage_writer=sst.StorageWriter(path))  # noqa: E731
+    kept = sst.StorageWriter(path, overwrite=False)
+    again = lambda: dcp.save(_state(step=4), storage_writer=kept)  # noqa: E731
     _failure(again, CheckpointExistsError, "already exists at .*overwrite=True")
-    dcp.save(_state(step=5), storage_writer=sst.StorageWriter(path, overwrite=True))
+    dcp.save(_state(step=5), storage_writer=sst.StorageWriter(path))  # FileSystemWriter's default
+
     assert snapshard.metadata(str(path))["step"].value == 5
 
 

@@ -17,14 +17,28 @@ them up, for the accelerators it was given only: theirs write each model and opt
 snapshard checkpoint through DCP with snapshard's storage (same directory names); any other
 accelerator, state-dict type or option goes to Accelerate's own functions. Needs the
 `accelerate` extra. See docs/integrations.md.
+
+A state directory is whole or refused. Accelerate writes its parts one by one into the
+directory itself (weights, then optimizers, schedulers, samplers, RNG states, custom
+objects), so a `save_state` killed half-way leaves a directory with some of them. Before
+snapshard writes the first byte of a save into it, every process puts its marker there,
+`snapshard_incomplete_<process index>`; they are taken away once every process's
+`save_state` has returned, its part written (`use_snapshard` wraps the accelerator's
+`save_state` for that: one barrier per save). A
+directory with a marker left is refused by `load_state` before any model or optimizer is
+touched, with an error naming the newest complete directory beside it.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+import re
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -37,9 +51,15 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import torch as sst
+from .errors import CheckpointNotFoundError
 from .options import ReadOptions, SaveOptions
 
 NAME = "snapshard_models"
+INCOMPLETE = "snapshard_incomplete_"
+_INCOMPLETE = re.compile(rf"^{INCOMPLETE}(\d+)$")
+# Accelerate's automatic checkpoint naming (ProjectConfiguration): project_dir/checkpoints/
+_AUTOMATIC = re.compile(r"^checkpoint_(\d+)$")
+log = logging.getLogger("snapshard")
 
 
 def _key(i: int) -> str:
@@ -54,6 +74,7 @@ def save_hook(options: SaveOptions = SaveOptions()) -> Any:
     def hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
         if not weights:
             return
+        _mark_incomplete(output_dir)
         state = {_key(i): w for i, w in enumerate(weights)}
         sst.save(os.path.join(output_dir, NAME), state, options, overwrite=True)
         weights.clear()
@@ -68,6 +89,7 @@ def load_hook(read_options: ReadOptions = ReadOptions()) -> Any:
     (one saved without snapshard)."""
 
     def hook(models: list[Any], input_dir: str) -> None:
+        refuse_incomplete(input_dir)
         if not models:
             return
         path = os.path.join(input_dir, NAME)
@@ -152,6 +174,7 @@ def save_fsdp_model(
         return _ORIGINALS["save_fsdp_model"](
             fsdp_plugin, accelerator, model, output_dir, model_index, adapter_only, use_dcp
         )
+    _mark_incomplete(output_dir)
     state = {"model": get_model_state_dict(model, options=_SHARDED)}
     _save(accelerator, _model_dir(output_dir, model_index), state)
     return None
@@ -163,6 +186,7 @@ def load_fsdp_model(
 ) -> Any:  # fmt: skip
     """Accelerate's `load_fsdp_model`, through snapshard for a switched accelerator and a
     snapshard checkpoint (one Accelerate wrote itself goes to Accelerate's)."""
+    refuse_incomplete(input_dir)
     path = _model_dir(input_dir, model_index)
     if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
         return _ORIGINALS["load_fsdp_model"](
@@ -184,6 +208,7 @@ def save_fsdp_optimizer(
         return _ORIGINALS["save_fsdp_optimizer"](
             fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, use_dcp
         )
+    _mark_incomplete(output_dir)
     plain = _plain_optimizer(optimizer)
     state = {"optimizer": get_optimizer_state_dict(model, plain, options=_SHARDED)}
     _save(accelerator, _optimizer_dir(output_dir, optimizer_index), state)
@@ -244,6 +269,8 @@ def use_snapshard(
     the FSDP switch)."""
     _SWITCHED[accelerator] = _Switch(options, read_options)
     _install_fsdp_functions()
+    _wrap_save_state(accelerator)
+    _check_launch(accelerator)
     return (
         accelerator.register_save_state_pre_hook(save_hook(options)),
         accelerator.register_load_state_pre_hook(load_hook(read_options)),
@@ -255,12 +282,148 @@ def stop_using(accelerator: Any) -> None:
     _SWITCHED.pop(accelerator, None)
 
 
+# ---- whole state directories or refused ones ---------------------------------------------
+# The directories the running save_state of this process has marked; None outside one (a
+# hook registered by hand, without use_snapshard's wrapper, marks nothing: nothing would
+# take its marker away).
+_marked: set[str] | None = None
+
+
+def _marker(directory: str, index: int) -> Path:
+    return Path(directory) / f"{INCOMPLETE}{index}"
+
+
+def _mark_incomplete(output_dir: str) -> None:
+    """Before this process writes the first byte of a save_state into `output_dir`: its
+    marker there (once per save)."""
+    if _marked is None or output_dir in _marked:
+        return
+    from accelerate.state import PartialState
+
+    os.makedirs(output_dir, exist_ok=True)
+    _marker(output_dir, PartialState().process_index).write_text(
+        "save_state of this directory started; this process's part is not all written yet\n"
+    )
+    _marked.add(output_dir)
+
+
+def _markers(directory: str) -> list[tuple[int, Path]]:
+    """(process index, path) of each marker in `directory`."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    found = [(m, n) for n in names if (m := _INCOMPLETE.match(n))]
+    return sorted((int(m.group(1)), Path(directory) / n) for m, n in found)
+
+
+def _wrap_save_state(accelerator: Any) -> None:
+    """Make `accelerator.save_state` take the markers away once every process's returned
+    (one barrier: then every part is written, and every process, the next to load
+    included, finds none); a save_state that raises leaves them. Once per accelerator.
+    Every marker there goes, also those of process indices this job does not have (a
+    killed save of a larger job): nothing else would remove them."""
+    original = accelerator.save_state
+    if getattr(original, "_snapshard_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def save_state(*args: Any, **kwargs: Any) -> Any:
+        global _marked
+        _marked = set()
+        try:
+            result = original(*args, **kwargs)
+            if _marked:  # the same on every process: each ran the hook or FSDP functions
+                from accelerate.state import PartialState
+
+                PartialState().wait_for_everyone()
+                for directory in _marked:
+                    for _, path in _markers(directory):
+                        path.unlink(missing_ok=True)
+            return result
+        finally:
+            _marked = None
+
+    save_state._snapshard_wrapped = True  # type: ignore[attr-defined]
+    accelerator.save_state = save_state
+
+
+def refuse_incomplete(input_dir: str) -> None:
+    """Raise CheckpointNotFoundError if a save_state into `input_dir` did not finish (a
+    process's marker is there), before anything is loaded; naming the newest complete
+    directory beside it where Accelerate's automatic naming shows one."""
+    left = _markers(input_dir)
+    if not left:
+        return
+    indices = ", ".join(str(i) for i, _ in left)
+    message = (
+        f"{input_dir}: this Accelerate state directory is incomplete: its save_state "
+        f"stopped before process(es) {indices} had written their part (their "
+        f"{INCOMPLETE}<index> markers are there); nothing was loaded, the models and "
+        "optimizers are unchanged"
+    )
+    earlier = _newest_complete_before(input_dir)
+    if earlier is not None:
+        message += (
+            f". The newest complete one beside it is {earlier}: "
+            f"accelerator.load_state({str(earlier)!r}); load_state() without a directory "
+            f"picks the newest folder, so remove {input_dir} (Accelerate's save_state "
+            "also refuses to save into it again)"
+        )
+    else:
+        message += f". Load another state directory, or save into {input_dir} again"
+    raise CheckpointNotFoundError(message)
+
+
+def _newest_complete_before(input_dir: str) -> Path | None:
+    """Of the `checkpoint_<n>` folders beside `input_dir` (Accelerate's automatic naming),
+    the newest one older than it without markers; None when it is not one of them."""
+    path = Path(os.path.abspath(input_dir))
+    own = _AUTOMATIC.match(path.name)
+    if own is None:
+        return None
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return None
+    older = []
+    for entry in entries:
+        m = _AUTOMATIC.match(entry.name)
+        if m and int(m.group(1)) < int(own.group(1)) and entry.is_dir():
+            older.append((int(m.group(1)), Path(entry.path)))
+    for _, candidate in sorted(older, reverse=True):
+        if not _markers(str(candidate)):
+            return candidate
+    return None
+
+
+def _check_launch(accelerator: Any) -> None:
+    """Warn when `accelerate launch --cpu --num_processes N` (N > 1) started this process
+    alone: Accelerate's --cpu launcher runs one process whatever N is. It sets
+    ACCELERATE_USE_CPU with MASTER_ADDR/MASTER_PORT (for N > 1) but no WORLD_SIZE."""
+    env = os.environ
+    asked = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    if not (asked and "MASTER_PORT" in env and "WORLD_SIZE" not in env):
+        return
+    if accelerator.num_processes != 1:
+        return
+    log.warning(
+        "snapshard.accelerate: this job runs ONE process although it was launched for "
+        "several (`accelerate launch --cpu --num_processes N` starts one process whatever "
+        "N is). For several CPU processes (gloo) use `accelerate launch --multi_gpu "
+        "--num_processes N script.py` on a machine without GPUs, or `torchrun "
+        "--nproc-per-node N script.py`"
+    )
+
+
 __all__ = [
+    "INCOMPLETE",
     "NAME",
     "fsdp_functions",
     "load_fsdp_model",
     "load_fsdp_optimizer",
     "load_hook",
+    "refuse_incomplete",
     "save_fsdp_model",
     "save_fsdp_optimizer",
     "save_hook",

@@ -68,6 +68,7 @@ from .options import SaveOptions, require
 from .planning import WritePlan, plan_writes
 from .staging import Snapshot, StagedItem
 from .storage import Location, Storage, is_object_store_url, storage_for
+from .storage.stale_staging import is_owner_record
 from .tree import FlatTree, Path, flatten
 
 log = logging.getLogger("snapshard")
@@ -717,15 +718,19 @@ def commit_manifest(
 def check_staged_files(storage: Storage, expected: dict[str, int]) -> None:
     """Files on storage are exactly those of this save, with the sizes reported.
 
-    Files of an earlier attempt that died (other nonces) are removed first.
+    Files of an earlier attempt that died (other nonces) are removed first, and the
+    writers' owner records (storage/stale_staging.py), which are no part of a checkpoint.
     """
     listing = storage.list_staging()
-    stale = [n for n in listing if n not in expected]
+    records = [n for n in listing if is_owner_record(n)]
+    stale = [n for n in listing if n not in expected and not is_owner_record(n)]
     if stale:
         log.warning(
             "save to %s: removing %d stale file(s) of an earlier attempt", storage.url, len(stale)
         )
         storage.delete_staging_files(stale)
+    if records:
+        storage.delete_staging_files(records)
     for name, size in expected.items():
         if listing.get(name) != size:
             raise CoordinationError(
@@ -807,7 +812,10 @@ def save(
 
     Every process of a multi-process job calls this with the same tree; each writes only the
     slices the shared plan gives it (`options`: the write mode, writers, compression; see
-    snapshard.SaveOptions). An existing checkpoint there is an error unless `overwrite`.
+    snapshard.SaveOptions). An existing checkpoint there is an error unless `overwrite`
+    (then it is replaced whole, and stays whole until the new one commits); an existing
+    empty directory holds nothing to lose and is written into; a directory of other files
+    is never replaced.
 
     With `base` (a committed checkpoint beside this one), chunks whose bytes equal the
     base's chunk of the same box are recorded as references to the file holding them

@@ -5,9 +5,11 @@
     snapshard verify PATH            read every chunk and check every checksum
     snapshard diff A B [--values]    leaves added, removed, changed
     snapshard convert SRC DST        snapshard / Orbax / safetensors to snapshard or safetensors
+    snapshard clean DIR [--yes]      remove what killed saves left (a dry run unless --yes)
 
-Exit codes: 0 success; 1 verify found damage or diff found differences; 2 bad input (a
-one-line error, no traceback); 3 an unexpected internal error.
+Exit codes: 0 success; 1 verify found damage, diff found differences or clean could not
+remove everything; 2 bad input (a one-line error, no traceback); 3 an unexpected internal
+error.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from collections.abc import Sequence
 
 from ..errors import SnapshardError
 from ..gc_pause import collection_paused
-from . import convert, diff, info, ls, verify
+from . import clean, convert, diff, info, ls, verify
 from .output import Output
 
 EXIT_OK, EXIT_FOUND, EXIT_BAD_INPUT, EXIT_INTERNAL = 0, 1, 2, 3
-COMMANDS = (ls, info, verify, diff, convert)
+COMMANDS = (ls, info, verify, diff, convert, clean)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,8 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--traceback", action="store_true", help="show the traceback of an error")
     parser = argparse.ArgumentParser(
         prog="snapshard",
-        description="Look at, check, compare and convert checkpoints.",
-        epilog="exit codes: 0 ok, 1 damage or differences found, 2 bad input, 3 internal error",
+        description="Look at, check, compare, convert and clean up checkpoints.",
+        epilog="exit codes: 0 ok, 1 damage or differences found (clean: not all removed), "
+        "2 bad input, 3 internal error",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:

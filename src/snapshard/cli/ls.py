@@ -1,9 +1,12 @@
-"""`snapshard ls DIR`: the checkpoints (a manager's steps) under a directory."""
+"""`snapshard ls DIR`: the checkpoints (a manager's steps) under a directory, and beside
+each one what unfinished saves left (their staging directories: who wrote them, whether
+those processes still run, how big they are; `snapshard clean` removes the stale ones)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointNotFoundError, SnapshardError
@@ -11,7 +14,7 @@ from ..format import DATA_DIR, INDEX_DIR
 from ..format.reading import read_summary
 from ..interop import local_path, looks_like_orbax, step_order
 from ..interop.reader import CheckpointReader, open_reader
-from ..storage import CheckpointRoot, root_for, storage_for
+from ..storage import CheckpointRoot, root_for, stale_staging, storage_for
 from .output import Output, format_metrics, human_bytes, iso_time, table
 
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
@@ -113,9 +116,33 @@ def list_checkpoints(location: str) -> dict[str, Any]:
     root = root_for(location)
     found = root.list()
     entries = [_entry(root, name, found[name]) for name in sorted(found, key=step_order)]
+    unfinished = _unfinished(local)
     for e in entries:
         e["time"] = iso_time(e.get("time_unix"))
+        if e["name"] in unfinished:
+            e["unfinished"] = unfinished[e["name"]]
     return {"root": root.url, "checkpoints": entries}
+
+
+def _unfinished(local: str | None) -> dict[str, list[dict[str, Any]]]:
+    """By checkpoint name, the directories unfinished saves left beside it (local
+    directories only), each with its writers, whether they run, and its size."""
+    if local is None:
+        return {}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for u in stale_staging.find(Path(os.path.abspath(local))):
+        out.setdefault(u.checkpoint, []).append(u.to_json())
+    return out
+
+
+def _unfinished_cell(e: dict[str, Any]) -> str:
+    """The text column of an entry's unfinished saves:
+    'name (writers gone: pid 7 on host1, 1.0 MiB)'."""
+    parts = []
+    for u in e.get("unfinished", ()):
+        who = ", ".join(f"pid {o['pid']} on {o['host']}" for o in u["owners"]) or "none recorded"
+        parts.append(f"{u['name']} (writers {u['state']}: {who}, {human_bytes(u['bytes'])})")
+    return "; ".join(parts) or "-"
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
@@ -131,6 +158,7 @@ def run(args: argparse.Namespace, out: Output) -> int:
         if not entries:
             return f"{doc['root']}: no checkpoints"
         with_metrics = any(e.get("metrics") for e in entries)
+        with_unfinished = any(e.get("unfinished") for e in entries)
         rows = [
             [
                 e["name"],
@@ -139,11 +167,21 @@ def run(args: argparse.Namespace, out: Output) -> int:
                 e["time"] or "-",
                 human_bytes(e.get("bytes")),
                 *([format_metrics(e.get("metrics")) or "-"] if with_metrics else []),
+                *([_unfinished_cell(e)] if with_unfinished else []),
             ]
             for e in entries
         ]
         header = ["NAME", "STATE", "FORMAT", "TIME (UTC)", "SIZE"]
-        return table(header + (["METRICS"] if with_metrics else []), rows)
+        header += ["METRICS"] * with_metrics + ["UNFINISHED SAVES"] * with_unfinished
+        lines = [table(header, rows)]
+        gone = [u for e in entries for u in e.get("unfinished", ()) if u["state"] == "gone"]
+        if gone:  # an action only where there is one to take
+            size = human_bytes(sum(u["bytes"] for u in gone))
+            lines.append(
+                f"{len(gone)} left by killed saves ({size}): `snapshard clean {args.dir}` "
+                "shows them, --yes removes them"
+            )
+        return "\n".join(lines)
 
     out.result(doc, text)
     return 0

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
 STAGING_SUFFIX = ".snapshard-tmp"
+DCP_METADATA = ".metadata"  # what PyTorch DCP's FileSystemWriter commits last
 DELETING_SUFFIX = ".snapshard-deleting"
 _IOV_MAX = 1024
 _MAX_IO = 1 << 30
@@ -73,34 +74,77 @@ def _exchange(a: Path, b: Path) -> bool:
 def move_into_place(staging: Path, final: Path, *, replace: bool) -> None:
     """Make `staging` (a file or a directory, its contents already synced) appear at
     `final` in one step: the atomic local commit of checkpoints, exports and local-tier
-    copies. An existing `final` is replaced whole when `replace` (directories are swapped
-    with renameat2(RENAME_EXCHANGE) where the kernel has it, else moved aside under
+    copies. An absent `final`, or an empty directory there (it holds nothing to lose), is
+    taken by one rename(2), which the kernel refuses if the directory was filled or the path
+    taken meanwhile: CheckpointExistsError, nothing replaced. Anything else at `final` is
+    replaced whole when `replace` (directories are swapped with
+    renameat2(RENAME_EXCHANGE) where the kernel has it, else moved aside under
     DELETING_SUFFIX first, so it is never seen half-deleted), else CheckpointExistsError."""
-    if os.path.lexists(final):
-        if not replace:
-            raise CheckpointExistsError(f"{final} appeared while it was being written")
-        if staging.is_dir() and final.is_dir() and not final.is_symlink():
-            if _exchange(staging, final):
-                fsync_dir(final.parent)
-                shutil.rmtree(staging, ignore_errors=True)
-                return
-            old = final.with_name(final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
-            os.rename(final, old)
-            os.rename(staging, final)
+    if not os.path.lexists(final) or (staging.is_dir() and _is_empty_dir(final)):
+        _rename_onto_vacant(staging, final)
+        return
+    if not replace:
+        raise _appeared(final)
+    if staging.is_dir() and final.is_dir() and not final.is_symlink():
+        if _exchange(staging, final):
             fsync_dir(final.parent)
-            shutil.rmtree(old, ignore_errors=True)
+            shutil.rmtree(staging, ignore_errors=True)
             return
-        if final.is_dir() and not final.is_symlink():
-            shutil.rmtree(final)
-        os.replace(staging, final)
-    else:
-        try:
-            os.rename(staging, final)
-        except OSError as e:
-            if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                raise CheckpointExistsError(f"{final} appeared while it was being written") from None
-            raise
+        old = final.with_name(final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
+        os.rename(final, old)
+        os.rename(staging, final)
+        fsync_dir(final.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        return
+    if final.is_dir() and not final.is_symlink():
+        shutil.rmtree(final)
+    os.replace(staging, final)
     fsync_dir(final.parent)
+
+
+def _rename_onto_vacant(staging: Path, final: Path) -> None:
+    """rename(2) of `staging` onto an absent path or an empty directory: atomic, and it never
+    replaces a directory that holds anything (ENOTEMPTY/EEXIST) or a directory by a file
+    (EISDIR) or a file by a directory (ENOTDIR)."""
+    try:
+        os.rename(staging, final)
+    except OSError as e:
+        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
+            raise _appeared(final) from None
+        raise
+    fsync_dir(final.parent)
+
+
+def _appeared(final: Path) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"{final} appeared, or was filled, while it was being written; nothing was replaced"
+    )
+
+
+def _is_empty_dir(path: Path) -> bool:
+    """`path` is a directory itself (not a symbolic link to one) with no entries."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        with os.scandir(path) as entries:
+            return next(entries, None) is None
+    except OSError:
+        return False
+
+
+def _is_dcp_checkpoint(path: Path) -> bool:
+    """`path` holds PyTorch DCP's own checkpoint: its `.metadata` file, no manifest.json."""
+    return _is_regular(path / DCP_METADATA) and not _is_regular(path / MANIFEST_NAME)
+
+
+def dcp_checkpoint_advice(url: str) -> str:
+    """What reads a DCP-native checkpoint, for the errors that meet one."""
+    return (
+        f"it is a PyTorch DCP checkpoint (a {DCP_METADATA} file, no {MANIFEST_NAME}), which "
+        "snapshard's loaders do not read: load it with DCP's own reader "
+        "(dcp.load(state, checkpoint_id=path), or storage_reader=FileSystemReader(path)), or "
+        f"convert it once: snapshard convert --trust-pickle {url} NEW_PATH"
+    )
 
 
 class LocalFileWriter(FileWriter):
@@ -224,11 +268,26 @@ class LocalStorage(Storage):
 
     # ---- save side --------------------------------------------------------------------
     def prepare_staging(self) -> None:
-        for sub in (DATA_DIR, INDEX_DIR):
+        """Create the staging directory (every process of a save may call it) and record
+        this process as one of its writers; the process that created it then removes the
+        staging directories beside it whose writers are provably gone (stale_staging.py),
+        so that what killed saves left goes at the next save, whichever wing makes it."""
+        from . import stale_staging  # it builds on this module's names
+
+        try:
+            os.makedirs(self.staging.parent, exist_ok=True)
             try:
+                os.mkdir(self.staging)
+                created = True
+            except FileExistsError:
+                created = False
+            for sub in (DATA_DIR, INDEX_DIR):
                 os.makedirs(self.staging / sub, exist_ok=True)
-            except OSError as e:
-                raise StorageError.wrap(e, "creation of the staging directory", self.staging) from e
+        except OSError as e:
+            raise StorageError.wrap(e, "creation of the staging directory", self.staging) from e
+        stale_staging.ensure_owner_record(self.staging)
+        if created:
+            stale_staging.sweep(self.staging.parent, keep=self.staging)
 
     def open_writer(self, name: str) -> FileWriter:
         return LocalFileWriter(self.staging / name)
@@ -274,43 +333,65 @@ class LocalStorage(Storage):
         for sub in (DATA_DIR, INDEX_DIR):
             fsync_dir(self.staging / sub)
         fsync_dir(self.staging)
-        if self.final.exists():
-            if not overwrite:
-                raise CheckpointExistsError(self._occupied())
-            self._check_replaceable()
-        move_into_place(self.staging, self.final, replace=overwrite)
+        vacant = not os.path.lexists(self.final) or self._check_replaceable(overwrite)
+        # A path found vacant is only ever taken by a rename, which fails if it was filled
+        # or taken meanwhile: never swapped with what arrived there.
+        move_into_place(self.staging, self.final, replace=overwrite and not vacant)
 
     def _occupied(self) -> str:
         """Why a save without overwrite cannot take the path: what is there."""
         if self.is_committed():
             return f"a checkpoint already exists at {self.url} (pass overwrite=True to replace it)"
+        if self.final.is_symlink():
+            return f"{self.url} is a symbolic link; save to the path it names, or another path"
         if not self.final.is_dir():
             return f"{self.url} exists and is not a directory; save to another path"
+        if _is_dcp_checkpoint(self.final):
+            return f"{self.url} holds a PyTorch DCP checkpoint; save to another path"
         if any(self.final.iterdir()):
             return (
                 f"{self.url} is a non-empty directory that is not a snapshard checkpoint (it "
                 "has no manifest.json); save to another path (overwrite=True does not replace it)"
             )
-        return f"{self.url} is an empty directory; remove it, or pass overwrite=True"
+        return f"{self.url} was filled while the save was being written; save to another path"
 
-    def _check_replaceable(self) -> None:
+    def _check_replaceable(self, overwrite: bool) -> bool:
+        """Whether the commit may take the path, where something exists: an empty directory
+        always (True: it holds nothing to lose), a committed checkpoint only with
+        `overwrite` (False); never the working directory, a file, or a directory of other
+        files (CheckpointExistsError)."""
         if self.final == Path(os.getcwd()) or self.final in Path(os.getcwd()).parents:
             raise CheckpointExistsError(
                 f"{self.url} is the working directory or holds it; refusing to replace it"
             )
+        if _is_empty_dir(self.final):
+            return True
+        if not overwrite:
+            raise CheckpointExistsError(self._occupied())
         if not self.final.is_dir():
             raise CheckpointExistsError(
                 f"{self.url} exists and is not a directory; refusing to replace it"
+            )
+        if _is_dcp_checkpoint(self.final):
+            raise CheckpointExistsError(
+                f"{self.url} holds a PyTorch DCP checkpoint (a {DCP_METADATA} file, no "
+                f"{MANIFEST_NAME}); refusing to replace it: save to another path, or remove it"
             )
         if any(self.final.iterdir()) and not _is_regular(self.final / MANIFEST_NAME):
             raise CheckpointExistsError(
                 f"{self.url} is a non-empty directory that is not a snapshard checkpoint; refusing to replace it"
             )
+        return False
 
     def discard_staging(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
 
     def discard_staging_if_empty(self) -> None:
+        """Remove the staging directory if no other process's files or records remain in
+        it (this process's owner record goes first: it writes no more there)."""
+        from . import stale_staging
+
+        stale_staging.remove_own_record(self.staging)
         for d in (self.staging / DATA_DIR, self.staging / INDEX_DIR, self.staging):
             with contextlib.suppress(OSError):  # not empty: another process's files remain
                 os.rmdir(d)
@@ -418,7 +499,9 @@ class LocalStorage(Storage):
             fd = self._open(self.final, MANIFEST_NAME)
         except FileNotFoundError:
             staged = self.staging_dirs()
-            if self.final.is_dir():
+            if _is_dcp_checkpoint(self.final):
+                why = dcp_checkpoint_advice(self.url)
+            elif self.final.is_dir():
                 why = "the directory has no manifest.json"
             elif staged:
                 why = (

@@ -200,18 +200,34 @@ class StorageWriter(_DcpStorageWriter):
 
     `path`: a directory or object-store URL (or `checkpoint_id=` of `dcp.save`, which takes
     precedence). `options`: `writers` (data files per rank) and `compression` as in
-    snapshard.save; who writes what is DCP's plan. An existing checkpoint at `path` is an
-    error unless `overwrite`. Picklable (DCP's process-based async save sends it along)."""
+    snapshard.save; who writes what is DCP's plan. Picklable (DCP's process-based async
+    save sends it along); one writer serves any number of saves (DCP's `reset`).
+
+    What is at `path` already: nothing, or an empty directory (DCP's tests and tutorials
+    `mkdtemp` the path first), is written into. A snapshard checkpoint is replaced when
+    `overwrite` (the default, as DCP's FileSystemWriter), atomically: the old checkpoint
+    stays whole and readable until the new one commits in one rename (local) or one PUT of
+    its manifest (object stores), and a save that fails leaves it as it was;
+    `overwrite=False` refuses it with CheckpointExistsError. A directory of other files (a
+    DCP checkpoint of FileSystemWriter's among them) is never replaced.
+
+    DCP's plan caching (`DefaultSavePlanner(enable_plan_caching=True)`) is refused at the
+    first save: a cached plan lacks the leaf numbering this writer puts in each plan.
+
+    FileSystemWriter's keywords are taken too, so that switching the class is the whole
+    change (see `filesystem_writer_options`)."""
 
     def __init__(
         self,
         path: Location | None = None,
         options: SaveOptions = SaveOptions(),
         *,
-        overwrite: bool = False,
+        overwrite: bool = True,
+        **filesystem_writer_args: Any,
     ) -> None:
         super().__init__()
         require(options, SaveOptions)
+        options = filesystem_writer_options(options, filesystem_writer_args)
         if options.hashes:
             raise ValueError("snapshard.torch.StorageWriter does not record content hashes")
         self.path = os.fspath(path) if path is not None else None
@@ -265,11 +281,8 @@ class StorageWriter(_DcpStorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         where = self.path or "?"
-        if not all(getattr(p, "usable", True) for p in plans):
-            raise DcpStorageError(
-                f"save to {where}: DCP's plan caching (enable_plan_caching) reuses plans "
-                "made for another save; snapshard.torch.StorageWriter needs every save planned"
-            )
+        if not all(getattr(p, "usable", True) for p in plans):  # a planner of the user's own
+            raise plan_caching_refused(where)
         leaves = _leaves_of(plans, where)
         tree = _nested([(leaf.fqn, leaf.path) for leaf in leaves.values()], where)
         flat = flatten(tree, lambda x: isinstance(x, _Slot))
@@ -296,6 +309,7 @@ class StorageWriter(_DcpStorageWriter):
             writer = _RankWriter(storage, numbering, self.options)
             error: BaseException | None = None
             try:
+                _refuse_plan_caching(planner, storage.url)
                 storage.prepare_staging()
                 report = writer.write(plan.items, planner)
             except Exception as e:  # told to every rank below, then raised
@@ -323,6 +337,59 @@ class StorageWriter(_DcpStorageWriter):
             except BaseException:
                 storage.discard_staging()  # every rank has written: none of it is wanted now
                 raise
+
+
+def plan_caching_refused(where: str) -> DcpStorageError:
+    """The one refusal of DCP's plan caching, at the first save or at a reused plan."""
+    return DcpStorageError(
+        f"save to {where}: DCP's plan caching (DefaultSavePlanner(enable_plan_caching=True)) "
+        "reuses the plans of an earlier save, which lack the leaf numbering "
+        "snapshard.torch.StorageWriter puts in each; pass a planner without it "
+        "(DefaultSavePlanner(), the default)"
+    )
+
+
+def _refuse_plan_caching(planner: SavePlanner, where: str) -> None:
+    """Refuse a planner that caches plans at its first save, where its plans are still whole
+    (the coordinator only sees the reused plans from the second save on); write_data is the
+    first call that is handed the planner, and every rank learns of the refusal there."""
+    if getattr(planner, "_enable_plan_caching", False):
+        raise plan_caching_refused(where)
+
+
+# FileSystemWriter's keywords that choose how its own files are laid out, synced or staged:
+# snapshard's format, fsync before the commit and DCP's default stager are fixed, so they
+# change nothing here.
+_LAYOUT_ARGS = frozenset(
+    {"single_file_per_rank", "sync_files", "per_thread_copy_ahead", "cache_staged_state_dict",
+     "serialization_format"}
+)  # fmt: skip
+
+
+def filesystem_writer_options(options: SaveOptions, args: dict[str, Any]) -> SaveOptions:
+    """`options` with FileSystemWriter's keywords applied: `thread_count` is the number of
+    data files (one writer thread each) this rank writes, where `options.writers` is unset;
+    `_extensions=[ZStandard()]` is zstd compression; another stream extension (a transform
+    of FileSystemWriter's files, an encryption perhaps) is refused rather than left out.
+    The keywords in _LAYOUT_ARGS are accepted and change nothing; any other is a TypeError."""
+    unknown = sorted(set(args) - _LAYOUT_ARGS - {"thread_count", "_extensions"})
+    if unknown:
+        raise TypeError(f"snapshard.torch.StorageWriter got unexpected keyword(s) {unknown}")
+    threads = args.get("thread_count")
+    if threads is not None and options.writers is None:
+        options = dataclasses.replace(options, writers=int(threads))
+    for ext in args.get("_extensions") or ():
+        named = getattr(ext, "registry_name", None)
+        name = named() if callable(named) else type(ext).__name__
+        if name != "stream.zstd":
+            raise ValueError(
+                f"snapshard.torch.StorageWriter cannot apply DCP's stream extension {name!r} "
+                "(it transforms FileSystemWriter's files); snapshard writes its own format, "
+                "compressed with SaveOptions(compression='zstd')"
+            )
+        if options.compression is None:
+            options = dataclasses.replace(options, compression="zstd")
+    return options
 
 
 class _RankWriter:

@@ -195,7 +195,8 @@ def save(
     """Save a torch state dict atomically; every rank calls it with its own state dict of
     the same structure. Leaves: tensors (taken to be equal on every rank), DTensors (each
     rank writes only the boxes the shared plan gives it), NumPy arrays, Python values.
-    `options`, `overwrite` and `base` as in snapshard.save."""
+    `options`, `overwrite` and `base` as in snapshard.save (an existing empty directory
+    is written into)."""
     return _saving.save_through(
         adapter_for(False), directory, state_dict, options, overwrite=overwrite,
         coordinator=coordinator or default_coordinator(), base=base,
