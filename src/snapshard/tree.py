@@ -78,60 +78,70 @@ class FlatTree:
 
 def flatten(tree: Any, is_leaf: Callable[[Any], bool]) -> FlatTree:
     """Walk `tree`; `is_leaf` says which values are leaves (None is always a value leaf)."""
+    # A module-level walk, not a recursive closure: a closure refers to itself, and that
+    # cycle would keep the tree's leaves alive until a full collection, which the saves'
+    # collection pauses (gc_pause.py) may put off for as long as the program runs.
     paths: list[Path] = []
     leaves: list[Any] = []
+    return FlatTree(_walk(tree, (), (is_leaf, paths, leaves)), paths, leaves)
 
-    def leaf(path: Path, value: Any) -> JsonNode:
-        paths.append(path)
-        leaves.append(value)
-        return {"t": "leaf", "i": len(leaves) - 1}
 
-    def walk(node: Any, path: Path) -> JsonNode:
-        if node is None or is_leaf(node):
-            return leaf(path, node)
-        if type(node) is dict:
-            keys = list(node.keys())
-            for k in keys:
-                _dict_key(k, path)
-            return {"t": "dict", "k": keys, "c": [walk(node[k], (*path, k)) for k in keys]}
-        if type(node) is list:
-            return {"t": "list", "c": [walk(v, (*path, i)) for i, v in enumerate(node)]}
-        if type(node) is tuple:
-            return {"t": "tuple", "c": [walk(v, (*path, i)) for i, v in enumerate(node)]}
-        if _is_namedtuple(node):
-            fields = list(type(node)._fields)
-            return {
-                "t": "namedtuple",
-                "name": type(node).__qualname__,
-                "k": fields,
-                "c": [walk(getattr(node, f), (*path, f)) for f in fields],
-            }
-        try:
-            children = _one_level(node, path)
-        except ValueError:
-            kind = f"{type(node).__module__}.{type(node).__qualname__}"
-            hint = (
-                " here: torch state is saved with snapshard.torch (save, load, CheckpointManager)"
-                if kind.startswith("torch.")
-                else ""
-            )
-            raise UnsupportedLeafError(
-                f"leaf {path_str(path)!r}: values of type {kind} cannot be saved{hint}"
-            ) from None
-        keys_out: list[PathKey] = []
-        kids: list[JsonNode] = []
-        for k, child in children:
-            keys_out.append(k)
-            kids.append(walk(child, (*path, k)))
+_Walk = tuple[Callable[[Any], bool], list[Path], list[Any]]  # is_leaf, paths, leaves
+
+
+def _walk(node: Any, path: Path, flat: _Walk) -> JsonNode:
+    """The structure of `node` at `path`; its leaves and their paths appended to `flat`."""
+    if node is None or flat[0](node):
+        flat[1].append(path)
+        flat[2].append(node)
+        return {"t": "leaf", "i": len(flat[2]) - 1}
+    if type(node) is dict:
+        keys = list(node.keys())
+        for k in keys:
+            _dict_key(k, path)
         return {
-            "t": "node",
-            "name": f"{type(node).__module__}.{type(node).__qualname__}",
-            "k": keys_out,
-            "c": kids,
+            "t": "dict",
+            "k": keys,
+            "c": [_walk(node[k], (*path, k), flat) for k in keys],
         }
-
-    structure = walk(tree, ())
-    return FlatTree(structure, paths, leaves)
+    if type(node) is list:
+        return {"t": "list", "c": [_walk(v, (*path, i), flat) for i, v in enumerate(node)]}
+    if type(node) is tuple:
+        return {
+            "t": "tuple",
+            "c": [_walk(v, (*path, i), flat) for i, v in enumerate(node)],
+        }
+    if _is_namedtuple(node):
+        fields = list(type(node)._fields)
+        return {
+            "t": "namedtuple",
+            "name": type(node).__qualname__,
+            "k": fields,
+            "c": [_walk(getattr(node, f), (*path, f), flat) for f in fields],
+        }
+    try:
+        children = _one_level(node, path)
+    except ValueError:
+        kind = f"{type(node).__module__}.{type(node).__qualname__}"
+        hint = (
+            " here: torch state is saved with snapshard.torch (save, load, CheckpointManager)"
+            if kind.startswith("torch.")
+            else ""
+        )
+        raise UnsupportedLeafError(
+            f"leaf {path_str(path)!r}: values of type {kind} cannot be saved{hint}"
+        ) from None
+    keys_out: list[PathKey] = []
+    kids: list[JsonNode] = []
+    for k, child in children:
+        keys_out.append(k)
+        kids.append(_walk(child, (*path, k), flat))
+    return {
+        "t": "node",
+        "name": f"{type(node).__module__}.{type(node).__qualname__}",
+        "k": keys_out,
+        "c": kids,
+    }
 
 
 def dict_subclass_children(node: Any, where: Path) -> list[tuple[PathKey, Any]] | None:
@@ -278,20 +288,20 @@ class ClassesLostWarning(UserWarning):
 def lost_classes(structure: JsonNode) -> list[tuple[Path, str]]:
     """(path, class name) of every namedtuple or registered class node, in tree order."""
     out: list[tuple[Path, str]] = []
-
-    def walk(node: Any, path: Path) -> None:
-        if not isinstance(node, dict):
-            return
-        t = node.get("t")
-        if t in ("namedtuple", "node"):
-            out.append((path, str(node.get("name", "?"))))
-        keys = node.get("k")
-        for i, child in enumerate(node.get("c", [])):
-            k = keys[i] if t in ("dict", "namedtuple", "node") and keys is not None else i
-            walk(child, (*path, k))
-
-    walk(structure, ())
+    _classes(structure, (), out)
     return out
+
+
+def _classes(node: Any, path: Path, out: list[tuple[Path, str]]) -> None:
+    if not isinstance(node, dict):
+        return
+    t = node.get("t")
+    if t in ("namedtuple", "node"):
+        out.append((path, str(node.get("name", "?"))))
+    keys = node.get("k")
+    for i, child in enumerate(node.get("c", [])):
+        k = keys[i] if t in ("dict", "namedtuple", "node") and keys is not None else i
+        _classes(child, (*path, k), out)
 
 
 JAX_TARGET_HINT = (

@@ -66,19 +66,21 @@ def _value_containers(manifest: Manifest) -> dict[str, JsonNode]:
     """The tree's containers whose leaves are all plain values, by DCP name: DCP keeps a
     tuple or list of values as one entry where snapshard stores one leaf per element."""
     out: dict[str, JsonNode] = {}
-
-    def walk(node: JsonNode, path: Path) -> bool:
-        if node["t"] == "leaf":
-            leaf = manifest.leaves[int(node["i"])]
-            return isinstance(leaf, ValueLeaf) and not isinstance(leaf, PerProcessLeaf)
-        keys = node.get("k", range(len(node.get("c", []))))
-        plain = [walk(child, (*path, k)) for k, child in zip(keys, node.get("c", []), strict=True)]
-        if path and all(plain):
-            out[dcp_name(path)] = node
-        return all(plain)
-
-    walk(manifest.structure, ())
+    _plain_values(manifest.structure, (), manifest, out)
     return out
+
+
+def _plain_values(node: JsonNode, path: Path, manifest: Manifest, out: dict[str, JsonNode]) -> bool:
+    """Whether every leaf under `node` is a plain value; such containers added to `out`."""
+    if node["t"] == "leaf":
+        leaf = manifest.leaves[int(node["i"])]
+        return isinstance(leaf, ValueLeaf) and not isinstance(leaf, PerProcessLeaf)
+    keys = node.get("k", range(len(node.get("c", []))))
+    children = zip(keys, node.get("c", []), strict=True)
+    plain = [_plain_values(child, (*path, k), manifest, out) for k, child in children]
+    if path and all(plain):
+        out[dcp_name(path)] = node
+    return all(plain)
 
 
 class _Entries:
