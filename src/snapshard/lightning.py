@@ -36,7 +36,6 @@ import io
 import os
 import pickle
 import shutil
-import uuid
 import warnings
 from collections import OrderedDict
 from pathlib import Path
@@ -65,7 +64,7 @@ from .dtypes import dtype_from_name
 from .errors import CheckpointNotFoundError
 from .inspection import ArrayMetadata, ValueMetadata
 from .options import ReadOptions, SaveOptions
-from .storage.local import DELETING_SUFFIX, STAGING_SUFFIX, _exchange, fsync_dir
+from .storage.local import STAGING_SUFFIX, fsync_dir, move_into_place
 from .torch.dtypes import torch_dtype
 from .tree import ClassesLostWarning
 
@@ -209,36 +208,11 @@ def _save_target(path: str) -> str:
     """Where a save meant for `path` writes: `path`, or, where a checkpoint in Lightning's
     own layout is (written before the switch: a file, or a strategy's directory with its
     `meta.pt`; ModelCheckpoint's `last.ckpt` at the first save after it), a staging name
-    beside it, from which `_swap_in` puts the committed checkpoint in the old one's place."""
+    beside it, which `move_into_place` then puts in the old one's place in one step."""
     if not _lightning_layout(path):
         return path
     final = Path(path)
     return str(final.with_name(final.name + STAGING_SUFFIX + "-lightning"))
-
-
-def _swap_in(staged: str, path: str) -> None:
-    """Put the committed checkpoint at `staged` where Lightning's checkpoint `path` is, then
-    delete the old one. One step where the kernel can exchange two paths (renameat2): a
-    reader sees the old checkpoint or the new one, never neither. Elsewhere the old one is
-    moved aside first; a kill between the two renames leaves it at a `.snapshard-deleting`
-    name."""
-    new, final = Path(staged), Path(path)
-    if _exchange(new, final):
-        fsync_dir(final.parent)
-        _remove(new)  # the old checkpoint, now at the staging name
-        return
-    aside = final.with_name(final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
-    os.rename(final, aside)
-    os.rename(new, final)
-    fsync_dir(final.parent)
-    _remove(aside)
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    else:
-        path.unlink()
 
 
 class CheckpointIO(_LightningCheckpointIO):
@@ -273,7 +247,7 @@ class CheckpointIO(_LightningCheckpointIO):
         target = _save_target(str(path))
         sst.save(target, state, self.options, overwrite=True)
         if target != str(path):
-            _swap_in(target, str(path))
+            move_into_place(Path(target), Path(path), replace=True)
 
     def load_checkpoint(
         self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
@@ -615,7 +589,7 @@ class _ShardedCheckpoints:
         save_sharded(target, checkpoint, strategy.global_rank, self.snapshard_options)
         if target != path:
             if strategy.global_rank == 0:
-                _swap_in(target, path)
+                move_into_place(Path(target), Path(path), replace=True)
             strategy.barrier()
         return None
 

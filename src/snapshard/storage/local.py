@@ -77,29 +77,37 @@ def move_into_place(staging: Path, final: Path, *, replace: bool) -> None:
     copies. An absent `final`, or an empty directory there (it holds nothing to lose), is
     taken by one rename(2), which the kernel refuses if the directory was filled or the path
     taken meanwhile: CheckpointExistsError, nothing replaced. Anything else at `final` is
-    replaced whole when `replace` (directories are swapped with
-    renameat2(RENAME_EXCHANGE) where the kernel has it, else moved aside under
-    DELETING_SUFFIX first, so it is never seen half-deleted), else CheckpointExistsError."""
+    replaced whole when `replace`, else CheckpointExistsError: a file by a file with one
+    rename(2); where either is a directory (a checkpoint, or a directory replacing a file
+    such as Lightning's own `.ckpt`), the two are swapped with renameat2(RENAME_EXCHANGE)
+    where the kernel has it, else the old one is moved aside under DELETING_SUFFIX first, so
+    it is never seen half-deleted; then the old one is deleted."""
     if not os.path.lexists(final) or (staging.is_dir() and _is_empty_dir(final)):
         _rename_onto_vacant(staging, final)
         return
     if not replace:
         raise _appeared(final)
-    if staging.is_dir() and final.is_dir() and not final.is_symlink():
-        if _exchange(staging, final):
-            fsync_dir(final.parent)
-            shutil.rmtree(staging, ignore_errors=True)
-            return
-        old = final.with_name(final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
-        os.rename(final, old)
-        os.rename(staging, final)
+    if not staging.is_dir() and not (final.is_dir() and not final.is_symlink()):
+        os.replace(staging, final)
         fsync_dir(final.parent)
-        shutil.rmtree(old, ignore_errors=True)
         return
-    if final.is_dir() and not final.is_symlink():
-        shutil.rmtree(final)
-    os.replace(staging, final)
+    if _exchange(staging, final):
+        fsync_dir(final.parent)
+        _remove(staging)  # the old one, now at the staging name
+        return
+    old = final.with_name(final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
+    os.rename(final, old)
+    os.rename(staging, final)
     fsync_dir(final.parent)
+    _remove(old)
+
+
+def _remove(path: Path) -> None:
+    """Delete a replaced file or directory (best effort: the new one is in place)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _rename_onto_vacant(staging: Path, final: Path) -> None:
