@@ -252,12 +252,11 @@ def _prepare(
 def _layout_digest(arr: SaveArray) -> int:
     """crc32c of where an array's boxes live: equal on every process for a global array."""
     lay = arr.layout
-    d = lay._cache.get("digest")
-    if d is None:
-        d = lay._cache["digest"] = crc32c(
+    if lay.memo.digest is None:
+        lay.memo.digest = crc32c(
             lay.process_ids.tobytes(), crc32c(lay.starts.tobytes() + lay.stops.tobytes())
         )
-    return int(d)  # type: ignore[call-overload]
+    return lay.memo.digest
 
 
 def leaf_digests(leaves: list[Leaf | SaveArray], values: bool) -> np.ndarray:
@@ -617,12 +616,10 @@ def _describe(
 ) -> dict[str, Any]:
     """The compact description of an array's layout (format.layouts), checked against the
     layout itself: a description that would mislead a reader falls back to explicit rows."""
-    cached = arr.layout._cache.get("description")
-    if cached is not None:
-        desc, mesh = cached  # type: ignore[misc]
-    else:
-        desc, mesh = _description(arr, adapter.mesh_of(arr))
-        arr.layout._cache["description"] = (desc, mesh)
+    memo = arr.layout.memo
+    if memo.description is None:
+        memo.description = _description(arr, adapter.mesh_of(arr))
+    desc, mesh = memo.description
     if mesh is not None:
         mid = meshes.setdefault(mesh.key(), len(meshes))
         if mid == len(mesh_docs):

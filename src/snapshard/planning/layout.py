@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -28,12 +29,26 @@ def unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return sorted_rows[new], inverse
 
 
+@dataclass
+class LayoutMemo:
+    """What the planner and the save work out from one layout, kept with it (layouts with
+    the same shape and sharding are one object, so arrays alike share the work). Typed
+    loosely: the types are the planner's and the save's, above this module."""
+
+    single_replica: Any = None  # write_plan.ArrayWritePlan
+    replica_parallel: dict[int, Any] = field(default_factory=dict)  # by min_band_bytes
+    holder_groups: Any = None  # write_plan: (list of _Bucket, or None) once worked out
+    holder_groups_known: bool = False
+    digest: int | None = None  # saving: crc32c of where the boxes live
+    description: Any = None  # saving: (format.layouts description, Mesh or None)
+
+
 @dataclass(eq=False)
 class ArrayLayout:
     """One row per device: its box [starts, stops), its replica id and its process id.
 
     Layouts with the same shape and sharding should be the same object: the planner caches
-    per-layout work on it.
+    per-layout work on it (`memo`).
     """
 
     shape: tuple[int, ...]
@@ -42,7 +57,7 @@ class ArrayLayout:
     stops: np.ndarray  # int64 (devices, ndim)
     replica_ids: np.ndarray  # int64 (devices,)
     process_ids: np.ndarray  # int64 (devices,)
-    _cache: dict[object, object] = field(default_factory=dict, repr=False)
+    memo: LayoutMemo = field(default_factory=LayoutMemo, repr=False)
 
     def __post_init__(self) -> None:
         nd = len(self.shape)

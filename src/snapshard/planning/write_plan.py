@@ -180,11 +180,12 @@ def _whole(sg: ShardGroups, choice: np.ndarray) -> ArrayWritePlan:
 
 
 def plan_single_replica(layout: ArrayLayout) -> ArrayWritePlan:
-    key = ("single_replica",)
-    if key not in layout._cache:
+    memo = layout.memo
+    if memo.single_replica is None:
         sg = layout.shards
-        layout._cache[key] = _whole(sg, np.zeros(sg.count, dtype=np.int64))
-    return layout._cache[key]  # type: ignore[return-value]
+        memo.single_replica = _whole(sg, np.zeros(sg.count, dtype=np.int64))
+    plan: ArrayWritePlan = memo.single_replica
+    return plan
 
 
 def band_bounds(start: int, stop: int, n: int) -> list[tuple[int, int]]:
@@ -194,10 +195,9 @@ def band_bounds(start: int, stop: int, n: int) -> list[tuple[int, int]]:
 
 
 def plan_replica_parallel(layout: ArrayLayout, min_band_bytes: int) -> ArrayWritePlan:
-    key = ("replica_parallel", min_band_bytes)
-    cached = layout._cache.get(key)
+    cached: ArrayWritePlan | None = layout.memo.replica_parallel.get(min_band_bytes)
     if cached is not None:
-        return cached  # type: ignore[return-value]
+        return cached
     sg = layout.shards
     ncand = sg.num_candidates
     split = (ncand > 1) & (sg.nbytes >= min_band_bytes) & (layout.ndim > 0)
@@ -221,7 +221,7 @@ def plan_replica_parallel(layout: ArrayLayout, min_band_bytes: int) -> ArrayWrit
         row_bytes = sg.nbytes[u] // np.maximum(e_u, 1)
         nbytes = np.where(split[u], (b1 - b0) * row_bytes, sg.nbytes[u])
         plan = ArrayWritePlan(starts, stops, nbytes, sg, sg.cand_ptr[u] + j)
-    layout._cache[key] = plan
+    layout.memo.replica_parallel[min_band_bytes] = plan
     return plan
 
 
@@ -240,9 +240,10 @@ class _Bucket:
 def _holder_groups(layout: ArrayLayout) -> list[_Bucket] | None:
     """The boxes with several holders, grouped by identical holder sets, or None when two
     different holder sets share a process (rare meshes: the planner then goes box by box)."""
-    key = ("holder_groups",)
-    if key in layout._cache:
-        return layout._cache[key]  # type: ignore[return-value]
+    memo = layout.memo
+    if memo.holder_groups_known:
+        known: list[_Bucket] | None = memo.holder_groups
+        return known
     sg = layout.shards
     ncand = sg.num_candidates
     multi = np.flatnonzero(ncand > 1)
@@ -263,7 +264,7 @@ def _holder_groups(layout: ArrayLayout) -> list[_Bucket] | None:
             buckets.append(_Bucket(sets[which], us[pos], by_process[pos]))
     flat = np.concatenate(members) if members else np.zeros(0, np.int64)
     result = buckets if len(np.unique(flat)) == len(flat) else None
-    layout._cache[key] = result
+    memo.holder_groups, memo.holder_groups_known = result, True
     return result
 
 
