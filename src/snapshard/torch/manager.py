@@ -16,10 +16,12 @@ it is true at once. The node-local tier is JAX's only.
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..coordination import Coordinator
 from ..manager.framework import Framework
+from ..manager.manager import DEFAULT_POLICIES
 from ..manager.manager import CheckpointManager as _CheckpointManager
+from ..manager.policies import ManagerPolicies
+from ..options import ReadOptions, SaveOptions
 from ..storage import CheckpointRoot, Location
 from .coordination import default_coordinator
 from .leaves import is_leaf
@@ -37,8 +39,33 @@ TORCH = Framework(
 
 class CheckpointManager(_CheckpointManager):
     """snapshard.CheckpointManager for torch state dicts: `save(step, state_dict)` on every
-    rank, `restore(step, target_state_dict)` in place. Options as snapshard's manager's
-    (all but `local_tier`)."""
+    rank, `restore(step, target_state_dict)` in place. The options are snapshard's
+    manager's (see snapshard.CheckpointManager), but the node-local tier, which is JAX's."""
 
-    def __init__(self, directory: Location | CheckpointRoot, **options: Any) -> None:
-        super().__init__(directory, framework=TORCH, **options)
+    def __init__(
+        self,
+        directory: Location | CheckpointRoot,
+        *,
+        save_interval_steps: int = 1,
+        max_to_keep: int | None = None,
+        read_only: bool = False,
+        async_save: bool = True,
+        incremental: bool = False,
+        save_options: SaveOptions = SaveOptions(),
+        read_options: ReadOptions = ReadOptions(),
+        coordinator: Coordinator | None = None,
+        policies: ManagerPolicies = DEFAULT_POLICIES,
+    ) -> None:
+        super().__init__(
+            directory,
+            save_interval_steps=save_interval_steps,
+            max_to_keep=max_to_keep,
+            read_only=read_only,
+            async_save=async_save,
+            incremental=incremental,
+            save_options=save_options,
+            read_options=read_options,
+            coordinator=coordinator,
+            policies=policies,
+            framework=TORCH,
+        )
