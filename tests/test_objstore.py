@@ -423,7 +423,7 @@ def test_gcs_without_credentials_says_what_to_set(monkeypatch, tmp_path):
 
 def test_checkpoint_manager_on_an_object_store(base, monkeypatch):
     """The manager's start-up cleanup and retention go through ObjectRoot unchanged."""
-    from snapshard.manager import CheckpointManager
+    from snapshard.manager import CheckpointManager, LeasePolicy, ManagerPolicies
 
     with CheckpointManager(base, max_to_keep=2) as mgr:
         for step in (1, 2, 3):
@@ -435,7 +435,8 @@ def test_checkpoint_manager_on_an_object_store(base, monkeypatch):
         with pytest.raises(KeyboardInterrupt):
             snapshard.save(storage(f"{base}/4"), {"x": np.zeros(1000, np.int32)})
     assert ObjectRoot(base).list() == {"2": True, "3": True, "4": False}
-    with CheckpointManager(base, max_to_keep=2) as mgr:
+    eager = ManagerPolicies(lease=LeasePolicy(at_start=True))  # a writer's clean-up when made
+    with CheckpointManager(base, max_to_keep=2, policies=eager) as mgr:
         assert ObjectRoot(base).list() == {"2": True, "3": True}
         assert mgr.latest_step() == 3
         assert mgr.restore()["x"].tolist() == [3] * 1000
