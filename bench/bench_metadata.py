@@ -106,9 +106,9 @@ def job(n: int, n_arrays: int, dp: int) -> tuple[Any, list[Any], list[Any], Any]
     structure and the save mesh's format description."""
     from bench_planning import Mesh as SimMesh
     from bench_planning import layout, tree_arrays
-    from snapshard.adapters.leaves import SaveArray
     from snapshard.dtypes import NAME_TO_DTYPE
     from snapshard.format.layouts import Mesh, describe_rows, mesh_layout, same_holders
+    from snapshard.save_leaves import SaveArray
     from snapshard.tree import flatten
 
     mesh = SimMesh(dp, n // dp, DEVICES_PER_PROCESS)

@@ -24,7 +24,7 @@ jax.Array snapshots and collectives) and the identity shortcut of incremental sa
 (`immutable_arrays`: a leaf that is the very array object saved last time holds the same
 bytes, true of jax.Arrays, not of tensors that the optimizer updates in place).
 
-`JAX` is the default; `snapshard.torch.TORCH` is PyTorch's.
+`snapshard.jax.framework.JAX` is the default; `snapshard.torch.TORCH` is PyTorch's.
 """
 
 from __future__ import annotations
@@ -33,15 +33,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..adapters.leaves import is_save_leaf
-from ..adapters.loaded import jax_loaded
-from ..coordination import Coordinator, default_coordinator
-from ..coordination.jax_distributed import preemption_sync_point
-from ..options import SaveOptions
-from ..restore import load
-from ..saving import SaveTimings, finish, prepare
-from ..storage import Storage
-from ..tree import FlatTree
+from ..coordination import Coordinator
+from ..frameworks import jax_wing
+from ..saving import SaveTimings
 
 
 @dataclass(frozen=True)
@@ -75,32 +69,8 @@ class Framework:
     immutable_arrays: bool = False
 
 
-def _jax_start_save(
-    storage: Storage, tree: Any, options: SaveOptions, *, flat: FlatTree, **prepare_args: Any
-) -> StartedSave:
-    prep = prepare(storage, tree, options, flat=flat, asynchronous=True, **prepare_args)
-    return StartedSave(prep.timings, lambda: finish(prep))
-
-
-def _jax_warm_up() -> None:
-    if not jax_loaded():  # no jax.Array can exist yet: NumPy state (or JAX not installed)
-        return
-    import jax
-
-    from ..adapters.jax_arrays import start_cpu_donation_check
-
-    if jax.default_backend() == "cpu":  # where saves stage CPU arrays without a copy
-        start_cpu_donation_check()
-
-
-JAX = Framework(
-    name="jax",
-    is_leaf=is_save_leaf,
-    coordinator=default_coordinator,
-    start_save=_jax_start_save,
-    load=load,
-    preemption_sync_point=preemption_sync_point,
-    warm_up=_jax_warm_up,
-    local_tier=True,
-    immutable_arrays=True,
-)
+def default_framework() -> Framework:
+    """The manager's framework when none is named: JAX's (registered by the JAX wing, which
+    the face `snapshard.CheckpointManager` imports)."""
+    found: Framework = jax_wing().framework()
+    return found

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import TargetMismatchError
 from ..planning.layout import ArrayLayout, slices_to_box
-from .leaves import MeshSpec
+from ..save_leaves import MeshSpec
 
 Index = tuple[slice, ...]
 

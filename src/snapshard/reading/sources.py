@@ -16,13 +16,13 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import CheckpointNotFoundError
-from .format import ArrayLeaf, Manifest
-from .format.finder import ChunkFinder
-from .format.reading import read_checkpoint
-from .options import ReadOptions
-from .reading import Dest, ReadDests, ReadStats, reader_of, saved_boxes
-from .storage import Storage
+from ..errors import CheckpointNotFoundError
+from ..format import ArrayLeaf, Manifest
+from ..format.finder import ChunkFinder
+from ..format.reading import read_checkpoint
+from ..options import ReadOptions
+from ..storage import Storage
+from . import Dest, ReadDests, ReadStats, reader_of, saved_boxes
 
 
 class CheckpointSource(Protocol):
@@ -75,7 +75,7 @@ def open_source(storage: Storage, options: ReadOptions) -> TreeSource:
         manifest, finder = read_checkpoint(storage)
         return SnapshardSource(storage, manifest, options, finder)
     except CheckpointNotFoundError as e:
-        from .interop import open_foreign
+        from ..orbax.foreign import open_foreign
 
         return open_foreign(storage, e)
 
