@@ -108,11 +108,11 @@ def test_background_failure_is_raised_by_wait(ckpt, monkeypatch):
 def test_only_asynchronous_saves_wait_for_the_staging_check(ckpt, tmp_path, monkeypatch):
     """A synchronous save shares CPU buffers without the donation check (nothing can
     donate them before it returns); an asynchronous one asks the check first."""
-    from snapshard.jax import arrays as jax_arrays
+    from snapshard.frameworks import jax_wing
 
     asked: list[bool] = []
     check = lambda: asked.append(True) or True  # noqa: E731
-    monkeypatch.setattr(jax_arrays, "cpu_donation_keeps_memory", check)
+    monkeypatch.setattr(jax_wing(), "cpu_donation_keeps_memory", check)  # as staging asks it
     x = sharded(np.arange(64.0 * 64).reshape(64, 64), mesh(2, 4), None, "model")
     t = snapshard.save(ckpt, {"x": x})
     assert asked == [] and t.bytes_staged == 0

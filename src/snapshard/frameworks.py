@@ -48,33 +48,22 @@ class JaxWing(Protocol):
     arrays and typed keys from host buffers, whether CPU donation keeps shared memory, the
     default save adapter, coordinator and manager framework.
 
-    A SaveArray, a SaveAdapter, a Coordinator and a Framework are typed Any here: naming their classes
-    would make this seam, the lowest of the core's modules, import the modules that use it."""
+    A SaveArray, SaveAdapter, Coordinator or Framework is typed Any: naming their classes
+    would make this seam, the lowest of the core's modules, import the modules using it."""
 
     def save_array(self, path: Path, name: str, value: Any) -> Any: ...
-
     def key_dtype_is_prng(self, dtype: Any) -> bool: ...
-
     def is_abstract_mesh(self, mesh: Any) -> bool: ...
-
     def resolve_target_sharding(self, sharding: Any, mesh: Any, *, leaf: str) -> Any: ...
-
     def local_device_boxes(self, sharding: Any, shape: tuple[int, ...]) -> Any: ...
-
     def key_array(self, data: np.ndarray, impl: str | None, sharding: Any) -> Any: ...
-
     def array_from_host_boxes(
         self, shape: tuple[int, ...], sharding: Any, boxes: Any, hosts: list[np.ndarray]
     ) -> Any: ...
-
     def start_cpu_donation_check(self) -> None: ...
-
     def cpu_donation_keeps_memory(self) -> bool: ...
-
     def save_adapter(self, budget: int | None = None, snapshot: Any = None) -> Any: ...
-
     def coordinator(self) -> Any: ...
-
     def framework(self) -> Any: ...
 
 
@@ -88,7 +77,7 @@ def register_jax_wing(wing: JaxWing) -> None:
 
 
 def registered_jax_wing() -> JaxWing | None:
-    return _wing
+    return _wing  # (None: not imported; the default coordinator is then a local one)
 
 
 def jax_wing() -> JaxWing:

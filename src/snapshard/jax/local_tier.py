@@ -15,7 +15,7 @@ fits the target without reading data.
 
 Peers: the copies of process p's shards go to processes (p + r·k) mod n for r = 1..replicas,
 k the processes per host, so they sit on other hosts (a pure function of the layout, no
-talking). The copy travels over JAX's collectives (coordination.transfer.exchange).
+talking). The copy travels over JAX's collectives (ppermute.exchange).
 """
 
 from __future__ import annotations

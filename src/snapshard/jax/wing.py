@@ -1,85 +1,38 @@
 """The JAX wing as the core sees it: `frameworks.JaxWing`, registered when `snapshard.jax`
-is imported. Each operation imports the module that runs it when it is asked (JAX is then
-loaded: the core asks only where it met a JAX value), so registering imports no JAX."""
+is imported. Each operation is imported from the module that runs it when it is first
+asked for (JAX is then loaded: the core asks only where it met a JAX value, but for the
+save adapter, the coordinator and the manager's framework, whose modules import no JAX),
+then kept: later calls go straight to it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+from typing import Any
 
-if TYPE_CHECKING:
-    import numpy as np
-
-    from ..coordination.base import Coordinator
-    from ..manager.framework import Framework
-    from ..save_leaves import SaveArray
-    from ..saving import SaveAdapter
-    from ..tree import Path
+# Each operation of frameworks.JaxWing: (module of this package, its name there).
+_WHERE = {
+    "save_array": ("save_adapter", "save_array"),
+    "save_adapter": ("save_adapter", "JaxAdapter"),
+    "key_dtype_is_prng": ("arrays", "key_dtype_is_prng"),
+    "is_abstract_mesh": ("arrays", "is_abstract_mesh"),
+    "resolve_target_sharding": ("arrays", "resolve_target_sharding"),
+    "local_device_boxes": ("arrays", "local_device_boxes"),
+    "key_array": ("arrays", "key_array"),
+    "start_cpu_donation_check": ("arrays", "start_cpu_donation_check"),
+    "cpu_donation_keeps_memory": ("arrays", "cpu_donation_keeps_memory"),
+    "array_from_host_boxes": ("assemble", "array_from_host_boxes"),
+    "coordinator": ("distributed", "distributed_coordinator"),
+    "framework": ("manager", "jax_framework"),
+}
 
 
 class Wing:
-    """frameworks.JaxWing, over jax/arrays.py, jax/assemble.py, jax/save_adapter.py and
-    jax/distributed.py."""
+    """frameworks.JaxWing over this package's modules (see `_WHERE`)."""
 
-    def save_array(self, path: Path, name: str, value: Any) -> SaveArray:
-        from .save_adapter import save_array
-
-        return save_array(path, name, value)
-
-    def key_dtype_is_prng(self, dtype: Any) -> bool:
-        from .arrays import key_dtype_is_prng
-
-        return key_dtype_is_prng(dtype)
-
-    def is_abstract_mesh(self, mesh: Any) -> bool:
-        from .arrays import is_abstract_mesh
-
-        return is_abstract_mesh(mesh)
-
-    def resolve_target_sharding(self, sharding: Any, mesh: Any, *, leaf: str) -> Any:
-        from .arrays import resolve_target_sharding
-
-        return resolve_target_sharding(sharding, mesh, leaf=leaf)
-
-    def local_device_boxes(self, sharding: Any, shape: tuple[int, ...]) -> Any:
-        from .arrays import local_device_boxes
-
-        return local_device_boxes(sharding, shape)
-
-    def key_array(self, data: np.ndarray, impl: str | None, sharding: Any) -> Any:
-        from .arrays import key_array
-
-        return key_array(data, impl, sharding)
-
-    def array_from_host_boxes(
-        self, shape: tuple[int, ...], sharding: Any, boxes: Any, hosts: list[np.ndarray]
-    ) -> Any:
-        from .assemble import array_from_host_boxes
-
-        return array_from_host_boxes(shape, sharding, boxes, hosts)
-
-    def start_cpu_donation_check(self) -> None:
-        from .arrays import start_cpu_donation_check
-
-        start_cpu_donation_check()
-
-    def cpu_donation_keeps_memory(self) -> bool:
-        from .arrays import cpu_donation_keeps_memory
-
-        return cpu_donation_keeps_memory()
-
-    def save_adapter(self, budget: int | None = None, snapshot: Any = None) -> SaveAdapter:
-        from .save_adapter import JaxAdapter
-
-        return JaxAdapter(budget, snapshot)
-
-    def coordinator(self) -> Coordinator | None:
-        """jax.distributed's coordinator when it runs several processes, else None."""
-        from .distributed import distributed_coordinator
-
-        return distributed_coordinator()
-
-    def framework(self) -> Framework:
-        """The manager's `JAX` framework (jax/framework.py)."""
-        from .framework import JAX
-
-        return JAX
+    def __getattr__(self, name: str) -> Any:
+        if name not in _WHERE:
+            raise AttributeError(f"the JAX wing has no operation {name!r}")
+        module, attr = _WHERE[name]
+        found = getattr(importlib.import_module(f"{__package__}.{module}"), attr)
+        setattr(self, name, found)  # (asked again: found on the instance, no lookup)
+        return found

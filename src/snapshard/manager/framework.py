@@ -24,7 +24,7 @@ jax.Array snapshots and collectives) and the identity shortcut of incremental sa
 (`immutable_arrays`: a leaf that is the very array object saved last time holds the same
 bytes, true of jax.Arrays, not of tensors that the optimizer updates in place).
 
-`snapshard.jax.framework.JAX` is the default; `snapshard.torch.TORCH` is PyTorch's.
+`snapshard.jax.manager.JAX` is the default; `snapshard.torch.TORCH` is PyTorch's.
 """
 
 from __future__ import annotations

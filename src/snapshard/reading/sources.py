@@ -5,7 +5,7 @@ A `CheckpointSource` fills the read executor's host buffers (`read_dests`) and s
 boxes of an array its writers held (`saved_boxes`, which read-once planning uses). A
 `TreeSource` also has a manifest: the saved tree and its leaves, as snapshard's format
 describes them. snapshard checkpoints are read by the executor itself; Orbax checkpoints
-through TensorStore (interop.orbax); safetensors files, which have no saved tree (a load
+through TensorStore (orbax/reader.py); safetensors files, which have no saved tree (a load
 names the tensors it wants), by byte ranges (safetensors.source).
 """
 

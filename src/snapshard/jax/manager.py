@@ -47,3 +47,8 @@ JAX = Framework(
     local_tier=True,
     immutable_arrays=True,
 )
+
+
+def jax_framework() -> Framework:
+    """`JAX`, for the manager's default (frameworks.JaxWing.framework)."""
+    return JAX
