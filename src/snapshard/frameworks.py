@@ -92,4 +92,9 @@ def jax_wing() -> JaxWing:
 
 def default_save_adapter(budget: int | None = None, snapshot: Any = None) -> Any:
     """The save adapter of `snapshard.save` (the JAX wing's), for budget and snapshot."""
-    return jax_wing().save_adapter(budget, snapshot)
+    if _wing is None:
+        raise SnapshardError(
+            "a save given no SaveAdapter uses the JAX wing's, which is not loaded: pass the "
+            "wing's adapter, or save through snapshard.save (or import snapshard.jax first)"
+        )
+    return _wing.save_adapter(budget, snapshot)

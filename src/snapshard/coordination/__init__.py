@@ -11,7 +11,8 @@ _single: SingleProcessCoordinator | None = None
 
 
 def default_coordinator() -> Coordinator:
-    """jax.distributed's when it is initialized with several processes, else a local one."""
+    """jax.distributed's when it is initialized with several processes and the JAX wing is
+    loaded (`snapshard.save`, `load` and the manager load it), else a local one."""
     global _single
     wing = registered_jax_wing()
     found = wing.coordinator() if wing is not None else None
