@@ -45,10 +45,7 @@ FOUNDATIONS = (
     "snapshard.storage",
 )
 FRAMEWORKS = ("jax", "jaxlib", "torch", "orbax", "tensorstore", "flax", "safetensors")
-# The one core -> wing import left: the manager reaches the node-local tier (JAX's only)
-# inside the functions that use it; a change to the manager's body (the tier reached through
-# its Framework) removes it. Named here so that no other one can appear.
-KNOWN_CORE_TO_WING = {("snapshard.manager.manager", "snapshard.jax.local_tier")}
+
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -140,14 +137,8 @@ def test_no_import_cycle():
 
 
 def test_the_core_imports_no_wing():
-    found = {
-        (m, d)
-        for m, deps in _graph().items()
-        if _core(m)
-        for d in deps
-        if _under(d, WINGS)
-    }
-    assert found <= KNOWN_CORE_TO_WING, sorted(found - KNOWN_CORE_TO_WING)
+    found = {(m, d) for m, deps in _graph().items() if _core(m) for d in deps if _under(d, WINGS)}
+    assert sorted(found) == []
 
 
 def test_the_torch_wing_imports_nothing_of_the_jax_wing():

@@ -4,6 +4,7 @@ and the warm-up of the CPU donation check."""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 from ..coordination import default_coordinator
@@ -36,6 +37,12 @@ def _jax_warm_up() -> None:
         start_cpu_donation_check()
 
 
+def _local_tier() -> ModuleType:
+    from . import local_tier  # (imports JAX: only a manager with a tier asks)
+
+    return local_tier
+
+
 JAX = Framework(
     name="jax",
     is_leaf=is_save_leaf,
@@ -44,7 +51,7 @@ JAX = Framework(
     load=load,
     preemption_sync_point=preemption_sync_point,
     warm_up=_jax_warm_up,
-    local_tier=True,
+    local_tier=_local_tier,
     immutable_arrays=True,
 )
 

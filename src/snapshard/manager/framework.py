@@ -19,10 +19,13 @@ depend on the arrays being jax.Arrays or torch tensors; only these things do, an
   in the background when a manager is made (JAX: the check that zero-copy staging of CPU
   arrays is safe, whose first jit costs a fresh process 0.2 s), or None.
 
-Two flags say what the framework supports: the node-local tier (`local_tier`, built on
-jax.Array snapshots and collectives) and the identity shortcut of incremental saves
-(`immutable_arrays`: a leaf that is the very array object saved last time holds the same
-bytes, true of jax.Arrays, not of tensors that the optimizer updates in place).
+What the framework supports beyond these: the node-local tier (`local_tier`: a function
+giving the tier's module, with `LocalStore`, `stage_local`, `TierRestore` and
+`restore_from_tiers`, imported when a manager uses the tier: jax/local_tier.py, built on
+jax.Array snapshots and collectives; None where there is none) and the identity shortcut of
+incremental saves (`immutable_arrays`: a leaf that is the very array object saved last time
+holds the same bytes, true of jax.Arrays, not of tensors that the optimizer updates in
+place).
 
 `snapshard.jax.manager.JAX` is the default; `snapshard.torch.TORCH` is PyTorch's.
 """
@@ -65,7 +68,7 @@ class Framework:
     load: Callable[..., Any]
     preemption_sync_point: Callable[[int], bool | None] | None = None
     warm_up: Callable[[], None] | None = None
-    local_tier: bool = False
+    local_tier: Callable[[], Any] | None = None
     immutable_arrays: bool = False
 
 
@@ -74,3 +77,10 @@ def default_framework() -> Framework:
     the face `snapshard.CheckpointManager` imports)."""
     found: Framework = jax_wing().framework()
     return found
+
+
+def tier_of(framework: Framework) -> Any:
+    """The framework's node-local tier (its module), which a manager with a tier uses."""
+    if framework.local_tier is None:
+        raise ValueError(f"the local tier is not available for {framework.name} state")
+    return framework.local_tier()

@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..background import BackgroundTask
 from ..coordination import Coordinator
@@ -35,13 +35,10 @@ from ..saving import SaveTimings
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
 from ..tree import FlatTree, flatten
-from .framework import Framework, StartedSave, default_framework
+from .framework import Framework, StartedSave, default_framework, tier_of
 from .policies import LeasePolicy, ManagerPolicies, StepInfo, young_daly_interval
 from .references import References, identical_leaves, is_retained, saved_arrays
 from .tier_config import LocalTier, RestoreReport, TierReport
-
-if TYPE_CHECKING:
-    from ..jax.local_tier import LocalStore
 
 log = logging.getLogger("snapshard")
 DEFAULT_POLICIES = ManagerPolicies()
@@ -149,10 +146,10 @@ class CheckpointManager:
         self._retained: set[str] = set()
         self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
 
-    def _local_store(self, tier: LocalTier | None) -> LocalStore | None:
+    def _local_store(self, tier: LocalTier | None) -> Any:
         if not tier:
             return None
-        from ..jax.local_tier import LocalStore  # the tier works on jax.Arrays (JAX only)
+        LocalStore = tier_of(self._framework).LocalStore  # the tier works on jax.Arrays (JAX only)
 
         store = LocalStore(tier, self._coord.process_index, self._coord.process_count)
         store.retain(store.tier.max_to_keep)
@@ -350,7 +347,7 @@ class CheckpointManager:
         snapshot = None
         if local:
             assert self._local is not None
-            from ..jax.local_tier import stage_local
+            stage_local = tier_of(self._framework).stage_local
 
             local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
         started = (
@@ -530,7 +527,8 @@ class CheckpointManager:
         """The restore from the local tier and peers where the processes agree it can serve
         (`report.tier` says which served; empty: none), else an error for a `step` that the
         persistent tier does not hold either."""
-        from ..jax.local_tier import TierRestore, restore_from_tiers
+        tier = tier_of(self._framework)
+        TierRestore, restore_from_tiers = tier.TierRestore, tier.restore_from_tiers
 
         assert self._local is not None
         ask = TierRestore(
