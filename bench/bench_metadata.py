@@ -106,9 +106,9 @@ def job(n: int, n_arrays: int, dp: int) -> tuple[Any, list[Any], list[Any], Any]
     structure and the save mesh's format description."""
     from bench_planning import Mesh as SimMesh
     from bench_planning import layout, tree_arrays
-    from snapshard.adapters.leaves import SaveArray
     from snapshard.dtypes import NAME_TO_DTYPE
     from snapshard.format.layouts import Mesh, describe_rows, mesh_layout, same_holders
+    from snapshard.save_leaves import SaveArray
     from snapshard.tree import flatten
 
     mesh = SimMesh(dp, n // dp, DEVICES_PER_PROCESS)
@@ -481,6 +481,7 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
     from snapshard.checksum import crc32c
     from snapshard.coordination.rendezvous import Rendezvous, namespace
     from snapshard.format import Manifest
+    from snapshard.jax.save_adapter import JaxAdapter
     from snapshard.options import SaveOptions
     from snapshard.planning import plan_writes, write_plan
 
@@ -514,7 +515,7 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
         for q in range(1, n):  # what every other process has reported by now
             rv.report(f"written/{q}", **reports[q])
         prep = saving._Prepared(storage, rv, list(leaves), structure, plan, [], False, SaveOptions(), {},
-                                digests)  # fmt: skip
+                                digests, adapter=JaxAdapter())  # fmt: skip
         rv.report("written/0", **reports[0])
         base = rss()
         _hwm_reset()

@@ -117,8 +117,9 @@ def worker() -> None:
     from jax.experimental import multihost_utils
 
     import snapshard
-    from snapshard.adapters.jax_arrays import layout_of
-    from snapshard.coordination import Coordinator, JaxDistributedCoordinator
+    from snapshard.coordination import Coordinator
+    from snapshard.jax.arrays import layout_of
+    from snapshard.jax.distributed import JaxDistributedCoordinator
     from snapshard.planning import plan_writes
 
     warnings.filterwarnings("ignore")

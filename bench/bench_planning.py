@@ -152,7 +152,7 @@ def build_layouts(arrays, mesh: Mesh) -> list[ArrayLayout]:
     return [cache[a] for a in arrays]
 
 
-# ---------------------------------------------------------------- the read plan (as restore.py)
+# ---------------------------------------------------------------- the read plan (as jax/load.py)
 def target_boxes(la: ArrayLayout, process: int) -> tuple[np.ndarray, np.ndarray]:
     """The unique boxes one process holds (replicated boxes once)."""
     rows = np.flatnonzero(la.process_ids == process)

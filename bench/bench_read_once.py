@@ -119,6 +119,7 @@ def worker(args: argparse.Namespace) -> None:
 
     import snapshard
     from snapshard.coordination import default_coordinator
+    from snapshard.jax import distributed  # noqa: F401  (the JAX wing: jax.distributed's coordinator the default)
 
     coord = default_coordinator()
     rows = _rows(args.mb)

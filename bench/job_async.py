@@ -33,8 +33,8 @@ warnings.filterwarnings("ignore")
 
 def plain_copy(tree) -> dict:
     """Copy every owned slice (the plan's items of this process) into fresh host memory."""
-    from snapshard.adapters.leaves import classify
     from snapshard.planning import plan_writes
+    from snapshard.save_leaves import classify
     from snapshard.tree import flatten
 
     flat = flatten(tree, lambda x: isinstance(x, jax.Array))

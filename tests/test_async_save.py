@@ -10,7 +10,7 @@ import pytest
 
 import snapshard
 from snapshard import SaveOptions
-from snapshard.adapters import jax_arrays
+from snapshard.jax import arrays as jax_arrays
 from snapshard.storage import local
 
 from conftest import mesh, sharded
@@ -108,11 +108,11 @@ def test_background_failure_is_raised_by_wait(ckpt, monkeypatch):
 def test_only_asynchronous_saves_wait_for_the_staging_check(ckpt, tmp_path, monkeypatch):
     """A synchronous save shares CPU buffers without the donation check (nothing can
     donate them before it returns); an asynchronous one asks the check first."""
-    from snapshard.adapters import jax_arrays
+    from snapshard.frameworks import jax_wing
 
     asked: list[bool] = []
     check = lambda: asked.append(True) or True  # noqa: E731
-    monkeypatch.setattr(jax_arrays, "cpu_donation_keeps_memory", check)
+    monkeypatch.setattr(jax_wing(), "cpu_donation_keeps_memory", check)  # as staging asks it
     x = sharded(np.arange(64.0 * 64).reshape(64, 64), mesh(2, 4), None, "model")
     t = snapshard.save(ckpt, {"x": x})
     assert asked == [] and t.bytes_staged == 0
@@ -131,7 +131,7 @@ def test_fully_replicated_arrays_are_copied_once_each(ckpt, monkeypatch, budget)
     values = {f"r{i}": np.arange(1 << 18, dtype=np.float32).reshape(512, 512) + i for i in range(3)}
     tree = {k: sharded(v, m, None, None) for k, v in values.items()}
     assert all(a.is_fully_replicated for a in tree.values())
-    from snapshard.adapters import jax_save
+    from snapshard.jax import save_adapter as jax_save
 
     staged: list[int] = []
     real_stage = jax_save.stage

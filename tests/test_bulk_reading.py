@@ -165,7 +165,8 @@ def test_arrays_alike_are_assembled_from_their_own_boxes(
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from snapshard.adapters import jax_arrays, jax_transfer
+    from snapshard.jax import arrays as jax_arrays
+    from snapshard.jax import assemble as jax_transfer
 
     monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", shared_host_memory)
     monkeypatch.setattr(jax_transfer, "_assemblies", {})

@@ -12,7 +12,7 @@ import pytest
 import snapshard
 from snapshard.cli import main
 from snapshard.cli.options import DEFAULT_LIMIT
-from snapshard.interop.reader import open_reader
+from snapshard.cli.reader import open_reader
 
 from conftest import chunk_of
 

@@ -96,7 +96,7 @@ def blocks_needed(path, rows, cols, shape, itemsize):
                   ((10, 900), (100, 101))]
 )  # fmt: skip
 def test_partial_restore_reads_only_the_blocks_it_needs(tmp_path, monkeypatch, rows, cols):
-    from snapshard.interop.reader import open_reader
+    from snapshard.cli.reader import open_reader
 
     x = np.arange(1024 * 512, dtype=np.float32).reshape(1024, 512) % 1013 * 0.5
     snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
@@ -162,7 +162,7 @@ def test_large_chunk_paths_are_bit_exact(tmp_path, monkeypatch, small_groups, op
     same(snapshard.load(tmp_path / "c", options=ReadOptions(verify=False)), s)
     assert any(t.startswith("snapshard-codec") for t in small_groups)
     # strided targets (column bands: many pieces per read) and partial rows
-    from snapshard.interop.reader import open_reader
+    from snapshard.cli.reader import open_reader
 
     reader = open_reader(tmp_path / "c")
     leaf = next(a for a in reader.manifest.arrays if a.name.endswith("big"))
@@ -226,7 +226,7 @@ def test_frames_without_their_size_in_the_header_read_back(tmp_path, monkeypatch
     snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     monkeypatch.undo()
     assert np.array_equal(snapshard.load(tmp_path / "c")["x"], x)
-    from snapshard.interop.reader import open_reader
+    from snapshard.cli.reader import open_reader
 
     reader = open_reader(tmp_path / "c")
     box = reader.read_box(reader.manifest.arrays[0], (7, 3), (300, 500))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import snapshard
-import snapshard.restore
+import snapshard.jax.load
 import snapshard.saving
 from snapshard.gc_pause import collection_paused
 
@@ -73,7 +73,7 @@ def test_load_and_save_run_paused_and_leave_the_collector_on(
         monkeypatch.setattr(module, name, wrapped)
 
     probe(snapshard.saving, "plan_writes")
-    probe(snapshard.restore, "open_source")
+    probe(snapshard.jax.load, "open_source")
     snapshard.save(tmp_path / "c", {"a": np.arange(6.0)})
     assert gc.isenabled()
     out = snapshard.load(tmp_path / "c", {"a": np.zeros(6)})

@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
+from snapshard.cli.reader import slabs
 from snapshard.errors import CorruptCheckpointError
 from snapshard.format.validate import coverage_problems
-from snapshard.interop.orbax_meta import describe_sharding, parse_tree_metadata
-from snapshard.interop.reader import slabs
+from snapshard.orbax.meta import describe_sharding, parse_tree_metadata
 
 
 @pytest.mark.parametrize(
@@ -43,7 +43,7 @@ def test_slabs_of_an_empty_box_and_exact_cuts():
 
 
 def test_chunk_grid_tiles_the_array():
-    from snapshard.interop.orbax import chunk_grid
+    from snapshard.orbax.reader import chunk_grid
 
     for shape, chunk in [((7, 13), (2, 5)), ((16,), (4,)), ((), ()), ((5, 3), None)]:
         t = chunk_grid(shape, chunk, 2)

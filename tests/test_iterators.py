@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 import snapshard
-from snapshard.adapters.iterators import (
+from snapshard.errors import SnapshardError, UnsupportedLeafError
+from snapshard.iterators import (
     is_checkpointable_iterator,
     iterator_record,
     restore_iterator,
     state_of_record,
 )
-from snapshard.errors import SnapshardError, UnsupportedLeafError
 
 grain = pytest.importorskip("grain")
 
@@ -120,7 +120,7 @@ def test_records_of_other_states():
 #
 # The manifest stores a bytes value as {"type": "bytes", "value": <base64>}. The hooks that
 # accept it belong to the format and the leaf classifier: format.manifest.encode_value /
-# decode_value, and adapters.leaves.VALUE_TYPES. `bytes_hooks` applies them here so the
+# decode_value, and save_leaves.VALUE_TYPES. `bytes_hooks` applies them here so the
 # encoding is tested before they land.
 
 
@@ -144,7 +144,7 @@ def decode_bytes(decode):
 
 @pytest.fixture
 def bytes_hooks(monkeypatch):
-    from snapshard.adapters import leaves
+    from snapshard import save_leaves as leaves
     from snapshard.format import manifest
 
     if bytes in leaves.VALUE_TYPES:  # the hooks have landed

@@ -1,4 +1,4 @@
-"""The arrays a restore builds from host boxes (adapters/jax_transfer.py) are the arrays
+"""The arrays a restore builds from host boxes (jax/assemble.py) are the arrays
 jax.make_array_from_callback builds from the same boxes: values, sharding, abstract value,
 commitment and shards, on every kind of sharding, through JAX's batched transfer and
 through the fallback alike."""
@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
-from snapshard.adapters import jax_transfer
-from snapshard.adapters.jax_arrays import local_device_boxes
+from snapshard.jax import assemble as jax_transfer
+from snapshard.jax.arrays import local_device_boxes
 
 
 def _shardings() -> list[tuple[str, jax.sharding.Sharding]]:

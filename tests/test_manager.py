@@ -237,7 +237,7 @@ def test_a_new_manager_runs_the_staging_check_before_its_first_save(tmp_path, mo
     its first save's blocking phase does not wait for it."""
     import time
 
-    from snapshard.adapters import jax_arrays
+    from snapshard.jax import arrays as jax_arrays
 
     monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", None)
     with CheckpointManager(tmp_path / "run"):

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import snapshard
 from snapshard import TargetMismatchError
-from snapshard.adapters import jax_arrays
-from snapshard.adapters.jax_arrays import (
+from snapshard.jax import arrays as jax_arrays
+from snapshard.jax.arrays import (
     cpu_donation_keeps_memory,
     key_array,
     outside_context_mesh,

@@ -212,7 +212,7 @@ def test_a_location_holding_nothing_is_not_found_without_asking_tensorstore(base
     """No snapshard manifest and no Orbax metadata: CheckpointNotFoundError at once (TensorStore,
     which waits for credentials of its own, is never asked)."""
     pytest.importorskip("tensorstore")
-    from snapshard.interop import orbax
+    from snapshard.orbax import reader as orbax
 
     def never(location):
         raise AssertionError(f"TensorStore asked about {location}")
@@ -423,7 +423,8 @@ def test_gcs_without_credentials_says_what_to_set(monkeypatch, tmp_path):
 
 def test_checkpoint_manager_on_an_object_store(base, monkeypatch):
     """The manager's start-up cleanup and retention go through ObjectRoot unchanged."""
-    from snapshard.manager import CheckpointManager, LeasePolicy, ManagerPolicies
+    from snapshard import CheckpointManager
+    from snapshard.manager import LeasePolicy, ManagerPolicies
 
     with CheckpointManager(base, max_to_keep=2) as mgr:
         for step in (1, 2, 3):

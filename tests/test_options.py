@@ -102,7 +102,7 @@ def test_the_manager_writes_every_step_with_its_save_options(tmp_path):
 
 
 def test_the_manager_restores_with_its_read_options_unless_given_others(tmp_path, monkeypatch):
-    import snapshard.sources as sources
+    import snapshard.reading.sources as sources
 
     seen: list[tuple[bool, int]] = []
     real = sources.reader_of

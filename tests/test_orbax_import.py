@@ -200,7 +200,7 @@ def test_unreadable_orbax_checkpoints_say_why(orbax_dirs, tmp_path, monkeypatch)
     with pytest.raises(snapshard.SnapshardError, match="from before Orbax wrote _METADATA"):
         snapshard.load(old)
     # Without TensorStore installed, an Orbax directory is named as such.
-    monkeypatch.setitem(sys.modules, "snapshard.interop.orbax", None)
+    monkeypatch.setitem(sys.modules, "snapshard.orbax.reader", None)
     with pytest.raises(
         snapshard.SnapshardError, match=r"Orbax checkpoint; reading it needs TensorStore"
     ):

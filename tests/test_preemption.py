@@ -16,7 +16,7 @@ from snapshard import CheckpointManager
 from snapshard.coordination import SingleProcessCoordinator
 from snapshard.coordination.preemption import PreemptionAgreement
 from snapshard.errors import CoordinationError
-from snapshard.manager import JAX
+from snapshard.jax.manager import JAX
 
 KEY = "snapshard/preemption/test/0"
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import multiproc
 import snapshard
 from snapshard import ReadOptions
-from snapshard.read_once import leaf_plan
+from snapshard.jax.read_once import leaf_plan
 
 from conftest import mesh, sharded
 
@@ -179,7 +179,7 @@ def test_read_sharding_of_a_replicated_target():
 
 
 def test_read_sharding_candidates():
-    from snapshard.read_once import _named_candidates
+    from snapshard.jax.read_once import _named_candidates
 
     m = mesh(2, 4)
     got = _named_candidates(NamedSharding(m, P(None, "model")), (64, 32))
@@ -205,8 +205,8 @@ def test_read_sharding_of_a_target_that_cuts_saved_rows():
 def test_by_default_arrays_under_the_minimum_are_read_by_every_holder(monkeypatch):
     """read_once=None leaves out arrays of fewer than READ_ONCE_MIN_BYTES (moving one costs
     more than reading it again); read_once=True takes every array a read sharding fits."""
-    from snapshard import read_once
     from snapshard.format import ArrayLeaf
+    from snapshard.jax import read_once
     from snapshard.read_once_policy import READ_ONCE_MIN_BYTES
     from snapshard.reading import Request
 

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snapshard.planning import ChunkIndex, coalesce_runs, overlap_runs, read_plan
+from snapshard.planning import ChunkIndex, coalesce_runs, overlap_runs, overlaps
 
 
 @st.composite
@@ -91,11 +91,11 @@ def test_coalesced_ranges_cover_every_run_and_whole_blocks(raw, block, gap):
     offs_a, lens_a = np.array(offs, np.int64), np.array(lens, np.int64)
     ranges = coalesce_runs(offs_a, lens_a, nbytes, block=block, max_gap=gap)
     # The plain-Python path for a few runs and the NumPy path agree.
-    small, read_plan._SMALL = read_plan._SMALL, 0
+    small, overlaps._SMALL = overlaps._SMALL, 0
     try:
         assert coalesce_runs(offs_a, lens_a, nbytes, block=block, max_gap=gap) == ranges
     finally:
-        read_plan._SMALL = small
+        overlaps._SMALL = small
     covered = [False] * len(offs)
     for r in ranges:
         assert 0 <= r.start < r.stop <= nbytes

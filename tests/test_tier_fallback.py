@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import snapshard
+from snapshard.jax.local_tier import box_key, build_from_local
 from snapshard.manager import LocalTier
-from snapshard.manager.local_tier import box_key, build_from_local
 from snapshard.planning.layout import slices_to_box
 
 from conftest import mesh, sharded

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import multiproc
-from snapshard.manager.local_tier import peers
+from snapshard.jax.local_tier import peers
 
 pytestmark = pytest.mark.multiprocess
 

@@ -10,7 +10,7 @@ import pytest
 
 import snapshard
 from snapshard import SaveOptions, write_tuning
-from snapshard.adapters.jax_arrays import cpu_donation_keeps_memory
+from snapshard.jax.arrays import cpu_donation_keeps_memory
 from snapshard.storage import writeback
 from snapshard.write_tuning import WriterCounts
 

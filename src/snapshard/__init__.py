@@ -12,7 +12,8 @@ snapshard.format) can be imported without JAX.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     CheckpointExistsError,
@@ -31,19 +32,19 @@ from .errors import (
 from .lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from .adapters.targets import abstract_target
     from .inspection import ArrayMetadata, ValueMetadata, metadata
+    from .jax.load import load
+    from .jax.targets import abstract_target
     from .manager import BackgroundSaveError, CheckpointManager, LocalTier
     from .options import ReadOptions, SaveOptions
     from .per_process import PerProcess
     from .reading import ReadStats
-    from .restore import load
     from .saving import AsyncSave, SaveTimings, save, save_async
 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "abstract_target": "adapters.targets",
+    "abstract_target": "jax.targets",
     "ArrayMetadata": "inspection",
     "ValueMetadata": "inspection",
     "metadata": "inspection",
@@ -54,7 +55,7 @@ _LAZY = {
     "SaveOptions": "options",
     "PerProcess": "per_process",
     "ReadStats": "reading",
-    "load": "restore",
+    "load": "jax.load",
     "AsyncSave": "saving",
     "SaveTimings": "saving",
     "save": "saving",
@@ -62,7 +63,17 @@ _LAZY = {
 }
 
 
-__getattr__ = lazy_getattr(__name__, _LAZY)
+_lazy = lazy_getattr(__name__, _LAZY)
+
+# The JAX-default entry points: the JAX wing registers its seams with the core (the default
+# save adapter and coordinator) before the save executor is reached through them.
+_JAX_DEFAULT = frozenset({"save", "save_async", "AsyncSave", "CheckpointManager"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _JAX_DEFAULT:
+        importlib.import_module(".jax", __name__)
+    return _lazy(name)
 
 
 __all__ = [

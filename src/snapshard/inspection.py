@@ -54,7 +54,7 @@ def metadata(directory: Location | Storage) -> Any:
     try:
         manifest = read_manifest(storage)
     except CheckpointNotFoundError as e:
-        from .interop import open_foreign
+        from .orbax.foreign import open_foreign
 
         manifest = open_foreign(storage, e).manifest
     finally:

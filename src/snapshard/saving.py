@@ -23,8 +23,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import per_process, write_tuning
-from .adapters.jax_save import JaxAdapter
-from .adapters.leaves import MeshSpec, SaveArray, checked_dtype
 from .background import BackgroundTask
 from .checksum import crc32c
 from .chunk_files import FileChunks, cut_files, files_at_once, write_files
@@ -56,16 +54,18 @@ from .format import (
     validate_structure,
 )
 from .format.binding import name_key
-from .format.encoding import chunk_span as chunk_span  # for interop/writer.py, as before
-from .format.encoding import write_chunk as write_chunk  # for interop/writer.py, as before
+from .format.encoding import chunk_span as chunk_span  # for box_writer.py, as before
+from .format.encoding import write_chunk as write_chunk  # for box_writer.py, as before
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
 from .format.records import RECORD_FIXED, ChunkRecord, ProcessReport
-from .format.records import records_of as records_of  # for interop/writer.py, as before
+from .format.records import records_of as records_of  # for box_writer.py, as before
+from .frameworks import default_save_adapter
 from .gc_pause import Frozen, collection_paused
 from .incremental import Increment, check_refs_committed, manifest_refs
 from .options import SaveOptions, require
 from .planning import WritePlan, plan_writes
+from .save_leaves import MeshSpec, SaveArray, checked_dtype
 from .staging import Snapshot, StagedItem
 from .storage import Location, Storage, is_object_store_url, storage_for
 from .storage.stale_staging import is_owner_record
@@ -112,7 +112,7 @@ class _Prepared:
     timings: SaveTimings = field(default_factory=SaveTimings)
     increment: Increment | None = None  # content hashes and references (incremental.py)
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this attempt's files
-    adapter: SaveAdapter = field(default_factory=JaxAdapter)
+    adapter: SaveAdapter = field(default_factory=default_save_adapter)
 
 
 class SaveAdapter(Protocol):
@@ -156,7 +156,7 @@ def classify_leaves(
     flat: FlatTree, process_count: int, adapter: SaveAdapter | None = None
 ) -> list[Leaf | SaveArray]:
     """Every leaf of `flat` as a SaveArray or a manifest leaf (JAX's adapter by default)."""
-    classify = (adapter or JaxAdapter()).classify
+    classify = (adapter or default_save_adapter()).classify
     return [classify(p, v, process_count) for p, v in zip(flat.paths, flat.leaves, strict=True)]
 
 
@@ -184,7 +184,7 @@ def prepare(
     t0 = time.perf_counter()
     require(options, SaveOptions)
     if adapter is None:
-        adapter = JaxAdapter(options.host_budget, snapshot)
+        adapter = default_save_adapter(options.host_budget, snapshot)
     if not isinstance(location, Storage) and not os.fspath(location):
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()

@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 
-from .adapters.leaves import SaveArray
 from .errors import SnapshardError
+from .frameworks import jax_wing
 from .planning import WritePlan
 from .planning.layout import Box
+from .save_leaves import SaveArray
 
 
 @dataclass
@@ -67,9 +68,7 @@ def _on_host(data: Any, asynchronous: bool = True) -> np.ndarray | None:
 
 def _views_safe(asynchronous: bool) -> bool:
     """Whether a CPU shard may be staged as a view of its buffer (see the module's doc)."""
-    from .adapters.jax_arrays import cpu_donation_keeps_memory  # a jax.Array is being staged
-
-    return not asynchronous or cpu_donation_keeps_memory()
+    return not asynchronous or jax_wing().cpu_donation_keeps_memory()  # a jax.Array is staged
 
 
 def host_snapshot(arrays: list[tuple[int, SaveArray]], process: int) -> Snapshot:

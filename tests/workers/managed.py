@@ -23,7 +23,7 @@ def main() -> None:
     from jax.sharding import PartitionSpec as P
 
     import snapshard
-    from snapshard.coordination import JaxDistributedCoordinator
+    from snapshard.jax.distributed import JaxDistributedCoordinator
 
     counts = {"barrier": 0, "get": 0}
     real_barrier, real_get = JaxDistributedCoordinator.barrier, JaxDistributedCoordinator.get

@@ -26,7 +26,7 @@ def die() -> None:
 def install_kill(point: str, at: int) -> None:
     from snapshard.storage import local
 
-    save_mod = importlib.import_module("snapshard.adapters.jax_save")  # JaxAdapter.stage calls it
+    save_mod = importlib.import_module("snapshard.jax.save_adapter")  # JaxAdapter.stage calls it
 
     calls = {"n": 0}
     real_stage = save_mod.stage

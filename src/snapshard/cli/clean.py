@@ -24,8 +24,8 @@ from typing import Any
 
 from ..errors import CheckpointNotFoundError, SnapshardError
 from ..format.naming import MANIFEST_NAME
-from ..interop import local_path
 from ..storage import stale_staging
+from ..storage.location import local_path
 from ..storage.stale_staging import ALIVE, GONE, Unfinished
 from .output import Output, human_bytes, table
 

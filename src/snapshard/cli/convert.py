@@ -22,17 +22,17 @@ from typing import Any
 
 import numpy as np
 
+from ..box_writer import CheckpointWriter
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import MANIFEST_NAME, ArrayLeaf, Manifest
 from ..format.kinds import LeafKind
-from ..interop import local_path
-from ..interop.reader import CheckpointReader, chunk_slabs
-from ..interop.writer import CheckpointWriter
 from ..storage import storage_for
+from ..storage.location import local_path
 from .ls import open_for_command
 from .options import add_memory_option, megabytes
 from .output import Output, human_bytes
+from .reader import CheckpointReader, chunk_slabs
 
 FORMATS = ("snapshard", "safetensors")
 

@@ -17,10 +17,10 @@ import numpy as np
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf, Leaf, ValueLeaf
 from ..format.kinds import LeafKind
-from ..interop.reader import CheckpointReader, slabs
 from .ls import open_for_command
 from .options import add_listing_options, add_memory_option, name_selector, shown_count
 from .output import Output, Progress, json_value
+from .reader import CheckpointReader, slabs
 from .tables import load_all_tables
 
 # Slabs are sized for the float64 / complex128 copies made to compare them.

@@ -10,7 +10,6 @@ from typing import Any
 from ..format import ArrayLeaf, Leaf, Manifest
 from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
-from ..interop.reader import CheckpointReader
 from .ls import open_for_command
 from .options import add_listing_options, name_selector, shown_count
 from .output import (
@@ -22,6 +21,7 @@ from .output import (
     json_value,
     table,
 )
+from .reader import CheckpointReader
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:

@@ -12,10 +12,12 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, SnapshardError
 from ..format import DATA_DIR, INDEX_DIR
 from ..format.reading import read_summary
-from ..interop import local_path, looks_like_orbax, step_order
-from ..interop.reader import CheckpointReader, open_reader
+from ..orbax.foreign import looks_like_orbax
+from ..orbax.meta import step_order
 from ..storage import CheckpointRoot, root_for, stale_staging, storage_for
+from ..storage.location import local_path
 from .output import Output, format_metrics, human_bytes, iso_time, table
+from .reader import CheckpointReader, open_reader
 
 _ORBAX_TMP = ".orbax-checkpoint-tmp"
 
@@ -32,7 +34,7 @@ def _orbax_entry(location: str) -> dict[str, Any] | None:
     if local is not None and not looks_like_orbax(local):
         return None
     try:
-        from ..interop.orbax import step_info
+        from ..orbax.reader import step_info
     except ImportError:  # without TensorStore, only local Orbax steps are recognised
         found, when = local is not None, None
     else:

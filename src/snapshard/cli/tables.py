@@ -12,7 +12,7 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..format.finder import ChunkFinder, loaded_table
-from ..interop.reader import CheckpointReader
+from .reader import CheckpointReader
 
 
 def load_all_tables(reader: CheckpointReader) -> None:

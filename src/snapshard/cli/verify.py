@@ -20,12 +20,12 @@ from ..errors import (
 )
 from ..format import MANIFEST_NAME, ArrayLeaf, Manifest, validate_coverage
 from ..format.finder import check_record_files
-from ..interop.reader import CheckpointReader, chunk_slabs
 from ..planning.layout import Box
 from ..storage import LocalStorage, Storage
 from .ls import open_for_command
 from .options import add_memory_option
 from .output import Output, human_bytes
+from .reader import CheckpointReader, chunk_slabs
 from .tables import load_all_tables
 
 

@@ -1,24 +1,23 @@
-"""How processes agree: a single-process coordinator, or jax.distributed's coordination service."""
+"""How processes agree: the coordinator protocol, a single-process coordinator, and the
+default one: the JAX wing's over jax.distributed when it runs several processes (registered
+with `frameworks.py` when `snapshard.jax` is imported), else a local one."""
 
 from __future__ import annotations
 
+from ..frameworks import registered_jax_wing
 from .base import Coordinator, SingleProcessCoordinator
-from .jax_distributed import JaxDistributedCoordinator, distributed_is_initialized
 
 _single: SingleProcessCoordinator | None = None
-_distributed: JaxDistributedCoordinator | None = None
 
 
 def default_coordinator() -> Coordinator:
-    """jax.distributed's when it is initialized with several processes, else a local one."""
-    global _single, _distributed
-    if distributed_is_initialized():
-        import jax
-
-        if jax.process_count() > 1:
-            if _distributed is None:
-                _distributed = JaxDistributedCoordinator()
-            return _distributed
+    """jax.distributed's when it is initialized with several processes and the JAX wing is
+    loaded (`snapshard.save`, `load` and the manager load it), else a local one."""
+    global _single
+    wing = registered_jax_wing()
+    found = wing.coordinator() if wing is not None else None
+    if found is not None:
+        return found
     if _single is None:
         _single = SingleProcessCoordinator()
     return _single
@@ -26,7 +25,6 @@ def default_coordinator() -> Coordinator:
 
 __all__ = [
     "Coordinator",
-    "JaxDistributedCoordinator",
     "SingleProcessCoordinator",
     "default_coordinator",
 ]

@@ -23,7 +23,7 @@ import numpy as np
 from ..dtypes import NAME_TO_DTYPE
 from ..errors import CorruptCheckpointError
 from ..planning.layout import ArrayLayout, ShardGroups
-from ..planning.read_plan import ChunkIndex
+from ..planning.overlaps import ChunkIndex
 from . import records as rec
 from .binding import name_key
 from .chunks import ChunkTable, LazyChunkTable, shared_boxes

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..dtypes import NAME_TO_DTYPE
 from ..errors import CorruptCheckpointError, ValidationError
-from ..planning.read_plan import ChunkIndex
+from ..planning.overlaps import ChunkIndex
 from .bounds import MAX_BYTES, MAX_DEPTH
 from .chunks import ChunkTable, concat_optional
 from .kinds import LeafKind

@@ -1,6 +1,6 @@
 """Numbered steps with save, retention, preemption and lease policies."""
 
-from .framework import JAX, Framework, StartedSave
+from .framework import Framework, StartedSave
 from .manager import BackgroundSaveError, CheckpointManager
 from .policies import (
     AnyOf,
@@ -22,7 +22,6 @@ from .policies import (
 from .tier_config import LocalTier
 
 __all__ = [
-    "JAX",
     "AnyOf",
     "AtSteps",
     "BackgroundSaveError",

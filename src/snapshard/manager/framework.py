@@ -19,12 +19,15 @@ depend on the arrays being jax.Arrays or torch tensors; only these things do, an
   in the background when a manager is made (JAX: the check that zero-copy staging of CPU
   arrays is safe, whose first jit costs a fresh process 0.2 s), or None.
 
-Two flags say what the framework supports: the node-local tier (`local_tier`, built on
-jax.Array snapshots and collectives) and the identity shortcut of incremental saves
-(`immutable_arrays`: a leaf that is the very array object saved last time holds the same
-bytes, true of jax.Arrays, not of tensors that the optimizer updates in place).
+What the framework supports beyond these: the node-local tier (`local_tier`: a function
+giving the tier's module, with `LocalStore`, `stage_local`, `TierRestore` and
+`restore_from_tiers`, imported when a manager uses the tier: jax/local_tier.py, built on
+jax.Array snapshots and collectives; None where there is none) and the identity shortcut of
+incremental saves (`immutable_arrays`: a leaf that is the very array object saved last time
+holds the same bytes, true of jax.Arrays, not of tensors that the optimizer updates in
+place).
 
-`JAX` is the default; `snapshard.torch.TORCH` is PyTorch's.
+`snapshard.jax.manager.JAX` is the default; `snapshard.torch.TORCH` is PyTorch's.
 """
 
 from __future__ import annotations
@@ -33,15 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..adapters.leaves import is_save_leaf
-from ..adapters.loaded import jax_loaded
-from ..coordination import Coordinator, default_coordinator
-from ..coordination.jax_distributed import preemption_sync_point
-from ..options import SaveOptions
-from ..restore import load
-from ..saving import SaveTimings, finish, prepare
-from ..storage import Storage
-from ..tree import FlatTree
+from ..coordination import Coordinator
+from ..frameworks import jax_wing
+from ..saving import SaveTimings
 
 
 @dataclass(frozen=True)
@@ -71,36 +68,19 @@ class Framework:
     load: Callable[..., Any]
     preemption_sync_point: Callable[[int], bool | None] | None = None
     warm_up: Callable[[], None] | None = None
-    local_tier: bool = False
+    local_tier: Callable[[], Any] | None = None
     immutable_arrays: bool = False
 
 
-def _jax_start_save(
-    storage: Storage, tree: Any, options: SaveOptions, *, flat: FlatTree, **prepare_args: Any
-) -> StartedSave:
-    prep = prepare(storage, tree, options, flat=flat, asynchronous=True, **prepare_args)
-    return StartedSave(prep.timings, lambda: finish(prep))
+def default_framework() -> Framework:
+    """The manager's framework when none is named: JAX's (registered by the JAX wing, which
+    the face `snapshard.CheckpointManager` imports)."""
+    found: Framework = jax_wing().framework()
+    return found
 
 
-def _jax_warm_up() -> None:
-    if not jax_loaded():  # no jax.Array can exist yet: NumPy state (or JAX not installed)
-        return
-    import jax
-
-    from ..adapters.jax_arrays import start_cpu_donation_check
-
-    if jax.default_backend() == "cpu":  # where saves stage CPU arrays without a copy
-        start_cpu_donation_check()
-
-
-JAX = Framework(
-    name="jax",
-    is_leaf=is_save_leaf,
-    coordinator=default_coordinator,
-    start_save=_jax_start_save,
-    load=load,
-    preemption_sync_point=preemption_sync_point,
-    warm_up=_jax_warm_up,
-    local_tier=True,
-    immutable_arrays=True,
-)
+def tier_of(framework: Framework) -> Any:
+    """The framework's node-local tier (its module), which a manager with a tier uses."""
+    if framework.local_tier is None:
+        raise ValueError(f"the local tier is not available for {framework.name} state")
+    return framework.local_tier()

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..background import BackgroundTask
 from ..coordination import Coordinator
@@ -45,13 +45,10 @@ from ..saving import SaveTimings
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
 from ..tree import FlatTree, flatten
-from .framework import JAX, Framework, StartedSave
+from .framework import Framework, StartedSave, default_framework, tier_of
 from .policies import ManagerPolicies, StepInfo, young_daly_interval
 from .references import References, identical_leaves, is_retained, saved_arrays
 from .tier_config import LocalTier, RestoreReport, TierReport
-
-if TYPE_CHECKING:
-    from .local_tier import LocalStore
 
 log = logging.getLogger("snapshard")
 DEFAULT_POLICIES = ManagerPolicies()
@@ -102,7 +99,7 @@ class CheckpointManager:
         local_tier: LocalTier | None = None,
         coordinator: Coordinator | None = None,
         policies: ManagerPolicies = DEFAULT_POLICIES,
-        framework: Framework = JAX,
+        framework: Framework | None = None,
     ):
         """`save_interval_steps`: `should_save` is true every that many steps; `max_to_keep`:
         keep the newest that many steps (None: all); `read_only`: a manager that restores
@@ -124,7 +121,8 @@ class CheckpointManager:
         `incremental`: every step records its chunks' content hashes and refers to the
         newest kept step for chunks that did not change (see references.py).
         `framework`: whose arrays the trees hold (see framework.py); `snapshard.torch`'s
-        CheckpointManager passes PyTorch's."""
+        CheckpointManager passes PyTorch's (None: JAX's)."""
+        framework = framework if framework is not None else default_framework()
         if local_tier is not None and not framework.local_tier:
             raise ValueError(f"the local tier is not available for {framework.name} state")
         require(save_options, SaveOptions, "save_options")
@@ -180,10 +178,10 @@ class CheckpointManager:
         self._retained: set[str] = set()
         self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
 
-    def _local_store(self, tier: LocalTier | None) -> LocalStore | None:
+    def _local_store(self, tier: LocalTier | None) -> Any:
         if not tier:
             return None
-        from .local_tier import LocalStore  # the tier works on jax.Arrays (JAX only)
+        LocalStore = tier_of(self._framework).LocalStore  # the tier works on jax.Arrays (JAX only)
 
         store = LocalStore(tier, self._coord.process_index, self._coord.process_count)
         store.retain(store.tier.max_to_keep)
@@ -447,7 +445,7 @@ class CheckpointManager:
         snapshot = None
         if local:
             assert self._local is not None
-            from .local_tier import stage_local
+            stage_local = tier_of(self._framework).stage_local
 
             local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
         started = (
@@ -635,7 +633,8 @@ class CheckpointManager:
         """The restore from the local tier and peers where the processes agree it can serve
         (`report.tier` says which served; empty: none), else an error for a `step` that the
         persistent tier does not hold either."""
-        from .local_tier import TierRestore, restore_from_tiers
+        tier = tier_of(self._framework)
+        TierRestore, restore_from_tiers = tier.TierRestore, tier.restore_from_tiers
 
         assert self._local is not None
         ask = TierRestore(

@@ -19,9 +19,9 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from ..adapters.loaded import is_jax_array
 from ..format.reading import read_manifest
 from ..format.refs import referenced_files
+from ..frameworks import is_jax_array
 from ..storage import CheckpointRoot, Storage
 from ..storage.local import LocalStorage, fsync_dir
 from ..tree import FlatTree, Path

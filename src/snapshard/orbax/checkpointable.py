@@ -29,10 +29,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ..adapters.leaves import is_save_leaf
 from ..errors import SnapshardError
 from ..options import ReadOptions, SaveOptions
 from ..restore import is_target_leaf
+from ..save_leaves import is_save_leaf
 from ..saving import AsyncSave
 from ..tree import flatten
 from . import common

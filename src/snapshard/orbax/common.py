@@ -8,8 +8,8 @@ from typing import Any
 
 from ..errors import SnapshardError
 from ..inspection import metadata
+from ..jax.load import load
 from ..options import ReadOptions, SaveOptions, require
-from ..restore import load
 from ..saving import AsyncSave, SaveTimings, save_async
 from ..storage import storage_for
 

@@ -1,7 +1,7 @@
 """Pure planning: layouts in, write and read plans out. No I/O, no JAX."""
 
 from .layout import ArrayLayout, ShardGroups
-from .read_plan import (
+from .overlaps import (
     ChunkIndex,
     ReadRange,
     RunGrid,

@@ -4,7 +4,7 @@ For every target box this process holds (replicated boxes once), the overlapping
 found through an index, the overlaps become byte runs, runs are coalesced into reads, and
 each read scatters straight into aligned host buffers (preadv), allocated batch by batch.
 With verification on (the default), every checksum block a read touches is read whole and
-checked. Buffers become jax.Arrays with one batched transfer each (adapters/jax_transfer.py);
+checked. Buffers become jax.Arrays with one batched transfer each (jax/assemble.py);
 on the CPU backend the first device of a box takes the buffer without a copy.
 
 The internal API of every reader in the package (snapshard.load, Orbax and safetensors

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from ..frameworks import jax_wing
 from .buffers import BATCH_ITEMS, Dest, ReadDests, ReadStats, batches
 from .requests import Request, build, with_buffers
 
@@ -42,9 +43,7 @@ def execute(
     plans = {id(r.box_plan): r.box_plan for r in reqs if r.box_plan is not None}
     box_devices = [devs for p in plans.values() for _, _, devs in p.boxes if devs]
     if any(len(devs) > 1 and devs[0].platform == "cpu" for devs in box_devices):
-        from ..adapters.jax_arrays import start_cpu_donation_check
-
-        start_cpu_donation_check()  # overlaps the reads (see array_from_host_boxes)
+        jax_wing().start_cpu_donation_check()  # overlaps the reads (see array_from_host_boxes)
     on_device = any(devs[0].platform != "cpu" for devs in box_devices)
     results: dict[int, Any] = {}
     for batch in batches(reqs, lambda r: r.nbytes, budget, BATCH_ITEMS if on_device else None):

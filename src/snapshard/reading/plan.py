@@ -5,7 +5,7 @@ box is checked to be tiled exactly once by the chunks overlapping it. A box that
 exactly a whole one-block chunk (an array restored onto its saved layout) is planned in
 bulk: such chunks lying back to back in a file become `ChunkRun`s, one read each, built
 from columns with no object per chunk. Every other overlap becomes a `RunGrid`
-(planning/read_plan.py); the grids of one chunk become its reads (`ReadTask`), coalesced per
+(planning/overlaps.py); the grids of one chunk become its reads (`ReadTask`), coalesced per
 checksum block (verified) or within `max_gap` (unverified). `jobs` groups the reads for the
 read threads. The reads themselves are done by reads.py.
 """
@@ -25,7 +25,7 @@ from ..format import ArrayLeaf, ChunkTable, FileEntry
 from ..format.binding import chunk_keys
 from ..format.validate import coverage_problems
 from ..planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
-from ..planning.read_plan import covering_range
+from ..planning.overlaps import covering_range
 from .buffers import Dest, ReadStats
 
 

@@ -5,7 +5,7 @@ array; a jax.Array or ShapeDtypeStruct, whose sharding gives the boxes this proc
 and plans its boxes; `with_buffers` gives each box an aligned host buffer when the request's
 batch is read (so that only one batch's buffers are alive at a time); `build` turns the
 filled buffers into the value asked for. JAX is imported only where a jax target is met
-(adapters/jax_arrays.py).
+(the JAX wing, through frameworks.jax_wing).
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from typing import Any
 
 import numpy as np
 
-from ..adapters.loaded import is_jax_array, is_prng_key_dtype, is_shape_dtype_struct
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf
 from ..format.kinds import LeafKind
+from ..frameworks import is_jax_array, is_prng_key_dtype, is_shape_dtype_struct, jax_wing
 from .buffers import ALIGN, Dest, aligned_empty
 
 
@@ -95,9 +95,7 @@ _resolved: dict[tuple[Any, ...], tuple[Any, Any, tuple[str, np.dtype, Any, _BoxP
 def _on_abstract_mesh(sharding: Any) -> bool:
     if sharding is None:
         return False
-    from ..adapters.jax_arrays import is_abstract_mesh  # (a sharding: JAX is loaded)
-
-    return is_abstract_mesh(getattr(sharding, "mesh", None))
+    return jax_wing().is_abstract_mesh(getattr(sharding, "mesh", None))  # (JAX is loaded)
 
 
 def _resolve(saved: ArrayLeaf, target: Any, url: str, mesh: Any) -> tuple[str, np.dtype, Any]:
@@ -105,10 +103,8 @@ def _resolve(saved: ArrayLeaf, target: Any, url: str, mesh: Any) -> tuple[str, n
     name = saved.name
     saved_dtype = dtype_from_name(saved.dtype)
     if is_jax_array(target) or is_shape_dtype_struct(target):
-        from ..adapters.jax_arrays import resolve_target_sharding
-
         shape, dtype = tuple(target.shape), target.dtype
-        sharding = resolve_target_sharding(getattr(target, "sharding", None), mesh, leaf=name)
+        sharding = jax_wing().resolve_target_sharding(getattr(target, "sharding", None), mesh, leaf=name)
     elif isinstance(target, np.ndarray | np.generic):
         shape, dtype, sharding = tuple(np.shape(target)), target.dtype, None
     else:
@@ -184,9 +180,7 @@ def _plan_of(saved: ArrayLeaf, sharding: Any) -> _BoxPlan:
     itemsize = dtype_from_name(saved.dtype).itemsize
     if sharding is None:
         return _whole_box_plan(shape, itemsize)
-    from ..adapters.jax_arrays import local_device_boxes
-
-    return _box_plan_of(local_device_boxes(sharding, shape), itemsize)
+    return _box_plan_of(jax_wing().local_device_boxes(sharding, shape), itemsize)
 
 
 def request_boxes(req: Request, sharding: Any) -> Request:
@@ -226,16 +220,14 @@ def build(req: Request) -> Any:
     if req.kind in ("numpy", "scalar"):
         a = host(req.dests[0], req.dtype)
         return a[()] if req.kind == "scalar" else a
-    from ..adapters.jax_arrays import key_array  # keys, jax.Arrays
-    from ..adapters.jax_transfer import array_from_host_boxes
-
+    wing = jax_wing()  # keys, jax.Arrays
     if req.kind == "key":
         # Key arrays are small: every process reads all of the key data and builds its part.
         impl = req.saved.key_impl
         data = host(req.dests[0], saved_dtype)
-        return key_array(data, impl, req.sharding)
+        return wing.key_array(data, impl, req.sharding)
     plan = req.box_plan
     assert plan is not None  # (every request is planned when made)
     dtype = req.dtype
     hosts = [host(d, dtype) for d in req.dests]
-    return array_from_host_boxes(req.saved.shape, req.sharding, plan.boxes, hosts)
+    return wing.array_from_host_boxes(req.saved.shape, req.sharding, plan.boxes, hosts)

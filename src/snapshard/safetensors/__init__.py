@@ -10,7 +10,7 @@ Transforms (snapshard.safetensors.surgery) are lazy: composed with `load`, each 
 computed from just the source bytes it needs.
 """
 
-from . import surgery
+from ..transforms import surgery
 from .export import ExportNames, ExportResult, StreamedTensor, export_names, save, save_streamed
 from .loader import Transform, arrays, load
 

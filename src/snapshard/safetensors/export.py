@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
-from ..adapters.leaves import SaveArray, classify, is_save_leaf
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.rendezvous import Rendezvous, namespace, write_then_commit
 from ..errors import CheckpointExistsError, StorageError, UnsupportedLeafError
 from ..format.kinds import LeafKind
 from ..options import SaveOptions, require
 from ..planning import overlap_runs, plan_writes
+from ..save_leaves import SaveArray, classify, is_save_leaf
 from ..staging import stage
 from ..storage import Location, is_object_store_url
 from ..storage.local import STAGING_SUFFIX, fsync_dir, move_into_place

@@ -11,18 +11,18 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError, TargetMismatchError, UnsupportedLeafError
 from ..gc_pause import collection_paused
+from ..jax.read_once import execute as read_once_execute
 from ..options import ReadOptions, require
-from ..read_once import execute as read_once_execute
 from ..reading import ReadStats, Request, make_request
 from ..restore import is_target_leaf
 from ..storage import Location, Storage
+from ..transforms.surgery import Transform
+from ..transforms.virtual import Stored, Unreadable, VArray
 from ..tree import Path, flatten_target
 from .dtypes import DTYPES, numpy_dtype
 from .files import FileSet, open_files
 from .materialize import Planner
 from .source import SafetensorsSource
-from .surgery import Transform
-from .virtual import Stored, Unreadable, VArray
 
 
 def source_arrays(files: FileSet, weight_map: Mapping[str, str] | None) -> dict[str, VArray]:

@@ -17,7 +17,7 @@ import numpy as np
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf
 from ..reading import Dest, aligned_empty
-from .virtual import Composite, Derived, Stored, VArray, leaf_of
+from ..transforms.virtual import Composite, Derived, Stored, VArray, leaf_of
 
 Step = Callable[[], None]
 

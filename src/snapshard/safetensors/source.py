@@ -1,4 +1,4 @@
-"""Safetensors files as a CheckpointSource (sources.py): what the read executor and
+"""Safetensors files as a CheckpointSource (reading/sources.py): what the read executor and
 read-once planning read them through. Each tensor's bytes are one chunk of its file (the
 Planner's chunk tables); reads are never verified: the files carry no checksums."""
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import TypeVar
 
-from .base import CheckpointRoot, FileWriter, Storage
+from .base import CheckpointRoot, FileWriter, Storage, set_opener
 from .local import LocalRoot, LocalStorage
 from .location import (
     OBJECT_STORE_SCHEMES,
@@ -28,6 +28,9 @@ def storage_for(location: Location | Storage) -> Storage:
     if isinstance(location, Storage):
         return location
     return _backend(location, LocalStorage, lambda url: _objstore().ObjectStorage(url))
+
+
+set_opener(storage_for)  # Storage.sibling's opener (base.py cannot import the backends)
 
 
 def root_for(location: Location | CheckpointRoot) -> CheckpointRoot:

@@ -15,6 +15,16 @@ import numpy as np
 
 from .location import parse_location
 
+# The package's `storage_for`, which knows every backend: the backends import this module,
+# so it cannot import them; the package hands its opener over when it is imported
+# (`set_opener`), for the default `Storage.sibling`.
+_opener: Callable[[str], Storage] | None = None
+
+
+def set_opener(opener: Callable[[str], Storage]) -> None:
+    global _opener
+    _opener = opener
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # (typing's own from Python 3.12)
 
@@ -109,9 +119,9 @@ class Storage(ABC):
         """The checkpoint `name` beside this one: same parent, same store (a base or a
         referenced checkpoint of an incremental save). Backends with options or handles to
         share override it."""
-        from . import storage_for
-
-        return storage_for(parse_location(self.url).sibling(name))
+        if _opener is None:  # (set as the package is imported, before any Storage exists)
+            raise RuntimeError("snapshard.storage is not initialised")
+        return _opener(parse_location(self.url).sibling(name))
 
     def _check_guard(self) -> None:
         if self.commit_guard is not None:

@@ -31,16 +31,16 @@ from ..errors import (
 )
 from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME
 from ..format.refs import check_checkpoint_name, split_ref_name
+from . import stale_staging
 from .base import CheckpointRoot, FileWriter, Storage, buffer_bytes, buffer_nbytes
 from .lease import LEASE_DIR, LeaseFiles, LocalLeaseFiles
+from .stale_staging import DELETING_SUFFIX, STAGING_SUFFIX
 from .writeback import Writeback
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-STAGING_SUFFIX = ".snapshard-tmp"
 DCP_METADATA = ".metadata"  # what PyTorch DCP's FileSystemWriter commits last
-DELETING_SUFFIX = ".snapshard-deleting"
 _IOV_MAX = 1024
 _MAX_IO = 1 << 30
 _RENAME_EXCHANGE = 2
@@ -280,8 +280,6 @@ class LocalStorage(Storage):
         this process as one of its writers; the process that created it then removes the
         staging directories beside it whose writers are provably gone (stale_staging.py),
         so that what killed saves left goes at the next save, whichever wing makes it."""
-        from . import stale_staging  # it builds on this module's names
-
         try:
             os.makedirs(self.staging.parent, exist_ok=True)
             try:

@@ -67,3 +67,8 @@ def require_supported(location: ParsedLocation) -> ParsedLocation:
             f"unsupported checkpoint location {location.text!r} (scheme {location.scheme!r})"
         )
     return location
+
+
+def local_path(location: str) -> str | None:
+    """The filesystem path of a local location (a path or file:// URL); None for a URL."""
+    return parse_location(location).local_path

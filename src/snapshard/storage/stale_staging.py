@@ -45,7 +45,11 @@ from pathlib import Path
 from typing import Any
 
 from .lease import _pid_alive, _this_host
-from .local import DELETING_SUFFIX, STAGING_SUFFIX
+
+# A local checkpoint D is staged in D + STAGING_SUFFIX + "-<job>-<n>" (local.py), and a
+# replaced or deleted one is moved aside to D + DELETING_SUFFIX + <random> first.
+STAGING_SUFFIX = ".snapshard-tmp"
+DELETING_SUFFIX = ".snapshard-deleting"
 
 log = logging.getLogger("snapshard")
 

@@ -47,7 +47,7 @@ from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
 from ..read_once_policy import too_small, wanted_here
 from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, batches
-from ..sources import open_checkpoint
+from ..reading.sources import open_checkpoint
 from ..storage import Location, storage_for
 from ..tree import JsonNode, Path, unflatten
 from . import dcp_read_once

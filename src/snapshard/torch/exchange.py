@@ -58,8 +58,9 @@ from ..planning.exchange import (
 )
 from ..reading import Dest, ReadDests, SavedBoxes, aligned_empty, batches
 from ..staging import Box
-from .leaves import dtensor_layout, is_dtensor
+from .leaves import dtensor_layout
 from .read_once import as_box
+from .values import is_dtensor
 
 # The most host bytes one rank holds for one exchange of a leaf (its band, what it sends
 # and receives): larger leaves move in slabs of rows (planning.exchange.slabs), through

@@ -8,24 +8,23 @@ that differ by design are wrapped in snapshard.PerProcess. Process ids are globa
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..adapters.leaves import VALUE_TYPES, SaveArray
 from ..checksum import crc32c
 from ..errors import UnsupportedLeafError
 from ..format.manifest import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess, checked
 from ..planning.layout import host_layout
+from ..save_leaves import VALUE_TYPES, SaveArray
 from ..saving import ReplicatedSource
 from ..tree import Path, path_str
 from .dtypes import TO_NUMPY, host_view, numpy_dtype
 from .layout import PlacementSpec, ShardSpec, TensorLayout, expand_submesh, tensor_layout
-from .values import host_values
+from .values import host_values, is_dtensor, local_tensor, refuse_meta
 
 # torch objects that are not state: taken as leaves so that the save names them and says
 # what to save instead (flattening would only say that it cannot take them apart).
@@ -35,38 +34,10 @@ NOT_STATE = (
 )  # fmt: skip
 
 
-def is_dtensor(x: Any) -> bool:
-    # A DTensor exists only once its module is imported, and importing it costs ~0.5 s: a
-    # state dict of plain tensors does not pay it.
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None)
-    return dtensor is not None and isinstance(x, dtensor)
-
-
 def is_leaf(x: Any) -> bool:
     return isinstance(
         x, (torch.Tensor, np.ndarray, np.generic, PerProcess, *VALUE_TYPES, *NOT_STATE)
     )
-
-
-def local_tensor(value: Any) -> torch.Tensor:
-    """A DTensor's local shard. Its `_local_tensor` where it has one: `to_local()` goes
-    through an autograd function, a few microseconds a call, which a state of 100,000
-    leaves pays several times per save and restore; the shard is only read, or filled in
-    place, here, so the autograd view it makes is not needed."""
-    local = getattr(value, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else value.to_local()
-
-
-def refuse_meta(value: torch.Tensor, leaf: str) -> None:
-    """A tensor on the meta device has a shape and no data: nothing to save."""
-    meta = value.is_meta or (is_dtensor(value) and local_tensor(value).is_meta)
-    if meta:
-        raise UnsupportedLeafError(
-            f"leaf {leaf!r}: the tensor is on the meta device (a shape without data), so "
-            "there is nothing to save; materialise it first (model.to_empty(device=...), then "
-            "initialise or load it)"
-        )
 
 
 def not_state(value: Any, leaf: str) -> UnsupportedLeafError:
@@ -232,7 +203,7 @@ def classify(
         return PerProcessLeaf(path, checked(host_values(value.value, name), name))
     if isinstance(value, NOT_STATE):
         raise not_state(value, name)
-    from ..adapters.leaves import classify as classify_numpy
+    from ..save_leaves import classify as classify_numpy
 
     if isinstance(value, np.ndarray | np.generic):
         return classify_numpy(path, value, process_count)

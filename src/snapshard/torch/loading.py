@@ -38,20 +38,20 @@ from ..reading import (
     aligned_empty,
     batches,
 )
+from ..reading.sources import TreeSource, open_checkpoint
 from ..restore import missing_target_leaf, per_process_values, refuse_empty_containers
-from ..safetensors.surgery import Transform
-from ..safetensors.virtual import Derived, Stored, VArray
-from ..sources import TreeSource, open_checkpoint
 from ..storage import Location, Storage, storage_for
+from ..transforms.surgery import Transform
+from ..transforms.virtual import Derived, Stored, VArray
 from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
 from .dtypes import from_numpy, host_view, numpy_dtype, torch_dtype
 from .exchange import BandLeaf, Cuts, Exchange, Scratch, SharedBands, batches_of
 from .exchange import plan as plan_bands
-from .leaves import dtensor_layout, is_dtensor, is_leaf, local_tensor, this_rank
+from .leaves import dtensor_layout, is_leaf, this_rank
 from .read_once import ReadOncePlan, any_shared, as_box, backend_devices
 from .read_once import plan as plan_read_once
-from .values import into_target
+from .values import into_target, is_dtensor, local_tensor
 
 
 class _Fill:

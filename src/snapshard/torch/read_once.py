@@ -39,7 +39,8 @@ from ..planning import ArrayLayout
 from ..planning.layout import host_layout
 from ..planning.write_plan import plan_balanced
 from ..staging import Box
-from .leaves import dtensor_layout, is_dtensor
+from .leaves import dtensor_layout
+from .values import is_dtensor
 
 
 class Region(Protocol):

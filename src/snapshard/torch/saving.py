@@ -21,12 +21,12 @@ import numpy as np
 import torch
 
 from .. import saving as _saving
-from ..adapters.leaves import SaveArray
 from ..format.manifest import Leaf
 from ..manager.framework import StartedSave
 from ..options import SaveOptions
 from ..planning import WritePlan
 from ..reading import aligned_empty
+from ..save_leaves import SaveArray
 from ..staging import StagedItem, planned_items
 from ..storage import Location, Storage
 from ..tree import Path

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from ..checksum import crc32c
-from ..dtypes import dtype_from_name, little_endian
-from ..errors import SnapshardError
-from ..format import (
+from .checksum import crc32c
+from .dtypes import dtype_from_name, little_endian
+from .errors import SnapshardError
+from .format import (
     ArrayLeaf,
     ChunkTable,
     FileEntry,
@@ -30,10 +30,10 @@ from ..format import (
     validate_coverage,
     validate_structure,
 )
-from ..format.binding import name_key
-from ..saving import chunk_span, records_of, refuse_existing, write_chunk
-from ..storage import FileWriter, Location, Storage, storage_for
-from ..tree import JsonNode, Path
+from .format.binding import name_key
+from .saving import chunk_span, records_of, refuse_existing, write_chunk
+from .storage import FileWriter, Location, Storage, storage_for
+from .tree import JsonNode, Path
 
 DEFAULT_FILE_BYTES = 1 << 30
 

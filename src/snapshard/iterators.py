@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ..errors import SnapshardError, TargetMismatchError, UnsupportedLeafError
+from .errors import SnapshardError, TargetMismatchError, UnsupportedLeafError
 
 FORMATS = ("json_bytes", "tree", "bytes")
 _PLAIN = (bool, int, float, str, type(None))

@@ -1,4 +1,7 @@
-"""Classify the leaves of a tree being saved: arrays (with their layout) or plain values."""
+"""Classify the leaves of a tree being saved: arrays (with their layout) or plain values.
+
+Shared by every wing: NumPy arrays, Python values, per-process values and data iterators
+are classified here; a jax.Array by the JAX wing (`frameworks.jax_wing().save_array`)."""
 
 from __future__ import annotations
 
@@ -8,14 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import dtype_name, little_endian
-from ..errors import DeletedArrayError, UnsupportedLeafError
-from ..format.manifest import PerProcessLeaf, ValueLeaf
-from ..per_process import PerProcess, checked
-from ..planning.layout import ArrayLayout, host_layout
-from ..tree import Path, path_str
+from .dtypes import dtype_name, little_endian
+from .errors import UnsupportedLeafError
+from .format.manifest import PerProcessLeaf, ValueLeaf
+from .frameworks import is_jax_array, jax_wing
 from .iterators import is_data_iterator, iterator_record
-from .loaded import is_jax_array
+from .per_process import PerProcess, checked
+from .planning.layout import ArrayLayout, host_layout
+from .tree import Path, path_str
 
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 
@@ -55,7 +58,7 @@ class SaveArray:
 def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
     name = path_str(path)
     if is_jax_array(value):  # first: most leaves of a training state
-        return _named(_jax_save_array(path, name, value), name)
+        return _named(jax_wing().save_array(path, name, value), name)
     if isinstance(value, PerProcess):
         return PerProcessLeaf(path, checked(value.value, name))
     if is_data_iterator(value):  # a data iterator: its position, per process
@@ -95,69 +98,3 @@ def checked_dtype(dt: np.dtype, leaf: str) -> str:
         if len(_DTYPE_NAMES) < 256:
             _DTYPE_NAMES[dt] = name
     return name
-
-
-# Per sharding, its JSON description (shared by the leaves that have it: never mutated).
-_SHARDINGS: dict[Any, dict[str, Any]] = {}
-
-
-def _sharding_description(sharding: Any) -> dict[str, Any]:
-    from .jax_arrays import describe_sharding
-
-    found = _SHARDINGS.get(sharding)
-    if found is None:
-        found = describe_sharding(sharding)
-        if len(_SHARDINGS) >= 4096:
-            _SHARDINGS.clear()
-        _SHARDINGS[sharding] = found
-    return found
-
-
-# Per (dtype, shape, sharding) of a jax.Array that is not a key: its stored dtype and shape,
-# placed layout and sharding description (arrays alike are most of a training state).
-_PLACED: dict[tuple[Any, ...], tuple[np.dtype, tuple[int, ...], Any, dict[str, Any]]] = {}
-
-
-def _jax_save_array(path: Path, name: str, value: Any) -> SaveArray:
-    from .jax_arrays import is_prng_key, layout_of
-
-    if value.is_deleted():
-        raise DeletedArrayError(
-            f"leaf {name!r}: the jax.Array was deleted or donated (e.g. passed to a jitted "
-            f"function with donate_argnums) before the save; save the array that replaced it"
-        )
-    known = _PLACED.get((value.dtype, value.shape, value.sharding))
-    if known is not None:  # an array like one met before: what follows from the three
-        dt, shape, placed, described = known
-        return SaveArray(path, "array", dt, shape, placed.layout, placed.devices, value, described)
-    kind, key_impl, data = "array", None, value
-    if is_prng_key(value):
-        import jax
-
-        kind, key_impl = "prng_key", str(jax.random.key_impl(value))
-        data = jax.random.key_data(value)
-    dt = np.dtype(data.dtype)
-    checked_dtype(dt, name)
-    shape = tuple(int(s) for s in data.shape)
-    sharding = data.sharding
-    placed = layout_of(shape, dt.itemsize, sharding)
-    if kind == "array":
-        if len(_PLACED) >= 4096:
-            _PLACED.clear()
-        _PLACED[(value.dtype, value.shape, sharding)] = (
-            dt,
-            shape,
-            placed,
-            _sharding_description(sharding),
-        )
-    return SaveArray(
-        path,
-        kind,
-        dt,
-        shape,
-        placed.layout,
-        placed.devices,
-        data,
-        _sharding_description(sharding),
-        key_impl,
-    )

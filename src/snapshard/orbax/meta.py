@@ -13,6 +13,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,3 +195,8 @@ def commit_time(doc: Any) -> float | None:
         return None
     ns = doc.get("commit_timestamp_nsecs")
     return ns / 1e9 if isinstance(ns, int | float) else None
+
+
+def step_order(name: str) -> list[Any]:
+    """Natural order of checkpoint names: '9' before '10', 'step_9' before 'step_10'."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]

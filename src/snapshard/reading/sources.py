@@ -5,7 +5,7 @@ A `CheckpointSource` fills the read executor's host buffers (`read_dests`) and s
 boxes of an array its writers held (`saved_boxes`, which read-once planning uses). A
 `TreeSource` also has a manifest: the saved tree and its leaves, as snapshard's format
 describes them. snapshard checkpoints are read by the executor itself; Orbax checkpoints
-through TensorStore (interop.orbax); safetensors files, which have no saved tree (a load
+through TensorStore (orbax/reader.py); safetensors files, which have no saved tree (a load
 names the tensors it wants), by byte ranges (safetensors.source).
 """
 
@@ -16,13 +16,13 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import CheckpointNotFoundError
-from .format import ArrayLeaf, Manifest
-from .format.finder import ChunkFinder
-from .format.reading import read_checkpoint
-from .options import ReadOptions
-from .reading import Dest, ReadDests, ReadStats, reader_of, saved_boxes
-from .storage import Storage
+from ..errors import CheckpointNotFoundError
+from ..format import ArrayLeaf, Manifest
+from ..format.finder import ChunkFinder
+from ..format.reading import read_checkpoint
+from ..options import ReadOptions
+from ..storage import Storage
+from . import Dest, ReadDests, ReadStats, reader_of, saved_boxes
 
 
 class CheckpointSource(Protocol):
@@ -75,7 +75,7 @@ def open_source(storage: Storage, options: ReadOptions) -> TreeSource:
         manifest, finder = read_checkpoint(storage)
         return SnapshardSource(storage, manifest, options, finder)
     except CheckpointNotFoundError as e:
-        from .interop import open_foreign
+        from ..orbax.foreign import open_foreign
 
         return open_foreign(storage, e)
 

@@ -35,19 +35,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .coordination import default_coordinator
-from .coordination.base import Coordinator
-from .coordination.rendezvous import (
+from ..coordination import default_coordinator
+from ..coordination.base import Coordinator
+from ..coordination.rendezvous import (
     Rendezvous,
     all_succeeded,
     namespace,
 )
-from .dtypes import dtype_from_name
-from .options import ReadOptions
-from .planning.exchange import cuts_rows
-from .planning.layout import Box, slices_to_box
-from .read_once_policy import too_small, wanted
-from .reading import (
+from ..dtypes import dtype_from_name
+from ..options import ReadOptions
+from ..planning.exchange import cuts_rows
+from ..planning.layout import Box, slices_to_box
+from ..read_once_policy import too_small, wanted
+from ..reading import (
     Dest,
     Expand,
     ReadDests,
@@ -57,13 +57,13 @@ from .reading import (
     batches,
     request_boxes,
 )
-from .reading import execute as execute_all
+from ..reading import execute as execute_all
 
 if TYPE_CHECKING:
     import jax
     from jax.sharding import NamedSharding
 
-    from .sources import CheckpointSource
+    from ..reading.sources import CheckpointSource
 
 _READ_AXIS = "snapshard_read"
 

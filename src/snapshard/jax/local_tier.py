@@ -15,7 +15,7 @@ fits the target without reading data.
 
 Peers: the copies of process p's shards go to processes (p + r·k) mod n for r = 1..replicas,
 k the processes per host, so they sit on other hosts (a pure function of the layout, no
-talking). The copy travels over JAX's collectives (coordination.transfer.exchange).
+talking). The copy travels over JAX's collectives (ppermute.exchange).
 """
 
 from __future__ import annotations
@@ -36,25 +36,26 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..adapters.jax_arrays import layout_of
-from ..adapters.leaves import SaveArray
 from ..coordination import Coordinator, SingleProcessCoordinator
-from ..coordination.transfer import PendingExchange, exchange, start_exchange
 from ..dtypes import dtype_name
 from ..errors import CorruptCheckpointError, SnapshardError, StorageError
 from ..format.kinds import LeafKind
 from ..format.leaves import ArrayLeaf, ValueLeaf
+from ..manager.tier_config import LocalTier, RestoreReport, TierReport
 from ..options import SaveOptions
 from ..planning.layout import Box
 from ..reading import aligned_empty
-from ..restore import build_from_host, is_target_leaf, load
+from ..restore import build_from_host, is_target_leaf
+from ..save_leaves import SaveArray
 from ..saving import classify_leaves, finish, prepare
 from ..staging import Snapshot, host_snapshot
 from ..storage import LocalRoot, LocalStorage
 from ..storage.local import STAGING_SUFFIX, move_into_place
 from ..tree import FlatTree, keypath_to_path, path_str
 from ..tree import Path as TreePath
-from .tier_config import LocalTier, RestoreReport, TierReport
+from .arrays import layout_of
+from .load import load
+from .ppermute import PendingExchange, exchange, start_exchange
 
 log = logging.getLogger("snapshard")
 

@@ -23,9 +23,9 @@ from ..format import ArrayLeaf, Leaf, Manifest
 from ..options import ReadOptions
 from ..planning.layout import Box
 from ..reading import Dest, ReadStats, aligned_empty
-from ..sources import open_checkpoint
+from ..reading.sources import open_checkpoint
 from ..storage import Location, Storage, storage_for
-from . import local_path
+from ..storage.location import local_path
 
 SAFETENSORS_SUFFIX = ".safetensors"
 
@@ -120,7 +120,7 @@ def _safetensors_reader(location: str) -> CheckpointReader:
     from ..safetensors.files import open_files
     from ..safetensors.loader import source_arrays
     from ..safetensors.source import SafetensorsSource
-    from ..safetensors.virtual import leaf_of
+    from ..transforms.virtual import leaf_of
 
     files, weight_map = open_files(location)
     try:

@@ -8,36 +8,25 @@ reader that fills the restore path's buffers.
 from __future__ import annotations
 
 import os
-import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointNotFoundError, SnapshardError
 from ..storage.location import parse_location
 
 if TYPE_CHECKING:
-    from ..sources import TreeSource
     from ..storage import Storage
+    from .reader import OrbaxCheckpoint
 
 ORBAX_MARKERS = ("_METADATA", "_CHECKPOINT_METADATA")
 
 
-# Where TensorStore can read an Orbax checkpoint from (see interop.orbax.kvstore_spec).
+# Where TensorStore can read an Orbax checkpoint from (see reader.kvstore_spec).
 ORBAX_SCHEMES = ("", "file", "s3", "gs")
 
 
 def looks_like_orbax(local_dir: str) -> bool:
     """Whether a local directory holds Orbax's metadata files (no TensorStore needed)."""
     return any(os.path.exists(os.path.join(local_dir, m)) for m in ORBAX_MARKERS)
-
-
-def step_order(name: str) -> list[Any]:
-    """Natural order of checkpoint names: '9' before '10', 'step_9' before 'step_10'."""
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def local_path(location: str) -> str | None:
-    """The filesystem path of a local location (a path or file:// URL); None for a URL."""
-    return parse_location(location).local_path
 
 
 def _holds_orbax_markers(storage: Storage) -> bool:
@@ -48,7 +37,7 @@ def _holds_orbax_markers(storage: Storage) -> bool:
     return not isinstance(storage, ObjectStorage) or any(storage.holds(m) for m in ORBAX_MARKERS)
 
 
-def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> TreeSource:
+def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> OrbaxCheckpoint:
     """The Orbax checkpoint at the storage's location; `not_found` again when there is none."""
     location = storage.url
     parsed = parse_location(location)
@@ -60,7 +49,7 @@ def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> TreeSo
     if local is None and not _holds_orbax_markers(storage):
         raise not_found  # never ask TensorStore: where it has no credentials it waits long
     try:
-        from .orbax import open_orbax  # TensorStore is an optional dependency
+        from .reader import open_orbax  # TensorStore is an optional dependency
     except ImportError:
         if local is not None and looks_like_orbax(local):
             raise SnapshardError(

@@ -23,10 +23,9 @@ from ..errors import CheckpointNotFoundError, CorruptCheckpointError, SnapshardE
 from ..format import ArrayLeaf, ChunkTable, Leaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
 from ..reading import chunk_boxes
-from ..storage.location import parse_location
+from ..storage.location import local_path, parse_location
 from ..tree import JsonNode, Path, path_str
-from . import local_path, step_order
-from .orbax_meta import (
+from .meta import (
     ARRAY_METADATAS,
     ARRAY_TYPES,
     CHECKPOINT_METADATA,
@@ -43,6 +42,7 @@ from .orbax_meta import (
     parse_shardings,
     parse_tree_metadata,
     step_item_names,
+    step_order,
 )
 
 if TYPE_CHECKING:

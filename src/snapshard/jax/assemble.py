@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from ..planning.layout import Box, slices_to_box
-from .jax_arrays import DeviceBox, cpu_donation_keeps_memory
+from .arrays import DeviceBox, cpu_donation_keeps_memory
 
 Put = Callable[[Any, jax.sharding.Sharding, list[np.ndarray], list[Any]], jax.Array]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import jax
 
-from .jax_arrays import resolve_target_sharding
+from .arrays import resolve_target_sharding
 
 
 def _eval_shape(init_fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

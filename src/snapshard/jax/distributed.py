@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from ..coordination.base import Coordinator
 from ..errors import CoordinationError
-from .base import Coordinator
 
 T = TypeVar("T")
 _LOST = ("UNAVAILABLE", "Socket closed", "Connection reset", "failed to connect", "CANCELLED")
@@ -145,3 +145,21 @@ def preemption_sync_point(step: int) -> bool | None:
     if distributed.global_state.preemption_sync_manager is None:
         return None
     return bool(multihost_utils.reached_preemption_sync_point(step))
+
+
+_distributed: JaxDistributedCoordinator | None = None
+
+
+def distributed_coordinator() -> JaxDistributedCoordinator | None:
+    """The coordinator over jax.distributed when it is initialized with several processes
+    (one per process, made on first use), else None."""
+    global _distributed
+    if not distributed_is_initialized():
+        return None
+    import jax
+
+    if jax.process_count() <= 1:
+        return None
+    if _distributed is None:
+        _distributed = JaxDistributedCoordinator()
+    return _distributed

@@ -1,1 +1,0 @@
-"""Framework adapters: translate arrays to and from (box, host buffer) pairs."""

@@ -1,0 +1,123 @@
+"""The JAX wing's SaveAdapter: trees of jax.Arrays, NumPy arrays and Python values.
+
+The default adapter of `snapshard.save`, `save_async` and the manager's JAX framework.
+Importing this module imports no JAX: a jax.Array can only be met once its maker imported
+JAX (frameworks.py), and the JAX functions are imported where one is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import DeletedArrayError
+from ..format.manifest import Leaf
+from ..frameworks import is_jax_array
+from ..planning import WritePlan
+from ..save_leaves import MeshSpec, SaveArray, checked_dtype, classify, is_save_leaf
+from ..staging import Snapshot, StagedItem, stage
+from ..tree import Path
+
+
+class JaxAdapter:
+    """snapshard.saving.SaveAdapter for JAX trees.
+
+    `budget`: the host bytes the blocking phase may copy (SaveOptions.host_budget; the rest
+    is copied by the background phase, see staging.py); `snapshot`: the host copy of the
+    tree's device arrays when one was already made (the local tier's), staged from instead
+    of the devices."""
+
+    def __init__(self, budget: int | None = None, snapshot: Snapshot | None = None) -> None:
+        self.budget = budget
+        self.snapshot = snapshot
+
+    def is_leaf(self, x: Any) -> bool:
+        return is_save_leaf(x)
+
+    def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray:
+        return classify(path, value, process_count)
+
+    def stage(
+        self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
+    ) -> tuple[list[StagedItem], int]:
+        return stage(
+            arrays, plan, process, budget=self.budget, asynchronous=copy, snapshot=self.snapshot
+        )
+
+    def mesh_of(self, arr: SaveArray) -> MeshSpec | None:
+        """A NamedSharding's mesh and partition spec, for the manifest's compact layouts."""
+        if not is_jax_array(arr.source):
+            return None
+        from .arrays import mesh_and_spec
+
+        return mesh_and_spec(arr.source.sharding, len(arr.shape))
+
+    def release(self) -> None:
+        """Nothing to give back: staged host copies go with their items."""
+
+
+# Per sharding, its JSON description (shared by the leaves that have it: never mutated).
+_SHARDINGS: dict[Any, dict[str, Any]] = {}
+
+
+def _sharding_description(sharding: Any) -> dict[str, Any]:
+    from .arrays import describe_sharding
+
+    found = _SHARDINGS.get(sharding)
+    if found is None:
+        found = describe_sharding(sharding)
+        if len(_SHARDINGS) >= 4096:
+            _SHARDINGS.clear()
+        _SHARDINGS[sharding] = found
+    return found
+
+
+# Per (dtype, shape, sharding) of a jax.Array that is not a key: its stored dtype and shape,
+# placed layout and sharding description (arrays alike are most of a training state).
+_PLACED: dict[tuple[Any, ...], tuple[np.dtype, tuple[int, ...], Any, dict[str, Any]]] = {}
+
+
+def save_array(path: Path, name: str, value: Any) -> SaveArray:
+    from .arrays import is_prng_key, layout_of
+
+    if value.is_deleted():
+        raise DeletedArrayError(
+            f"leaf {name!r}: the jax.Array was deleted or donated (e.g. passed to a jitted "
+            f"function with donate_argnums) before the save; save the array that replaced it"
+        )
+    known = _PLACED.get((value.dtype, value.shape, value.sharding))
+    if known is not None:  # an array like one met before: what follows from the three
+        dt, shape, placed, described = known
+        return SaveArray(path, "array", dt, shape, placed.layout, placed.devices, value, described)
+    kind, key_impl, data = "array", None, value
+    if is_prng_key(value):
+        import jax
+
+        kind, key_impl = "prng_key", str(jax.random.key_impl(value))
+        data = jax.random.key_data(value)
+    dt = np.dtype(data.dtype)
+    checked_dtype(dt, name)
+    shape = tuple(int(s) for s in data.shape)
+    sharding = data.sharding
+    placed = layout_of(shape, dt.itemsize, sharding)
+    if kind == "array":
+        if len(_PLACED) >= 4096:
+            _PLACED.clear()
+        _PLACED[(value.dtype, value.shape, sharding)] = (
+            dt,
+            shape,
+            placed,
+            _sharding_description(sharding),
+        )
+    return SaveArray(
+        path,
+        kind,
+        dt,
+        shape,
+        placed.layout,
+        placed.devices,
+        data,
+        _sharding_description(sharding),
+        key_impl,
+    )
