@@ -139,9 +139,9 @@ def job(n: int, n_arrays: int, dp: int) -> tuple[Any, list[Any], list[Any], Any]
             derived = mesh_layout(fmesh, fspec, shape, itemsize, str(path))
             # what saving._description decides from the jax sharding, from the same functions
             if same_holders(derived.shards, la.shards):
-                la._cache["description"] = ({"kind": "mesh", "spec": fspec}, fmesh)
+                la.memo.description = ({"kind": "mesh", "spec": fspec}, fmesh)
             else:
-                la._cache["description"] = (describe_rows(la), None)
+                la.memo.description = (describe_rows(la), None)
             cache[key] = la
         la = cache[key]
         sharding = {"type": "NamedSharding", "num_devices": n * DEVICES_PER_PROCESS,
