@@ -277,23 +277,14 @@ class LocalStorage(Storage):
     # ---- save side --------------------------------------------------------------------
     def prepare_staging(self) -> None:
         """Create the staging directory (every process of a save may call it) and record
-        this process as one of its writers; the process that created it then removes the
-        staging directories beside it whose writers are provably gone (stale_staging.py),
-        so that what killed saves left goes at the next save, whichever wing makes it."""
+        this process as one of its writers (stale_staging.py), so that a later save can tell
+        it from a killed save's; the commit removes those (see `_commit`)."""
         try:
-            os.makedirs(self.staging.parent, exist_ok=True)
-            try:
-                os.mkdir(self.staging)
-                created = True
-            except FileExistsError:
-                created = False
             for sub in (DATA_DIR, INDEX_DIR):
                 os.makedirs(self.staging / sub, exist_ok=True)
         except OSError as e:
             raise StorageError.wrap(e, "creation of the staging directory", self.staging) from e
         stale_staging.ensure_owner_record(self.staging)
-        if created:
-            stale_staging.sweep(self.staging.parent, keep=self.staging)
 
     def open_writer(self, name: str) -> FileWriter:
         return LocalFileWriter(self.staging / name)
@@ -343,6 +334,9 @@ class LocalStorage(Storage):
         # A path found vacant is only ever taken by a rename, which fails if it was filled
         # or taken meanwhile: never swapped with what arrived there.
         move_into_place(self.staging, self.final, replace=overwrite and not vacant)
+        # What killed saves left beside it goes now, whichever wing saved: in the background
+        # phase (never the blocking one), once per save, and never failing the commit.
+        stale_staging.sweep(self.final.parent, keep=self.staging)
 
     def _occupied(self) -> str:
         """Why a save without overwrite cannot take the path: what is there."""

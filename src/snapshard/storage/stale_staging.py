@@ -16,7 +16,8 @@ that made it: the directory is stale when every record's process is provably gon
 A directory without any record (a save of an older version, or one made this instant and
 not yet recorded) is unknown too: only `snapshard clean --unknown` removes it.
 
-The process that creates a staging directory sweeps its parent once (one scandir): each
+A local commit sweeps the checkpoint's parent once (one scandir, in the background phase:
+the blocking phase only writes the record): each
 stale staging directory is renamed aside to `<name>.snapshard-deleting-stale-<hex>`, checked
 again (a writer that recorded itself meanwhile gets it back) and deleted in a background
 thread, records last, so that a sweep interrupted half-way leaves a directory the next
@@ -427,8 +428,8 @@ def wait_for_removals(timeout_s: float = 60.0) -> bool:
 def sweep(parent: Path, keep: Path) -> list[str]:
     """Remove the staging directories in `parent` whose writers are all provably gone
     (never `keep`, the caller's own), and what an interrupted sweep left; the names
-    removed. The deletion runs in the background: the caller (a save's blocking phase)
-    waits for one scandir and a rename per stale directory only. Never raises."""
+    removed. The deletion runs in a thread of its own: the caller (a commit) waits for one
+    scandir and a rename per stale directory only. Never raises."""
     removed: dict[str, Path] = {}
     for u in find(parent):
         if u.state != GONE or u.path == keep:
