@@ -7,7 +7,6 @@ DCP checkpoint given to snapshard's loaders says what it is and what reads it.""
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import warnings
 
@@ -22,6 +21,7 @@ torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 
 import snapshard.torch as sst  # noqa: E402
+from dcp_errors import dcp_failure  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -36,20 +36,6 @@ def _single_process_dcp():
 def empty(tmp_path):
     """An existing empty directory, made as DCP's tests and tutorials make one."""
     return tempfile.mkdtemp(dir=tmp_path)
-
-
-def _failure(call, cls: type[BaseException], match: str) -> BaseException:
-    """The error `call` raised, unwrapped from DCP's per-rank CheckpointException."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with pytest.raises(BaseException) as info:
-        call()
-    err = info.value
-    if isinstance(err, CheckpointException):
-        err = next(iter(err.failures.values()))[0]
-    assert isinstance(err, cls), repr(err)
-    assert re.search(match, str(err)), str(err)
-    return err
 
 
 def _numpy_manager(path: str) -> None:
@@ -104,7 +90,7 @@ def test_a_directory_of_other_files_stays_refused(empty):
         with pytest.raises(CheckpointExistsError, match="not a snapshard checkpoint"):
             snapshard.save(empty, {"w": np.ones(3)}, overwrite=overwrite)
     save = lambda: dcp.save({"w": torch.ones(3)}, storage_writer=sst.StorageWriter(empty))  # noqa: E731
-    _failure(save, CheckpointExistsError, "not a snapshard checkpoint; refusing to replace it")
+    dcp_failure(save, CheckpointExistsError, "not a snapshard checkpoint; refusing to replace it")
     assert os.listdir(empty) == ["notes.txt"]
     with open(keep) as f:
         assert f.read() == "keep me"
@@ -173,7 +159,7 @@ def test_storage_writer_overwrites_by_default_as_filesystem_writer(tmp_path):
     again = lambda: dcp.save(  # noqa: E731
         _dcp_state(3), storage_writer=sst.StorageWriter(path, overwrite=False)
     )
-    _failure(again, CheckpointExistsError, r"already exists .*overwrite=True")
+    dcp_failure(again, CheckpointExistsError, r"already exists .*overwrite=True")
     assert sorted(os.listdir(tmp_path)) == ["ck"]
 
 
@@ -205,7 +191,7 @@ def test_the_overwritten_checkpoint_is_whole_until_the_new_one_commits(tmp_path,
 
     monkeypatch.setattr(local.LocalStorage, "commit", refused)
     failing = lambda: dcp.save(_dcp_state(3), storage_writer=sst.StorageWriter(path))  # noqa: E731
-    _failure(failing, OSError, "commit refused")
+    dcp_failure(failing, OSError, "commit refused")
     monkeypatch.undo()
     _old_is_whole(path, 2)
     assert sorted(os.listdir(tmp_path)) == ["ck"]
@@ -273,7 +259,9 @@ def test_a_dcp_native_checkpoint_is_never_replaced(tmp_path):
     path = _dcp_native(tmp_path)
     before = sorted(os.listdir(path))
     save = lambda: dcp.save({"w": torch.zeros(3)}, storage_writer=sst.StorageWriter(path))  # noqa: E731
-    _failure(save, CheckpointExistsError, "holds a PyTorch DCP checkpoint .*refusing to replace it")
+    dcp_failure(
+        save, CheckpointExistsError, "holds a PyTorch DCP checkpoint .*refusing to replace it"
+    )
     with pytest.raises(CheckpointExistsError, match="holds a PyTorch DCP checkpoint; save to"):
         snapshard.save(path, {"w": np.ones(3)})
     assert sorted(os.listdir(path)) == before
@@ -287,5 +275,5 @@ def test_plan_caching_is_refused_at_the_first_save(tmp_path):
         {"w": torch.ones(3)}, storage_writer=sst.StorageWriter(path),
         planner=DefaultSavePlanner(enable_plan_caching=True),
     )  # fmt: skip
-    _failure(save, sst.DcpStorageError, r"plan caching .*pass a planner without it")
+    dcp_failure(save, sst.DcpStorageError, r"plan caching .*pass a planner without it")
     assert os.listdir(tmp_path) == []  # refused before anything was staged

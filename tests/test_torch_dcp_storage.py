@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 
 import pytest
 
@@ -16,6 +15,7 @@ dcp = pytest.importorskip("torch.distributed.checkpoint")
 import multiproc  # noqa: E402
 import snapshard  # noqa: E402
 import snapshard.torch as sst  # noqa: E402
+from dcp_errors import dcp_failure  # noqa: E402
 from snapshard.cli import main as cli  # noqa: E402
 from snapshard.errors import CheckpointExistsError, CorruptCheckpointError  # noqa: E402
 
@@ -64,21 +64,6 @@ def _quiet_single_process(monkeypatch):
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         yield
-
-
-def _failure(call, cls: type[BaseException], match: str) -> BaseException:
-    """The error `call` raised on this rank: DCP reports it wrapped, per rank, in a
-    CheckpointException (a BaseException) where it ran the failing step collectively."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    with pytest.raises(BaseException) as info:
-        call()
-    err = info.value
-    if isinstance(err, CheckpointException):
-        err = next(iter(err.failures.values()))[0]
-    assert isinstance(err, cls), repr(err)
-    assert re.search(match, str(err)), str(err)
-    return err
 
 
 def _same(got: dict, want: dict) -> None:
@@ -189,7 +174,7 @@ def test_an_existing_checkpoint_is_kept(tmp_path):
     dcp.save(_state(), storage_writer=sst.StorageWriter(path))
     kept = sst.StorageWriter(path, overwrite=False)
     again = lambda: dcp.save(_state(step=4), storage_writer=kept)  # noqa: E731
-    _failure(again, CheckpointExistsError, "already exists at .*overwrite=True")
+    dcp_failure(again, CheckpointExistsError, "already exists at .*overwrite=True")
     dcp.save(_state(step=5), storage_writer=sst.StorageWriter(path))  # FileSystemWriter's default
 
     assert snapshard.metadata(str(path))["step"].value == 5
@@ -203,7 +188,7 @@ def test_a_corrupted_byte_is_caught_on_load(tmp_path):
     raw[10] ^= 0x01
     data[0].write_bytes(bytes(raw))
     load = lambda: dcp.load(_target(), storage_reader=sst.StorageReader(path))  # noqa: E731
-    _failure(load, CorruptCheckpointError, "checksum")
+    dcp_failure(load, CorruptCheckpointError, "checksum")
     assert cli(["verify", str(path)]) != 0
 
 
@@ -216,7 +201,7 @@ def test_a_failed_save_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(local.LocalStorage, "open_writer", full)
     path = tmp_path / "ck"
     save = lambda: dcp.save(_state(), storage_writer=sst.StorageWriter(path))  # noqa: E731
-    _failure(save, OSError, "no space left")
+    dcp_failure(save, OSError, "no space left")
     assert not path.exists()
     assert [p.name for p in tmp_path.iterdir()] == []  # this rank's files removed, staging too
 
@@ -230,7 +215,7 @@ def test_a_failed_commit_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setattr(local.LocalStorage, "commit", refused)
     path = tmp_path / "ck"
     save = lambda: dcp.save(_state(), storage_writer=sst.StorageWriter(path))  # noqa: E731
-    _failure(save, OSError, "commit refused")
+    dcp_failure(save, OSError, "commit refused")
     assert not path.exists() and not os.listdir(tmp_path)
 
 
