@@ -69,6 +69,13 @@ class SaveOptions:
         phase returns. snapshard.torch always copies every byte in the blocking phase.
     timeout_s: how long process 0 waits for every process to report its files written,
         and every process for the outcome of the commit.
+    trees_differ: each process's tree may hold keys the others lack (pipeline stages, expert
+        groups; torch state dicts): the checkpoint holds their union, and each leaf records
+        the processes that saved it. A DTensor is planned among its own mesh's ranks, each
+        byte written once; a plain tensor or NumPy array, whose other holders no process
+        knows without asking, is written by every rank that passes it, and the commit
+        checks the copies equal and keeps one. Every process passes the same value (the
+        commit checks). Default False: every process saves the same tree.
     """
 
     mode: str = "auto"
@@ -77,6 +84,7 @@ class SaveOptions:
     hashes: bool = False
     host_budget: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
+    trees_differ: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -91,6 +99,8 @@ class SaveOptions:
             raise ValueError(f"hashes must be True or False, not {self.hashes!r}")
         _whole("host_budget", self.host_budget, 0, none_ok=True)
         _seconds("timeout_s", self.timeout_s)
+        if not isinstance(self.trees_differ, bool):
+            raise ValueError(f"trees_differ must be True or False, not {self.trees_differ!r}")
 
 
 @dataclass(frozen=True)

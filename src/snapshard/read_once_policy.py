@@ -4,7 +4,12 @@ read-once paths, and free of either framework)."""
 from __future__ import annotations
 
 from .coordination.base import Coordinator
-from .coordination.rendezvous import Rendezvous, namespace, on_every_process
+from .coordination.rendezvous import (
+    Rendezvous,
+    namespace,
+    on_every_process,
+    same_on_every_process,
+)
 from .storage import is_object_store_url
 from .storage.mounts import is_network_filesystem
 
@@ -42,6 +47,18 @@ def wanted(location: str, enabled: bool | None, coord: Coordinator, timeout_s: f
         return wanted_here(location, enabled)
     rv = Rendezvous(coord, namespace("read-once", location), f"load of {location}", timeout_s)
     return on_every_process(rv, wanted_here(location, enabled))
+
+
+def wanted_alike(
+    location: str, enabled: bool | None, coord: Coordinator, timeout_s: float, target: str
+) -> bool:
+    """`wanted`, for a restore whose processes' targets may differ (torch state dicts of a
+    job whose ranks hold different keys: pipeline stages, expert groups): read-once only
+    where every process wants it and every process's target has the same digest
+    (`target`), since the read-once plans are made by each process from its own target
+    alone. One report each, on object stores too."""
+    rv = Rendezvous(coord, namespace("read-once", location), f"load of {location}", timeout_s)
+    return same_on_every_process(rv, target if wanted_here(location, enabled) else None)
 
 
 def wanted_here(location: str, enabled: bool | None) -> bool:

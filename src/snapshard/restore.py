@@ -77,11 +77,12 @@ def per_process_values(
         i = index[id(leaf)]
         got = []
         for q in wanted:
-            if i not in files[q]:
+            own = int(manifest.local_leaves(q, np.asarray([i]))[0])  # (format.leaf_map)
+            if own not in files[q]:
                 raise CorruptCheckpointError(
                     f"{url}: process {q} has no value for leaf {leaf.name!r}"
                 )
-            got.append(per_process.decode(files[q][i], f"{url}, leaf {leaf.name!r}"))
+            got.append(per_process.decode(files[q][own], f"{url}, leaf {leaf.name!r}"))
         out[leaf.path] = (
             got[0]
             if resplit is None or n == manifest.process_count

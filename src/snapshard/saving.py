@@ -17,12 +17,13 @@ import logging
 import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from . import per_process, write_tuning
+from . import per_process, tree_union, write_tuning
 from .background import BackgroundTask
 from .checksum import crc32c
 from .chunk_files import FileChunks, cut_files, files_at_once, write_files
@@ -57,7 +58,9 @@ from .format.binding import name_key
 from .format.encoding import chunk_span as chunk_span  # for box_writer.py, as before
 from .format.encoding import write_chunk as write_chunk  # for box_writer.py, as before
 from .format.layouts import Mesh, describe_rows, mesh_layout, same_holders
+from .format.leaves import leaf_from_json, leaf_to_json
 from .format.manifest import PerProcessLeaf, encode_value, values_file_name
+from .format.naming import tree_file_name
 from .format.records import RECORD_FIXED, ChunkRecord, ProcessReport
 from .format.records import records_of as records_of  # for box_writer.py, as before
 from .frameworks import default_save_adapter
@@ -65,6 +68,7 @@ from .gc_pause import Frozen, collection_paused
 from .incremental import Increment, check_refs_committed, manifest_refs
 from .options import SaveOptions, require
 from .planning import WritePlan, plan_writes
+from .planning.write_plan import plan_by_holders
 from .save_leaves import MeshSpec, SaveArray, checked_dtype
 from .staging import Snapshot, StagedItem
 from .storage import Location, Storage, is_object_store_url, storage_for
@@ -116,10 +120,14 @@ class _Prepared:
 
 
 class SaveAdapter(Protocol):
-    """What a framework's wing supplies to the save executor (adapters/jax_save.py for JAX,
+    """What a framework's wing supplies to the save executor (jax/save_adapter.py for JAX,
     torch/saving.py for PyTorch): which values are leaves, how they become SaveArrays, how
     this process's planned items reach host memory, an array's mesh for the manifest's
-    compact layouts, and what to give back once the save has ended."""
+    compact layouts, and what to give back once the save has ended. `trees_differ`: whether
+    its leaves were classified for a tree that may differ by process (SaveOptions.trees_differ:
+    host values held by this process alone, sub-meshes not widened)."""
+
+    trees_differ: bool
 
     def is_leaf(self, x: Any) -> bool: ...
 
@@ -227,15 +235,26 @@ def _prepare(
     storage.set_attempt(f"{coord.job_token()}-{rv.prefix.rpartition('/')[2]}")
     if options.compression is not None and not compression.available():
         raise SnapshardError("compression needs zstd: install snapshard[compress]")
+    if options.trees_differ != adapter.trees_differ:
+        raise ValueError(
+            "SaveOptions(trees_differ=True) saves torch state dicts that differ by rank "
+            "(snapshard.torch); a JAX tree is global: an array on a sub-mesh is saved by the "
+            "processes of its devices as it is"
+        )
+    if options.trees_differ and (base is not None or options.hashes):
+        raise ValueError("a save of differing trees (SaveOptions.trees_differ) cannot be incremental yet")
     increment = None
     if base is not None or options.hashes:
         increment = Increment(base, storage, identical)
     flat = flat or flatten(tree, adapter.is_leaf)
     leaves = classify_leaves(flat, coord.process_count, adapter)
     arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
-    plan = plan_writes(
-        [a.layout for _, a in arrays], options.mode, num_processes=coord.process_count
-    )
+    layouts = [a.layout for _, a in arrays]
+    if options.trees_differ:  # each holder set planned on its own, alike on each of its holders
+        keys = [path_json(a.path) for _, a in arrays]
+        plan = plan_by_holders(layouts, keys, options.mode, num_processes=coord.process_count)
+    else:
+        plan = plan_writes(layouts, options.mode, num_processes=coord.process_count)
     t1 = time.perf_counter()
     items, copied = adapter.stage(arrays, plan, coord.process_index, copy=asynchronous)
     # Host values are assumed equal on every process: their digests are compared at commit.
@@ -354,6 +373,8 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         )
     data = _record_file(prep, chunks)
     prep.storage.write_bytes(record_file_name(pid, nonce), data)
+    if prep.options.trees_differ:
+        prep.storage.write_bytes(tree_file_name(pid, nonce), _tree_file(prep))
     own = {i: leaf.value for i, leaf in enumerate(prep.leaves) if isinstance(leaf, PerProcessLeaf)}
     values = b""
     if own:
@@ -374,8 +395,20 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         refs_used=tuple(increment.get("refs_used", ())),
         referenced_bytes=int(increment.get("referenced_bytes", 0)),
         ref_codecs=tuple(increment.get("ref_codecs", ())),
-        packed_saved=packed[1], codecs=packed[2],
+        packed_saved=packed[1], codecs=packed[2], trees_differ=prep.options.trees_differ,
     ).to_json()  # fmt: skip
+
+
+def _tree_file(prep: _Prepared) -> bytes:
+    """This process's own tree in a save of differing trees, for process 0's union (tree_union.py)."""
+    leaves, meshes, layouts = _layouts(prep)
+    plans = iter(prep.plan.arrays)
+    digests = [next(plans).digest if isinstance(x, SaveArray) else 0 for x in prep.leaves]
+    doc = {
+        "tree": prep.structure, "leaves": [leaf_to_json(x, chunks=False) for x in leaves],
+        "layouts": layouts, "meshes": meshes, "plans": digests,
+    }  # fmt: skip
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 @dataclass(frozen=True)
@@ -525,6 +558,10 @@ def _other_leaves(prep: _Prepared, q: int, theirs: np.ndarray) -> CoordinationEr
             extra_at.append(j)
     count = lambda n: f"{n} leaf" if n == 1 else f"{n} leaves"  # noqa: E731
     parts = [f"process {q} saved {count(len(theirs))}, process 0 saved {count(len(mine))}"]
+    trees_differ = (
+        "; for state whose keys differ by rank by design (pipeline stages, expert groups), "
+        "save it with SaveOptions(trees_differ=True)"
+    )
     if extra:
         parts.append(
             f"process {q} has {len(extra)} that process 0 has not ({', '.join(extra[:3])}"
@@ -537,7 +574,9 @@ def _other_leaves(prep: _Prepared, q: int, theirs: np.ndarray) -> CoordinationEr
             + (f" and {len(lacking) - 3} more" if len(lacking) > 3 else "")
             + f" of process 0 not on process {q} (or with another kind, dtype, shape or layout)"
         )
-    error = CoordinationError(f"{prep.rendezvous.what}: the trees differ: " + "; ".join(parts))
+    error = CoordinationError(
+        f"{prep.rendezvous.what}: the trees differ: " + "; ".join(parts) + trees_differ
+    )
     error.relay = {"tree_extra": {"process": q, "leaves": extra_at[:3]}}  # type: ignore[attr-defined]
     return error
 
@@ -618,7 +657,7 @@ def _describe(
     layout itself: a description that would mislead a reader falls back to explicit rows."""
     memo = arr.layout.memo
     if memo.description is None:
-        memo.description = _description(arr, adapter.mesh_of(arr))
+        memo.description = _description(arr, adapter.mesh_of(arr), adapter.trees_differ)
     desc, mesh = memo.description
     if mesh is not None:
         mid = meshes.setdefault(mesh.key(), len(meshes))
@@ -628,9 +667,12 @@ def _describe(
     return desc
 
 
-def _description(arr: SaveArray, found: MeshSpec | None) -> tuple[dict[str, Any], Mesh | None]:
-    """`found`: the array's mesh and spec, from its framework's adapter."""
-    if arr.devices is None and isinstance(arr.source, np.ndarray | np.generic):
+def _description(
+    arr: SaveArray, found: MeshSpec | None, trees_differ: bool
+) -> tuple[dict[str, Any], Mesh | None]:
+    """`found`: the array's mesh and spec, from its framework's adapter; `trees_differ`: a host
+    value is held by this process alone (SaveOptions.trees_differ), described as rows."""
+    if arr.devices is None and isinstance(arr.source, np.ndarray | np.generic) and not trees_differ:
         return {"kind": "host"}, None
     if found is not None:
         axes, shape, processes, spec = found
@@ -650,7 +692,10 @@ def _commit(prep: _Prepared, docs: list[dict[str, Any]]) -> None:
     are read."""
     url = prep.storage.url
     reports = [ProcessReport.from_json(d) for d in docs]
-    _check_agreement(prep, reports)
+    _check_same_options(prep, reports)
+    union = _union(prep, reports) if prep.options.trees_differ else None
+    if union is None:
+        _check_agreement(prep, reports)
     table = ProcessTable(
         nonces=[r.nonce for r in reports],
         data_sizes=[list(r.sizes) for r in reports],
@@ -660,9 +705,18 @@ def _commit(prep: _Prepared, docs: list[dict[str, Any]]) -> None:
     if any(isinstance(leaf, PerProcessLeaf) for leaf in prep.leaves):
         table.values_sizes = [r.values_size for r in reports]
         table.values_crcs = [r.values_crc for r in reports]
-    leaves, meshes, layouts = _layouts(prep)
+    if union is None:
+        structure, (leaves, meshes, layouts) = prep.structure, _layouts(prep)
+    else:
+        structure, leaves, meshes, layouts = (
+            union.structure, union.leaves, union.meshes, union.layouts
+        )
+        table.leaf_map = union.leaf_map
+        if any(isinstance(leaf, PerProcessLeaf) for leaf in leaves):
+            table.values_sizes = [r.values_size for r in reports]
+            table.values_crcs = [r.values_crc for r in reports]
     manifest = Manifest(
-        structure=prep.structure,
+        structure=structure,
         leaves=leaves,
         files=table.files(),
         process_count=len(reports),
@@ -674,7 +728,9 @@ def _commit(prep: _Prepared, docs: list[dict[str, Any]]) -> None:
     )
     expected = staged_files(table)
     # Bytes stored = each array's bytes plus its checksums: the tiling, from the sizes alone.
-    planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays else 0
+    # (a save of differing trees's plans are each process's own: each checked its chunks against its
+    # plan, and no process knows the others' plans)
+    planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays and not union else 0
     planned -= sum(r.referenced_bytes + r.packed_saved for r in reports)
     stored = sum(f.size for f in manifest.files)
     if stored < planned:
@@ -687,6 +743,50 @@ def _commit(prep: _Prepared, docs: list[dict[str, Any]]) -> None:
     used = {c for r in reports for c in (*r.codecs, *r.ref_codecs)}
     manifest.codecs = [records.CODECS[c] for c in sorted(used)]
     commit_manifest(prep.storage, manifest, expected, overwrite=prep.overwrite)
+
+
+def _check_same_options(prep: _Prepared, reports: list[ProcessReport]) -> None:
+    """Every process saved with the same SaveOptions.trees_differ as process 0."""
+    for q, r in enumerate(reports):
+        if r.trees_differ != prep.options.trees_differ:
+            raise CoordinationError(
+                f"{prep.rendezvous.what}: process {q} saved with SaveOptions(trees_differ="
+                f"{r.trees_differ}), process 0 with trees_differ={prep.options.trees_differ}: every "
+                "process passes the same options"
+            )
+
+
+def _union(prep: _Prepared, reports: list[ProcessReport]) -> tree_union.Union:
+    """Process 0 of a save of differing trees: the union of the processes' trees, from one tree file
+    and record file per distinct report digest; every tree file is removed after."""
+    storage, what = prep.storage, prep.rendezvous.what
+    groups: dict[int, list[int]] = {}
+    for q, r in enumerate(reports):
+        groups.setdefault(r.digest, []).append(q)
+
+    def read(processes: list[int]) -> tree_union.SavedTree:
+        q = processes[0]
+        nonce = reports[q].nonce
+        try:
+            doc = json.loads(storage.read_staging(tree_file_name(q, nonce)))
+            digests = records.staged_digests(storage.read_staging(record_file_name(q, nonce)))
+        except (SnapshardError, OSError, ValueError) as e:
+            raise CoordinationError(f"{what}: process {q}'s tree cannot be read back: {e}") from e
+        where = f"{storage.url}/{tree_file_name(q, nonce)}"
+        shardings: dict[str, Any] = {}
+        leaves = [leaf_from_json(d, where, 2, shardings) for d in doc["leaves"]]
+        if digests is None or len(digests) != len(leaves):
+            raise CoordinationError(f"{what}: process {q}'s record file does not match its tree")
+        return tree_union.SavedTree(
+            processes, doc["tree"], leaves, doc["layouts"], doc["meshes"], doc["plans"], digests
+        )
+
+    with ThreadPoolExecutor(min(16, len(groups)), "snapshard-trees") as pool:
+        trees = list(pool.map(read, groups.values()))
+    storage.delete_staging_files(
+        [tree_file_name(q, r.nonce) for q, r in enumerate(reports)]
+    )
+    return tree_union.union(trees, len(reports), what)
 
 
 def staged_files(table: ProcessTable) -> dict[str, int]:

@@ -92,6 +92,11 @@ class CheckpointManager(BaseCheckpointManager):
         async_save: bool = True
         """Return from a save once this rank's bytes are on the host; write in the
         background (False: wait for the commit)."""
+        trees_differ: bool | None = None
+        """Whether the ranks' states hold different keys (pipeline parallelism: each rank
+        its own stages), saved as their union (snapshard.SaveOptions.trees_differ). None: when
+        the model parts show it (several parts on a rank, or parameters on a mesh with a
+        "pp" dimension); set True for pipeline stages of plain tensors."""
 
     def __init__(
         self,
@@ -146,6 +151,11 @@ class CheckpointManager(BaseCheckpointManager):
             max_to_keep=config.keep_latest_k or None,
             read_only=config.load_only,  # an evaluation job: no writer lease, no deletions
             async_save=config.async_save,
+            save_options=snapshard.SaveOptions(
+                trees_differ=pipelined(model_parts)
+                if config.trees_differ is None
+                else config.trees_differ
+            ),
         )
 
     def __del__(self) -> None:
@@ -306,6 +316,21 @@ class CheckpointManager(BaseCheckpointManager):
             if key != MODEL and key in state:
                 self.states[key].load_state_dict(state[key])
         return True
+
+
+def pipelined(model_parts: list[nn.Module]) -> bool:
+    """Whether the model parts are pipeline stages, whose keys differ by rank: several on
+    this rank, or parameters on a mesh whose root has a "pp" dimension (torchtitan's name).
+    (Every rank decides alike: every rank holds some stage.)"""
+    if len(model_parts) > 1:
+        return True
+    for part in model_parts:
+        for p in part.parameters():
+            if isinstance(p, DTensor):
+                mesh = p.device_mesh
+                root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+                return "pp" in (root.mesh_dim_names or ())
+    return False
 
 
 def _check_world_size(path: str, error: TargetMismatchError) -> None:

@@ -10,6 +10,7 @@ import numpy as np
 from ..errors import CorruptCheckpointError
 from .binding import name_key
 from .bounds import MAX_BYTES, MAX_FILES_PER_PROCESS, bounded_int
+from .leaf_map import LeafMap
 from .naming import NONCE, data_file_name, record_file_name
 
 
@@ -36,12 +37,24 @@ class ProcessTable:
     # sizes and crc32c of the per-process values files (empty lists: no such leaves)
     values_sizes: list[int] = field(default_factory=list)
     values_crcs: list[int] = field(default_factory=list)
+    # which leaves each process saved, where the trees differ by process (format 2.2)
+    leaf_map: LeafMap | None = None
 
     def __len__(self) -> int:
         return len(self.nonces)
 
     def record_name(self, q: int) -> str:
         return record_file_name(q, self.nonces[q])
+
+    def leaf_count(self, q: int, manifest_leaves: int) -> int:
+        """How many leaves process q's record and values files number."""
+        return manifest_leaves if self.leaf_map is None else self.leaf_map.count(q)
+
+    def local_leaves(self, q: int, leaves: np.ndarray, manifest_leaves: int) -> np.ndarray:
+        """The numbers in process q's files of manifest leaves `leaves` (-1: q saved none)."""
+        if self.leaf_map is None:
+            return np.asarray(leaves, np.int64)
+        return self.leaf_map.local(q, leaves, manifest_leaves)
 
     @property
     def base(self) -> np.ndarray:
@@ -67,10 +80,13 @@ class ProcessTable:
                  "values_crc32c": "".join(f"{c:08x}" for c in self.values_crcs)}
                 if self.values_sizes else {}
             ),
+            **(self.leaf_map.to_json() if self.leaf_map is not None else {}),
         }  # fmt: skip
 
     @staticmethod
-    def from_json(d: Any, count: int, where: str) -> ProcessTable:
+    def from_json(d: Any, count: int, where: str, leaf_count: int | None = None) -> ProcessTable:
+        """The table of a manifest of `count` processes; `leaf_count`: its leaves, where
+        its version may map them (2.2)."""
         if not isinstance(d, dict):
             raise CorruptCheckpointError(f"{where}: manifest lacks its process table")
         nonce, crcs = d.get("nonce"), d.get("record_crc32c")
@@ -107,4 +123,10 @@ class ProcessTable:
                 table.values_crcs = [int(vcrcs[8 * q : 8 * q + 8], 16) for q in range(count)]
             except ValueError:
                 raise CorruptCheckpointError(f"{where}: malformed values checksum") from None
+        if "trees" in d or "tree_of" in d:
+            if leaf_count is None:
+                raise CorruptCheckpointError(
+                    f"{where}: the process table maps leaves, which only format 2.2 does"
+                )
+            table.leaf_map = LeafMap.from_json(d, count, leaf_count, where)
         return table

@@ -222,11 +222,12 @@ class ChunkFinder:
         name = m.processes.record_name(q)
         size = m.processes.record_sizes[q]
         where = f"{self.storage.url}/{name}"
-        n = len(m.leaves)
+        n = m.processes.leaf_count(q, len(m.leaves))
         if rec.directory_offset(n) > size:
             raise CorruptCheckpointError(f"{where}: record file is smaller than its directory")
         a = np.asarray(leaves, np.int64)
-        at = rec.HEADER_SIZE + a * rec.DIR_ENTRY_SIZE
+        local = self._local(q, a, where)
+        at = rec.HEADER_SIZE + local * rec.DIR_ENTRY_SIZE
         raw, pos = self._read_spans(name, at, at + rec.DIR_ENTRY_SIZE)
         whole = np.frombuffer(raw, rec.DIR_ENTRY)
         entries = whole[pos // rec.DIR_ENTRY_SIZE]
@@ -248,8 +249,8 @@ class ChunkFinder:
         view = memoryview(raw)
         got = [(int(a[i]), view[p : p + int(length[i])]) for i, p in zip(order.tolist(), pos.tolist(), strict=True)]
         crcs = entries["crc"][order].tolist()
-        for (leaf, data), crc in zip(got, crcs, strict=True):
-            if rec.segment_crc(data, q, leaf, salt) != crc:
+        for (leaf, data), crc, own in zip(got, crcs, local[order].tolist(), strict=True):
+            if rec.segment_crc(data, q, own, salt) != crc:
                 raise CorruptCheckpointError(
                     f"{where}, leaf {m.leaves[leaf].name!r}: chunk records fail their checksum"
                 )
@@ -257,6 +258,17 @@ class ChunkFinder:
         for (leaf, data), nd in zip(got, ndim[order].tolist(), strict=True):
             by_ndim.setdefault(nd, []).append((leaf, data))
         return {nd: _Fetched.decode(q, group, nd) for nd, group in by_ndim.items()}
+
+    def _local(self, q: int, leaves: np.ndarray, where: str) -> np.ndarray:
+        """The numbers of manifest leaves `leaves` in process q's record file; each must be
+        one q saved (the layouts name q as a holder of them)."""
+        local = self.manifest.local_leaves(q, leaves)
+        if len(local) and int(local.min()) < 0:
+            leaf = self.manifest.leaves[int(leaves[int(np.argmin(local))])]
+            raise CorruptCheckpointError(
+                f"{where}: leaf {leaf.name!r} names process {q} as a holder, which did not save it"
+            )
+        return local
 
     def hashed_records(
         self, wants: Sequence[tuple[ArrayLeaf, Sequence[BoundsArrays]]], hash_fn: int
@@ -292,15 +304,17 @@ class ChunkFinder:
         name = m.processes.record_name(q)
         size = m.processes.record_sizes[q]
         where = f"{self.storage.url}/{name}"
+        local = self._local(q, np.asarray(leaves, np.int64), where).tolist()
         header, *entries = self._read(
             name,
             [(0, rec.HEADER_SIZE)]
-            + [(rec.directory_offset(a), rec.directory_offset(a + 1)) for a in leaves],
+            + [(rec.directory_offset(a), rec.directory_offset(a + 1)) for a in local],
         )
-        rec.decode_header(header, where, q, len(m.leaves))
+        rec.decode_header(header, where, q, m.processes.leaf_count(q, len(m.leaves)))
         flags = rec.header_flags(header)
         hashed = bool(flags & rec.FILE_HASHES) and (flags >> rec.HASH_SHIFT) & 0xFF == hash_fn
         wanted: list[tuple[int, np.void, int, int, tuple[int, int]]] = []
+        own = dict(zip(leaves, local, strict=True))
         for a, raw in zip(leaves, entries, strict=True):
             e = rec.decode_entries(raw)[0]
             ndim = len(m.leaves[a].shape)  # type: ignore[union-attr]
@@ -313,7 +327,7 @@ class ChunkFinder:
         out = {}
         for (a, e, ndim, length, _), raw in zip(wanted, segments, strict=True):
             at = f"{where}, leaf {m.leaves[a].name!r}"
-            records = rec.decode_segment(raw[:length], e, ndim, q, a, at, salt)
+            records = rec.decode_segment(raw[:length], e, ndim, q, own[a], at, salt)
             out[a] = (records, rec.decode_hashes(raw[length:], e, ndim, at) if hashed else None)
         return out
 
@@ -605,7 +619,8 @@ def check_record_files(storage: Storage, manifest: Manifest) -> None:
         size = table.record_sizes[q]
         buf = bytearray(size)
         storage.read_into(name, 0, [memoryview(buf)])
-        stated = rec.decode_header(bytes(buf[: rec.HEADER_SIZE]), where, q, len(manifest.leaves))
+        leaves = table.leaf_count(q, len(manifest.leaves))
+        stated = rec.decode_header(bytes(buf[: rec.HEADER_SIZE]), where, q, leaves)
         if stated != size:
             raise CorruptCheckpointError(
                 f"{where}: record file says {stated} bytes, the manifest {size}"

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from ..checksum import crc32c
 from ..errors import CorruptCheckpointError
 from ..tree import JsonNode, Path
@@ -62,6 +64,7 @@ from .naming import (
     FORMAT_VERSION,
     INDEX_DIR,
     INDEX_FORMAT_NAME,
+    LEAF_MAP_MINOR,
     MANIFEST_NAME,
     READ_VERSIONS,
     check_file_name,
@@ -157,13 +160,20 @@ class Manifest:
     def leaf_by_path(self) -> dict[Path, Leaf]:
         return {leaf.path: leaf for leaf in self.leaves}
 
+    def local_leaves(self, q: int, leaves: np.ndarray) -> np.ndarray:
+        """The numbers in process q's record and values files of leaves `leaves` (manifest
+        indices; -1 where q saved none of a leaf: format.leaf_map)."""
+        assert self.processes is not None
+        return self.processes.local_leaves(q, leaves, len(self.leaves))
+
     def to_json(self) -> bytes:
-        """The 2.1 manifest, with its own checksum (see docs/format.md)."""
+        """The 2.1 manifest (2.2 with a leaf map), with its own checksum (docs/format.md)."""
         assert self.processes is not None, "a v2 manifest needs its process table"
-        assert self.bound, "this library writes format 2.1 only"
+        assert self.bound, "this library writes format 2.1 and 2.2 only"
+        minor = FORMAT_MINOR if self.processes.leaf_map is None else LEAF_MAP_MINOR
         doc = {
             "format": FORMAT_NAME,
-            "version": f"{FORMAT_VERSION}.{FORMAT_MINOR}",
+            "version": f"{FORMAT_VERSION}.{minor}",
             "checksum": "00000000",
             "created_unix": self.created_unix,
             "process_count": self.process_count,
@@ -326,7 +336,10 @@ def _v2_tables(m: Manifest, doc: dict[str, Any], where: str) -> None:
     if not isinstance(codecs, list) or not all(isinstance(c, str) for c in codecs):
         raise CorruptCheckpointError(f"{where}: malformed codecs list")
     m.codecs = codecs
-    m.processes = ProcessTable.from_json(doc.get("processes"), m.process_count, where)
+    m.processes = ProcessTable.from_json(
+        doc.get("processes"), m.process_count, where,
+        len(m.leaves) if m.minor >= LEAF_MAP_MINOR else None,
+    )  # fmt: skip
     m.files = m.processes.files(m.bound)
     if m.refs:
         m.files += ref_files(m.refs, where, m.bound)

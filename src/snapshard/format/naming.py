@@ -14,7 +14,10 @@ FORMAT_VERSION = 2
 # 2.1 binds every checksum to its file (format.binding). The manifest states it as the
 # string "2.1": a reader of 2.0 refuses it by name instead of failing every checksum.
 FORMAT_MINOR = 1
-READ_VERSIONS: tuple[int | str, ...] = (1, 2, "2.1")
+# 2.2 adds the leaf map of a save whose processes' trees differ (format.leaf_map); a save of
+# one tree on every process stays 2.1, which readers of 2.1 read.
+LEAF_MAP_MINOR = 2
+READ_VERSIONS: tuple[int | str, ...] = (1, 2, "2.1", "2.2")
 MANIFEST_NAME = "manifest.json"
 DATA_DIR = "data"
 INDEX_DIR = "index"
@@ -34,6 +37,12 @@ def record_file_name(process: int, nonce: str) -> str:
 
 def values_file_name(process: int, nonce: str) -> str:
     return f"{INDEX_DIR}/p{process:05d}-{nonce}.values.json"
+
+
+def tree_file_name(process: int, nonce: str) -> str:
+    """A process's own tree in a save of differing trees, read by the committer and removed before
+    the commit: never part of a committed checkpoint."""
+    return f"{INDEX_DIR}/p{process:05d}-{nonce}.tree.json"
 
 
 def check_file_name(name: Any, where: str) -> str:

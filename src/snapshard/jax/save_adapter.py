@@ -28,6 +28,9 @@ class JaxAdapter:
     tree's device arrays when one was already made (the local tier's), staged from instead
     of the devices."""
 
+    # A JAX tree is global: every process passes every leaf (an array on a sub-mesh too).
+    trees_differ = False
+
     def __init__(self, budget: int | None = None, snapshot: Snapshot | None = None) -> None:
         self.budget = budget
         self.snapshot = snapshot

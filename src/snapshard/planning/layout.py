@@ -41,6 +41,7 @@ class LayoutMemo:
     holder_groups_known: bool = False
     digest: int | None = None  # saving: crc32c of where the boxes live
     description: Any = None  # saving: (format.layouts description, Mesh or None)
+    holders: bytes | None = None  # write_plan.plan_by_holders: the holding processes
 
 
 @dataclass(eq=False)
@@ -95,6 +96,17 @@ def host_layout(shape: tuple[int, ...], itemsize: int, process_count: int) -> Ar
         np.arange(n),
         np.arange(n),
     )
+
+
+@lru_cache(maxsize=64)
+def own_layout(shape: tuple[int, ...], itemsize: int, process: int) -> ArrayLayout:
+    """A host value that only `process` is known to hold (a save of differing trees: which other
+    processes hold it, no process knows without asking)."""
+    nd = len(shape)
+    return ArrayLayout(
+        shape, itemsize, np.zeros((1, nd), np.int64), np.asarray([shape], np.int64).reshape(1, nd),
+        np.zeros(1, np.int64), np.asarray([process]),
+    )  # fmt: skip
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -60,6 +60,15 @@ class ArrayWritePlan:
     def source_row(self) -> np.ndarray:
         return self.groups.cand_row[self.cand]
 
+    @cached_property
+    def digest(self) -> int:
+        """crc32c of who writes which box: equal on every process that planned alike (a
+        save of differing trees compares the plans of the processes holding one array)."""
+        import crc32c  # (the planner itself needs no checksums)
+
+        parts = (self.writer.astype(np.int64), self.starts, self.stops)
+        return int(crc32c.crc32c(b"".join(np.ascontiguousarray(p).tobytes() for p in parts)))
+
     def items_of(self, process: int) -> np.ndarray:
         """Indices of the items `process` writes, ascending."""
         if not self.whole_boxes:
@@ -372,3 +381,40 @@ def _plan_cached(
         return balanced  # even enough, or no plan could do better
     rp = _plan_cached(layouts, "replica_parallel", num_processes, min_band_bytes)
     return rp if rp.bytes_per_process().max() < per_process.max() else balanced
+
+
+def plan_by_holders(
+    layouts: Sequence[ArrayLayout],
+    keys: Sequence[str],
+    mode: str = "auto",
+    *,
+    num_processes: int,
+    min_band_bytes: int = DEFAULT_MIN_BAND_BYTES,
+) -> WritePlan:
+    """The write plan of one process's tree where the processes' trees differ
+    (SaveOptions.trees_differ): the arrays held by one set of processes are planned
+    together, apart from the others, in the order of their `keys` (their paths as text).
+    Every holder of an array
+    passes every array of its holder set (a DTensor lives on every rank of its mesh), so
+    each holder computes the same plan for them whatever else its own tree holds: the
+    plan stays a pure function of what every holder sees, with no process asking another.
+    """
+    groups: dict[bytes, list[int]] = {}
+    for i, la in enumerate(layouts):
+        holders = la.memo.holders
+        if holders is None:
+            holders = la.memo.holders = np.unique(la.process_ids).tobytes()
+        groups.setdefault(holders, []).append(i)
+    arrays: list[ArrayWritePlan | None] = [None] * len(layouts)
+    modes: set[str] = set()
+    for ix in groups.values():
+        ix.sort(key=lambda i: keys[i])
+        part = plan_writes(
+            [layouts[i] for i in ix], mode, num_processes=num_processes,
+            min_band_bytes=min_band_bytes,
+        )  # fmt: skip
+        modes.add(part.mode)
+        for i, a in zip(ix, part.arrays, strict=True):
+            arrays[i] = a
+    out_mode = modes.pop() if len(modes) == 1 else mode
+    return WritePlan(out_mode, tuple(arrays), num_processes)  # type: ignore[arg-type]

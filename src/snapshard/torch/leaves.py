@@ -18,7 +18,7 @@ from ..checksum import crc32c
 from ..errors import UnsupportedLeafError
 from ..format.manifest import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess, checked
-from ..planning.layout import host_layout
+from ..planning.layout import host_layout, own_layout
 from ..save_leaves import VALUE_TYPES, SaveArray
 from ..saving import ReplicatedSource
 from ..tree import Path, path_str
@@ -85,11 +85,14 @@ def placement_specs(placements: Any, leaf: str = "?") -> list[PlacementSpec]:
 _mesh_cache: dict[int, tuple[Any, np.ndarray, bool]] = {}
 
 
-def mesh_ranks(mesh: Any) -> tuple[np.ndarray, bool]:
+def mesh_ranks(mesh: Any, widen: bool = True) -> tuple[np.ndarray, bool]:
     """The rank tensor to lay a DTensor out on, and whether it was widened: a sub-mesh of a
     bigger root mesh is stacked with its copies (which hold the same data) on a new first
-    dimension, so that every rank of the root knows every holder without asking. Cached
-    per mesh object (meshes live as long as the job)."""
+    dimension, so that every rank of the root knows every holder without asking. Not in a
+    save of differing trees (`widen` False), where the copies hold other stages' or experts' data.
+    Cached per mesh object (meshes live as long as the job)."""
+    if not widen:
+        return mesh.mesh.cpu().numpy().astype(np.int64), False
     hit = _mesh_cache.get(id(mesh))
     if hit is not None and hit[0] is mesh:
         return hit[1], hit[2]
@@ -117,18 +120,19 @@ def dtensor_layout(value: Any, itemsize: int, leaf: str = "?") -> TensorLayout:
 
 
 def _dtensor_entry(
-    value: Any, itemsize: int, leaf: str | Path
+    value: Any, itemsize: int, leaf: str | Path, widen: bool = True
 ) -> tuple[Any, TensorLayout, dict[str, Any]]:
-    """(mesh, layout, description) of a DTensor; `leaf` (its name or path) for errors."""
+    """(mesh, layout, description) of a DTensor; `leaf` (its name or path) for errors;
+    `widen`: see mesh_ranks."""
     mesh = value.device_mesh
     placements = value.placements
     # The types too: a placement may compare equal to one of a subclass (_StridedShard).
-    key = (id(mesh), placements, tuple(map(type, placements)), value.shape, itemsize)
+    key = (id(mesh), placements, tuple(map(type, placements)), value.shape, itemsize, widen)
     hit = _layouts.get(key)
     if hit is not None and hit[0] is mesh:
         return hit
     specs = placement_specs(placements, leaf if isinstance(leaf, str) else path_str(leaf))
-    ranks, widened = mesh_ranks(mesh)
+    ranks, widened = mesh_ranks(mesh, widen)
     if widened:
         specs = [None, *specs]
     tl = tensor_layout(tuple(value.shape), itemsize, ranks, specs)
@@ -191,11 +195,13 @@ class TorchSource(ReplicatedSource):
 
 
 def classify(
-    path: Path, value: Any, process_count: int, rank: int | None = None
+    path: Path, value: Any, process_count: int, rank: int | None = None, trees_differ: bool = False
 ) -> SaveArray | ValueLeaf:
-    """The leaf `value` at `path` is saved as (`rank`: this process's, found when None)."""
+    """The leaf `value` at `path` is saved as (`rank`: this process's, found when None;
+    `trees_differ`: the ranks' state dicts may differ, SaveOptions.trees_differ)."""
     if isinstance(value, torch.Tensor):  # first: nearly every leaf of a state dict
-        return _tensor_leaf(path, value, process_count, this_rank() if rank is None else rank)
+        rank = this_rank() if rank is None else rank
+        return _tensor_leaf(path, value, process_count, rank, trees_differ)
     name = path_str(path)
     if isinstance(value, VALUE_TYPES) and not isinstance(value, np.generic):
         return ValueLeaf(path, value)
@@ -206,16 +212,23 @@ def classify(
     from ..save_leaves import classify as classify_numpy
 
     if isinstance(value, np.ndarray | np.generic):
-        return classify_numpy(path, value, process_count)
+        arr = classify_numpy(path, value, process_count)
+        if trees_differ and isinstance(arr, SaveArray):
+            rank = this_rank() if rank is None else rank
+            arr.layout = own_layout(arr.shape, arr.dtype.itemsize, rank)
+        return arr
     raise UnsupportedLeafError(
         f"leaf {name!r}: values of type {type(value).__module__}.{type(value).__qualname__} "
         "cannot be saved"
     )
 
 
-def _tensor_leaf(path: Path, value: torch.Tensor, process_count: int, rank: int) -> SaveArray:
+def _tensor_leaf(
+    path: Path, value: torch.Tensor, process_count: int, rank: int, trees_differ: bool
+) -> SaveArray:
     """A tensor or DTensor leaf; the leaf's name is made only for an error (100,000 leaves
-    would pay for their names twice)."""
+    would pay for their names twice). In a save of differing trees a plain tensor is held by this
+    rank alone, as far as any rank can tell."""
     dt = TO_NUMPY.get(value.dtype)
     if dt is None:
         dt = numpy_dtype(value.dtype, leaf=path_str(path))  # raises, naming the leaf
@@ -223,13 +236,16 @@ def _tensor_leaf(path: Path, value: torch.Tensor, process_count: int, rank: int)
     if not is_dtensor(value):
         if value.is_meta:
             refuse_meta(value, path_str(path))
-        layout = host_layout(shape, dt.itemsize, process_count)
+        if trees_differ:
+            layout = own_layout(shape, dt.itemsize, rank)
+        else:
+            layout = host_layout(shape, dt.itemsize, process_count)
         source = TorchSource(value, None)
         return SaveArray(path, "array", dt, shape, layout, None, source, describe(value))
     local = local_tensor(value)
     if value.is_meta or local.is_meta:
         refuse_meta(value, path_str(path))
-    _, tl, desc = _dtensor_entry(value, dt.itemsize, path)
+    _, tl, desc = _dtensor_entry(value, dt.itemsize, path, widen=not trees_differ)
     if len(tl.rows_of(rank)) and tuple(local.shape) != tl.local_shape(rank):
         raise UnsupportedLeafError(
             f"leaf {path_str(path)!r}: rank {rank}'s local tensor has shape "

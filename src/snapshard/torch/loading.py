@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checksum import crc32c
 from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
@@ -28,7 +29,7 @@ from ..gc_pause import collection_paused
 from ..options import ReadOptions, require
 from ..per_process import PerProcess, Resplit
 from ..planning.layout import Box
-from ..read_once_policy import too_small, wanted
+from ..read_once_policy import too_small, wanted_alike
 from ..reading import (
     BATCH_ITEMS,
     Dest,
@@ -223,7 +224,8 @@ def _read_once(
         "cpu" in devices and any(cuts.banded(t, s) for t, _, _, s in arrays)
     ):
         return None, [], None
-    if not wanted(url, options.read_once, coord, options.timeout_s):
+    # The ranks' targets may differ (pipeline stages): each rank plans from its own.
+    if not wanted_alike(url, options.read_once, coord, options.timeout_s, _digest(arrays)):
         return None, [], None
     banded = plan_bands(
         targets, [s for *_, s in arrays], world, devices, boxes, options.memory_budget
@@ -242,6 +244,22 @@ def _read_once(
     # Taken here, in program order, the same on every rank.
     rv = Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
     return once, banded, rv
+
+
+def _digest(arrays: list[_Array]) -> str:
+    """What a rank's read-once plans depend on: its target leaves' names, shapes, dtypes
+    and placements over their meshes' ranks."""
+    meshes: dict[int, str] = {}
+    parts = []
+    for t, _, leaf, _ in arrays:
+        where = type(t).__name__
+        if isinstance(t, torch.Tensor) and is_dtensor(t):
+            mesh = t.device_mesh  # type: ignore[attr-defined]
+            if id(mesh) not in meshes:
+                meshes[id(mesh)] = str(mesh.mesh.tolist())
+            where = f"{t.placements}{meshes[id(mesh)]}"  # type: ignore[attr-defined]
+        parts.append(f"{leaf.name}{tuple(t.shape)}{t.dtype}{where}")
+    return f"{crc32c('|'.join(parts).encode()):08x}"
 
 
 def _read_targets(

@@ -74,8 +74,9 @@ _buffers = HostBuffers()
 class TorchAdapter:
     """snapshard.saving.SaveAdapter for torch state dicts."""
 
-    def __init__(self, buffers: HostBuffers | None) -> None:
+    def __init__(self, buffers: HostBuffers | None, trees_differ: bool = False) -> None:
         self.buffers = buffers
+        self.trees_differ = trees_differ  # SaveOptions.trees_differ
         self.taken: list[tuple[np.ndarray, torch.Tensor | None]] = []
         self.rank = _leaves.this_rank()  # asked once per save, not once per leaf
 
@@ -92,7 +93,7 @@ class TorchAdapter:
             self.buffers.give_back(self.taken)
 
     def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray:
-        return _leaves.classify(path, value, process_count, self.rank)
+        return _leaves.classify(path, value, process_count, self.rank, self.trees_differ)
 
     def _buffer(self, nbytes: int, pinned: bool) -> tuple[np.ndarray, torch.Tensor | None]:
         if self.buffers is None:
@@ -173,14 +174,17 @@ def start_save(
     del snapshot
     prep = _saving.prepare(
         directory, state_dict, options, coordinator=coordinator or default_coordinator(),
-        asynchronous=asynchronous, adapter=adapter_for(asynchronous, buffers), **prepare_args,
+        asynchronous=asynchronous, adapter=adapter_for(options, asynchronous, buffers),
+        **prepare_args,
     )  # fmt: skip
     return StartedSave(prep.timings, lambda: _saving.finish(prep))
 
 
-def adapter_for(asynchronous: bool, buffers: HostBuffers | None = None) -> TorchAdapter:
+def adapter_for(
+    options: SaveOptions, asynchronous: bool, buffers: HostBuffers | None = None
+) -> TorchAdapter:
     """The adapter of one save: asynchronous saves copy into reused host buffers."""
-    return TorchAdapter((buffers or _buffers) if asynchronous else None)
+    return TorchAdapter((buffers or _buffers) if asynchronous else None, options.trees_differ)
 
 
 def save(
@@ -198,7 +202,7 @@ def save(
     `options`, `overwrite` and `base` as in snapshard.save (an existing empty directory
     is written into)."""
     return _saving.save_through(
-        adapter_for(False), directory, state_dict, options, overwrite=overwrite,
+        adapter_for(options, False), directory, state_dict, options, overwrite=overwrite,
         coordinator=coordinator or default_coordinator(), base=base,
     )  # fmt: skip
 
@@ -222,6 +226,6 @@ def save_async(
     prep = _saving.prepare(
         directory, state_dict, options, overwrite=overwrite,
         coordinator=coordinator or default_coordinator(), asynchronous=True,
-        adapter=adapter_for(True), base=base, extra=extra,
+        adapter=adapter_for(options, True), base=base, extra=extra,
     )  # fmt: skip
     return AsyncSave(prep)
