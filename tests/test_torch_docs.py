@@ -45,3 +45,23 @@ def test_the_per_rank_state_example_runs_in_one_process(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-4000:]
+
+
+@pytest.mark.multiprocess
+def test_the_pipeline_stages_example_runs_on_2_ranks(tmp_path):
+    script = tmp_path / "pipeline.py"
+    script.write_text(doc_block("pipeline"))
+    work = tmp_path / "job"
+    work.mkdir()
+    done = multiproc.run("torch_docs.py", 2, 1, script, work, timeout=180, env=ENV)
+    assert [p.result()["done"] for p in done] == [True, True]
+
+
+def test_the_pipeline_stages_example_runs_in_one_process(tmp_path):
+    script = tmp_path / "pipeline.py"
+    script.write_text(doc_block("pipeline"))
+    r = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -123,3 +124,19 @@ def test_torchtitan_manager_with_two_stages_trees_differ_loads_onto_one_rank(tmp
     loaded = _run(1, "titan-load", tmp_path)[0]
     assert loaded["loaded"] is True
     _same(saved, loaded["hashes"])
+
+
+def test_the_torchtitan_pipeline_example_of_the_docs_runs_on_2_ranks(tmp_path):
+    pytest.importorskip("torchtitan")
+    text = (multiproc.SRC.parent / "docs" / "integrations.md").read_text()
+    block = re.findall(
+        r"^<!-- tested: torchtitan-pipeline -->\n```python\n(.*?)^```", text, flags=re.S | re.M
+    )
+    assert len(block) == 1
+    script = tmp_path / "example.py"
+    script.write_text(block[0])
+    work = tmp_path / "job"
+    work.mkdir()
+    done = multiproc.run("torch_docs.py", 2, 1, script, work, timeout=150, env=ENV)
+    assert [p.result()["done"] for p in done] == [True, True]
+    assert (work / "run" / "ckpt" / "1" / "manifest.json").exists()

@@ -197,8 +197,10 @@ def save(
     base: Location | Storage | None = None,
 ) -> _saving.SaveTimings:
     """Save a torch state dict atomically; every rank calls it with its own state dict of
-    the same structure. Leaves: tensors (taken to be equal on every rank), DTensors (each
-    rank writes only the boxes the shared plan gives it), NumPy arrays, Python values.
+    the same structure, or with `SaveOptions(trees_differ=True)` one whose keys differ by
+    rank (pipeline stages: the checkpoint holds their union). Leaves: tensors (taken to be
+    equal on every rank that has them), DTensors (each rank writes only the boxes the
+    shared plan gives it), NumPy arrays, Python values.
     `options`, `overwrite` and `base` as in snapshard.save (an existing empty directory
     is written into)."""
     return _saving.save_through(
