@@ -34,8 +34,21 @@ record crc32c values in the manifest are exact for the processes whose files wer
 synthesised; for the others a stand-in of the same size (the committer copies them; only
 `snapshard verify` reads them).
 
+--stages S (default 1: the job above, one tree on every process): the same job as S
+pipeline stages, a save with SaveOptions(trees_differ=True) (metadata_trees.py). The arrays
+are cut into S groups of layers, stage s's on the sub-mesh (dp, P/(S dp), 8) of its P/S
+processes, so each process's tree holds its stage's keys only. Per stage, the plan is
+write_plan.plan_by_holders of its tree, each process's record file numbers its own tree's
+leaves, its tree file is saving._tree_file's; process 0's commit (saving._commit) reads one
+tree file and one record file per distinct report digest through the storage (10 ms per
+request), deletes every tree file (one request per 1,000 names and one HEAD, as S3's batched
+delete; the GCS client sends one per name: shown apart) and writes a format-2.2 manifest
+with its leaf map. Readers restore their own stage's tree on their stage's sub-mesh; "P/2"
+(each stage halved) only where P/2 splits into S stages. A list (--stages 1,8) measures each
+and prints them side by side.
+
 usage: python bench_metadata.py [--processes 1000,4000,10000] [--arrays 2000] [--repeat 3]
-                                [--latency-ms 10] [--smoke] [--out FILE.jsonl]
+                                [--stages 1] [--latency-ms 10] [--smoke] [--out FILE.jsonl]
 """
 
 from __future__ import annotations
@@ -101,19 +114,26 @@ def rss() -> int:
 
 
 # ---------------------------------------------------------------- the simulated job
-def job(n: int, n_arrays: int, dp: int) -> tuple[Any, list[Any], list[Any], Any]:
+def job(n: int, n_arrays: int, dp: int, stages: int = 1,
+        stage: int = 0) -> tuple[Any, list[Any], list[Any], Any]:  # fmt: skip
     """Leaves (SaveArray, as the JAX adapter makes them), their shared layouts, the tree
-    structure and the save mesh's format description."""
+    structure and the save mesh's format description. With `stages` > 1: the tree of the
+    processes of pipeline stage `stage` (metadata_trees.py), on its sub-mesh."""
     from bench_planning import Mesh as SimMesh
     from bench_planning import layout, tree_arrays
+    from metadata_trees import stage_dp, stage_processes, stages_of_arrays
     from snapshard.dtypes import NAME_TO_DTYPE
     from snapshard.format.layouts import Mesh, describe_rows, mesh_layout, same_holders
+    from snapshard.planning import ArrayLayout
     from snapshard.save_leaves import SaveArray
     from snapshard.tree import flatten
 
-    mesh = SimMesh(dp, n // dp, DEVICES_PER_PROCESS)
-    fmesh = Mesh(("dp", "fsdp", "tp"), (dp, n // dp, DEVICES_PER_PROCESS),
-                 np.arange(n * DEVICES_PER_PROCESS, dtype=np.int64) // DEVICES_PER_PROCESS)  # fmt: skip
+    first, m = stage_processes(n, stages, stage)
+    dp = stage_dp(dp, m) if stages > 1 else dp
+    mesh = SimMesh(dp, m // dp, DEVICES_PER_PROCESS)
+    fmesh = Mesh(("dp", "fsdp", "tp"), (dp, m // dp, DEVICES_PER_PROCESS),
+                 first + np.arange(m * DEVICES_PER_PROCESS, dtype=np.int64) // DEVICES_PER_PROCESS)  # fmt: skip
+    held = stages_of_arrays(n_arrays, stages) if stages > 1 else None
     arrays = []
     for shape, itemsize, spec in tree_arrays(n_arrays):
         padded = list(shape)
@@ -125,6 +145,8 @@ def job(n: int, n_arrays: int, dp: int) -> tuple[Any, list[Any], list[Any], Any]
     cache: dict[Any, Any] = {}
     leaves_in: dict[str, dict[str, Any]] = {"params": {}, "mu": {}, "nu": {}}
     for i, a in enumerate(arrays):
+        if held is not None and stage not in held[i]:
+            continue
         group = ("params", "mu", "nu")[i % 3] if a[2] else "params"
         leaves_in[group][f"a{i:05d}"] = np.float32(0)
     flat = flatten(leaves_in, lambda x: isinstance(x, np.generic))
@@ -135,6 +157,9 @@ def job(n: int, n_arrays: int, dp: int) -> tuple[Any, list[Any], list[Any], Any]
         key = (shape, itemsize, spec)
         if key not in cache:
             la = layout(shape, itemsize, spec, mesh)
+            if first:  # the stage's sub-mesh: its processes
+                la = ArrayLayout(la.shape, la.itemsize, la.starts, la.stops, la.replica_ids,
+                                 la.process_ids + first)  # fmt: skip
             fspec = [[] if s is None else [s] if isinstance(s, str) else list(s) for s in spec]
             derived = mesh_layout(fmesh, fspec, shape, itemsize, str(path))
             # what saving._description decides from the jax sharding, from the same functions
@@ -144,7 +169,7 @@ def job(n: int, n_arrays: int, dp: int) -> tuple[Any, list[Any], list[Any], Any]
                 la.memo.description = (describe_rows(la), None)
             cache[key] = la
         la = cache[key]
-        sharding = {"type": "NamedSharding", "num_devices": n * DEVICES_PER_PROCESS,
+        sharding = {"type": "NamedSharding", "num_devices": m * DEVICES_PER_PROCESS,
                     "mesh": mesh.shape,
                     "spec": [None if s is None else s if isinstance(s, str) else list(s)
                              for s in spec]}  # fmt: skip
@@ -411,17 +436,23 @@ def coordinator(n: int, index: int = 0, shared: Any = None) -> Any:
 
 
 # ---------------------------------------------------------------- the reader's boxes
-def target_dests(manifest: Any, n_target: int, p: int, dp: int) -> list[Any]:
+def target_dests(manifest: Any, n_target: int, p: int, dp: int, stages: int = 1) -> list[Any]:
     """reading.Dest of every unique box process p of an n_target-process job (mesh (dp,
-    n_target/dp, 8)) holds, as reading.request_boxes makes them from the target sharding."""
+    n_target/dp, 8)) holds, as reading.request_boxes makes them from the target sharding.
+    With `stages` > 1: the boxes of its stage's tree on its stage's sub-mesh (dp,
+    n_target/(stages dp), 8), the stage's leaves found through the leaf map."""
+    from metadata_trees import stage_dp, stage_processes, wanted_leaves
     from snapshard import reading as restore
     from snapshard.format.layouts import Mesh, mesh_layout
 
-    tmesh = Mesh(("dp", "fsdp", "tp"), (dp, n_target // dp, DEVICES_PER_PROCESS),
-                 np.arange(n_target * DEVICES_PER_PROCESS, dtype=np.int64) // DEVICES_PER_PROCESS)  # fmt: skip
+    stage = p // (n_target // stages)
+    first, m = stage_processes(n_target, stages, stage)
+    dp = stage_dp(dp, m) if stages > 1 else dp
+    tmesh = Mesh(("dp", "fsdp", "tp"), (dp, m // dp, DEVICES_PER_PROCESS),
+                 first + np.arange(m * DEVICES_PER_PROCESS, dtype=np.int64) // DEVICES_PER_PROCESS)  # fmt: skip
     boxes: dict[Any, tuple[list[np.ndarray], list[np.ndarray]]] = {}
     boxes_of = []
-    for leaf in manifest.arrays:
+    for leaf in wanted_leaves(manifest, stages, stage):
         desc = manifest.layouts[leaf.layout]
         key = (json.dumps(desc), leaf.shape)
         if key not in boxes:
@@ -444,9 +475,10 @@ def target_dests(manifest: Any, n_target: int, p: int, dp: int) -> list[Any]:
     return [restore.Dest(leaf, s, e, scratch[:n]) for leaf, s, e, n in boxes_of]
 
 
-def needed_bytes(plan: Any, manifest: Any, dests: list[Any]) -> tuple[int, int, int]:
+def needed_bytes(plans: Sequence[Any], manifest: Any, dests: list[Any]) -> tuple[int, int, int]:
     """(record bytes, directory entry bytes, record files) a reader of `dests` needs at
-    least: the records of the chunks its boxes overlap, one entry per (writer, leaf)."""
+    least: the records of the chunks its boxes overlap, one entry per (writer, leaf).
+    `plans`: per manifest leaf, the ArrayWritePlan of the copy the manifest describes."""
     from snapshard.format import records
     from snapshard.planning import ChunkIndex
 
@@ -455,7 +487,7 @@ def needed_bytes(plan: Any, manifest: Any, dests: list[Any]) -> tuple[int, int, 
     chunks: dict[int, set[int]] = {}
     for d in dests:
         a = index_of[id(d.leaf)]
-        pa = plan.arrays[a]
+        pa = plans[a]
         ix = indexes.get(id(pa.starts))
         if ix is None:
             ix = indexes[id(pa.starts)] = ChunkIndex(pa.starts, pa.stops)
@@ -464,7 +496,7 @@ def needed_bytes(plan: Any, manifest: Any, dests: list[Any]) -> tuple[int, int, 
     rec = entries = 0
     files: set[int] = set()
     for a, ks in chunks.items():
-        pa = plan.arrays[a]
+        pa = plans[a]
         k = np.fromiter(ks, np.int64, len(ks))
         writers = np.unique(pa.groups.cand_process[pa.cand[k]])
         files.update(writers.tolist())
@@ -476,7 +508,9 @@ def needed_bytes(plan: Any, manifest: Any, dests: list[Any]) -> tuple[int, int, 
 # ---------------------------------------------------------------- children
 def child_build(args: argparse.Namespace) -> dict[str, Any]:
     """Plan, reports, process 0's commit (timed), the manifest, and the ranges each reader
-    target fetches (served by synthesised record files)."""
+    target fetches (served by synthesised record files). With --stages S > 1: the
+    pipeline-parallel job of metadata_trees.py, a save of differing trees."""
+    import metadata_trees as trees
     import snapshard.saving as saving
     from snapshard.checksum import crc32c
     from snapshard.coordination.rendezvous import Rendezvous, namespace
@@ -485,23 +519,60 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
     from snapshard.options import SaveOptions
     from snapshard.planning import plan_writes, write_plan
 
-    n, dp, latency = args.processes_one, args.dp, args.latency_ms / 1000
+    n, dp, latency, n_stages = args.processes_one, args.dp, args.latency_ms / 1000, args.stages_one
     url = f"memory://bench/{n}"
     t0 = time.perf_counter()
-    structure, leaves, layouts, _ = job(n, args.arrays, dp)
-    plan = plan_writes(layouts, "auto", num_processes=n)
-    write_plan._plan_cached.cache_clear()  # the plan is held below, once
-    digests = saving.leaf_digests(leaves, values=True)
-    writes = Writes(plan, leaves, digests, n)
-    writes.check_against_library(0)
-    writes.check_against_library(n // 2 + 1)
-    digest = crc32c(digests.tobytes(), crc32c(json.dumps(structure).encode()))
-    rec0 = writes.record_file(0)
-    reports = [writes.report(q, digest, crc32c(rec0) if q == 0 else None) for q in range(n)]
-    listing = {saving.data_file_name(q, writes.nonces[q], 0): int(writes.data_sizes[q])
-               for q in range(n)}  # fmt: skip
-    listing.update({saving.record_file_name(q, writes.nonces[q]): int(writes.record_sizes[q])
-                    for q in range(n)})  # fmt: skip
+    extra: dict[str, Any] = {"stages": n_stages}
+    if n_stages == 1:
+        structure, leaves, layouts, _ = job(n, args.arrays, dp)
+        plan = plan_writes(layouts, "auto", num_processes=n)
+        write_plan._plan_cached.cache_clear()  # the plan is held below, once
+        digests = saving.leaf_digests(leaves, values=True)
+        writes: Any = Writes(plan, leaves, digests, n)
+        writes.check_against_library(0)
+        writes.check_against_library(n // 2 + 1)
+        digest = crc32c(digests.tobytes(), crc32c(json.dumps(structure).encode()))
+        rec0 = writes.record_file(0)
+        reports = [writes.report(q, digest, crc32c(rec0) if q == 0 else None) for q in range(n)]
+        listing = {saving.data_file_name(q, writes.nonces[q], 0): int(writes.data_sizes[q])
+                   for q in range(n)}  # fmt: skip
+        listing.update({saving.record_file_name(q, writes.nonces[q]): int(writes.record_sizes[q])
+                        for q in range(n)})  # fmt: skip
+        all_plans = [plan]
+        extra["stage_mesh"] = [dp, n // dp, DEVICES_PER_PROCESS]
+
+        def make_storage() -> Any:
+            return commit_storage(url, latency, listing)
+
+        def make_prep(storage: Any, rv: Any) -> Any:
+            return saving._Prepared(storage, rv, list(leaves), structure, plan, [], False,
+                                    SaveOptions(), {}, digests, adapter=JaxAdapter())  # fmt: skip
+    else:
+        stages = [trees.build_stage(job, Writes, n, args.arrays, dp, n_stages, s)
+                  for s in range(n_stages)]  # fmt: skip
+        writes = trees.StagedWrites(stages, n)
+        rec0 = writes.record_file(0)
+        reports = [writes.report(q, crc32c(rec0) if q == 0 else None) for q in range(n)]
+        listing = writes.listing()
+        files, deletable = writes.staged(), writes.tree_names()
+        all_plans = [st.plan for st in stages]
+        m_stage = stages[0].count
+        dp_stage = trees.stage_dp(dp, m_stage)
+        extra.update({
+            "stage_mesh": [dp_stage, m_stage // dp_stage, DEVICES_PER_PROCESS],
+            "stage_arrays": [len(st.leaves) for st in stages],
+            "tree_file_bytes": [len(st.tree_file) for st in stages],
+            "tree_file_s": [round(st.tree_file_s, 4) for st in stages],
+            "plan_by_holders_s": [round(st.plan_s, 3) for st in stages],
+            "distinct_digests": len({st.digest for st in stages}),
+        })  # fmt: skip
+
+        def make_storage() -> Any:
+            return trees.commit_storage(_storage_base(), url, latency, listing, files, deletable)
+
+        def make_prep(storage: Any, rv: Any) -> Any:
+            return stages[0].prepared(storage, rv)
+
     setup_s = time.perf_counter() - t0
     record_bytes = len(rec0)
     del rec0
@@ -509,13 +580,12 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
     commits = []
     manifest = b""
     for _ in range(args.repeat):
-        storage = commit_storage(url, latency, listing)
+        storage = make_storage()
         coord = coordinator(n)
         rv = Rendezvous(coord, namespace("save", url), f"save to {url}", 600.0)
         for q in range(1, n):  # what every other process has reported by now
             rv.report(f"written/{q}", **reports[q])
-        prep = saving._Prepared(storage, rv, list(leaves), structure, plan, [], False, SaveOptions(), {},
-                                digests, adapter=JaxAdapter())  # fmt: skip
+        prep = make_prep(storage, rv)
         rv.report("written/0", **reports[0])
         base = rss()
         _hwm_reset()
@@ -533,29 +603,32 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
             Rendezvous(coordinator(n, q, coord), rv.prefix, rv.what, 600.0).await_outcome()
         commits.append({"s": commit_s, "cpu": cpu_s, "rss": peak, "added": peak - base,
                         "requests": storage.requests, "gets": gets,
-                        "keys_left": len(coord.keys())})  # fmt: skip
+                        "keys_left": len(coord.keys()), "read_bytes": storage.bytes_read,
+                        "files_read": len(getattr(storage, "read_names", ())),
+                        "deleted": getattr(storage, "deleted", 0)})  # fmt: skip
         manifest = storage.manifest
         del prep, storage, coord, rv, others
 
     # Reader targets: run the library's finder once on synthesised record files, keep the
     # ranges it read (replayed, timed, in a fresh process) and what it needed at least.
     parsed = Manifest.from_json(manifest, url)
+    plans = all_plans[0].arrays if n_stages == 1 else writes.manifest_plans(parsed)
     targets = {}
-    for name, n_target, p in (("same", n, n // 2 + 1), ("P/2", n // 2, n // 4 + 1)):
+    for name, n_target, p in trees.reader_targets(n, n_stages):
         from snapshard import reading as restore
         from snapshard.format.reading import read_checkpoint
 
         synth = synth_storage(url, writes, manifest)
         m, finder = read_checkpoint(synth)
-        dests = target_dests(m, n_target, p, dp)
+        dests = target_dests(m, n_target, p, dp, n_stages)
         stats = restore.ReadStats()
         restore.chunk_tables(finder, dests, stats)
-        rec, ent, files = needed_bytes(plan, m, dests)
+        rec, ent, files_needed = needed_bytes(plans, m, dests)
         path = os.path.join(args.dir, f"served-{name.replace('/', '_')}.pkl")
         with open(path, "wb") as f:
             pickle.dump(synth.served, f)
         targets[name] = {"n_target": n_target, "process": p, "needed_records": rec,
-                         "needed_entries": ent, "needed_files": files,
+                         "needed_entries": ent, "needed_files": files_needed,
                          "files_read": len({k[0] for k in synth.served}),
                          "boxes": len(dests)}  # fmt: skip
         del synth, m, dests
@@ -563,10 +636,11 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
         f.write(manifest)
     med = statistics.median
     return {
-        "processes": n, "arrays": len(leaves), "leaves": len(parsed.leaves),
+        "processes": n, "arrays": len(parsed.leaves), "leaves": len(parsed.leaves),
         "layouts": len(parsed.layouts), "meshes": len(parsed.meshes),
-        "chunks": int(sum(int(np.count_nonzero(a.nbytes)) for a in plan.arrays)),
-        "mode": plan.mode, "manifest_bytes": len(manifest), "record_bytes_p0": record_bytes,
+        "version": json.loads(manifest)["version"],
+        "chunks": int(sum(int(np.count_nonzero(a.nbytes)) for pl in all_plans for a in pl.arrays)),
+        "mode": all_plans[0].mode, "manifest_bytes": len(manifest), "record_bytes_p0": record_bytes,
         "record_bytes_max": int(writes.record_sizes.max()),
         "record_bytes_mean": float(writes.record_sizes.mean()),
         "setup_s": round(setup_s, 2),
@@ -575,22 +649,25 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
         "commit_rss": max(c["rss"] for c in commits),
         "commit_added": max(c["added"] for c in commits),
         "commit_requests": commits[0]["requests"], "gets": commits[0]["gets"],
-        "keys_left": commits[0]["keys_left"], "targets": targets,
+        "commit_read_bytes": commits[0]["read_bytes"], "commit_files_read": commits[0]["files_read"],
+        "commit_deleted": commits[0]["deleted"],
+        "keys_left": commits[0]["keys_left"], "targets": targets, **extra,
     }  # fmt: skip
 
 
 def child_read(args: argparse.Namespace) -> dict[str, Any]:
     """A restoring process: parse the manifest, find its chunks' records, plan its reads."""
+    from metadata_trees import reader_targets
     from snapshard import reading as restore
     from snapshard.format.reading import read_checkpoint
 
-    n, dp = args.processes_one, args.dp
+    n, dp, n_stages = args.processes_one, args.dp, args.stages_one
     url = f"memory://bench/{n}"
     with open(os.path.join(args.dir, "manifest.json"), "rb") as f:
         manifest = f.read()
     with open(os.path.join(args.dir, f"served-{args.target.replace('/', '_')}.pkl"), "rb") as f:
         served = pickle.load(f)
-    n_target, p = (n, n // 2 + 1) if args.target == "same" else (n // 2, n // 4 + 1)
+    n_target, p = {t: (nt, p) for t, nt, p in reader_targets(n, n_stages)}[args.target]
     base = rss()
     runs = []
     for _ in range(args.repeat):
@@ -598,7 +675,7 @@ def child_read(args: argparse.Namespace) -> dict[str, Any]:
         c0, t0 = time.process_time(), time.perf_counter()
         m, finder = read_checkpoint(storage)
         c1, t1 = time.process_time(), time.perf_counter()
-        dests = target_dests(m, n_target, p, dp)  # from the target sharding: not timed
+        dests = target_dests(m, n_target, p, dp, n_stages)  # from the target sharding: not timed
         c2, t2 = time.process_time(), time.perf_counter()
         stats = restore.ReadStats()
         tables = restore.chunk_tables(finder, dests, stats)
@@ -634,7 +711,12 @@ def mb(x: float) -> str:
 
 def table(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
     ns = [r["processes"] for r in rows]
-    head = "| | " + " | ".join(f"P = {n:,}" for n in ns) + " |"
+    staged = any(r.get("stages", 1) > 1 for r in rows)
+
+    def column(r: dict[str, Any]) -> str:
+        return f"P = {r['processes']:,}" + (f", S = {r.get('stages', 1)}" if staged else "")
+
+    head = "| | " + " | ".join(column(r) for r in rows) + " |"
     print(
         "\n## Format v2 metadata, measured (medians; v1 = the issue's figures at P = 1,024 / 4,096)\n"
     )
@@ -648,15 +730,32 @@ def table(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
         "arrays / layouts / chunks (all processes)",
         [f"{r['arrays']:,} / {r['layouts']} / {r['chunks']:,}" for r in rows],
     )
+    if staged:
+        line("stages: mesh of each / arrays of each (format)",
+             [f"{r['stages']}: ({', '.join(map(str, r['stage_mesh']))}) / "
+              f"{', '.join(f'{x:,}' for x in sorted(set(r.get('stage_arrays', [r['arrays']]))))} "
+              f"({r['version']})" for r in rows])  # fmt: skip
     line("manifest.json (serialised)", [f"{r['manifest_bytes']:,} B ({mb(r['manifest_bytes'])})"
                                          for r in rows])  # fmt: skip
     line("  v1 manifest (issue figures)", [f"{mb(V1_ISSUE[1024][0])} (1,024)" if n == 1000 else
          f"{mb(V1_ISSUE[4096][0])} (4,096)" if n == 4000 else "—" for n in ns])  # fmt: skip
-    line("record file: process 0 / largest", [f"{mb(r['record_bytes_p0'])} / "
-         f"{mb(r['record_bytes_max'])}" for r in rows])  # fmt: skip
+    line("record file: process 0 / mean / largest", [f"{mb(r['record_bytes_p0'])} / "
+         f"{mb(r['record_bytes_mean'])} / {mb(r['record_bytes_max'])}" for r in rows])  # fmt: skip
+    if staged:
+        line("tree file per process: bytes, smallest-largest stage (saving._tree_file s)",
+             [f"{mb(min(r['tree_file_bytes']))}-{mb(max(r['tree_file_bytes']))} "
+              f"({max(r['tree_file_s']):.3f} s)" if "tree_file_bytes" in r else "—"
+              for r in rows])  # fmt: skip
     line("process 0 commit: wall (CPU; storage requests)",
          [f"{r['commit_s']:.3f} s ({r['commit_cpu_s']:.3f} s; {r['commit_requests']} req.)"
           for r in rows])  # fmt: skip
+    if staged:
+        line("  commit: files read (bytes) / tree files deleted",
+             [f"{r['commit_files_read']} ({mb(r['commit_read_bytes'])}) / "
+              f"{r['commit_deleted']:,}" for r in rows])  # fmt: skip
+        line("  + if each delete is a request (GCS client), at the latency",
+             [f"+{r['commit_deleted'] * r['latency_ms'] / 1000:,.1f} s"
+              if r.get("commit_deleted") else "—" for r in rows])  # fmt: skip
     line("  v1 merge + validate + commit (issue)", [f"{V1_ISSUE[1024][1]:,.0f} s" if n == 1000 else
          f"{V1_ISSUE[4096][1]:,.0f} s" if n == 4000 else "—" for n in ns])  # fmt: skip
     line(
@@ -668,27 +767,37 @@ def table(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
     line("coordination: process 0's requests / keys left", [f"{r['gets']:,} / {r['keys_left']:,}"
                                                        for r in rows])  # fmt: skip
     for t in ("same", "P/2"):
-        rs = [(r, r["targets"][t], r["read"][t]) for r in rows]
-        line(f"reader ({t}): boxes / record files read", [f"{x['boxes']:,} / {x['files_read']}"
-             for _, x, _ in rs])  # fmt: skip
-        line(f"reader ({t}): records + entries read / needed",
-             [f"{mb(y['record_bytes'])} / {mb(x['needed_records'] + x['needed_entries'])} "
-              f"({y['record_bytes'] / max(x['needed_records'] + x['needed_entries'], 1):.2f}x)"
-              for _, x, y in rs])  # fmt: skip
-        line(f"reader ({t}): + manifest", [mb(y["manifest_bytes"]) for _, _, y in rs])
-        line(f"reader ({t}): parse + find + plan, wall",
-             [f"{y['total_s']:.3f} s ({y['parse_s']:.3f} + {y['find_s']:.3f} + {y['plan_s']:.3f}; "
-              f"{y['requests']} req.)" for _, _, y in rs])  # fmt: skip
-        line(f"reader ({t}): CPU", [f"{y['cpu_s']:.3f} s" for _, _, y in rs])
-        line(
-            f"reader ({t}): peak RSS (at start)",
-            [f"{mb(y['rss'])} ({mb(y['rss_at_start'])})" for _, _, y in rs],
-        )
+        rs = [(r["targets"].get(t), r["read"].get(t)) for r in rows]
+
+        def cells(fn: Any, rs: list[Any] = rs) -> list[str]:
+            return [fn(x, y) if x is not None else "—" for x, y in rs]
+
+        line(f"reader ({t}): process / of processes", cells(
+            lambda x, _: f"{x['process']:,} / {x['n_target']:,}"))  # fmt: skip
+        line(f"reader ({t}): boxes / record files read", cells(
+            lambda x, _: f"{x['boxes']:,} / {x['files_read']}"))  # fmt: skip
+        line(f"reader ({t}): records + entries read / needed", cells(
+            lambda x, y: f"{mb(y['record_bytes'])} / {mb(x['needed_records'] + x['needed_entries'])} "
+            f"({y['record_bytes'] / max(x['needed_records'] + x['needed_entries'], 1):.2f}x)"))  # fmt: skip
+        line(f"reader ({t}): + manifest", cells(lambda _, y: mb(y["manifest_bytes"])))
+        line(f"reader ({t}): parse + find + plan, wall", cells(
+            lambda _, y: f"{y['total_s']:.3f} s ({y['parse_s']:.3f} + {y['find_s']:.3f} + "
+            f"{y['plan_s']:.3f}; {y['requests']} req.)"))  # fmt: skip
+        line(f"reader ({t}): CPU", cells(lambda _, y: f"{y['cpu_s']:.3f} s"))
+        line(f"reader ({t}): peak RSS (at start)", cells(
+            lambda _, y: f"{mb(y['rss'])} ({mb(y['rss_at_start'])})"))  # fmt: skip
     line("  v1 reader read + parse + validate / RSS (issue)",
          [f"{V1_ISSUE[1024][3]:,.0f} s / {mb(V1_ISSUE[1024][4])}" if n == 1000 else
           f"{V1_ISSUE[4096][3]:,.0f} s / {mb(V1_ISSUE[4096][4])}" if n == 4000 else "—"
           for n in ns])  # fmt: skip
-    big = max(rows, key=lambda r: r["processes"])
+    checks: list[tuple[str, str, str, str]] = []
+    for big in (r for r in rows if r["processes"] == max(ns)):
+        checks += targets(big, staged)
+    return checks
+
+
+def targets(big: dict[str, Any], staged: bool) -> list[tuple[str, str, str, str]]:
+    """The targets table of one row (the largest process count)."""
     checks: list[tuple[str, str, str, str]] = []
 
     def check(what: str, value: float, target: float, shown: str, tshown: str) -> None:
@@ -701,7 +810,7 @@ def table(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
           f"{big['commit_s']:.3f} s", "≤ 2 s")  # fmt: skip
     check("commit peak RSS, process 0 (abs)", big["commit_rss"], TARGETS["commit_rss"],
           mb(big["commit_rss"]), "≤ 1 GB")  # fmt: skip
-    for t in ("same", "P/2"):
+    for t in big["targets"]:
         x, y = big["targets"][t], big["read"][t]
         need = x["needed_records"] + x["needed_entries"]
         check(f"reader ({t}) metadata read / needed", y["record_bytes"] / max(need, 1),
@@ -712,8 +821,9 @@ def table(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
         )
         check(f"reader ({t}) peak RSS", y["rss"], TARGETS["read_rss"], mb(y["rss"]), "≤ 1 GB")
     check("coordination keys left behind", big["keys_left"], 0, f"{big['keys_left']:,}", "0")
+    stages = f", S = {big.get('stages', 1)}" if staged else ""
     print(
-        f"\n## Targets at P = {big['processes']:,} (load average then: "
+        f"\n## Targets at P = {big['processes']:,}{stages} (load average then: "
         f"{', '.join(f'{x:.1f}' for x in big['load_average'])}; {os.cpu_count()} CPUs)\n"
     )
     print("| target | measured | wanted | met |")
@@ -730,10 +840,14 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--repeat", type=int, default=3, help="runs per measurement (median)")
     ap.add_argument("--latency-ms", type=float, default=10.0, help="storage latency per request")
+    ap.add_argument("--stages", default="1",
+                    help="pipeline stages S (metadata_trees.py: a save of differing trees);\n"
+                         "1 = one tree on every process; a list (1,8) measures each")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="P = 64 only, one run")
     ap.add_argument("--out", default=None, help="JSON-lines file (default: bench/results/...)")
     ap.add_argument("--child", choices=("build", "read"), help=argparse.SUPPRESS)
     ap.add_argument("--processes-one", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--stages-one", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument("--target", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -747,13 +861,15 @@ def main() -> None:
     out_path = args.out or os.path.join(HERE, "results", f"metadata-{stamp}.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     rows = []
-    for n in (int(x) for x in args.processes.split(",")):
+    runs = [(int(n), int(s)) for n in args.processes.split(",") for s in args.stages.split(",")]
+    for n, s in runs:
         with tempfile.TemporaryDirectory(prefix="snapshard-bench-") as d:
-            common = ["--processes-one", str(n), "--dir", d]
+            common = ["--processes-one", str(n), "--stages-one", str(s), "--dir", d]
             row = run_child(args, "--child", "build", *common)
             row["read"] = {t: run_child(args, "--child", "read", "--target", t, *common)
-                           for t in ("same", "P/2")}  # fmt: skip
+                           for t in row["targets"]}  # fmt: skip
         row["load_average"] = os.getloadavg()
+        row["latency_ms"] = args.latency_ms
         rows.append(row)
         with open(out_path, "a") as f:
             f.write(json.dumps(row) + "\n")

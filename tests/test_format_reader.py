@@ -42,8 +42,8 @@ def read_checkpoint(directory: Path):
 
     raw = (directory / "manifest.json").read_bytes()
     doc = json.loads(raw)
-    assert doc["format"] == "snapshard" and doc["version"] in (2, "2.1")
-    bound = doc["version"] == "2.1"  # checksums keyed by file name and chunk offset
+    assert doc["format"] == "snapshard" and doc["version"] in (2, "2.1", "2.2")
+    bound = doc["version"] in ("2.1", "2.2")  # checksums keyed by file name and chunk offset
 
     def name_key(name: str) -> int:
         return crc32c.crc32c(name.encode()) if bound else 0
@@ -56,6 +56,16 @@ def read_checkpoint(directory: Path):
     procs = doc["processes"]
     nonces = [procs["nonce"][8 * p : 8 * p + 8] for p in range(doc["process_count"])]
     leaves = doc["leaves"]
+
+    def runs(pairs: list, step: int) -> list[int]:
+        return [first + step * k for first, count in pairs for k in range(count)]
+
+    # 2.2: which manifest leaf each process's own leaf i is (2.1: every leaf, in order)
+    if "trees" in procs:
+        trees = [runs(t, 1) for t in procs["trees"]]
+        own = [trees[t] for t in runs(procs["tree_of"], 0)]
+    else:
+        own = [list(range(len(leaves)))] * len(nonces)
     # Every record of every process (a reader at scale fetches only the entries it needs).
     chunks: dict[int, list[tuple[int, dict]]] = {}
     for p, nonce in enumerate(nonces):
@@ -64,15 +74,16 @@ def read_checkpoint(directory: Path):
         assert rec[:8] == b"SNAPIDX2"
         assert crc32c.crc32c(rec) == int(procs["record_crc32c"][8 * p : 8 * p + 8], 16)
         directory_at = int.from_bytes(rec[24:32], "little")
-        for a, entry in enumerate(leaves):
-            e = directory_at + 16 * a
+        for i, a in enumerate(own[p]):
+            entry = leaves[a]
+            e = directory_at + 16 * i
             offset, count, check = struct.unpack_from("<QII", rec, e)
             if not count:
                 continue
             nd = len(entry["shape"])
             size = 40 + 16 * nd
             segment = rec[offset : offset + count * size]
-            salt = crc32c.crc32c(struct.pack("<II", p, a), name_key(record_name))
+            salt = crc32c.crc32c(struct.pack("<II", p, i), name_key(record_name))
             assert crc32c.crc32c(segment, salt) == check
             for r in range(count):
                 f = struct.unpack_from(f"<IIQQIIQ{nd}q{nd}q", segment, r * size)
@@ -194,3 +205,58 @@ def test_the_reader_reads_both_minor_versions_of_the_golden_corpus(version):
             assert np.asarray(got["host"][k]).tobytes() == np.asarray(v).tobytes(), (name, k)
         for k, v in want["sharded"].items():
             assert np.asarray(got["sharded"][k]).tobytes() == np.asarray(v).tobytes(), (name, k)
+
+
+def test_the_reader_follows_the_leaf_map_of_trees_that_differ(tmp_path, monkeypatch):
+    """Format 2.2: two processes (threads here, over one store) save different keys."""
+    pytest.importorskip("torch")
+    import threading
+
+    from snapshard import SaveOptions, saving
+    from snapshard.coordination.base import SingleProcessCoordinator
+    from snapshard.torch.saving import TorchAdapter
+
+    class Rank(SingleProcessCoordinator):
+        def __init__(self, shared: SingleProcessCoordinator, rank: int) -> None:
+            super().__init__()
+            self._kv, self._cond = shared._kv, shared._cond
+            self.process_index, self.process_count = rank, 2
+
+    shared = SingleProcessCoordinator()
+    # (one process here: the save's namespace, numbered per process, is the same for both)
+    monkeypatch.setattr(saving, "namespace", lambda kind, where: f"snapshard/{kind}/test/0")
+    states = [
+        {"layers.0": np.arange(6, dtype=np.float32).reshape(2, 3), "step": 7, "shared": np.ones(4)},
+        {"layers.1": np.arange(8, dtype=np.int16), "step": 7, "shared": np.ones(4)},
+    ]
+    errors = []
+
+    def save(rank: int) -> None:
+        adapter = TorchAdapter(None, trees_differ=True)
+        adapter.rank = rank
+        try:
+            prep = saving.prepare(
+                tmp_path / "ck", states[rank], SaveOptions(trees_differ=True),
+                coordinator=Rank(shared, rank), adapter=adapter,
+            )  # fmt: skip
+            saving.finish(prep)
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=save, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    assert not any(t.is_alive() for t in threads)
+    got = read_checkpoint(tmp_path / "ck")
+    assert json.loads((tmp_path / "ck" / "manifest.json").read_text())["version"] == "2.2"
+    assert set(got) == {"layers.0", "layers.1", "step", "shared"}
+    np.testing.assert_array_equal(got["layers.0"], states[0]["layers.0"])
+    np.testing.assert_array_equal(got["layers.1"], states[1]["layers.1"])
+    assert got["step"] == 7
+    import snapshard
+
+    want = snapshard.load(tmp_path / "ck", None)  # the library agrees
+    np.testing.assert_array_equal(want["layers.1"], got["layers.1"])

@@ -3,6 +3,8 @@ the manifest (format/leaf_map.py): pure, no processes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -122,3 +124,22 @@ def test_the_leaf_map_round_trips_through_json(tree, tree_of):
 def test_a_malformed_leaf_map_is_refused(doc):
     with pytest.raises(CorruptCheckpointError):
         LeafMap.from_json(doc, 2, 2, "m")
+
+
+def test_values_of_each_process_own_are_laid_out_on_the_first_process_of_their_tree():
+    """A plain tensor held by the process that saved it ("own"): one layout entry of the
+    tree serves every shape, and the union gives each leaf rows of its own shape."""
+    a = _tree([2, 3], {"x": ("float32", (4,)), "y": ("int8", (2, 5))})
+    a.layouts = [{"kind": "own"}]
+    a.leaves = [dataclasses.replace(leaf, layout=0) for leaf in a.leaves]
+    u = union([a], 4, "save")
+    x, y = (_layout(u, leaf) for leaf in u.leaves)
+    assert x.shape == (4,) and y.shape == (2, 5)
+    assert x.process_ids.tolist() == y.process_ids.tolist() == [2]
+
+
+def _layout(u, leaf):
+    from snapshard.format.layouts import rows_layout
+
+    d = u.layouts[leaf.layout]
+    return rows_layout(d["rows"], leaf.shape, 1, d["devices"], "m")

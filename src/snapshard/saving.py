@@ -242,7 +242,9 @@ def _prepare(
             "processes of its devices as it is"
         )
     if options.trees_differ and (base is not None or options.hashes):
-        raise ValueError("a save of differing trees (SaveOptions.trees_differ) cannot be incremental yet")
+        raise ValueError(
+            "a save of differing trees (SaveOptions.trees_differ) cannot be incremental yet"
+        )
     increment = None
     if base is not None or options.hashes:
         increment = Increment(base, storage, identical)
@@ -272,9 +274,9 @@ def _layout_digest(arr: SaveArray) -> int:
     """crc32c of where an array's boxes live: equal on every process for a global array."""
     lay = arr.layout
     if lay.memo.digest is None:
-        lay.memo.digest = crc32c(
-            lay.process_ids.tobytes(), crc32c(lay.starts.tobytes() + lay.stops.tobytes())
-        )
+        # (a value held by the saving process alone is alike on every process that holds it)
+        held = b"own" if lay.memo.own else lay.process_ids.tobytes()
+        lay.memo.digest = crc32c(held, crc32c(lay.starts.tobytes() + lay.stops.tobytes()))
     return lay.memo.digest
 
 
@@ -373,8 +375,13 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         )
     data = _record_file(prep, chunks)
     prep.storage.write_bytes(record_file_name(pid, nonce), data)
+    tree, planned = "", 0
     if prep.options.trees_differ:
-        prep.storage.write_bytes(tree_file_name(pid, nonce), _tree_file(prep))
+        # Processes of one tree write the same bytes under the same name: one file each.
+        doc = _tree_file(prep)
+        tree = f"{crc32c(doc):08x}{len(doc):x}"
+        prep.storage.write_bytes(tree_file_name(tree), doc)
+        planned = int(prep.plan.bytes_per_process()[pid]) if prep.plan.arrays else 0
     own = {i: leaf.value for i, leaf in enumerate(prep.leaves) if isinstance(leaf, PerProcessLeaf)}
     values = b""
     if own:
@@ -395,7 +402,7 @@ def _write_own(prep: _Prepared) -> dict[str, Any]:
         refs_used=tuple(increment.get("refs_used", ())),
         referenced_bytes=int(increment.get("referenced_bytes", 0)),
         ref_codecs=tuple(increment.get("ref_codecs", ())),
-        packed_saved=packed[1], codecs=packed[2], trees_differ=prep.options.trees_differ,
+        packed_saved=packed[1], codecs=packed[2], tree=tree, planned_bytes=planned,
     ).to_json()  # fmt: skip
 
 
@@ -403,7 +410,15 @@ def _tree_file(prep: _Prepared) -> bytes:
     """This process's own tree in a save of differing trees, for process 0's union (tree_union.py)."""
     leaves, meshes, layouts = _layouts(prep)
     plans = iter(prep.plan.arrays)
-    digests = [next(plans).digest if isinstance(x, SaveArray) else 0 for x in prep.leaves]
+    digests = []
+    for x in prep.leaves:
+        if not isinstance(x, SaveArray):
+            digests.append(0)
+            continue
+        plan = next(plans)
+        # (the same bytes on every process of one tree: the plan of a value of the process's
+        # own, which names that process, is left out, as its layout's process is)
+        digests.append(0 if x.layout.memo.own else plan.digest)
     doc = {
         "tree": prep.structure, "leaves": [leaf_to_json(x, chunks=False) for x in leaves],
         "layouts": layouts, "meshes": meshes, "plans": digests,
@@ -656,8 +671,10 @@ def _describe(
     """The compact description of an array's layout (format.layouts), checked against the
     layout itself: a description that would mislead a reader falls back to explicit rows."""
     memo = arr.layout.memo
+    if memo.own:  # the saving process's own: the union names it (tree_union.py)
+        return {"kind": "own"}
     if memo.description is None:
-        memo.description = _description(arr, adapter.mesh_of(arr), adapter.trees_differ)
+        memo.description = _description(arr, adapter.mesh_of(arr))
     desc, mesh = memo.description
     if mesh is not None:
         mid = meshes.setdefault(mesh.key(), len(meshes))
@@ -667,12 +684,9 @@ def _describe(
     return desc
 
 
-def _description(
-    arr: SaveArray, found: MeshSpec | None, trees_differ: bool
-) -> tuple[dict[str, Any], Mesh | None]:
-    """`found`: the array's mesh and spec, from its framework's adapter; `trees_differ`: a host
-    value is held by this process alone (SaveOptions.trees_differ), described as rows."""
-    if arr.devices is None and isinstance(arr.source, np.ndarray | np.generic) and not trees_differ:
+def _description(arr: SaveArray, found: MeshSpec | None) -> tuple[dict[str, Any], Mesh | None]:
+    """`found`: the array's mesh and spec, from its framework's adapter."""
+    if arr.devices is None and isinstance(arr.source, np.ndarray | np.generic):
         return {"kind": "host"}, None
     if found is not None:
         axes, shape, processes, spec = found
@@ -709,7 +723,10 @@ def _commit(prep: _Prepared, docs: list[dict[str, Any]]) -> None:
         structure, (leaves, meshes, layouts) = prep.structure, _layouts(prep)
     else:
         structure, leaves, meshes, layouts = (
-            union.structure, union.leaves, union.meshes, union.layouts
+            union.structure,
+            union.leaves,
+            union.meshes,
+            union.layouts,
         )
         table.leaf_map = union.leaf_map
         if any(isinstance(leaf, PerProcessLeaf) for leaf in leaves):
@@ -728,9 +745,11 @@ def _commit(prep: _Prepared, docs: list[dict[str, Any]]) -> None:
     )
     expected = staged_files(table)
     # Bytes stored = each array's bytes plus its checksums: the tiling, from the sizes alone.
-    # (a save of differing trees's plans are each process's own: each checked its chunks against its
-    # plan, and no process knows the others' plans)
-    planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays and not union else 0
+    # (the plans of differing trees are each process's own: each reports its planned bytes)
+    if union is not None:
+        planned = sum(r.planned_bytes for r in reports)
+    else:
+        planned = int(prep.plan.bytes_per_process().sum()) if prep.plan.arrays else 0
     planned -= sum(r.referenced_bytes + r.packed_saved for r in reports)
     stored = sum(f.size for f in manifest.files)
     if stored < planned:
@@ -748,10 +767,10 @@ def _commit(prep: _Prepared, docs: list[dict[str, Any]]) -> None:
 def _check_same_options(prep: _Prepared, reports: list[ProcessReport]) -> None:
     """Every process saved with the same SaveOptions.trees_differ as process 0."""
     for q, r in enumerate(reports):
-        if r.trees_differ != prep.options.trees_differ:
+        if bool(r.tree) != prep.options.trees_differ:
             raise CoordinationError(
                 f"{prep.rendezvous.what}: process {q} saved with SaveOptions(trees_differ="
-                f"{r.trees_differ}), process 0 with trees_differ={prep.options.trees_differ}: every "
+                f"{bool(r.tree)}), process 0 with trees_differ={prep.options.trees_differ}: every "
                 "process passes the same options"
             )
 
@@ -766,13 +785,13 @@ def _union(prep: _Prepared, reports: list[ProcessReport]) -> tree_union.Union:
 
     def read(processes: list[int]) -> tree_union.SavedTree:
         q = processes[0]
-        nonce = reports[q].nonce
+        nonce, name = reports[q].nonce, tree_file_name(reports[q].tree)
         try:
-            doc = json.loads(storage.read_staging(tree_file_name(q, nonce)))
+            doc = json.loads(storage.read_staging(name))
             digests = records.staged_digests(storage.read_staging(record_file_name(q, nonce)))
         except (SnapshardError, OSError, ValueError) as e:
             raise CoordinationError(f"{what}: process {q}'s tree cannot be read back: {e}") from e
-        where = f"{storage.url}/{tree_file_name(q, nonce)}"
+        where = f"{storage.url}/{name}"
         shardings: dict[str, Any] = {}
         leaves = [leaf_from_json(d, where, 2, shardings) for d in doc["leaves"]]
         if digests is None or len(digests) != len(leaves):
@@ -783,9 +802,7 @@ def _union(prep: _Prepared, reports: list[ProcessReport]) -> tree_union.Union:
 
     with ThreadPoolExecutor(min(16, len(groups)), "snapshard-trees") as pool:
         trees = list(pool.map(read, groups.values()))
-    storage.delete_staging_files(
-        [tree_file_name(q, r.nonce) for q, r in enumerate(reports)]
-    )
+    storage.delete_staging_files(sorted({tree_file_name(r.tree) for r in reports}))
     return tree_union.union(trees, len(reports), what)
 
 

@@ -32,8 +32,10 @@ import numpy as np
 
 from .errors import CoordinationError
 from .format import ArrayLeaf, Leaf, ValueLeaf
+from .format.layouts import describe_rows
 from .format.leaf_map import LeafMap
 from .format.leaves import PerProcessLeaf
+from .planning.layout import own_layout
 from .tree import JsonNode, Path, path_str
 
 
@@ -171,7 +173,8 @@ def _check_alike(a: SavedTree, i: int, b: SavedTree, j: int, what: str) -> None:
             "values that differ by rank their own keys, or wrap them in snapshard.PerProcess"
         )
     if isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
-        same_copy = _layout_doc(a, la) == _layout_doc(b, lb)
+        doc = _layout_doc(a, la)  # (a value each process holds as its own is its own copy)
+        same_copy = doc == _layout_doc(b, lb) and '"kind": "own"' not in doc
         if same_copy and a.plans[i] != b.plans[j]:
             raise CoordinationError(
                 f"{what}: leaf {name!r} was planned differently on process {a.first} and on "
@@ -197,12 +200,22 @@ class _Renumbered:
         self.meshes: list[dict[str, Any]] = []
         self._layout_ids: dict[str, int] = {}
         self._mesh_ids: dict[str, int] = {}
+        self._seen: dict[tuple[Any, ...], int] = {}  # (tree, its layout, shape): the union's
 
     def leaf(self, tree: SavedTree, i: int) -> Leaf:
         leaf = tree.leaves[i]
         if not isinstance(leaf, ArrayLeaf) or leaf.layout is None:
             return leaf
+        key = (id(tree), leaf.layout, leaf.shape)  # (one "own" layout serves every shape)
+        if key not in self._seen:
+            self._seen[key] = self._layout_id(tree, leaf)
+        return dataclasses.replace(leaf, layout=self._seen[key])
+
+    def _layout_id(self, tree: SavedTree, leaf: ArrayLeaf) -> int:
+        assert leaf.layout is not None
         doc = dict(tree.layouts[leaf.layout])
+        if doc.get("kind") == "own":  # held by the process that saved it: the tree's first
+            doc = describe_rows(own_layout(leaf.shape, 1, tree.first))
         if "mesh" in doc:
             mesh = tree.meshes[doc["mesh"]]
             key = json.dumps(mesh, sort_keys=True)
@@ -214,4 +227,4 @@ class _Renumbered:
         if key not in self._layout_ids:
             self._layout_ids[key] = len(self.layouts)
             self.layouts.append(doc)
-        return dataclasses.replace(leaf, layout=self._layout_ids[key])
+        return self._layout_ids[key]

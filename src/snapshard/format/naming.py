@@ -39,10 +39,11 @@ def values_file_name(process: int, nonce: str) -> str:
     return f"{INDEX_DIR}/p{process:05d}-{nonce}.values.json"
 
 
-def tree_file_name(process: int, nonce: str) -> str:
-    """A process's own tree in a save of differing trees, read by the committer and removed before
-    the commit: never part of a committed checkpoint."""
-    return f"{INDEX_DIR}/p{process:05d}-{nonce}.tree.json"
+def tree_file_name(digest: str) -> str:
+    """A tree of a save of differing trees, named by its content's digest: every process of
+    that tree writes the same bytes to it, the committer reads it and removes it before the
+    commit (never part of a committed checkpoint)."""
+    return f"{INDEX_DIR}/tree-{digest}.json"
 
 
 def check_file_name(name: Any, where: str) -> str:

@@ -181,12 +181,15 @@ class ProcessReport:
     ref_codecs: tuple[int, ...] = ()  # codecs of the referenced chunks
     packed_saved: int = 0  # bytes compression saved
     codecs: tuple[int, ...] = ()  # codecs of the chunks written
-    trees_differ: bool = False  # saved its own tree (SaveOptions.trees_differ), with its tree file
+    # SaveOptions.trees_differ: the digest naming its tree file (format.naming.tree_file_name)
+    # and the bytes its own plan gives it; "" and 0 otherwise
+    tree: str = ""
+    planned_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The report as the coordinator carries it."""
         return {
-            **({"trees_differ": True} if self.trees_differ else {}),
+            **({"tree": self.tree, "planned_bytes": self.planned_bytes} if self.tree else {}),
             "nonce": self.nonce, "sizes": list(self.sizes), "record_size": self.record_size,
             "record_crc": self.record_crc, "values_size": self.values_size,
             "values_crc": self.values_crc, "digest": self.digest,
@@ -202,7 +205,8 @@ class ProcessReport:
             str(doc["nonce"]), ints("sizes"), int(doc["record_size"]), int(doc["record_crc"]),
             int(doc.get("values_size", 0)), int(doc.get("values_crc", 0)), int(doc["digest"]),
             ints("refs_used"), int(doc.get("referenced_bytes", 0)), ints("ref_codecs"),
-            int(doc.get("packed_saved", 0)), ints("codecs"), bool(doc.get("trees_differ", False)),
+            int(doc.get("packed_saved", 0)), ints("codecs"), str(doc.get("tree", "")),
+            int(doc.get("planned_bytes", 0)),
         )  # fmt: skip
 
 

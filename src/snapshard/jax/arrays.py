@@ -213,20 +213,25 @@ def key_array(data: np.ndarray, impl: str | None, sharding: Any = None) -> jax.A
         if sharding is None:
             return jax.random.wrap_key_data(jax.device_put(np.asarray(data)), impl=impl)
         shape = tuple(int(s) for s in data.shape)
-        key_ndim = len(shape) - _key_data_ndim(impl)
-        key_shape = shape[:key_ndim]
+        key_dtype, data_ndim = _key_probe(impl)
+        key_shape = shape[: len(shape) - data_ndim]
         shards = []
         for device, index in sharding.addressable_devices_indices_map(key_shape).items():
             piece = np.ascontiguousarray(data[tuple(index)])
             shards.append(jax.random.wrap_key_data(jax.device_put(piece, device), impl=impl))
-        return jax.make_array_from_single_device_arrays(key_shape, sharding, shards)
+        # (the dtype: a sharding of other processes' devices gives this process no shard)
+        return jax.make_array_from_single_device_arrays(
+            key_shape, sharding, shards, dtype=key_dtype
+        )
 
 
-def _key_data_ndim(impl: str | None) -> int:
-    """Trailing axes of the key data of one key of `impl` (1 for every built-in impl)."""
+@lru_cache(maxsize=64)
+def _key_probe(impl: str | None) -> tuple[Any, int]:
+    """The dtype of keys of `impl`, and the trailing axes of one key's data (1 for every
+    built-in impl)."""
     with outside_context_mesh():
         probe = jax.random.key(0, impl=impl)
-        return int(jax.random.key_data(probe).ndim)
+        return probe.dtype, int(jax.random.key_data(probe).ndim)
 
 
 def is_abstract_mesh(mesh: Any) -> bool:

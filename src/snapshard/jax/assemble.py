@@ -99,15 +99,25 @@ def array_from_host_boxes(
     sharding: jax.sharding.Sharding,
     boxes: tuple[DeviceBox, ...],
     hosts: list[np.ndarray],
+    dtype: np.dtype | None = None,
 ) -> jax.Array:
     """The jax.Array on `sharding` whose local shards are the host arrays `hosts`, one per
-    box of `boxes` (`local_device_boxes(sharding, shape)`), all of one dtype.
+    box of `boxes` (`local_device_boxes(sharding, shape)`), all of one dtype (`dtype`:
+    needed only where this process has no box).
 
     One batched transfer per array, not a call per shard. On CPU devices a box held by
     several devices is the same host array for each, so they share its memory where that
     is safe (see `cpu_donation_keeps_memory`): a box replicated within the process then
     costs no copy and no memory beyond the one buffer read. Elsewhere the first device gets
-    the host bytes and the others copies of them on the devices (`_replicated_on_devices`)."""
+    the host bytes and the others copies of them on the devices (`_replicated_on_devices`).
+
+    A sharding with no device of this process (a sub-mesh of other processes' devices) has
+    no boxes here: the result is the array with no local shards that every process of a
+    multi-controller job holds."""
+    if not boxes:
+        if dtype is None:
+            raise ValueError("an array with no local shards needs its dtype")
+        return _without_local_shards(shape, sharding, dtype)
     how = _assembly(sharding, shape, boxes)
     if how.copies:
         return _replicated_on_devices(shape, sharding, boxes, hosts)
@@ -126,6 +136,17 @@ def array_from_host_boxes(
         return hosts[by_box[slices_to_box(index, shape)]]
 
     return jax.make_array_from_callback(shape, sharding, host_of)
+
+
+def _without_local_shards(
+    shape: tuple[int, ...], sharding: jax.sharding.Sharding, dtype: np.dtype
+) -> jax.Array:
+    """The array on `sharding` that this process holds no shard of, of `dtype` as a process
+    holding shards gets it (float64 without x64: float32)."""
+    if sharding.addressable_devices:
+        raise ValueError(f"no host box given for the local devices of {sharding}")
+    dtype = jax.dtypes.canonicalize_dtype(dtype)
+    return jax.make_array_from_single_device_arrays(shape, sharding, [], dtype=dtype)
 
 
 def _replicated_on_devices(

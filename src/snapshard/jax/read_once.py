@@ -252,10 +252,39 @@ class _Once:
 
 @lru_cache(maxsize=64)
 def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
-    """One program moving a whole batch onto its target shardings (one compilation)."""
+    """One program moving arrays onto their target shardings (one compilation), all of
+    one device assignment."""
     import jax
 
     return jax.jit(lambda *xs: xs, out_shardings=shardings)
+
+
+def _reshard_batch(shardings: list[jax.sharding.Sharding], arrays: list[Any]) -> list[Any]:
+    """`arrays` moved onto `shardings`: one program per device assignment, since a program
+    runs on one (targets on sub-meshes of the job's devices: a mesh of the first devices
+    of each process beside one of every device), in the order each first comes, the same
+    on every process. Outside any context mesh, which would otherwise have to be the
+    targets' own."""
+    from .arrays import outside_context_mesh
+
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for k, s in enumerate(shardings):
+        groups.setdefault(_device_assignment(s), []).append(k)
+    outs: list[Any] = [None] * len(arrays)
+    with outside_context_mesh():
+        for ks in groups.values():
+            moved = _reshard(tuple(shardings[k] for k in ks))(*(arrays[k] for k in ks))
+            for k, out in zip(ks, moved, strict=True):
+                outs[k] = out
+    return outs
+
+
+def _device_assignment(sharding: jax.sharding.Sharding) -> tuple[Any, ...]:
+    """The devices of a sharding in the order a jitted program using it runs on them."""
+    found = getattr(sharding, "_device_assignment", None)  # (every sharding of JAX 0.4.14+)
+    if found is not None:
+        return tuple(found)
+    return tuple(sorted(sharding.device_set, key=lambda d: d.id))
 
 
 def plan(
@@ -379,7 +408,7 @@ def _read_and_share(
                 error = e
         all_succeeded(rv, f"read/{k}", error)
         t0 = time.perf_counter()
-        outs = _reshard(tuple(once[i].request.sharding for i in batch))(*arrays)
+        outs = _reshard_batch([once[i].request.sharding for i in batch], arrays)
         del arrays
         jax.block_until_ready(outs)
         stats.reshard_s += time.perf_counter() - t0

@@ -42,6 +42,7 @@ class LayoutMemo:
     digest: int | None = None  # saving: crc32c of where the boxes live
     description: Any = None  # saving: (format.layouts description, Mesh or None)
     holders: bytes | None = None  # write_plan.plan_by_holders: the holding processes
+    own: bool = False  # own_layout: held by the saving process, whichever it is
 
 
 @dataclass(eq=False)
@@ -103,10 +104,12 @@ def own_layout(shape: tuple[int, ...], itemsize: int, process: int) -> ArrayLayo
     """A host value that only `process` is known to hold (a save of differing trees: which other
     processes hold it, no process knows without asking)."""
     nd = len(shape)
-    return ArrayLayout(
+    out = ArrayLayout(
         shape, itemsize, np.zeros((1, nd), np.int64), np.asarray([shape], np.int64).reshape(1, nd),
         np.zeros(1, np.int64), np.asarray([process]),
     )  # fmt: skip
+    out.memo.own = True
+    return out
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]

@@ -230,4 +230,4 @@ def build(req: Request) -> Any:
     assert plan is not None  # (every request is planned when made)
     dtype = req.dtype
     hosts = [host(d, dtype) for d in req.dests]
-    return wing.array_from_host_boxes(req.saved.shape, req.sharding, plan.boxes, hosts)
+    return wing.array_from_host_boxes(req.saved.shape, req.sharding, plan.boxes, hosts, dtype)
