@@ -41,7 +41,7 @@ processes, so each process's tree holds its stage's keys only. Per stage, the pl
 write_plan.plan_by_holders of its tree, each process's record file numbers its own tree's
 leaves, its tree file is saving._tree_file's; process 0's commit (saving._commit) reads one
 tree file and one record file per distinct report digest through the storage (10 ms per
-request), deletes every tree file (one request per 1,000 names and one HEAD, as S3's batched
+request), deletes the tree files (one per distinct tree; one request per 1,000 names and one HEAD, as S3's batched
 delete; the GCS client sends one per name: shown apart) and writes a format-2.2 manifest
 with its leaf map. Readers restore their own stage's tree on their stage's sub-mesh; "P/2"
 (each stage halved) only where P/2 splits into S stages. A list (--stages 1,8) measures each

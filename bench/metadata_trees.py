@@ -14,7 +14,7 @@ every process of the stage, so it is made once per stage), its record file numbe
 tree's leaves (bench_metadata.Writes of the stage's plan), its tree file is
 saving._tree_file's, and its report carries the report digest _write_own computes. Process
 0's commit is saving._commit with trees_differ=True, which (saving._union) reads one tree
-file and one record file per distinct digest through the storage, deletes every tree file,
+file and one record file per distinct digest through the storage, deletes the tree files (one per stage),
 merges the trees (tree_union.union) and writes a format-2.2 manifest with its leaf map.
 
 The library refuses SaveOptions(trees_differ=True) with its JAX adapter in saving._prepare
@@ -161,38 +161,43 @@ class StagedWrites:
     def record_file(self, q: int) -> bytes:
         return self.stage_of(q).writes.record_file(q)
 
+    def tree_name(self, q: int) -> str:
+        """Process q's tree file: named by its content, one per stage (saving._write_own)."""
+        from snapshard.checksum import crc32c
+        from snapshard.format.naming import tree_file_name
+
+        doc = self.stage_of(q).tree_file
+        return tree_file_name(f"{crc32c(doc):08x}{len(doc):x}")
+
     def report(self, q: int, crc: int | None = None) -> dict[str, Any]:
         st = self.stage_of(q)
-        return {**st.writes.report(q, st.digest, crc), "trees_differ": True}
+        planned = int(st.plan.bytes_per_process()[q]) if st.plan.arrays else 0
+        tree = self.tree_name(q)[len("index/tree-") : -len(".json")]
+        return {**st.writes.report(q, st.digest, crc), "tree": tree, "planned_bytes": planned}
 
     def listing(self) -> dict[str, int]:
         """Every file the processes staged: data, record and tree files, with their sizes."""
         from snapshard import saving
-        from snapshard.format.naming import tree_file_name
 
         out = {saving.data_file_name(q, self.nonces[q], 0): int(self.data_sizes[q])
                for q in range(self.n)}  # fmt: skip
         out.update({saving.record_file_name(q, self.nonces[q]): int(self.record_sizes[q])
                     for q in range(self.n)})  # fmt: skip
-        out.update({tree_file_name(q, self.nonces[q]): len(self.stage_of(q).tree_file)
-                    for q in range(self.n)})  # fmt: skip
+        out.update({self.tree_name(st.first): len(st.tree_file) for st in self.stages})
         return out
 
     def tree_names(self) -> set[str]:
-        from snapshard.format.naming import tree_file_name
-
-        return {tree_file_name(q, self.nonces[q]) for q in range(self.n)}
+        return {self.tree_name(st.first) for st in self.stages}
 
     def staged(self) -> dict[str, bytes]:
         """The files process 0's commit may read: every process's tree file (the same bytes
         on a stage's processes, so shared here) and the record file of each stage's first
         process (the commit reads one per distinct digest: any other read fails)."""
         from snapshard import saving
-        from snapshard.format.naming import tree_file_name
 
         out: dict[str, bytes] = {}
-        for q in range(self.n):
-            out[tree_file_name(q, self.nonces[q])] = self.stage_of(q).tree_file
+        for st in self.stages:
+            out[self.tree_name(st.first)] = st.tree_file
         for st in self.stages:
             name = saving.record_file_name(st.first, self.nonces[st.first])
             out[name] = st.writes.record_file(st.first)
