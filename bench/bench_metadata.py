@@ -8,14 +8,14 @@ its shard count, as JAX requires of a NamedSharding. Per process count, in fresh
 subprocesses (peak RSS is per process):
 
   build    layouts (format.layouts.Mesh descriptions, checked with mesh_layout and
-           same_holders as saving._description does), plan_writes, and each process's
+           same_holders as saving.leaves._description does), plan_writes, and each process's
            report: record file size (exact, from the plan) and data file size (one data file
            per process: a save with SaveOptions(writers=1)). Record files are never written: a storage
            object synthesises process q's file on demand with format.records.encode of the
-           records that process would write (same bytes, checked against saving.records_of),
+           records that process would write (same bytes, checked against format.records.records_of),
            caching only the byte ranges a reader asked for.
   commit   process 0: Rendezvous.gather of the P reports through an in-memory coordinator,
-           saving._commit (agreement, _layouts, validate_structure, staged-file check,
+           saving.commit.commit_save (agreement, describe_leaves, validate_structure, staged-file check,
            commit) on a storage that sleeps 10 ms per request (a listing costs one request
            per 1,000 names, the commit a manifest PUT and a marker PUT), the outcome
            published (then, untimed, the other P-1 processes read it, as they would: the keys
@@ -39,7 +39,7 @@ pipeline stages, a save with SaveOptions(trees_differ=True) (metadata_trees.py).
 are cut into S groups of layers, stage s's on the sub-mesh (dp, P/(S dp), 8) of its P/S
 processes, so each process's tree holds its stage's keys only. Per stage, the plan is
 write_plan.plan_by_holders of its tree, each process's record file numbers its own tree's
-leaves, its tree file is saving._tree_file's; process 0's commit (saving._commit) reads one
+leaves, its tree file is saving.files.tree_file's; process 0's commit (saving.commit.commit_save) reads one
 tree file and one record file per distinct report digest through the storage (10 ms per
 request), deletes the tree files (one per distinct tree; one request per 1,000 names and one HEAD, as S3's batched
 delete; the GCS client sends one per name: shown apart) and writes a format-2.2 manifest
@@ -162,7 +162,7 @@ def job(n: int, n_arrays: int, dp: int, stages: int = 1,
                                  la.process_ids + first)  # fmt: skip
             fspec = [[] if s is None else [s] if isinstance(s, str) else list(s) for s in spec]
             derived = mesh_layout(fmesh, fspec, shape, itemsize, str(path))
-            # what saving._description decides from the jax sharding, from the same functions
+            # what saving.leaves._description decides from the jax sharding, from the same functions
             if same_holders(derived.shards, la.shards):
                 la.memo.description = ({"kind": "mesh", "spec": fspec}, fmesh)
             else:
@@ -185,7 +185,7 @@ class Writes:
 
     def __init__(self, plan: Any, leaves: list[Any], digests: np.ndarray, n: int):
         from snapshard.format import records
-        from snapshard.saving import chunk_span
+        from snapshard.format.encoding import chunk_span
 
         self.plan, self.leaves, self.digests, self.n = plan, leaves, digests, n
         self.ndims = [len(leaf.shape) for leaf in leaves]
@@ -207,11 +207,11 @@ class Writes:
         self.nonces = [f"{(q * 2654435761 + 12345) % (1 << 32):08x}" for q in range(n)]
 
     def segments(self, q: int) -> dict[int, np.ndarray]:
-        """The records process q writes, per leaf, as saving._write_own builds them with
-        one writer: items in plan order, written largest first (saving._split_files), each
-        chunk followed by its checksums (saving.chunk_span), records sorted by box."""
+        """The records process q writes, per leaf, as saving.files.write_own builds them with
+        one writer: items in plan order, written largest first (chunk_files.cut_files), each
+        chunk followed by its checksums (format.encoding.chunk_span), records sorted by box."""
         from snapshard.format import checksum_block, records
-        from snapshard.saving import chunk_span
+        from snapshard.format.encoding import chunk_span
 
         per: list[tuple[int, np.ndarray]] = []
         for i, a in enumerate(self.plan.arrays):
@@ -257,8 +257,8 @@ class Writes:
         return data
 
     def check_against_library(self, q: int) -> None:
-        """The vectorised records equal saving.records_of of the rows write_chunk returns."""
-        from snapshard.saving import records_of
+        """The vectorised records equal format.records.records_of of the rows write_chunk returns."""
+        from snapshard.format.records import records_of
 
         for i, segment in self.segments(q).items():
             rows = [(0, 0, int(r["offset"]), int(r["nbytes"]), int(r["block"]), int(r["nblocks"]),
@@ -532,11 +532,13 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
         writes.check_against_library(0)
         writes.check_against_library(n // 2 + 1)
         digest = crc32c(digests.tobytes(), crc32c(json.dumps(structure).encode()))
+        from snapshard.format import data_file_name, record_file_name
+
         rec0 = writes.record_file(0)
         reports = [writes.report(q, digest, crc32c(rec0) if q == 0 else None) for q in range(n)]
-        listing = {saving.data_file_name(q, writes.nonces[q], 0): int(writes.data_sizes[q])
+        listing = {data_file_name(q, writes.nonces[q], 0): int(writes.data_sizes[q])
                    for q in range(n)}  # fmt: skip
-        listing.update({saving.record_file_name(q, writes.nonces[q]): int(writes.record_sizes[q])
+        listing.update({record_file_name(q, writes.nonces[q]): int(writes.record_sizes[q])
                         for q in range(n)})  # fmt: skip
         all_plans = [plan]
         extra["stage_mesh"] = [dp, n // dp, DEVICES_PER_PROCESS]
@@ -545,12 +547,14 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
             return commit_storage(url, latency, listing)
 
         def make_prep(storage: Any, rv: Any) -> Any:
-            return saving._Prepared(storage, rv, list(leaves), structure, plan, [], False,
+            return saving.state.PreparedSave(storage, rv, list(leaves), structure, plan, [], False,
                                     SaveOptions(), {}, digests, adapter=JaxAdapter())  # fmt: skip
     else:
         stages = [trees.build_stage(job, Writes, n, args.arrays, dp, n_stages, s)
                   for s in range(n_stages)]  # fmt: skip
         writes = trees.StagedWrites(stages, n)
+        from snapshard.format import data_file_name, record_file_name
+
         rec0 = writes.record_file(0)
         reports = [writes.report(q, crc32c(rec0) if q == 0 else None) for q in range(n)]
         listing = writes.listing()
@@ -593,7 +597,7 @@ def child_build(args: argparse.Namespace) -> dict[str, Any]:
         t1 = time.perf_counter()
         rv.start_clock()
         others = rv.gather("written")
-        saving._commit(prep, [reports[0] if q == 0 else others[q] for q in range(n)])
+        saving.commit.commit_save(prep, [reports[0] if q == 0 else others[q] for q in range(n)])
         rv.publish_outcome()
         commit_s = time.perf_counter() - t1
         cpu_s = time.process_time() - c1
@@ -742,7 +746,7 @@ def table(rows: list[dict[str, Any]]) -> list[tuple[str, str, str, str]]:
     line("record file: process 0 / mean / largest", [f"{mb(r['record_bytes_p0'])} / "
          f"{mb(r['record_bytes_mean'])} / {mb(r['record_bytes_max'])}" for r in rows])  # fmt: skip
     if staged:
-        line("tree file per process: bytes, smallest-largest stage (saving._tree_file s)",
+        line("tree file per process: bytes, smallest-largest stage (saving.files.tree_file s)",
              [f"{mb(min(r['tree_file_bytes']))}-{mb(max(r['tree_file_bytes']))} "
               f"({max(r['tree_file_s']):.3f} s)" if "tree_file_bytes" in r else "—"
               for r in rows])  # fmt: skip

@@ -12,12 +12,12 @@ Each process writes what a save with SaveOptions(trees_differ=True) writes, with
 library's functions: its plan is write_plan.plan_by_holders of its own tree (the same on
 every process of the stage, so it is made once per stage), its record file numbers its own
 tree's leaves (bench_metadata.Writes of the stage's plan), its tree file is
-saving._tree_file's, and its report carries the report digest _write_own computes. Process
-0's commit is saving._commit with trees_differ=True, which (saving._union) reads one tree
+saving.files.tree_file's, and its report carries the report digest write_own computes. Process
+0's commit is saving.commit.commit_save with trees_differ=True, which (saving.agreement.read_union) reads one tree
 file and one record file per distinct digest through the storage, deletes the tree files (one per stage),
 merges the trees (tree_union.union) and writes a format-2.2 manifest with its leaf map.
 
-The library refuses SaveOptions(trees_differ=True) with its JAX adapter in saving._prepare
+The library refuses SaveOptions(trees_differ=True) with its JAX adapter in saving.blocking._prepare
 (a JAX tree is global); the bench enters after that, at the commit, with an adapter that
 says trees_differ (the metadata are those of DTensors on each stage's sub-mesh: a "mesh"
 layout per stage mesh).
@@ -97,17 +97,17 @@ class Stage:
     plan: Any  # write_plan.plan_by_holders of its tree
     digests: np.ndarray  # saving.leaf_digests
     writes: Any  # bench_metadata.Writes of its plan (valid for its processes only)
-    digest: int  # the report digest (saving._write_own's)
-    tree_file: bytes  # saving._tree_file's bytes (the same on every process of the stage)
+    digest: int  # the report digest (saving.files.write_own's)
+    tree_file: bytes  # saving.files.tree_file's bytes (the same on every process of the stage)
     plan_s: float
     tree_file_s: float
 
     def prepared(self, storage: Any, rendezvous: Any) -> Any:
-        """saving._Prepared of a process of this stage, as the save left it for the commit."""
+        """saving.state.PreparedSave of a process of this stage, as the save left it for the commit."""
         from snapshard import saving
         from snapshard.options import SaveOptions
 
-        return saving._Prepared(storage, rendezvous, list(self.leaves), self.structure, self.plan,
+        return saving.state.PreparedSave(storage, rendezvous, list(self.leaves), self.structure, self.plan,
                                 [], False, SaveOptions(trees_differ=True), {}, self.digests,
                                 adapter=TreesAdapter())  # fmt: skip
 
@@ -126,7 +126,7 @@ def build_stage(job: Any, writes_cls: Any, n: int, n_arrays: int, dp: int, stage
     first, count = stage_processes(n, stages, stage)
     structure, leaves, layouts, _ = job(n, n_arrays, dp, stages, stage)
     t0 = time.perf_counter()
-    keys = [saving.path_json(a.path) for a in leaves]  # as saving._prepare passes them
+    keys = [saving.path_json(a.path) for a in leaves]  # as saving.blocking._prepare passes them
     plan = plan_by_holders(layouts, keys, "auto", num_processes=n)
     plan_s = time.perf_counter() - t0
     write_plan._plan_cached.cache_clear()  # the plan is held by the stage, once
@@ -134,12 +134,12 @@ def build_stage(job: Any, writes_cls: Any, n: int, n_arrays: int, dp: int, stage
     writes = writes_cls(plan, leaves, digests, n)
     writes.check_against_library(first)
     writes.check_against_library(first + count // 2)
-    # saving._write_own's report digest: equal on the processes that saved the same tree
+    # saving.files.write_own's report digest: equal on the processes that saved the same tree
     digest = crc32c(digests.tobytes(), crc32c(json.dumps(structure).encode()))
     st = Stage(stage, first, count, structure, leaves, plan, digests, writes, digest, b"",
                plan_s, 0.0)  # fmt: skip
     t1 = time.perf_counter()
-    st.tree_file = saving._tree_file(st.prepared(None, None))
+    st.tree_file = saving.files.tree_file(st.prepared(None, None))
     st.tree_file_s = time.perf_counter() - t1
     return st
 
@@ -162,7 +162,7 @@ class StagedWrites:
         return self.stage_of(q).writes.record_file(q)
 
     def tree_name(self, q: int) -> str:
-        """Process q's tree file: named by its content, one per stage (saving._write_own)."""
+        """Process q's tree file: named by its content, one per stage (saving.files.write_own)."""
         from snapshard.checksum import crc32c
         from snapshard.format.naming import tree_file_name
 
@@ -177,11 +177,11 @@ class StagedWrites:
 
     def listing(self) -> dict[str, int]:
         """Every file the processes staged: data, record and tree files, with their sizes."""
-        from snapshard import saving
+        from snapshard.format import data_file_name, record_file_name
 
-        out = {saving.data_file_name(q, self.nonces[q], 0): int(self.data_sizes[q])
+        out = {data_file_name(q, self.nonces[q], 0): int(self.data_sizes[q])
                for q in range(self.n)}  # fmt: skip
-        out.update({saving.record_file_name(q, self.nonces[q]): int(self.record_sizes[q])
+        out.update({record_file_name(q, self.nonces[q]): int(self.record_sizes[q])
                     for q in range(self.n)})  # fmt: skip
         out.update({self.tree_name(st.first): len(st.tree_file) for st in self.stages})
         return out
@@ -193,13 +193,13 @@ class StagedWrites:
         """The files process 0's commit may read: every process's tree file (the same bytes
         on a stage's processes, so shared here) and the record file of each stage's first
         process (the commit reads one per distinct digest: any other read fails)."""
-        from snapshard import saving
+        from snapshard.format import record_file_name
 
         out: dict[str, bytes] = {}
         for st in self.stages:
             out[self.tree_name(st.first)] = st.tree_file
         for st in self.stages:
-            name = saving.record_file_name(st.first, self.nonces[st.first])
+            name = record_file_name(st.first, self.nonces[st.first])
             out[name] = st.writes.record_file(st.first)
         return out
 

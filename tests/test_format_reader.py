@@ -224,7 +224,7 @@ def test_the_reader_follows_the_leaf_map_of_trees_that_differ(tmp_path, monkeypa
 
     shared = SingleProcessCoordinator()
     # (one process here: the save's namespace, numbered per process, is the same for both)
-    monkeypatch.setattr(saving, "namespace", lambda kind, where: f"snapshard/{kind}/test/0")
+    monkeypatch.setattr(saving.blocking, "namespace", lambda kind, where: f"snapshard/{kind}/test/0")
     states = [
         {"layers.0": np.arange(6, dtype=np.float32).reshape(2, 3), "step": 7, "shared": np.ones(4)},
         {"layers.1": np.arange(8, dtype=np.int16), "step": 7, "shared": np.ones(4)},

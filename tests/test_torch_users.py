@@ -186,13 +186,13 @@ def test_per_process_messages_name_the_leaf_not_the_class(tmp_path):
 
 def test_loading_while_a_save_of_the_directory_runs_says_so(tmp_path, monkeypatch):
     release = threading.Event()
-    write_own = saving._write_own
+    write_own = saving.files.write_own
 
     def held(prep):
         release.wait(60)
         return write_own(prep)
 
-    monkeypatch.setattr(saving, "_write_own", held)
+    monkeypatch.setattr(saving.files, "write_own", held)
     job = sst.save_async(tmp_path / "c", {"w": torch.ones(4)})
     try:
         with pytest.raises(
@@ -211,7 +211,7 @@ def test_a_failed_save_removes_its_temporary_directory(tmp_path, monkeypatch):
         prep.storage.prepare_staging()
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(saving, "_write_own", broken)
+    monkeypatch.setattr(saving.files, "write_own", broken)
     with pytest.raises(OSError, match="No space left"):
         sst.save(tmp_path / "c", {"w": torch.ones(4)})
     with pytest.raises(OSError, match="No space left"):

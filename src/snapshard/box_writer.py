@@ -31,7 +31,9 @@ from .format import (
     validate_structure,
 )
 from .format.binding import name_key
-from .saving import chunk_span, records_of, refuse_existing, write_chunk
+from .format.encoding import chunk_span, write_chunk
+from .format.records import records_of
+from .saving import refuse_existing
 from .storage import FileWriter, Location, Storage, storage_for
 from .tree import JsonNode, Path
 

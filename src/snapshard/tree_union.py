@@ -18,7 +18,7 @@ reads 8 of each. Then, pure:
    a DTensor on a mesh spanning both), the same write plan. The first tree's copy is the
    one the manifest describes; the chunks of other copies stay unread.
 
-No I/O here: saving.py reads the files and writes the manifest.
+No I/O here: saving/agreement.py reads the files, saving/commit.py writes the manifest.
 """
 
 from __future__ import annotations

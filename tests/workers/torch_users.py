@@ -106,7 +106,7 @@ def save(root: str, rank: int, world: int) -> dict[str, Any]:
     # One rank's writing fails (a full disk): both fail, naming it, and nothing is left.
     from snapshard import saving
 
-    write_own = saving._write_own
+    write_own = saving.files.write_own
     for bad in range(world):
 
         def disk_full(prep: Any, bad: int = bad) -> Any:
@@ -115,12 +115,12 @@ def save(root: str, rank: int, world: int) -> dict[str, Any]:
             prep.storage.prepare_staging()
             raise OSError(28, f"No space left on device (rank {rank})")
 
-        saving._write_own = disk_full
+        saving.files.write_own = disk_full
         where = f"{root}/full{bad}"
         out[f"full{bad}"] = attempt(
             lambda where=where: sst.save(where, {"w": sharded(world)}, opts)
         )
-    saving._write_own = write_own
+    saving.files.write_own = write_own
 
     # A plain directory that is not a checkpoint.
     if rank == 0:

@@ -1,0 +1,42 @@
+"""The save executor: plan, stage the owned slices on the host, write, then commit; one for
+both wings, which reach it through their `SaveAdapter`.
+
+Blocking phase (the caller waits; `blocking.py`): flatten the tree, plan (cached, zero-RPC),
+bring every owned slice to host memory through the adapter. Nothing else.
+
+Background phase: every process writes its own data files, record file and report with no
+coordination (`files.py`); process 0 gathers the reports, checks that the trees fit together
+(`agreement.py`), builds the manifest from the leaves' descriptions (`leaves.py`), validates
+it, removes stale files and commits; every process learns the outcome (`commit.py`).
+Synchronisation points per save: one rendezvous after writing (process 0 waits for every
+process's report) and one outcome broadcast. `state.py` holds what a save carries from one
+phase to the next; `entry.py` the entry points. See docs/design.md.
+"""
+
+from .blocking import prepare
+from .commit import commit_manifest, finish, staged_files
+from .entry import AsyncSave, refuse_existing, save, save_async, save_through
+from .files import WrittenFile, rows_by_leaf, write_data_files
+from .leaves import classify_leaves, leaf_digests, path_json
+from .state import ReplicatedSource, SaveAdapter, SaveTimings
+
+__all__ = [
+    "AsyncSave",
+    "ReplicatedSource",
+    "SaveAdapter",
+    "SaveTimings",
+    "WrittenFile",
+    "classify_leaves",
+    "commit_manifest",
+    "finish",
+    "leaf_digests",
+    "path_json",
+    "prepare",
+    "refuse_existing",
+    "rows_by_leaf",
+    "save",
+    "save_async",
+    "save_through",
+    "staged_files",
+    "write_data_files",
+]

@@ -1,0 +1,138 @@
+"""The blocking phase of a save: flatten, plan (zero-RPC; per holder set where the trees
+differ), stage this process's items on the host through the wing's adapter. Nothing else."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from ..coordination import Coordinator, default_coordinator
+from ..coordination.rendezvous import (
+    Rendezvous,
+    namespace,
+    report_early_failure,
+)
+from ..errors import (
+    SnapshardError,
+)
+from ..format import (
+    compression,
+)
+from ..frameworks import default_save_adapter
+from ..gc_pause import collection_paused
+from ..incremental import Increment
+from ..options import SaveOptions, require
+from ..planning import plan_writes
+from ..planning.write_plan import plan_by_holders
+from ..save_leaves import SaveArray
+from ..staging import Snapshot
+from ..storage import Location, Storage, storage_for
+from ..tree import FlatTree, flatten
+from .leaves import classify_leaves, leaf_digests, path_json
+from .state import PreparedSave, SaveAdapter, SaveTimings
+
+log = logging.getLogger("snapshard")
+
+
+@collection_paused()
+def prepare(
+    location: Location | Storage,
+    tree: Any,
+    options: SaveOptions = SaveOptions(),
+    *,
+    overwrite: bool = False,
+    coordinator: Coordinator | None = None,
+    asynchronous: bool = False,
+    extra: dict[str, Any] | None = None,
+    snapshot: Snapshot | None = None,
+    flat: FlatTree | None = None,
+    adapter: SaveAdapter | None = None,
+    base: Location | Storage | None = None,
+    identical: frozenset[int] = frozenset(),
+) -> PreparedSave:
+    """The blocking phase: plan, then bring every owned slice to host memory through
+    `adapter`, the framework's wing (None: JAX's, which stages from `snapshot`, the host copy
+    of the tree's device arrays, when one was already made; other adapters ignore it).
+    `asynchronous`: the caller goes on before `finish` writes the bytes (save_async, the
+    manager), so staging must not depend on the tree staying as it is (staging.stage)."""
+    t0 = time.perf_counter()
+    require(options, SaveOptions)
+    if adapter is None:
+        adapter = default_save_adapter(options.host_budget, snapshot)
+    if not isinstance(location, Storage) and not os.fspath(location):
+        raise ValueError("the checkpoint location is empty")
+    coord = coordinator or default_coordinator()
+    storage = storage_for(location)
+    # The namespace is taken here, in program order, the same on every process.
+    rv = Rendezvous(
+        coord, namespace("save", storage.url), f"save to {storage.url}", options.timeout_s
+    )
+    try:
+        return _prepare(
+            rv, storage, tree, options, overwrite=overwrite, asynchronous=asynchronous,
+            extra=extra, flat=flat, adapter=adapter, base=base, identical=identical, t0=t0,
+        )  # fmt: skip
+    except BaseException as e:
+        cause = report_early_failure(rv, e)  # the others fail at once, naming this error
+        if cause is not None:  # process 0 failed the save first: its error is the cause
+            storage.discard_staging_if_empty()
+            raise cause from e
+        raise
+
+
+def _prepare(
+    rv: Rendezvous,
+    storage: Storage,
+    tree: Any,
+    options: SaveOptions,
+    *,
+    overwrite: bool,
+    asynchronous: bool,
+    extra: dict[str, Any] | None,
+    flat: FlatTree | None,
+    adapter: SaveAdapter,
+    base: Location | Storage | None,
+    identical: frozenset[int],
+    t0: float,
+) -> PreparedSave:
+    coord = rv.coord
+    # Staging named after the job and the save's number: saves of two jobs to one location
+    # never share it, and a failed save's clean-up never meets the files of the next one.
+    storage.set_attempt(f"{coord.job_token()}-{rv.prefix.rpartition('/')[2]}")
+    if options.compression is not None and not compression.available():
+        raise SnapshardError("compression needs zstd: install snapshard[compress]")
+    if options.trees_differ != adapter.trees_differ:
+        raise ValueError(
+            "SaveOptions(trees_differ=True) saves torch state dicts that differ by rank "
+            "(snapshard.torch); a JAX tree is global: an array on a sub-mesh is saved by the "
+            "processes of its devices as it is"
+        )
+    if options.trees_differ and (base is not None or options.hashes):
+        raise ValueError(
+            "a save of differing trees (SaveOptions.trees_differ) cannot be incremental yet"
+        )
+    increment = None
+    if base is not None or options.hashes:
+        increment = Increment(base, storage, identical)
+    flat = flat or flatten(tree, adapter.is_leaf)
+    leaves = classify_leaves(flat, coord.process_count, adapter)
+    arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
+    layouts = [a.layout for _, a in arrays]
+    if options.trees_differ:  # each holder set planned on its own, alike on each of its holders
+        keys = [path_json(a.path) for _, a in arrays]
+        plan = plan_by_holders(layouts, keys, options.mode, num_processes=coord.process_count)
+    else:
+        plan = plan_writes(layouts, options.mode, num_processes=coord.process_count)
+    t1 = time.perf_counter()
+    items, copied = adapter.stage(arrays, plan, coord.process_index, copy=asynchronous)
+    # Host values are assumed equal on every process: their digests are compared at commit.
+    digests = leaf_digests(leaves, values=coord.process_count > 1)
+    storage.prepare_staging()  # from now on a load of the location can tell a save runs
+    t2 = time.perf_counter()
+    timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
+    return PreparedSave(
+        storage, rv, leaves, flat.structure, plan, items, overwrite, options, extra or {},
+        digests, timings, increment, adapter=adapter,
+    )  # fmt: skip

@@ -1,0 +1,133 @@
+"""The entry points of the save executor, for every wing: `save` (synchronous),
+`save_async` and `AsyncSave`, `save_through` (a wing's own adapter)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..background import BackgroundTask
+from ..coordination import Coordinator
+from ..errors import (
+    CheckpointExistsError,
+)
+from ..gc_pause import Frozen, collection_paused
+from ..options import SaveOptions
+from ..storage import Location, Storage, storage_for
+from .blocking import prepare
+from .commit import finish
+from .state import PreparedSave, SaveAdapter, SaveTimings
+
+log = logging.getLogger("snapshard")
+
+
+def refuse_existing(storage: Storage, overwrite: bool) -> None:
+    """A synchronous save's early refusal of an existing checkpoint, before any work (the
+    commit checks again, atomically)."""
+    if not overwrite and storage.is_committed():
+        raise CheckpointExistsError(
+            f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
+        )
+
+
+def save(
+    directory: Location | Storage,
+    tree: Any,
+    options: SaveOptions = SaveOptions(),
+    *,
+    overwrite: bool = False,
+    coordinator: Coordinator | None = None,
+    base: Location | Storage | None = None,
+) -> SaveTimings:
+    """Save `tree` to `directory`, atomically: the checkpoint appears whole or not at all.
+
+    Every process of a multi-process job calls this with the same tree; each writes only the
+    slices the shared plan gives it (`options`: the write mode, writers, compression; see
+    snapshard.SaveOptions). An existing checkpoint there is an error unless `overwrite`
+    (then it is replaced whole, and stays whole until the new one commits); an existing
+    empty directory holds nothing to lose and is written into; a directory of other files
+    is never replaced.
+
+    With `base` (a committed checkpoint beside this one), chunks whose bytes equal the
+    base's chunk of the same box are recorded as references to the file holding them
+    instead of being written (see snapshard.incremental); such a save records the chunks'
+    content hashes, so that a later save may use it as base in turn.
+    """
+    return save_through(
+        None, directory, tree, options, overwrite=overwrite, coordinator=coordinator, base=base
+    )
+
+
+@collection_paused()
+def save_through(
+    adapter: SaveAdapter | None,
+    directory: Location | Storage,
+    tree: Any,
+    options: SaveOptions,
+    *,
+    overwrite: bool,
+    coordinator: Coordinator | None,
+    base: Location | Storage | None,
+) -> SaveTimings:
+    """A synchronous save through a framework's adapter (every wing's `save`; None: JAX's)."""
+    storage = storage_for(directory)
+    refuse_existing(storage, overwrite)
+    prep = prepare(
+        storage, tree, options, overwrite=overwrite, coordinator=coordinator, base=base,
+        adapter=adapter,
+    )  # fmt: skip
+    return finish(prep)
+
+
+class AsyncSave(BackgroundTask[SaveTimings]):
+    """A save whose background phase is running, for every framework: `wait()` returns its
+    timings or raises. Whatever the framework's adapter holds for the save (torch's reused
+    host buffers) goes back when it ends, whether it succeeded or not (`finish`)."""
+
+    def __init__(self, prep: PreparedSave):
+        self._prep = prep
+        # What the blocking phase made (items, views, JAX's shard objects) is kept out of
+        # the collections the background phase sets off: gc_pause.py.
+        frozen = Frozen()
+
+        def run() -> SaveTimings:
+            try:
+                return finish(prep)
+            finally:
+                frozen.release()
+
+        super().__init__(run, f"save to {prep.storage.url}")
+
+    @property
+    def location(self) -> str:
+        return self._prep.storage.url
+
+    @property
+    def timings(self) -> SaveTimings:
+        """Per-phase durations; the background ones are filled in when the save is done."""
+        return self._prep.timings
+
+
+def save_async(
+    directory: Location | Storage,
+    tree: Any,
+    options: SaveOptions = SaveOptions(),
+    *,
+    overwrite: bool = False,
+    coordinator: Coordinator | None = None,
+    base: Location | Storage | None = None,
+    extra: dict[str, Any] | None = None,
+) -> AsyncSave:
+    """Start a save and return once every owned slice is on the host.
+
+    The caller may then change or donate its arrays (see staging.py for the rule when
+    `options.host_budget` is smaller than the bytes this process owns). Writing, syncing,
+    merging, validating and committing run in the background. An existing checkpoint at the
+    location is detected at commit, without blocking here. `extra`: JSON values stored in
+    the manifest beside the tree (the manager keeps its step and metrics there).
+    """
+    prep = prepare(
+        directory, tree, options, overwrite=overwrite, coordinator=coordinator,
+        asynchronous=True, extra=extra, base=base,
+    )  # fmt: skip
+    return AsyncSave(prep)
