@@ -149,7 +149,7 @@ class CheckpointWriter:
                 process_count=1,
                 write_mode="single_replica",
                 extra=self.extra,
-                layouts=[{"kind": "host"}],
+                layouts=[{"kind": "host"}],  # every leaf's: layout 0
                 processes=table,
             )
             validate_structure(manifest, self.url)

@@ -32,6 +32,7 @@ import numpy as np
 
 from .errors import CoordinationError
 from .format import ArrayLeaf, Leaf, ValueLeaf
+from .format.layout_table import LayoutTable
 from .format.layouts import describe_rows
 from .format.leaf_map import LeafMap
 from .format.leaves import PerProcessLeaf
@@ -192,14 +193,11 @@ def _layout_doc(tree: SavedTree, leaf: ArrayLeaf) -> str:
     return json.dumps(doc, sort_keys=True)
 
 
-class _Renumbered:
+class _Renumbered(LayoutTable):
     """The union's layouts and meshes, each distinct one listed once."""
 
     def __init__(self) -> None:
-        self.layouts: list[dict[str, Any]] = []
-        self.meshes: list[dict[str, Any]] = []
-        self._layout_ids: dict[str, int] = {}
-        self._mesh_ids: dict[str, int] = {}
+        super().__init__()
         self._seen: dict[tuple[Any, ...], int] = {}  # (tree, its layout, shape): the union's
 
     def leaf(self, tree: SavedTree, i: int) -> Leaf:
@@ -218,13 +216,5 @@ class _Renumbered:
             doc = describe_rows(own_layout(leaf.shape, 1, tree.first))
         if "mesh" in doc:
             mesh = tree.meshes[doc["mesh"]]
-            key = json.dumps(mesh, sort_keys=True)
-            if key not in self._mesh_ids:
-                self._mesh_ids[key] = len(self.meshes)
-                self.meshes.append(mesh)
-            doc["mesh"] = self._mesh_ids[key]
-        key = json.dumps(doc, sort_keys=True)
-        if key not in self._layout_ids:
-            self._layout_ids[key] = len(self.layouts)
-            self.layouts.append(doc)
-        return self._layout_ids[key]
+            doc["mesh"] = self.mesh(json.dumps(mesh, sort_keys=True), lambda: mesh)
+        return self.layout(doc)

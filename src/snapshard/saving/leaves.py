@@ -21,6 +21,7 @@ from ..format import (
     ValueLeaf,
     records,
 )
+from ..format.layout_table import LayoutTable
 from ..format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from ..format.manifest import PerProcessLeaf, encode_value
 from ..frameworks import default_save_adapter
@@ -102,11 +103,9 @@ def path_json(path: Path) -> str:
 def describe_leaves(
     prep: PreparedSave,
 ) -> tuple[list[Leaf], list[dict[str, Any]], list[dict[str, Any]]]:
-    """The manifest's leaves, with one compact description per distinct layout and mesh."""
-    meshes: dict[tuple[Any, ...], int] = {}
-    mesh_docs: list[dict[str, Any]] = []
-    layouts: dict[str, int] = {}
-    layout_docs: list[dict[str, Any]] = []
+    """The manifest's leaves, with one compact description per distinct layout and mesh
+    (the meshes and layouts lists)."""
+    table = LayoutTable()
     # Arrays laid out alike share their layout object: describe each once.
     per_layout: dict[int, tuple[int, bool]] = {}  # id(layout): (layout id, many candidates)
     plans = iter(prep.plan.arrays)
@@ -123,10 +122,7 @@ def describe_leaves(
         plan = next(plans)
         known = per_layout.get(id(leaf.layout))
         if known is None:
-            desc = _describe(leaf, prep.adapter, meshes, mesh_docs)
-            lid = layouts.setdefault(json.dumps(desc, sort_keys=True), len(layouts))
-            if lid == len(layout_docs):
-                layout_docs.append(desc)
+            lid = table.layout(_describe(leaf, prep.adapter, table))
             groups = leaf.layout.shards
             known = (lid, bool(groups.count) and int(groups.num_candidates.max()) > 8)
             per_layout[id(leaf.layout)] = known
@@ -146,14 +142,13 @@ def describe_leaves(
                 chunk_count=count,
             )
         )  # fmt: skip
-    return out, mesh_docs, layout_docs
+    return out, table.meshes, table.layouts
 
 
 def _describe(
     arr: SaveArray,
     adapter: SaveAdapter,
-    meshes: dict[tuple[Any, ...], int],
-    mesh_docs: list[dict[str, Any]],
+    table: LayoutTable,
 ) -> dict[str, Any]:
     """The compact description of an array's layout (format.layouts), checked against the
     layout itself: a description that would mislead a reader falls back to explicit rows."""
@@ -164,10 +159,7 @@ def _describe(
         memo.description = _description(arr, adapter.mesh_of(arr))
     desc, mesh = memo.description
     if mesh is not None:
-        mid = meshes.setdefault(mesh.key(), len(meshes))
-        if mid == len(mesh_docs):
-            mesh_docs.append(mesh.to_json())
-        desc = {**desc, "mesh": mid}
+        desc = {**desc, "mesh": table.mesh(mesh.key(), mesh.to_json)}
     return desc
 
 

@@ -61,6 +61,7 @@ from ..format import (
     records,
 )
 from ..format.binding import name_key
+from ..format.layout_table import LayoutTable
 from ..format.layouts import describe_rows
 from ..format.manifest import decode_value, encode_value
 from ..format.records import records_of
@@ -524,8 +525,7 @@ def _manifest(
     the rank that wrote it); plain values inline; DCP's pickled bytes as uint8 arrays."""
     values = {i: v for r in reports for i, v in r.values.items()}
     pickled = {i: (n, r.rank) for r in reports for i, n in r.pickled.items()}
-    layout_docs: list[dict[str, Any]] = []
-    layout_ids: dict[str, int] = {}
+    table = LayoutTable()
     out: list[Leaf] = []
     for i, leaf in enumerate(leaves):
         if i in values:
@@ -538,11 +538,7 @@ def _manifest(
             kind = "dcp pickle"  # what `snapshard info` shows for it
         else:
             raise DcpStorageError(f"leaf {leaf.fqn!r}: no rank reported writing it")
-        doc = describe_rows(_layout(shape, leaf.dtype.itemsize, chunks))
-        key = repr(sorted(doc.items()))
-        lid = layout_ids.setdefault(key, len(layout_docs))
-        if lid == len(layout_docs):
-            layout_docs.append(doc)
+        lid = table.layout(describe_rows(_layout(shape, leaf.dtype.itemsize, chunks)))
         count = sum(1 for _, sizes, _ in chunks if math.prod(sizes) > 0)
         out.append(
             ArrayLeaf(
@@ -550,7 +546,7 @@ def _manifest(
                 layout=lid, chunk_count=count,
             )
         )  # fmt: skip
-    table = ProcessTable(
+    processes = ProcessTable(
         nonces=[r.nonce for r in reports],
         data_sizes=[r.data_sizes for r in reports],
         record_sizes=[r.record_size for r in reports],
@@ -558,12 +554,12 @@ def _manifest(
     )
     names = [path_str(leaves[i].path) for i in sorted(pickled)]
     manifest = Manifest(
-        structure=structure, leaves=out, files=table.files(), process_count=len(reports),
+        structure=structure, leaves=out, files=processes.files(), process_count=len(reports),
         write_mode="single_replica", extra={PICKLED_KEY: {"pickled": names}} if names else {},
-        layouts=layout_docs, processes=table,
+        layouts=table.layouts, processes=processes,
         codecs=[records.CODECS[c] for c in sorted({c for r in reports for c in r.codecs})],
     )  # fmt: skip
-    return manifest, table
+    return manifest, processes
 
 
 def _layout(
