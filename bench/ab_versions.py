@@ -2,7 +2,11 @@
 evicted restore of the ~2 GiB state) run alternately with the library of an earlier commit
 and with the working tree, in fresh processes, rounds interleaved: medians and paired ratios.
 
-    python ab_versions.py [--rev 30e3f53] [--rounds 3] [--scale 1.0]
+    python ab_versions.py [--rev 30e3f53] [--rounds 3] [--scale 1.0] [--rev-src DIR]
+
+--rev-src: the earlier library's `src` directory, already extracted (`git archive REV src`),
+for a machine without the repository's history; --rev then only names it. --new-src: the
+later library's, in place of the working tree's.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ STEPS = ("blocking_s", "save_s", "restore_warm_s", "reshard_warm_s", "restore_ev
 
 
 def job(src: str, scale: float, r: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=src)
+    path = os.environ.get("PYTHONPATH")
+    env = dict(os.environ, PYTHONPATH=src + (os.pathsep + path if path else ""))
     out = subprocess.run(
         [sys.executable, os.path.join(HERE, "job_snapshard.py"), "--scale", str(scale), "--round", str(r)],
         env=env, capture_output=True, text=True, check=True, cwd=HERE,
@@ -38,9 +43,12 @@ def main() -> None:
     ap.add_argument("--rev", default="30e3f53")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--scale", type=float, default=1.0)
+    ap.add_argument("--rev-src", default=None)
+    ap.add_argument("--new-src", default=os.path.join(ROOT, "src"))
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        sources = {args.rev: library_at(args.rev, tmp), "working tree": os.path.join(ROOT, "src")}
+        old = os.path.abspath(args.rev_src) if args.rev_src else library_at(args.rev, tmp)
+        sources = {args.rev: old, "working tree": os.path.abspath(args.new_src)}
         runs: dict[str, list[dict]] = {k: [] for k in sources}
         for r in range(args.rounds):
             order = list(sources) if r % 2 == 0 else list(sources)[::-1]
