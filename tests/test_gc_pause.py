@@ -11,7 +11,7 @@ import pytest
 
 import snapshard
 import snapshard.jax.load
-import snapshard.saving
+import snapshard.saving.blocking
 from snapshard.gc_pause import collection_paused
 
 
@@ -72,7 +72,7 @@ def test_load_and_save_run_paused_and_leave_the_collector_on(
 
         monkeypatch.setattr(module, name, wrapped)
 
-    probe(snapshard.saving, "plan_writes")
+    probe(snapshard.saving.blocking, "plan_writes")
     probe(snapshard.jax.load, "open_source")
     snapshard.save(tmp_path / "c", {"a": np.arange(6.0)})
     assert gc.isenabled()
