@@ -24,7 +24,9 @@ pytest.importorskip("torch.distributed.checkpoint")
 
 import multiproc
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
+# 21 jobs of 3 processes each, 2 jobs at a time: past the suite's 300 s per test on a
+# loaded 2-core machine (each job is bounded by JOB_TIMEOUT_S).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(900)]
 JOBS = 20
 AT_ONCE = 2
 JOB_TIMEOUT_S = 150

@@ -20,10 +20,11 @@ TOPOLOGIES = {
 }
 
 
-def save_on(ckpt, procs, devices, *extra, check=True, timeout=120):
+def save_on(ckpt, procs, devices, *extra, check=True, timeout=120, env=None):
     return multiproc.run(
-        "save_restore.py", procs, devices, "save", ckpt, *extra, timeout=timeout, check=check
-    )
+        "save_restore.py", procs, devices, "save", ckpt, *extra, timeout=timeout, check=check,
+        env=env,
+    )  # fmt: skip
 
 
 def restore_on(ckpt, topology):
@@ -48,14 +49,27 @@ def test_saved_on_4x2_restores_on_other_topologies(saved_4x2, topology):
         assert stats["bytes_read"] <= 1.05 * stats["bytes_needed"], stats
 
 
+@pytest.fixture(scope="module")
+def restored_on_4x2(tmp_path_factory):
+    """A checkpoint saved on each of the other topologies, then all of them restored in
+    turn by one job on 4x2: {source: each process's result}."""
+    base = tmp_path_factory.mktemp("sources")
+    ckpts = {}
+    for source in ("2x4", "1x8", "8x1"):
+        n, d, _, _ = TOPOLOGIES[source]
+        ckpts[source] = base / source
+        save_on(ckpts[source], n, d)
+    n, d, rows, spec = TOPOLOGIES["4x2"]
+    procs = multiproc.run("save_restore.py", n, d, "restores", rows, spec, *ckpts.values())
+    by_ckpt = [{r["case"]: r for r in p.results} for p in procs]
+    return {source: [got.get(str(ckpt)) for got in by_ckpt] for source, ckpt in ckpts.items()}
+
+
 @pytest.mark.parametrize("source", ["2x4", "1x8", "8x1"])
-def test_saved_on_other_topologies_restores_on_4x2(tmp_path, source):
-    n, d, _, _ = TOPOLOGIES[source]
-    ckpt = tmp_path / "ckpt"
-    save_on(ckpt, n, d)
-    for p in restore_on(ckpt, "4x2"):
-        assert p.result()["ok"]
-        assert p.result()["stats"]["bytes_read"] <= 1.05 * p.result()["stats"]["bytes_needed"]
+def test_saved_on_other_topologies_restores_on_4x2(restored_on_4x2, source):
+    for r in restored_on_4x2[source]:
+        assert r is not None and r["ok"], r
+        assert r["stats"]["bytes_read"] <= 1.05 * r["stats"]["bytes_needed"]
 
 
 def test_manifest_bytes_are_the_unique_bytes_and_writes_are_balanced(saved_4x2):
@@ -76,7 +90,12 @@ def test_a_process_killed_during_save_commits_nothing(tmp_path):
     save_on(older, 2, 4)
     before = {p.name: p.read_bytes() for p in older.rglob("*") if p.is_file()}
     ckpt = tmp_path / "ckpt"
-    procs = save_on(ckpt, 4, 2, "--kill-in-write", 2, "--timeout", 5, check=False, timeout=90)
+    # JAX's own heartbeat check (10 s by default) must not abort the survivors before
+    # snapshard's 5 s timeout names process 2 and they exit: under load it sometimes did.
+    procs = save_on(
+        ckpt, 4, 2, "--kill-in-write", 2, "--timeout", 5, check=False, timeout=90,
+        env={"SNAPSHARD_TEST_HEARTBEAT_S": "60"},
+    )  # fmt: skip
     assert procs[2].returncode == -9
     for p in procs:
         if p.process_id != 2:

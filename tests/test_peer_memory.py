@@ -18,6 +18,13 @@ from snapshard.errors import CoordinationError
 pytestmark = pytest.mark.skipif(not os.path.isdir(pm.SHM_DIR), reason="no /dev/shm here")
 
 
+@pytest.fixture(autouse=True)
+def own_prefix(monkeypatch):
+    """Names of this test's own: the checks that no segment is left see only this test's,
+    not those of jobs running beside it (other test processes on the host)."""
+    monkeypatch.setattr(pm, "PREFIX", f"{pm.PREFIX}test-{os.getpid()}-")
+
+
 class Rank(SingleProcessCoordinator):
     """One rank's view of a store shared by `n` ranks."""
 

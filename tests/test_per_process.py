@@ -12,9 +12,16 @@ import snapshard
 pytestmark = pytest.mark.multiprocess
 
 
-def test_each_process_restores_its_own_value_and_resplits_onto_another_count(tmp_path):
-    ckpt = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of per-process values saved by 2 processes (the tests only read it)."""
+    ckpt = tmp_path_factory.mktemp("per_process") / "ckpt"
     multiproc.run("per_process.py", 2, 2, "save", ckpt, timeout=120)
+    return ckpt
+
+
+def test_each_process_restores_its_own_value_and_resplits_onto_another_count(saved):
+    ckpt = saved
     same = multiproc.run("per_process.py", 2, 2, "restore", ckpt, timeout=120)
     assert [p.result()["it"] for p in same] == [3, 7]
     assert [p.result()["tag"] for p in same] == ["host0", "host1"]
@@ -24,9 +31,8 @@ def test_each_process_restores_its_own_value_and_resplits_onto_another_count(tmp
     assert one[0].result()["it"] == 10
 
 
-def test_restoring_per_process_values_on_another_count_without_resplit_names_the_leaf(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    multiproc.run("per_process.py", 2, 2, "save", ckpt, timeout=120)
+def test_restoring_per_process_values_on_another_count_without_resplit_names_the_leaf(saved):
+    ckpt = saved
     with pytest.raises(snapshard.TargetMismatchError, match=r"leaf 'it' .* saved by 2 processes"):
         snapshard.load(ckpt)
     # Shared leaves still restore alone.

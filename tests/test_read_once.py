@@ -25,8 +25,16 @@ def _restore(ckpt, n, d, layout, *extra, check=True, timeout=150):
     return procs, [p.result() for p in procs]
 
 
+def _restores(ckpt, n, d, *cases, timeout=150):
+    """The restores `cases` (each the arguments of one after CKPT) one after the other in
+    one job: {case: each process's result}; a process that never reported one: None."""
+    procs = multiproc.run("read_once.py", n, d, "restores", ckpt, *cases, timeout=timeout)
+    by_case = [{r["case"]: r for r in p.results} for p in procs]
+    return {case: [got.get(case) for got in by_case] for case in cases}
+
+
 def _totals(results):
-    assert all(r["ok"] for r in results), results
+    assert all(r is not None and r["ok"] for r in results), results
     unique = results[0]["unique"]
     read = sum(r["stats"]["bytes_read"] for r in results)
     peers = sum(r["stats"]["bytes_from_peers"] for r in results)
@@ -40,6 +48,16 @@ def saved_4x2(tmp_path_factory):
     return ckpt
 
 
+@pytest.fixture(scope="module")
+def restored_4x2(saved_4x2):
+    """The restores of saved_4x2 on 4 x 2 that the tests below check, in one job."""
+    return _restores(
+        saved_4x2, 4, 2,
+        "rep4", "rep4 --no-read-once", "rep2", "rep2 --no-read-once", "rep4 --default",
+        "cols", "cols --no-read-once", "rep2 --budget 200000",
+    )  # fmt: skip
+
+
 # Beside the array leaves of the worker, every process reads all of the PRNG key and the
 # NumPy leaf, and leaf 'odd' (7x5, no read sharding fits) is read by every holder.
 _SMALL = 4 * (8 + 64 * 4 + 7 * 5 * 4) + 4 * 4096  # and a checksum block at most per process
@@ -47,12 +65,12 @@ _SMALL = 4 * (8 + 64 * 4 + 7 * 5 * 4) + 4 * 4096  # and a checksum block at most
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout,replicas", [("rep4", 4), ("rep2", 2)])
-def test_replicated_state_is_read_once(saved_4x2, layout, replicas):
-    _, on = _restore(saved_4x2, 4, 2, layout)
+def test_replicated_state_is_read_once(restored_4x2, layout, replicas):
+    on = restored_4x2[layout]
     unique, read, peers = _totals(on)
     assert read <= 1.05 * unique + _SMALL, (read, unique)
     assert peers > 0
-    _, off = _restore(saved_4x2, 4, 2, layout, "--no-read-once")
+    off = restored_4x2[f"{layout} --no-read-once"]
     unique, read_off, peers_off = _totals(off)
     assert peers_off == 0
     # Without read-once every holder reads its boxes: about replicas x unique.
@@ -66,29 +84,28 @@ def test_replicated_state_is_read_once(saved_4x2, layout, replicas):
 
 
 @pytest.mark.multiprocess
-def test_by_default_on_a_local_disk_every_holder_reads_its_boxes(saved_4x2):
+def test_by_default_on_a_local_disk_every_holder_reads_its_boxes(saved_4x2, restored_4x2):
     """The default on a filesystem the mount table calls local: the processes plan the
     read-once, agree that it is off, and read as without it, bit-exact."""
     from snapshard.storage.mounts import is_network_filesystem
 
     if is_network_filesystem(saved_4x2):
         pytest.skip("the test directory is on a network filesystem: the default is on there")
-    _, default = _restore(saved_4x2, 4, 2, "rep4", "--default")
-    unique, read, peers = _totals(default)
+    unique, read, peers = _totals(restored_4x2["rep4 --default"])
     assert peers == 0
     assert read >= 0.9 * 4 * unique, (read, unique)
 
 
 @pytest.mark.multiprocess
-def test_a_reshard_that_cuts_saved_rows_is_read_once(saved_4x2):
+def test_a_reshard_that_cuts_saved_rows_is_read_once(restored_4x2):
     """Columns cut finer than saved, each box on one process: without read-once each process
     reads whole checksum blocks, hence whole saved rows; with it, bands of whole rows are
     read once and exchanged."""
-    _, on = _restore(saved_4x2, 4, 2, "cols")
+    on = restored_4x2["cols"]
     unique, read, peers = _totals(on)
     assert read <= 1.05 * unique + _SMALL, (read, unique)
     assert peers > 0
-    _, off = _restore(saved_4x2, 4, 2, "cols", "--no-read-once")
+    off = restored_4x2["cols --no-read-once"]
     unique, read_off, peers_off = _totals(off)
     assert peers_off == 0 and read_off >= 1.8 * unique, (read_off, unique)
     for r_on, r_off in zip(on, off, strict=True):
@@ -97,21 +114,19 @@ def test_a_reshard_that_cuts_saved_rows_is_read_once(saved_4x2):
 
 
 @pytest.mark.multiprocess
-def test_small_memory_budget(saved_4x2):
+def test_small_memory_budget(restored_4x2):
     """Several batches, each agreed on before its collective, cut alike on every process."""
-    _, on = _restore(saved_4x2, 4, 2, "rep2", "--budget", 200_000)
-    unique, read, _ = _totals(on)
+    unique, read, _ = _totals(restored_4x2["rep2 --budget 200000"])
     assert read <= 1.05 * unique + _SMALL, (read, unique)
 
 
 @pytest.mark.multiprocess
 def test_onto_another_process_count(saved_4x2):
     """Saved on 4 x 2, restored on 2 processes x 4 devices (each box on both processes)."""
-    _, on = _restore(saved_4x2, 2, 4, "rep2")
-    unique, read, _ = _totals(on)
+    done = _restores(saved_4x2, 2, 4, "rep2", "rep2 --no-read-once")
+    unique, read, _ = _totals(done["rep2"])
     assert read <= 1.05 * unique + _SMALL, (read, unique)
-    _, off = _restore(saved_4x2, 2, 4, "rep2", "--no-read-once")
-    assert _totals(off)[1] >= 1.8 * unique
+    assert _totals(done["rep2 --no-read-once"])[1] >= 1.8 * unique
 
 
 @pytest.mark.multiprocess
@@ -130,13 +145,13 @@ def test_saved_on_2x4_restores_on_4x2(tmp_path):
 def test_manager_and_safetensors(tmp_path, how, layout):
     ckpt = tmp_path / ("ckpt.safetensors" if how == "--safetensors" else "ckpt")
     multiproc.run("read_once.py", 4, 2, "save", ckpt, how, timeout=120)
-    _, on = _restore(ckpt, 4, 2, layout, how)
-    unique, read, peers = _totals(on)
+    on, off = f"{layout} {how}", f"{layout} {how} --no-read-once"
+    done = _restores(ckpt, 4, 2, on, *([off] if layout == "cols" else []))
+    unique, read, peers = _totals(done[on])
     assert read <= 1.05 * unique + _SMALL, (read, unique)
     assert peers > 0
     if layout == "cols":  # whole saved rows per process without read-once
-        _, off = _restore(ckpt, 4, 2, layout, how, "--no-read-once")
-        assert _totals(off)[1] >= 2 * unique
+        assert _totals(done[off])[1] >= 2 * unique
 
 
 @pytest.mark.multiprocess

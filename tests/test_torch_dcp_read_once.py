@@ -18,9 +18,17 @@ def _run(root: str, *extra: str) -> list[dict]:
     return sorted((p.result() for p in procs), key=lambda r: r["rank"])
 
 
+@pytest.fixture(scope="module")
+def saved_and_loaded(tmp_path_factory):
+    """One job: the checkpoint saved, then loaded each way (its directory, the ranks'
+    results)."""
+    root = tmp_path_factory.mktemp("dcp_read_once")
+    return root, _run(str(root))
+
+
 @pytest.mark.multiprocess
-def test_boxes_several_ranks_load_are_read_once_and_broadcast(tmp_path):
-    ranks = _run(str(tmp_path))
+def test_boxes_several_ranks_load_are_read_once_and_broadcast(saved_and_loaded):
+    _, ranks = saved_and_loaded
     unique = ranks[0]["unique"]
     for r in ranks:
         for mode in ("True", "False", "None"):
@@ -55,9 +63,9 @@ def test_by_default_tensors_under_the_size_floor_are_read_by_every_holder(remote
 
 
 @pytest.mark.multiprocess
-def test_a_failed_read_fails_every_rank_naming_it(tmp_path):
-    _run(str(tmp_path))  # writes the checkpoint
-    ranks = _run(str(tmp_path), "--fail-read", "2")
+def test_a_failed_read_fails_every_rank_naming_it(saved_and_loaded):
+    root, _ = saved_and_loaded  # the checkpoint that job wrote (the failing run writes none)
+    ranks = _run(str(root), "--fail-read", "2")
     for r in ranks:
         assert r["error"] and "process 2 failed" in r["error"], r
 

@@ -12,16 +12,34 @@ pytest.importorskip("torch")
 import multiproc
 
 ENV = {"OMP_NUM_THREADS": "1", "SNAPSHARD_TEST_WITHOUT_JAX": "1"}  # a PyTorch-only install
+ALL_NFS, HALF_NFS, ALL_NFS_FLOOR = "0,1,2,3", "0,1", "0,1,2,3/floor"
+
+
+@pytest.fixture(scope="module")
+def read_once_job(tmp_path_factory):
+    """One job of torch_read_once.py (its directory, its ranks' results): the restores
+    with read-once on, off and by default, through the manager, then by default under each
+    mount table of the network tests (one case each)."""
+    root = tmp_path_factory.mktemp("read_once")
+    return root, _run(str(root), *(f"--network={c}" for c in (ALL_NFS, HALF_NFS, ALL_NFS_FLOOR)))
+
+
+@pytest.fixture(scope="module")
+def bands_job(tmp_path_factory):
+    """One job of torch_bands.py (its directory, its ranks' results)."""
+    root = tmp_path_factory.mktemp("bands")
+    procs = multiproc.run("torch_bands.py", 4, 1, str(root), timeout=150, env=ENV)
+    return root, [p.result() for p in procs]
 
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_replicated_boxes_are_read_once_and_broadcast(tmp_path):
+def test_replicated_boxes_are_read_once_and_broadcast(read_once_job):
     from snapshard.storage.mounts import is_network_filesystem
 
-    ranks = _run(str(tmp_path))
+    root, ranks = read_once_job
     _check(ranks)
-    if not is_network_filesystem(tmp_path):  # on a local disk the default: off
+    if not is_network_filesystem(root):  # on a local disk the default: off
         on_default = sum(r["None"]["bytes_read"] for r in ranks)
         assert on_default == sum(r["False"]["bytes_read"] for r in ranks)
 
@@ -38,20 +56,21 @@ def test_on_an_object_store_read_once_is_the_default(remote_prefix):
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-@pytest.mark.parametrize("network", ["0,1,2,3", "0,1"], ids=["all-nfs", "half-nfs"])
+@pytest.mark.parametrize("network", [ALL_NFS, HALF_NFS], ids=["all-nfs", "half-nfs"])
 def test_on_a_network_filesystem_read_once_is_the_default_where_every_rank_sees_one(
-    tmp_path, network
+    read_once_job, network
 ):
     """The default follows the mount table; where the ranks' tables disagree (a file server
     that also computes sees its own disk), they agree on off instead of some waiting for
     the others in the read-once agreement."""
-    ranks = _run(str(tmp_path), "--network", network)
+    _, ranks = read_once_job
     unique = ranks[0]["unique"]
+    case = f"network:{network}"
     for r in ranks:
-        assert all(r["None"]["equal"].values()), (r["rank"], r["None"]["equal"])
-    read = sum(r["None"]["bytes_read"] for r in ranks)
-    peers = sum(r["None"]["bytes_from_peers"] for r in ranks)
-    if network == "0,1,2,3":
+        assert all(r[case]["equal"].values()), (r["rank"], r[case]["equal"])
+    read = sum(r[case]["bytes_read"] for r in ranks)
+    peers = sum(r[case]["bytes_from_peers"] for r in ranks)
+    if network == ALL_NFS:
         assert read <= 1.05 * unique and peers > 0
     else:
         assert read > 2 * unique and peers == 0  # every holder read its own boxes
@@ -59,16 +78,17 @@ def test_on_a_network_filesystem_read_once_is_the_default_where_every_rank_sees_
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_by_default_tensors_under_the_size_floor_are_read_by_every_holder(tmp_path):
+def test_by_default_tensors_under_the_size_floor_are_read_by_every_holder(read_once_job):
     """The default reads once only tensors of READ_ONCE_MIN_BYTES and more (moving a small
     one costs more than reading it again): on a network filesystem, tensors this small are
     read by each of their holders."""
-    ranks = _run(str(tmp_path), "--network", "0,1,2,3", "--size-floor")
+    _, ranks = read_once_job
     unique = ranks[0]["unique"]
+    case = f"network:{ALL_NFS_FLOOR}"
     for r in ranks:
-        assert all(r["None"]["equal"].values()), (r["rank"], r["None"]["equal"])
-    assert sum(r["None"]["bytes_from_peers"] for r in ranks) == 0
-    assert sum(r["None"]["bytes_read"] for r in ranks) > 2 * unique
+        assert all(r[case]["equal"].values()), (r["rank"], r[case]["equal"])
+    assert sum(r[case]["bytes_from_peers"] for r in ranks) == 0
+    assert sum(r[case]["bytes_read"] for r in ranks) > 2 * unique
 
 
 def _run(root: str, *extra: str) -> list[dict]:
@@ -99,19 +119,21 @@ def _check(ranks: list[dict]) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "worker,rank,extra",
+    "job,rank,extra",
     [
-        ("torch_read_once.py", 1, []),
-        ("torch_bands.py", 2, []),
-        ("torch_bands.py", 2, ["--collective"]),
-        ("torch_bands.py", 3, ["--plain"]),
+        ("read_once_job", 1, []),
+        ("bands_job", 2, []),
+        ("bands_job", 2, ["--collective"]),
+        ("bands_job", 3, ["--plain"]),
     ],
     ids=["broadcast", "bands", "bands-collective", "plain-then-bands"],
 )
-def test_a_failed_read_fails_every_rank_naming_it(tmp_path, worker, rank, extra):
-    multiproc.run(worker, 4, 1, str(tmp_path), timeout=150, env=ENV)
+def test_a_failed_read_fails_every_rank_naming_it(request, job, rank, extra):
+    # The restore of the checkpoint that job saved (its failing run writes nothing).
+    root, _ = request.getfixturevalue(job)
+    worker = {"read_once_job": "torch_read_once.py", "bands_job": "torch_bands.py"}[job]
     done = multiproc.run(
-        worker, 4, 1, str(tmp_path), "--fail-read", str(rank), *extra, timeout=90, env=ENV
+        worker, 4, 1, str(root), "--fail-read", str(rank), *extra, timeout=90, env=ENV
     )
     for p in done:
         res = p.result()
@@ -123,13 +145,11 @@ def test_a_failed_read_fails_every_rank_naming_it(tmp_path, worker, rank, extra)
 
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_a_reshard_that_cuts_saved_rows_reads_each_byte_once(tmp_path):
+def test_a_reshard_that_cuts_saved_rows_reads_each_byte_once(bands_job):
     """Shard(0) saved, Shard(1) (and a 2-D mesh cutting two later axes) restored: bands of
     whole rows are read once and exchanged; without read-once each rank reads whole
     checksum blocks of every saved row it needs part of."""
-    ranks = [
-        p.result() for p in multiproc.run("torch_bands.py", 4, 1, str(tmp_path), timeout=150, env=ENV)
-    ]
+    _, ranks = bands_job
     unique = ranks[0]["unique"]
     for mode in ("True/None", "True/100000", "collective/100000", "False/None"):
         for r in ranks:

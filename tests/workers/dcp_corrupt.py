@@ -2,8 +2,9 @@
 
     dcp_corrupt.py save DIR   every rank: dcp.save of `state()` through
                               snapshard.torch.StorageWriter into DIR
-    dcp_corrupt.py load DIR   every rank: dcp.load of DIR into a fresh target through
-                              snapshard.torch.StorageReader; reports what it raised
+    dcp_corrupt.py load DIR...   every rank: dcp.load of each DIR in turn into a fresh
+                              target through snapshard.torch.StorageReader; reports what
+                              it raised, with "root": DIR
 
 `model.w` is sharded by rows over the ranks (each reads its own half), `b` is a plain tensor
 every rank reads whole. Reports, per rank, the type and the text of the error the user sees
@@ -34,17 +35,18 @@ def state(world: int, fill: float | None = None) -> dict:
 
 
 def main() -> None:
-    cmd, root = sys.argv[1], sys.argv[2]
+    cmd, roots = sys.argv[1], sys.argv[2:]
     rank, world = init_torch()
     if cmd == "save":
-        dcp.save(state(world), storage_writer=sst.StorageWriter(root))
+        dcp.save(state(world), storage_writer=sst.StorageWriter(roots[0]))
         report(rank=rank)
     elif cmd == "load":
-        try:
-            dcp.load(state(world, fill=0.0), storage_reader=sst.StorageReader(root))
-            report(rank=rank, error=None)
-        except (CheckpointException, Exception) as e:  # DCP's is a BaseException
-            report(rank=rank, error=type(e).__name__, text=str(e))
+        for root in roots:
+            try:
+                dcp.load(state(world, fill=0.0), storage_reader=sst.StorageReader(root))
+                report(rank=rank, root=root, error=None)
+            except (CheckpointException, Exception) as e:  # DCP's is a BaseException
+                report(rank=rank, root=root, error=type(e).__name__, text=str(e))
     else:
         raise SystemExit(f"unknown command {cmd}")
     leave_torch_job(rank)

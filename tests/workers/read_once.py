@@ -3,6 +3,9 @@
 usage: read_once.py save CKPT
        read_once.py restore CKPT LAYOUT [--no-read-once | --default] [--fail-read PID] [--timeout S]
                     [--safetensors] [--manager] [--budget BYTES]
+       read_once.py restores CKPT CASE...   one restore after the other in one job, each CASE
+                    the arguments of a restore after CKPT ("rep2 --no-read-once"); each
+                    process reports each one with "case": CASE
    LAYOUT: 'rep4' (mesh data=processes x model=devices, params on P(None, 'model'): each box
    on every process), 'rep2' (mesh 2 x (devices*processes/2): each box on 2 processes),
    'cols' (mesh 1 x every device: the arrays' columns cut finer than they were saved, no
@@ -75,6 +78,18 @@ def save(args) -> None:
 
 def restore(args) -> None:
     pid, n = init()
+    report(**restored(args, pid, n))
+
+
+def restores(args) -> None:
+    pid, n = init()
+    for case in args.cases:
+        one = parser().parse_args(["restore", args.ckpt, *case.split()])
+        report(**restored(one, pid, n, case=case))
+
+
+def restored(args, pid: int, n: int, **tag: str) -> dict:
+    """One restore's report (`tag` in it); a failed one reports and exits the process."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -134,7 +149,7 @@ def restore(args) -> None:
         else:
             out = snapshard.load(args.ckpt, target, options, stats=stats)
     except Exception as e:
-        report(ok=False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
+        report(**tag, ok=False, error=f"{type(e).__name__}: {e}", seconds=time.perf_counter() - t0)
         exit_after_failure(3)
     finally:
         ambient.__exit__(None, None, None)
@@ -152,10 +167,10 @@ def restore(args) -> None:
     if not args.safetensors:
         ok &= bool(np.array_equal(jax.random.key_data(out["key"]), jax.random.key_data(key)))
         ok &= out["h"].tobytes() == np.arange(64, dtype=np.float32).tobytes()
-    report(ok=bool(ok), stats=stats.as_dict(), unique=unique, seconds=seconds)
+    return dict(**tag, ok=bool(ok), stats=stats.as_dict(), unique=unique, seconds=seconds)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("op", choices=["save", "restore"])
     ap.add_argument("ckpt")
@@ -167,7 +182,20 @@ def main() -> None:
     ap.add_argument("--safetensors", action="store_true")
     ap.add_argument("--manager", action="store_true")
     ap.add_argument("--budget", type=int, default=0, help="memory_budget in bytes")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    import sys
+
+    if sys.argv[1] == "restores":
+        ap = argparse.ArgumentParser()
+        ap.add_argument("op")
+        ap.add_argument("ckpt")
+        ap.add_argument("cases", nargs="+")
+        restores(ap.parse_args())
+        return
+    args = parser().parse_args()
     save(args) if args.op == "save" else restore(args)
 
 

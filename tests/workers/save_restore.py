@@ -3,6 +3,8 @@
 usage: save_restore.py save CKPT [--kill-in-write PID] [--fail-in-write PID]
                           [--kill-before-commit PID] [--timeout S]
        save_restore.py restore CKPT MESH_ROWS SPEC
+       save_restore.py restores MESH_ROWS SPEC CKPT...   each CKPT restored in turn in one
+                          job, reported with "case": CKPT
    CKPT: a directory or an object-store URL (s3://…); object stores report request counts.
    MESH_ROWS: rows of the restore mesh (data axis); SPEC: 'rows' (P('model', None)),
    'cols' (P(None, 'model')) or 'flat' (1-D mesh, P('x')).
@@ -111,7 +113,17 @@ def save(args) -> None:
 
 
 def restore(args) -> None:
-    _pid, _n = init()
+    init()
+    report(**restored(args.ckpt, args.rows, args.spec))
+
+
+def restores(rows: int, spec: str, ckpts: list[str]) -> None:
+    init()
+    for ckpt in ckpts:
+        report(case=ckpt, **restored(ckpt, rows, spec))
+
+
+def restored(ckpt: str, rows: int, spec: str) -> dict:
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -121,12 +133,12 @@ def restore(args) -> None:
 
     g = global_arrays()
     devs = np.array(jax.devices())
-    if args.spec == "flat":
+    if spec == "flat":
         mesh = Mesh(devs, ("x",))
         big = P("x")
     else:
-        mesh = Mesh(devs.reshape(args.rows, -1), ("data", "model"))
-        big = P("model", None) if args.spec == "rows" else P(None, "model")
+        mesh = Mesh(devs.reshape(rows, -1), ("data", "model"))
+        big = P("model", None) if spec == "rows" else P(None, "model")
 
     def sds(x, spec):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
@@ -140,7 +152,7 @@ def restore(args) -> None:
         "step": 0,
     }
     stats = snapshard.ReadStats()
-    storage = storage_for(args.ckpt)
+    storage = storage_for(ckpt)
     out = snapshard.load(storage, target, stats=stats)
     ok = True
     for name, x in (
@@ -154,10 +166,15 @@ def restore(args) -> None:
             ok &= np.asarray(s.data).tobytes() == ref[s.index].tobytes()
     ok &= out["host"].tolist() == list(range(10)) and out["step"] == 17
     ok &= bool(np.array_equal(jax.random.key_data(out["keys"]), jax.random.key_data(keys)))
-    report(ok=bool(ok), stats=stats.as_dict(), devices=len(devs), requests=requests(storage))
+    return dict(ok=bool(ok), stats=stats.as_dict(), devices=len(devs), requests=requests(storage))
 
 
 def main() -> None:
+    import sys
+
+    if sys.argv[1] == "restores":
+        restores(int(sys.argv[2]), sys.argv[3], sys.argv[4:])
+        return
     ap = argparse.ArgumentParser()
     ap.add_argument("op", choices=["save", "restore"])
     ap.add_argument("ckpt")

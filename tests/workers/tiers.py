@@ -2,6 +2,8 @@
 
 usage: tiers.py save PERSISTENT LOCAL STEPS PERSIST_EVERY
        tiers.py restore PERSISTENT LOCAL
+       tiers.py restores ROOT...   one restore after the other in one job, from each ROOT's
+                                   persistent/ and local/ (each reported with "case": ROOT)
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def state(step, mesh):
 
 
 def main() -> None:
-    op, persistent, local = sys.argv[1], sys.argv[2], sys.argv[3]
+    op, persistent, local = (*sys.argv, "")[1:4]
     pid, _ = init()
     import jax
     import numpy as np
@@ -59,6 +61,20 @@ def main() -> None:
                 reports={str(k): v.as_dict() for k, v in m.tier_reports().items()},
             )
         return
+    if op == "restores":
+        for root in sys.argv[2:]:
+            report(case=root, **restored(f"{root}/persistent", f"{root}/local", mesh, pid))
+        return
+    report(**restored(persistent, local, mesh, pid))
+
+
+def restored(persistent, local, mesh, pid) -> dict:
+    """A fresh manager's restore of the newest step, checked against `state(step)`."""
+    import jax
+    import numpy as np
+
+    import snapshard
+
     tier = snapshard.LocalTier(local, interval=1, max_to_keep=3, replicas=1)
     m = snapshard.CheckpointManager(
         persistent, save_interval_steps=1000, local_tier=tier, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60)
@@ -89,13 +105,14 @@ def main() -> None:
         )
     )
     ok &= out["host"].tolist() == [step] * 3 and out["keys"].sharding == want["keys"].sharding
-    report(
+    result = dict(
         ok=bool(ok),
         step=step,
         restore=m.last_restore.as_dict() if m.last_restore else None,
         pid=pid,
     )
     m.close()
+    return result
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@
                                              by default (DIR: a directory or an s3:// URL)
     torch_read_once.py DIR --fail-read RANK  the restore with read-once on, where RANK's
                                              storage reads fail
-    torch_read_once.py DIR --network R,...   the default restore alone, where the mount
-                                             table of ranks R,... (none: "") says DIR is on
-                                             NFS, and the others' that it is on a local disk
-    ... --size-floor                         with the default's size floor (these tensors
-                                             are all under it); without, a floor of 0
+    ... --network R,...[/floor]              then (repeatable, one case each) the default
+                                             restore where the mount table of ranks R,...
+                                             (none: "") says DIR is on NFS, and the others'
+                                             that it is on a local disk; with /floor, with
+                                             the default's size floor (these tensors are all
+                                             under it), without, a floor of 0
 
 Reports, per rank and mode, whether every restored tensor equals the saved one, and the
 bytes read from storage and received from peers.
@@ -70,8 +71,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("root")
     ap.add_argument("--fail-read", type=int, default=None)
-    ap.add_argument("--network", default=None)
-    ap.add_argument("--size-floor", action="store_true", help="keep READ_ONCE_MIN_BYTES")
+    ap.add_argument("--network", action="append", default=[])
     args = ap.parse_args()
     rank, world = init_torch()
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,9 +82,9 @@ def main() -> None:
     from snapshard import read_once_policy
 
     # Where the default reads once (object stores, network filesystems), for tensors as
-    # small as these; the size floor is tested with --size-floor.
-    if not args.size_floor:
-        read_once_policy.READ_ONCE_MIN_BYTES = 0
+    # small as these; the size floor is tested with --network R,.../floor.
+    size_floor = read_once_policy.READ_ONCE_MIN_BYTES
+    read_once_policy.READ_ONCE_MIN_BYTES = 0
 
     want = state()
     flat = init_device_mesh("cpu", (world,))
@@ -108,32 +108,20 @@ def main() -> None:
     if args.fail_read is not None:
         options = snapshard.ReadOptions(read_once=True, timeout_s=20)
         failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, target(), options))
-    modes: tuple[bool | None, ...] = (True, False, None)
-    if args.network is not None:
-        from snapshard.storage import mounts
-
-        kind = "nfs4" if str(rank) in args.network.split(",") else "ext4"
-        table = os.path.join(args.root, f"mountinfo-{rank}")
-        with open(table, "w") as f:
-            f.write("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
-            f.write(f"30 22 0:40 / {os.path.realpath(args.root)} rw - {kind} srv:/x rw\n")
-        mounts.MOUNTINFO = table
-        modes = (None,)
-    result: dict[str, object] = {}
-    for mode in modes:  # None: the default, on for object stores and network filesystems
+    def restored(mode: bool | None) -> dict[str, object]:
         out = target()
         stats = snapshard.ReadStats()
         st.load(ckpt, out, snapshard.ReadOptions(read_once=mode), stats=stats)
         full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in out.items()}
-        result[f"{mode}"] = {
+        return {
             "equal": {k: _same(full[k], want[k]) for k in want},
             "bytes_read": stats.bytes_read,
             "bytes_from_peers": stats.bytes_from_peers,
         }
-    if args.network is not None:
-        report_torch_results(rank, want, **result)
-        return
-    # Through the manager too: its read options decide.
+
+    result: dict[str, object] = {}
+    for mode in (True, False, None):  # None: the default, on for object stores and NFS
+        result[f"{mode}"] = restored(mode)
     with st.CheckpointManager(
         os.path.join(args.root, "run"), read_options=snapshard.ReadOptions(read_once=True)
     ) as mgr:
@@ -146,6 +134,18 @@ def main() -> None:
             "bytes_read": mgr.last_restore.bytes_read_persistent,
             "bytes_from_peers": mgr.last_restore.bytes_from_peers,
         }
+    for i, case in enumerate(args.network):  # the default where the mount table says NFS
+        from snapshard.storage import mounts
+
+        network, _, floor = case.partition("/")
+        read_once_policy.READ_ONCE_MIN_BYTES = size_floor if floor else 0
+        kind = "nfs4" if str(rank) in network.split(",") else "ext4"
+        table = os.path.join(args.root, f"mountinfo-{i}-{rank}")
+        with open(table, "w") as f:
+            f.write("22 1 8:1 / / rw - ext4 /dev/sda1 rw\n")
+            f.write(f"30 22 0:40 / {os.path.realpath(args.root)} rw - {kind} srv:/x rw\n")
+        mounts.MOUNTINFO = table
+        result[f"network:{case}"] = restored(None)
     report_torch_results(rank, want, **result)
 
 
