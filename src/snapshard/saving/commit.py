@@ -50,22 +50,14 @@ def commit_save(prep: PreparedSave, docs: list[dict[str, Any]]) -> None:
         record_sizes=[r.record_size for r in reports],
         record_crcs=[r.record_crc for r in reports],
     )
-    if any(isinstance(leaf, PerProcessLeaf) for leaf in prep.leaves):
-        table.values_sizes = [r.values_size for r in reports]
-        table.values_crcs = [r.values_crc for r in reports]
     if union is None:
         structure, (leaves, meshes, layouts) = prep.structure, describe_leaves(prep)
     else:
-        structure, leaves, meshes, layouts = (
-            union.structure,
-            union.leaves,
-            union.meshes,
-            union.layouts,
-        )
-        table.leaf_map = union.leaf_map
-        if any(isinstance(leaf, PerProcessLeaf) for leaf in leaves):
-            table.values_sizes = [r.values_size for r in reports]
-            table.values_crcs = [r.values_crc for r in reports]
+        structure, leaves = union.structure, union.leaves
+        meshes, layouts, table.leaf_map = union.meshes, union.layouts, union.leaf_map
+    if any(isinstance(leaf, PerProcessLeaf) for leaf in leaves):
+        table.values_sizes = [r.values_size for r in reports]
+        table.values_crcs = [r.values_crc for r in reports]
     manifest = Manifest(
         structure=structure,
         leaves=leaves,
