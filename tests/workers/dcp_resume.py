@@ -6,12 +6,14 @@ the program a user writes to resume from a checkpoint, run to its normal end.
                              checked against `state()`
 
 Both end as a program should: `destroy_process_group()`, then the interpreter's own exit
-(no os._exit). Prints `OK <rank>` once its work is checked.
+(no os._exit). Before that, each checks that snapshard left no thread running. Prints
+`OK <rank>` once its work is checked.
 """
 
 from __future__ import annotations
 
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -43,6 +45,8 @@ def main() -> None:
         assert torch.equal(target["model"]["w"].full_tensor(), want["model"]["w"].full_tensor())
         assert torch.equal(target["model"]["b"], want["model"]["b"])
         assert target["step"] == 7
+    left = [t.name for t in threading.enumerate() if t is not threading.main_thread()]
+    assert not left, f"threads left running: {left}"
     print(f"OK {dist.get_rank()}", flush=True)
     dist.destroy_process_group()
 
