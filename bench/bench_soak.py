@@ -20,9 +20,24 @@ figure that a sample's luck does not move: a JAX training step frees one whole s
 allocates the next, and whether the allocator still holds the freed one when a sample is
 taken moves a single sample by up to the state's size.
 
+With `--trim`, each sample is taken twice: as it is, then once the C allocator has given
+back the free pages it holds (glibc's `malloc_trim(0)`). The second is the memory the
+process uses: what a leak grows, without what the allocator keeps of freed memory, which
+for JAX (XLA's buffers of freed states, kept in the arenas of the threads that made them)
+is most of what moves the first, by up to a few states. The trim changes what later
+samples find held, so a run with it is not compared with one without. The memory the
+manager's saves stage into (torch: a copy of every byte; JAX: the host values' copies) is
+released by `close()`: the sample after it shows it gone.
+
     python bench/bench_soak.py                           # 1,000 saves of 64 MB, JAX
     python bench/bench_soak.py --framework torch --state-mb 256
     python bench/bench_soak.py --saves 50 --every 10     # a quick check
+    python bench/bench_soak.py --trim                    # also the memory in use
+    python bench/bench_soak.py --baseline --trim         # the steps alone, no saves
+
+`--baseline` runs the same steps and samples with no manager and no save (JAX: waiting for
+each step's arrays, as a save's blocking phase does): what the framework and the allocator
+do alone, the figure a soak's is read against.
 
 Checkpoints go under $SNAPSHARD_BENCH_DIR (common.bench_dir) and are deleted at the end.
 Writes the samples as JSON lines (--out, default bench/results/soak-<time>.jsonl).
@@ -31,6 +46,8 @@ Writes the samples as JSON lines (--out, default bench/results/soak-<time>.jsonl
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import datetime
 import json
 import os
@@ -58,9 +75,24 @@ def _status_bytes(field: str) -> int:
     return int(m.group(1)) * 1024 if m else 0
 
 
+def _malloc_trim() -> Callable[[], None] | None:
+    """glibc's malloc_trim(0), which gives back the free pages of every arena; None elsewhere."""
+    name = ctypes.util.find_library("c")
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+    if trim is None:
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+
+    def run() -> None:
+        trim(0)
+
+    return run
+
+
 @dataclass
 class Sample:
-    """The process after `saves` saves (no save in flight)."""
+    """The process after `saves` saves (no save in flight). `in_use_B`: the resident memory
+    once the allocator gave back its free pages (--trim), else None."""
 
     saves: int
     elapsed_s: float
@@ -68,10 +100,11 @@ class Sample:
     open_fds: int
     threads: int
     steps_kept: int
+    in_use_B: int | None = None
 
 
-def sample(saves: int, t0: float, directory: str) -> Sample:
-    return Sample(
+def sample(saves: int, t0: float, directory: str, trim: Callable[[], None] | None = None) -> Sample:
+    s = Sample(
         saves=saves,
         elapsed_s=round(time.perf_counter() - t0, 2),
         rss_B=_status_bytes("VmRSS"),
@@ -81,6 +114,10 @@ def sample(saves: int, t0: float, directory: str) -> Sample:
         if os.path.isdir(directory)
         else 0,
     )
+    if trim is not None:
+        trim()
+        s.in_use_B = _status_bytes("VmRSS")
+    return s
 
 
 # ---------------------------------------------------------------- the state and its step
@@ -104,6 +141,15 @@ def jax_state(args: argparse.Namespace) -> tuple[Any, Callable[[Any], Any], Any]
     }
     step = jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t))
     return jax.block_until_ready(state), step, snapshard.CheckpointManager
+
+
+def ready(framework: str) -> Callable[[Any], Any]:
+    """Waits for a step's arrays (JAX dispatches steps asynchronously; torch's are done)."""
+    if framework == "jax":
+        import jax
+
+        return jax.block_until_ready
+    return lambda state: state
 
 
 def torch_state(args: argparse.Namespace) -> tuple[Any, Callable[[Any], Any], Any]:
@@ -134,8 +180,12 @@ def soak(
 ) -> tuple[list[Sample], int, dict[str, float]]:
     """The saves; returns the samples (the last one after close), the state's bytes and the
     median times of a save: `drain_s`, the wait for the save before it (which `save` would
-    do itself), and `blocking_s`, the save's own blocking phase."""
+    do itself), and `blocking_s`, the save's own blocking phase (none with --baseline: the
+    steps alone, no manager)."""
     make = jax_state if args.framework == "jax" else torch_state
+    trim = _malloc_trim() if args.trim else None
+    if args.trim and trim is None:
+        raise SystemExit("--trim needs glibc's malloc_trim")
     state, step, manager_cls = make(args)
     nbytes = array_rows(args) * COLS * 4 * args.arrays
     at = {SETTLED_AFTER, args.saves, *range(args.every, args.saves + 1, args.every)}
@@ -143,11 +193,17 @@ def soak(
     drain: list[float] = []
     blocking: list[float] = []
     t0 = time.perf_counter()
-    manager = manager_cls(directory, max_to_keep=args.keep)
+    wait = ready(args.framework)
+    manager = None if args.baseline else manager_cls(directory, max_to_keep=args.keep)
     try:
-        samples.append(sample(0, t0, directory))
+        samples.append(sample(0, t0, directory, trim))
         for i in range(1, args.saves + 1):
             state = step(state)
+            if manager is None:  # --baseline
+                wait(state)
+                if i in at:
+                    samples.append(record(sample(i, t0, directory, trim), nbytes, samples, out))
+                continue
             t1 = time.perf_counter()
             manager.wait_until_finished()  # apart, so that blocking is the save's own
             t2 = time.perf_counter()
@@ -156,10 +212,14 @@ def soak(
             blocking.append(time.perf_counter() - t2)
             if i in at:
                 manager.wait_until_finished()  # every sample with no save in flight
-                samples.append(record(sample(i, t0, directory), nbytes, samples, out))
+                samples.append(record(sample(i, t0, directory, trim), nbytes, samples, out))
     finally:
-        manager.close()
-    samples.append(record(sample(args.saves, t0, directory), nbytes, samples, out, closed=True))
+        if manager is not None:
+            manager.close()
+    closed = sample(args.saves, t0, directory, trim)
+    samples.append(record(closed, nbytes, samples, out, closed=True))
+    if not blocking:
+        return samples, nbytes, {}
     med = statistics.median
     return samples, nbytes, {"drain_s": med(drain), "blocking_s": med(blocking)}
 
@@ -169,9 +229,12 @@ def record(s: Sample, nbytes: int, before: list[Sample], out: Any, closed: bool 
     out.write(json.dumps({**asdict(s), "state_B": nbytes, "closed": closed}) + "\n")
     out.flush()
     base = settled(before) or s
+    in_use = ""
+    if s.in_use_B is not None and base.in_use_B is not None:
+        in_use = f", in use {s.in_use_B / 1e6:.1f} MB ({(s.in_use_B - base.in_use_B) / 1e6:+.1f})"
     print(
         f"{'closed' if closed else 'save'} {s.saves}: RSS {s.rss_B / 1e6:.1f} MB "
-        f"({(s.rss_B - base.rss_B) / 1e6:+.1f} MB from save {base.saves}), "
+        f"({(s.rss_B - base.rss_B) / 1e6:+.1f} MB from save {base.saves}){in_use}, "
         f"{s.open_fds} open files, {s.threads} threads, {s.steps_kept} steps kept, "
         f"{s.elapsed_s:.0f} s",
         flush=True,
@@ -185,11 +248,34 @@ def settled(samples: list[Sample]) -> Sample | None:
 
 
 # ---------------------------------------------------------------- the report
-def trend(samples: list[Sample]) -> float:
-    """Bytes of resident memory gained per save, the least-squares slope over the samples:
-    unlike the growth between two samples, it does not move with what the allocator
-    happens to hold at one of them (a JAX step frees a whole state and allocates another)."""
-    return statistics.linear_regression([s.saves for s in samples], [s.rss_B for s in samples])[0]
+def trend(samples: list[Sample], of: Callable[[Sample], int] = lambda s: s.rss_B) -> float:
+    """Bytes of resident memory (`of` a sample) gained per save, the least-squares slope over
+    the samples: unlike the growth between two samples, it does not move with what the
+    allocator happens to hold at one of them (a JAX step frees a whole state and allocates
+    another)."""
+    return statistics.linear_regression([s.saves for s in samples], [of(s) for s in samples])[0]
+
+
+def growth_checks(
+    name: str, of: Callable[[Sample], int], base: Sample, settled_samples: list[Sample], nbytes: int
+) -> list[tuple[str, float]]:
+    """The growth of `name` (`of` a sample) from save 10 to the last sample, to the largest,
+    and along the trend, each / the state's bytes."""
+    last = settled_samples[-1]
+    peak = max(of(s) for s in settled_samples)
+    checks = [
+        (f"{name} growth, save 10 to the last, / state", (of(last) - of(base)) / nbytes),
+        (f"{name} growth, save 10 to the largest sample after it, / state", (peak - of(base)) / nbytes),
+    ]  # fmt: skip
+    if len(settled_samples) >= 3:
+        slope = trend(settled_samples, of)
+        checks.append(
+            (
+                f"{name} trend from save 10 to the last (least squares), / state",
+                slope * (last.saves - base.saves) / nbytes,
+            )
+        )
+    return checks
 
 
 def report(
@@ -197,39 +283,43 @@ def report(
 ) -> None:
     base = settled(samples)
     open_samples = samples[1:-1]  # not the one before the first save, nor after close
-    print(
-        f"\n## Soak: {args.saves} asynchronous saves of {nbytes / 1e6:.1f} MB "
-        f"({args.arrays} arrays, {args.framework}), manager keeping {args.keep}\n"
-    )
-    print("| saves | elapsed s | RSS MB | RSS growth from save 10 MB | % of state | open files | threads | steps kept |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    if args.baseline:
+        print(
+            f"\n## Soak baseline: {args.saves} steps of {nbytes / 1e6:.1f} MB "
+            f"({args.arrays} arrays, {args.framework}), no saves\n"
+        )
+    else:
+        print(
+            f"\n## Soak: {args.saves} asynchronous saves of {nbytes / 1e6:.1f} MB "
+            f"({args.arrays} arrays, {args.framework}), manager keeping {args.keep}\n"
+        )
+    trimmed = all(s.in_use_B is not None for s in samples)
+    extra = " in use MB | in use growth MB | % of state |" if trimmed else ""
+    print("| saves | elapsed s | RSS MB | RSS growth from save 10 MB | % of state | open files | threads | steps kept |" + extra)  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if trimmed else ""))
     for i, s in enumerate(samples):
         label = "after close" if i == len(samples) - 1 else str(s.saves)
         grow = (s.rss_B - base.rss_B) if base else 0
-        print(f"| {label} | {s.elapsed_s:.1f} | {s.rss_B / 1e6:.1f} | {grow / 1e6:+.2f} "
-              f"| {100 * grow / nbytes:+.2f} | {s.open_fds} | {s.threads} | {s.steps_kept} |")  # fmt: skip
-    print(
-        f"\nmedian per save: blocking {times['blocking_s'] * 1e3:.1f} ms; waiting for the "
-        f"save before it {times['drain_s'] * 1e3:.1f} ms (the background phase left when the "
-        "next step's save starts)"
-    )
+        row = (f"| {label} | {s.elapsed_s:.1f} | {s.rss_B / 1e6:.1f} | {grow / 1e6:+.2f} "
+               f"| {100 * grow / nbytes:+.2f} | {s.open_fds} | {s.threads} | {s.steps_kept} |")  # fmt: skip
+        if trimmed and s.in_use_B is not None:
+            used = (s.in_use_B - base.in_use_B) if base and base.in_use_B is not None else 0
+            row += f" {s.in_use_B / 1e6:.1f} | {used / 1e6:+.2f} | {100 * used / nbytes:+.2f} |"
+        print(row)
+    if times:
+        print(
+            f"\nmedian per save: blocking {times['blocking_s'] * 1e3:.1f} ms; waiting for the "
+            f"save before it {times['drain_s'] * 1e3:.1f} ms (the background phase left when "
+            "the next step's save starts)"
+        )
     if base is None or not open_samples:
         print(f"fewer than {SETTLED_AFTER} saves: no growth to report")
         return
     last = open_samples[-1]
     settled_samples = [s for s in open_samples if s.saves >= SETTLED_AFTER]
-    peak = max(s.rss_B for s in settled_samples)
-    checks = [
-        ("RSS growth, save 10 to the last, / state", (last.rss_B - base.rss_B) / nbytes),
-        ("RSS growth, save 10 to the largest sample after it, / state", (peak - base.rss_B) / nbytes),
-    ]  # fmt: skip
-    if len(settled_samples) >= 3:
-        checks.append(
-            (
-                "RSS trend from save 10 to the last (least squares), / state",
-                trend(settled_samples) * (last.saves - base.saves) / nbytes,
-            )
-        )
+    checks = growth_checks("RSS", lambda s: s.rss_B, base, settled_samples, nbytes)
+    if trimmed:
+        checks += growth_checks("in use", lambda s: s.in_use_B or 0, base, settled_samples, nbytes)
     print("\n| figure | value | target | met |\n|---|---|---|---|")
     for name, value in checks:
         met = "yes" if value <= TARGET_RSS_FRACTION else "NO"
@@ -237,8 +327,9 @@ def report(
     fds = last.open_fds - base.open_fds
     print(f"| open files, save 10 to the last | {fds:+d} | {TARGET_FD_GROWTH} | "
           f"{'yes' if fds <= TARGET_FD_GROWTH else 'NO'} |")  # fmt: skip
-    print(f"| steps kept on disk at the end | {last.steps_kept} | {args.keep} | "
-          f"{'yes' if last.steps_kept == args.keep else 'NO'} |")  # fmt: skip
+    if not args.baseline:
+        print(f"| steps kept on disk at the end | {last.steps_kept} | {args.keep} | "
+              f"{'yes' if last.steps_kept == args.keep else 'NO'} |")  # fmt: skip
 
 
 def main() -> None:
@@ -251,6 +342,16 @@ def main() -> None:
     ap.add_argument("--framework", choices=["jax", "torch"], default="jax")
     ap.add_argument("--keep", type=int, default=2, help="the manager's max_to_keep")
     ap.add_argument("--every", type=int, default=100, help="saves between samples")
+    ap.add_argument(
+        "--trim",
+        action="store_true",
+        help="also sample the memory in use: after glibc's malloc_trim(0) (see above)",
+    )
+    ap.add_argument(
+        "--baseline",
+        action="store_true",
+        help="the steps alone, sampled alike, with no manager and no save (see above)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.framework == "jax":

@@ -28,6 +28,22 @@ Where the program froze objects itself (`gc.get_freeze_count()` is not 0 and not
 a server does before it forks), none of this touches the permanent generation, and the
 collector resumes as it was. A program that calls `gc.freeze()` while an asynchronous save
 runs sees those objects unfrozen with the save's when it ends.
+
+The full collections are kept at their pace. `gc.freeze()` also sets the youngest
+generation's count of new objects back to 0, and that count is what sets off every
+collection: the young ones, each tenth young one a middle one, each tenth of those a full
+one. A program that saves at every step and makes fewer than 700 objects between two saves
+(a jitted JAX step makes few) would never see a collection again, and every reference cycle
+it or a save leaves (a manifest read holds one) would stay for as long as it runs: resident
+memory growing with every save. So every move into the oldest generation counts the young
+objects it moved, unexamined (the count it resets), and once they reach a quarter of the
+objects the last full collection left, and at least 700 x 10 (CPython's own rule for a
+full collection, which counts the survivors of young collections alike), a full collection
+runs (`collect_if_due`) where no paused call or frozen save is in progress: at the end of
+an asynchronous save's background phase (`Frozen.release`, and the manager's saves), and at
+the end of a paused call once the count is twice that, so that a save's blocking phase
+leaves the collection to the background phase that follows it, while a program that only
+loads still has its cycles collected. A full collection of CPython's own clears the count.
 """
 
 from __future__ import annotations
@@ -41,6 +57,9 @@ _lock = threading.Lock()
 _depth = 0  # paused calls in progress
 _resume = False  # whether the outermost paused call found the collector on
 _frozen = 0  # Frozen holders in progress; the permanent generation is ours while > 0
+_moved = 0  # young objects moved to the oldest generation unexamined since a full collection
+_full_seen = 0  # full collections CPython had made when _moved was last cleared
+_long_lived = 0  # objects the last full collection made here left alive
 
 
 @contextmanager
@@ -57,18 +76,58 @@ def collection_paused() -> Iterator[None]:
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0 and _resume:
+            resumed = _depth == 0 and _resume
+            if resumed:
                 _promote_survivors()
                 gc.enable()
+        if resumed:
+            collect_if_due(margin=2)  # a background phase that follows collects at 1
 
 
 def _promote_survivors() -> None:
     """Every tracked object into the oldest generation (the caller holds _lock)."""
     if _frozen:  # the permanent generation is ours: the survivors join it
-        gc.freeze()
+        _freeze()
     elif gc.get_freeze_count() == 0:
-        gc.freeze()
+        _freeze()
         gc.unfreeze()
+
+
+def _freeze() -> None:
+    """`gc.freeze()`, counting the young objects it moves past the young collections (the
+    caller holds _lock)."""
+    global _moved, _full_seen
+    full = gc.get_stats()[-1]["collections"]
+    if full != _full_seen:  # CPython made a full collection since: what we moved was seen
+        _moved, _full_seen = 0, full
+    _moved += max(gc.get_count()[0], 0)
+    gc.freeze()
+
+
+def collect_if_due(margin: int = 1) -> bool:
+    """Run a full collection if the young objects moved to the oldest generation without
+    one call for it (see the module's doc; `margin`: how many times the usual count), unless
+    a paused call or a frozen save is still in progress, or the collector is off; returns
+    whether it ran."""
+    global _moved, _full_seen, _long_lived
+    with _lock:
+        threshold = gc.get_threshold()
+        floor = threshold[0] * (threshold[1] if len(threshold) > 1 else 1)
+        due = (
+            _depth == 0
+            and _frozen == 0
+            and gc.isenabled()
+            and floor > 0
+            and _moved >= margin * max(floor, _long_lived // 4)
+        )
+        if not due:
+            return False
+        _moved = 0
+    gc.collect()  # (outside the lock: finalizers may pause or save)
+    with _lock:
+        _long_lived = len(gc.get_objects())
+        _full_seen = gc.get_stats()[-1]["collections"]
+    return True
 
 
 class Frozen:
@@ -81,7 +140,7 @@ class Frozen:
         with _lock:
             self._held = bool(_frozen) or gc.get_freeze_count() == 0
             if self._held:
-                gc.freeze()
+                _freeze()
                 _frozen += 1
 
     def release(self) -> None:
@@ -93,3 +152,4 @@ class Frozen:
             _frozen -= 1
             if _frozen == 0:
                 gc.unfreeze()
+        collect_if_due()

@@ -11,12 +11,30 @@ On accelerators every owned slice is copied to the host: all copies are started 
 (`copy_to_host_async`) and then awaited. Slices beyond `budget` bytes are not copied in the
 blocking phase: the background phase copies them just before writing them, which requires
 the caller not to donate or delete those arrays until the save has finished.
+
+Staging memory. The copies that snapshard makes itself (the host values of an asynchronous
+save, CPU shards where views are not safe) go into exact-size buffers that a `HostPool`
+keeps from one save to the next, where the save has an owner that outlives it: a
+CheckpointManager makes a `SavePools`, hands it to its saves (`pools_for_saves`) and closes
+it in `close()`, which releases the buffers. A save of the same state takes the very same
+buffers again; the pool holds at most what the last save took (buffers the last save did
+not ask for are dropped), so no more than the bytes it staged: within `budget`, but for the
+host values, which an asynchronous save must copy whatever the budget. A save without an
+owner (`snapshard.save_async`) allocates its copies and frees them when it ends. Copies
+from an accelerator are JAX's own host copy of each shard (`np.asarray` after
+`copy_to_host_async`), exact in size and freed with the save's items: JAX copies into no
+buffer of ours, and copying them once more to reuse one would cost the blocking phase a
+second pass over every byte.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -24,7 +42,119 @@ from .errors import SnapshardError
 from .frameworks import jax_wing
 from .planning import WritePlan
 from .planning.layout import Box
+from .reading.buffers import aligned_empty
 from .save_leaves import SaveArray
+
+E = TypeVar("E")  # what a pool holds per buffer (torch: the array and its pinned tensor)
+P = TypeVar("P", bound="HostPool[Any]")
+
+
+class HostPool(Generic[E]):
+    """Host buffers of exact byte sizes reused across saves (see the module's doc).
+
+    A save takes one buffer per item it copies (`_take`, by a key: the byte size, and what
+    else makes buffers differ) and gives back all it took when its background phase ends
+    (`_give_back`). The pool then holds those and only those: buffers no save asked for in
+    the last round are dropped, so it holds at most what the saves in flight need. `close()`
+    drops every buffer; a pool closed keeps none given back after, and still lends new
+    ones (a save that runs after its owner closed)."""
+
+    def __init__(self) -> None:
+        self._free: dict[Hashable, list[E]] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def _take(self, key: Hashable, make: Callable[[], E]) -> E:
+        with self._lock:
+            free = self._free.get(key)
+            if free:
+                return free.pop()
+        return make()
+
+    def _give_back(self, bufs: list[tuple[Hashable, E]]) -> None:
+        fresh: dict[Hashable, list[E]] = {}
+        for key, b in bufs:
+            fresh.setdefault(key, []).append(b)
+        with self._lock:
+            self._free = {} if self._closed else fresh
+
+    def _entry_bytes(self, entry: E) -> int:
+        raise NotImplementedError
+
+    def cached_bytes(self) -> int:
+        """The bytes of the buffers the pool holds for the next save."""
+        with self._lock:
+            return sum(self._entry_bytes(b) for v in self._free.values() for b in v)
+
+    def close(self) -> None:
+        """Release every buffer held (those lent out now are dropped when given back)."""
+        with self._lock:
+            self._closed = True
+            self._free = {}
+
+
+class HostArrays(HostPool[np.ndarray]):
+    """JAX's staging pool: 64-byte aligned uint8 buffers by byte size."""
+
+    def take(self, nbytes: int) -> np.ndarray:
+        return self._take(nbytes, lambda: aligned_empty(nbytes))
+
+    def give_back(self, bufs: list[np.ndarray]) -> None:
+        self._give_back([(b.nbytes, b) for b in bufs])
+
+    def _entry_bytes(self, entry: np.ndarray) -> int:
+        return int(entry.nbytes)
+
+
+class SavePools:
+    """The staging pools of one owner of saves (a CheckpointManager): one per kind of pool
+    (JAX's `HostArrays`, snapshard.torch's `HostBuffers`), made when a save first asks for
+    it; `close()` releases them all."""
+
+    def __init__(self) -> None:
+        self._pools: dict[type[Any], HostPool[Any]] = {}
+        self._lock = threading.Lock()
+
+    def pool(self, cls: type[P]) -> P:
+        with self._lock:
+            found = self._pools.get(cls)
+            if found is None:
+                found = self._pools[cls] = cls()
+            assert isinstance(found, cls)
+            return found
+
+    def cached_bytes(self) -> int:
+        with self._lock:
+            pools = list(self._pools.values())
+        return sum(p.cached_bytes() for p in pools)
+
+    def close(self) -> None:
+        with self._lock:
+            pools = list(self._pools.values())
+        for p in pools:
+            p.close()
+
+
+# The pools of the saves started in this context (a manager's save): every framework's
+# adapter takes its pool from here, since the manager starts saves through the framework's
+# `start_save` without knowing which adapter stages them.
+_current: ContextVar[SavePools | None] = ContextVar("snapshard_save_pools", default=None)
+
+
+@contextlib.contextmanager
+def pools_for_saves(pools: SavePools) -> Iterator[None]:
+    """Saves started inside stage their copies into `pools`."""
+    token = _current.set(pools)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
+def current_pool(cls: type[P]) -> P | None:
+    """The pool of kind `cls` of the saves started here (None: the save has no owner)."""
+    pools = _current.get()
+    return None if pools is None else pools.pool(cls)
 
 
 @dataclass
@@ -175,6 +305,17 @@ def _covers(rel: tuple[slice, ...], shape: tuple[int, ...]) -> bool:
     return all(s.start == 0 and s.stop == n for s, n in zip(rel, shape, strict=True))
 
 
+def _copy(src: Any, take: Callable[[int], np.ndarray] | None) -> np.ndarray:
+    """A host copy of `src` (a NumPy array, or a CPU jax.Array): into a buffer from `take`
+    (a pool's, of its exact byte size) where given, else a new array."""
+    view = np.asarray(src)
+    if take is None:
+        return np.array(view, copy=True)
+    dst = take(view.nbytes).view(view.dtype).reshape(view.shape)
+    np.copyto(dst, view)
+    return dst
+
+
 def stage(
     arrays: list[tuple[int, SaveArray]],
     plan: WritePlan,
@@ -183,10 +324,12 @@ def stage(
     budget: int | None = None,
     asynchronous: bool = False,
     snapshot: Snapshot | None = None,
+    take: Callable[[int], np.ndarray] | None = None,
 ) -> tuple[list[StagedItem], int]:
     """Stage this process's items; returns them and the host bytes copied for them.
     `asynchronous`: the caller goes on before the items are written, and may change host
-    values or donate device arrays meanwhile.
+    values or donate device arrays meanwhile. `take(nbytes)`: the buffer each copy made
+    on the host goes into (a pool's); None: new arrays.
 
     With a `snapshot` (see host_snapshot) device arrays are staged from it, copying nothing."""
     items: list[StagedItem] = []
@@ -200,7 +343,7 @@ def stage(
         items.append(item)
         if arr.devices is None:  # a host value: the caller may change it once we return
             cut = _rel(arr, row, item.start, item.stop)
-            item.host = np.array(arr.source[cut], copy=True) if asynchronous else arr.source[cut]
+            item.host = _copy(arr.source[cut], take) if asynchronous else arr.source[cut]
             used += nbytes if asynchronous else 0
             continue
         # Items cut from whole boxes are their source row's whole shard: nothing to slice.
@@ -232,7 +375,7 @@ def stage(
             continue
         used += nbytes
         if cpu:
-            item.host = np.array(np.asarray(src), copy=True)
+            item.host = _copy(src, take)
         else:
             src.copy_to_host_async()
             copying.append((item, src))

@@ -16,7 +16,7 @@ from ..format.manifest import Leaf
 from ..frameworks import is_jax_array
 from ..planning import WritePlan
 from ..save_leaves import MeshSpec, SaveArray, checked_dtype, classify, is_save_leaf
-from ..staging import Snapshot, StagedItem, stage
+from ..staging import HostArrays, Snapshot, StagedItem, current_pool, stage
 from ..tree import Path
 
 
@@ -26,7 +26,9 @@ class JaxAdapter:
     `budget`: the host bytes the blocking phase may copy (SaveOptions.host_budget; the rest
     is copied by the background phase, see staging.py); `snapshot`: the host copy of the
     tree's device arrays when one was already made (the local tier's), staged from instead
-    of the devices."""
+    of the devices. The copies made on the host go into buffers of the pool of the save's
+    owner (a CheckpointManager's, staging.current_pool), given back when the save ends;
+    a save without one allocates them."""
 
     # A JAX tree is global: every process passes every leaf (an array on a sub-mesh too).
     trees_differ = False
@@ -34,6 +36,14 @@ class JaxAdapter:
     def __init__(self, budget: int | None = None, snapshot: Snapshot | None = None) -> None:
         self.budget = budget
         self.snapshot = snapshot
+        self.pool = current_pool(HostArrays)
+        self.taken: list[np.ndarray] = []
+
+    def _take(self, nbytes: int) -> np.ndarray:
+        assert self.pool is not None
+        buf = self.pool.take(nbytes)
+        self.taken.append(buf)
+        return buf
 
     def is_leaf(self, x: Any) -> bool:
         return is_save_leaf(x)
@@ -45,8 +55,9 @@ class JaxAdapter:
         self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
     ) -> tuple[list[StagedItem], int]:
         return stage(
-            arrays, plan, process, budget=self.budget, asynchronous=copy, snapshot=self.snapshot
-        )
+            arrays, plan, process, budget=self.budget, asynchronous=copy, snapshot=self.snapshot,
+            take=self._take if self.pool is not None else None,
+        )  # fmt: skip
 
     def mesh_of(self, arr: SaveArray) -> MeshSpec | None:
         """A NamedSharding's mesh and partition spec, for the manifest's compact layouts."""
@@ -57,7 +68,11 @@ class JaxAdapter:
         return mesh_and_spec(arr.source.sharding, len(arr.shape))
 
     def release(self) -> None:
-        """Nothing to give back: staged host copies go with their items."""
+        """The buffers this save took go back to its owner's pool for the next save (other
+        host copies go with their items)."""
+        if self.pool is not None:
+            taken, self.taken = self.taken, []
+            self.pool.give_back(taken)
 
 
 # Per sharding, its JSON description (shared by the leaves that have it: never mutated).

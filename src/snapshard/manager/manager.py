@@ -9,7 +9,10 @@ manager takes the directory's writer lease and removes what crashed saves left b
 (process 0, then one rendezvous); a manager that only restores and lists takes no lease and
 works beside a live writer. Incomplete steps are never listed, and every process of a job
 holds the listing process 0 made. A background failure is logged when it happens and raised,
-naming the step, by the next `save`, `wait_until_finished` or `close` (once). What depends on the
+naming the step, by the next `save`, `wait_until_finished` or `close` (once). The host
+buffers its saves stage into are the manager's own, reused from one save to the next and
+released by `close` (staging.py); it keeps the reports of its last `REPORTS_KEPT` saves, so
+that nothing it holds grows with the saves it makes. What depends on the
 arrays (which values are leaves, the default coordinator, a save's blocking phase, load,
 preemption) comes from a `Framework` (framework.py): JAX's by default, PyTorch's from
 snapshard.torch.
@@ -39,9 +42,11 @@ from ..errors import (
     WriterLeaseError,
 )
 from ..format.reading import read_summary
+from ..gc_pause import collect_if_due
 from ..options import ReadOptions, SaveOptions, require
 from ..reading import ReadStats
 from ..saving import SaveTimings
+from ..staging import SavePools, pools_for_saves
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
 from ..tree import FlatTree, flatten
@@ -52,6 +57,7 @@ from .tier_config import LocalTier, RestoreReport, TierReport
 
 log = logging.getLogger("snapshard")
 DEFAULT_POLICIES = ManagerPolicies()
+REPORTS_KEPT = 100  # save_timings() and tier_reports() of the newest this many saves
 
 
 class BackgroundSaveError(SnapshardError):
@@ -171,6 +177,7 @@ class CheckpointManager:
             else None
         )
         self._tier_reports: dict[int, TierReport] = {}
+        self._pools = SavePools()  # the host buffers of this manager's saves (staging.py)
         self.last_restore: RestoreReport | None = None
         self._lease: WriterLease | None = None  # held by process 0 of a writer
         self._writing = False  # every process: the writer's start-up has run
@@ -322,12 +329,14 @@ class CheckpointManager:
 
     def tier_reports(self) -> dict[int, TierReport]:
         """Per step: blocking time, local snapshot and peer-exchange time, local and persistent
-        background time, and bytes this process wrote to each tier."""
+        background time, and bytes this process wrote to each tier (the newest
+        REPORTS_KEPT saves)."""
         with self._lock:
             return dict(self._tier_reports)
 
     def save_timings(self) -> dict[int, SaveTimings]:
-        """Per-step blocking and background durations of the saves this manager made."""
+        """Per-step blocking and background durations of the saves this manager made (the
+        newest REPORTS_KEPT)."""
         with self._lock:
             return dict(self._timings)
 
@@ -337,8 +346,8 @@ class CheckpointManager:
         """Young/Daly: τ = sqrt(2 · C · MTBF), C the mean measured cost of a save.
 
         cost='blocking' (default) takes the time the training step waits (the right C for
-        asynchronous saves); 'total' the time to durable (for synchronous saves). Returns
-        seconds, or steps when `step_time_s` is given."""
+        asynchronous saves); 'total' the time to durable (for synchronous saves), over the
+        newest REPORTS_KEPT saves. Returns seconds, or steps when `step_time_s` is given."""
         timings = list(self.save_timings().values())
         if not timings:
             raise ValueError("no save has been measured yet")
@@ -448,8 +457,10 @@ class CheckpointManager:
             stage_local = tier_of(self._framework).stage_local
 
             local_work, snapshot = stage_local(self._local, self._coord, step, flat, report)
-        started = (
-            self._start_persistent(step, tree, flat, snapshot, info_metrics) if persistent else None
+        started, based = (
+            self._start_persistent(step, tree, flat, snapshot, info_metrics)
+            if persistent
+            else (None, False)
         )
         report.blocking_s = time.perf_counter() - t0
 
@@ -462,14 +473,17 @@ class CheckpointManager:
                 report.persistent_bytes = timings.bytes_written
                 if self._incremental and self._framework.immutable_arrays:
                     self._saved_arrays = (step, saved_arrays(flat))
-                self._after_commit(step, info_metrics)
+                self._after_commit(step, info_metrics, based)
+            # The cycles left since the last full collection, which the saves' collection
+            # pauses keep from the young collections (gc_pause.py): here, not in a blocking phase.
+            collect_if_due()
 
         task = BackgroundTask(work, f"save of step {step}")
         with self._lock:
             self._inflight = (step, task)
-            self._tier_reports[step] = report
+            _keep_newest(self._tier_reports, step, report)
             if started is not None:
-                self._timings[step] = started.timings
+                _keep_newest(self._timings, step, started.timings)
         if not self._async:
             self._wait_inflight()
             self._raise_pending()
@@ -507,9 +521,10 @@ class CheckpointManager:
         flat: FlatTree,
         snapshot: Any,
         metrics: dict[str, Any] | None,
-    ) -> StartedSave:
+    ) -> tuple[StartedSave, bool]:
         """The blocking phase of the persistent tier's save of `step` (from the local tier's
-        `snapshot` where it staged every byte already)."""
+        `snapshot` where it staged every byte already), staged into the manager's buffers;
+        and whether it has a base (an incremental save's, which its chunks may refer to)."""
         options = self._save_options
         if snapshot is not None:
             options = replace(options, host_budget=None)
@@ -520,19 +535,24 @@ class CheckpointManager:
         storage = self._root.child(str(step))
         if self._lease is not None:
             storage.commit_guard = self._lease.verify
-        return self._framework.start_save(
-            storage,
-            tree,
-            options,
-            coordinator=self._coord,
-            extra={"step": step, "metrics": metrics},
-            snapshot=snapshot,
-            flat=flat,
-            **incremental,
-        )
+        with pools_for_saves(self._pools):
+            started = self._framework.start_save(
+                storage,
+                tree,
+                options,
+                coordinator=self._coord,
+                extra={"step": step, "metrics": metrics},
+                snapshot=snapshot,
+                flat=flat,
+                **incremental,
+            )
+        return started, "base" in incremental
 
-    def _after_commit(self, step: int, metrics: dict[str, Any] | None) -> None:
-        """Runs in the save's thread on every process: record the step, apply retention."""
+    def _after_commit(self, step: int, metrics: dict[str, Any] | None, based: bool) -> None:
+        """Runs in the save's thread on every process: record the step, apply retention.
+        `based`: the step's save had a base (see _start_persistent)."""
+        if not based and self._coord.is_leader:  # retention need not read its manifest back
+            self._references.saved_whole(str(step))
         with self._lock:
             self._steps[step] = StepInfo(step, metrics, time.time())
             doomed = self._retention.to_delete(self._steps.values())
@@ -655,14 +675,17 @@ class CheckpointManager:
         return out, report
 
     def close(self) -> None:
-        """Wait for the save in flight and raise any background error not raised yet."""
+        """Wait for the save in flight and raise any background error not raised yet; the
+        host buffers of the manager's saves are released."""
         try:
             self.wait_until_finished()
         finally:
             self._release()
 
     def _release(self) -> None:
-        """Give up the writer lease and restore the SIGTERM handler (each once)."""
+        """Give up the writer lease, restore the SIGTERM handler (each once) and release the
+        saves' host buffers."""
+        self._pools.close()
         if self._lease is not None:
             self._lease.release()
             self._lease = None
@@ -681,6 +704,14 @@ class CheckpointManager:
                 self.close()
             except BaseException as e:
                 log.error("while closing the checkpoint manager: %s", e)
+
+
+def _keep_newest(reports: dict[int, Any], step: int, report: Any) -> None:
+    """Add the report of `step` (newer than every other), dropping the oldest beyond
+    REPORTS_KEPT: a manager that saves a million steps holds no million reports."""
+    reports[step] = report
+    while len(reports) > REPORTS_KEPT:
+        del reports[next(iter(reports))]
 
 
 def _steps_text(steps: list[int]) -> str:

@@ -78,19 +78,29 @@ def _delete_files(storage: Storage, names: Iterable[str]) -> None:
     storage.client.delete(names)  # type: ignore[attr-defined]
 
 
+_NO_REFS: frozenset[tuple[str, str]] = frozenset()
+
+
 class References:
     """Which files of which checkpoints the kept steps of a root refer to."""
 
     def __init__(self, root: CheckpointRoot):
         self.root = root
-        self._refs: dict[str, set[tuple[str, str]]] = {}  # step name -> (checkpoint, file)
+        self._refs: dict[str, frozenset[tuple[str, str]]] = {}  # step -> (checkpoint, file)
         self._trimmed: dict[str, frozenset[str]] = {}  # retained step -> files it kept
 
-    def refs_of(self, name: str) -> set[tuple[str, str]]:
+    def saved_whole(self, name: str) -> None:
+        """Step `name` was just saved by this process without a base: it refers to no other
+        checkpoint, which retention then knows without reading its manifest back (a parse
+        of the whole manifest and its chunk tables after every save, for nothing)."""
+        self._refs[name] = _NO_REFS
+
+    def refs_of(self, name: str) -> frozenset[tuple[str, str]]:
         got = self._refs.get(name)
         if got is None:
             with self.root.child(name) as storage:
-                got = self._refs[name] = referenced_files(read_manifest(storage).refs)
+                refs = referenced_files(read_manifest(storage).refs)
+            got = self._refs[name] = frozenset(refs) if refs else _NO_REFS
         return got
 
     def needed(self, kept: Iterable[str]) -> dict[str, set[str]]:

@@ -7,14 +7,20 @@ The blocking phase stages this rank's planned boxes on the host:
 - asynchronous saves (and any CUDA tensor): every owned byte is copied into host buffers
   before returning, since ``optimizer.step()`` updates tensors in place. Buffers are reused
   from one save to the next (pinned memory for CUDA sources, which are copied with
-  ``non_blocking`` on a side stream that is synchronised before returning).
+  ``non_blocking`` on a side stream that is synchronised before returning): a
+  CheckpointManager's saves take them from the manager's own pool, released by its
+  ``close()``; ``save_async`` from the process's pool.
+
+``SaveOptions.host_budget`` is not honoured here: the background phase cannot copy a slice
+that the next optimizer step may already have changed in place, so every byte this rank
+writes is copied in the blocking phase (its bytes are the save's ``bytes_staged``), and the
+pool then holds exactly those bytes until the next save or ``close()``.
 
 Writing, reporting, merging, validating and committing are snapshard's own (saving.finish).
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -27,48 +33,49 @@ from ..options import SaveOptions
 from ..planning import WritePlan
 from ..reading import aligned_empty
 from ..save_leaves import SaveArray
-from ..staging import StagedItem, planned_items
+from ..staging import HostPool, StagedItem, current_pool, planned_items
 from ..storage import Location, Storage
 from ..tree import Path
 from . import leaves as _leaves
 from .coordination import default_coordinator
 from .dtypes import host_view
 
+Buffer = tuple[np.ndarray, torch.Tensor | None]  # the bytes, and their pinned tensor
 
-class HostBuffers:
-    """Host buffers reused across asynchronous saves, by byte size.
 
-    A save takes the buffers it needs and gives them all back when its background phase
-    ends; buffers no save asked for in a round are dropped, so memory stays at what the
-    saves in flight need."""
+def _allocate(nbytes: int, pinned: bool) -> Buffer:
+    if pinned:
+        t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        return t.numpy(), t
+    return aligned_empty(nbytes), None
 
-    def __init__(self) -> None:
-        self._free: dict[tuple[int, bool], list[tuple[np.ndarray, torch.Tensor | None]]] = {}
-        self._lock = threading.Lock()
 
-    def take(self, nbytes: int, pinned: bool) -> tuple[np.ndarray, torch.Tensor | None]:
+class HostBuffers(HostPool[Buffer]):
+    """Host buffers reused across asynchronous saves, by exact byte size, pinned or not
+    (staging.HostPool: a save takes the buffers it needs and gives them all back when its
+    background phase ends; buffers no save asked for in a round are dropped, so memory
+    stays at what the saves in flight need; `close()` releases them)."""
+
+    def take(self, nbytes: int, pinned: bool) -> Buffer:
+        return self._take((nbytes, pinned), lambda: _allocate(nbytes, pinned))
+
+    def give_back(self, bufs: list[Buffer]) -> None:
+        self._give_back([((b[0].nbytes, b[1] is not None), b) for b in bufs])
+
+    def _entry_bytes(self, entry: Buffer) -> int:
+        return int(entry[0].nbytes)
+
+    def close(self) -> None:
+        """Release every buffer held, and (pinned ones) the allocator's cache of them."""
         with self._lock:
-            free = self._free.get((nbytes, pinned))
-            if free:
-                return free.pop()
-        if pinned:
-            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            return t.numpy(), t
-        return aligned_empty(nbytes), None
-
-    def give_back(self, bufs: list[tuple[np.ndarray, torch.Tensor | None]]) -> None:
-        fresh: dict[tuple[int, bool], list[tuple[np.ndarray, torch.Tensor | None]]] = {}
-        for b in bufs:
-            fresh.setdefault((b[0].nbytes, b[1] is not None), []).append(b)
-        with self._lock:
-            self._free = fresh
-
-    def cached_bytes(self) -> int:
-        with self._lock:
-            return sum(b[0].nbytes for v in self._free.values() for b in v)
+            pinned = any(b[1] is not None for v in self._free.values() for b in v)
+        super().close()
+        empty = getattr(torch._C, "_host_emptyCache", None)
+        if pinned and empty is not None:  # torch caches freed pinned blocks for reuse
+            empty()
 
 
-_buffers = HostBuffers()
+_buffers = HostBuffers()  # save_async's, for the process (a manager has its own)
 
 
 class TorchAdapter:
@@ -77,7 +84,7 @@ class TorchAdapter:
     def __init__(self, buffers: HostBuffers | None, trees_differ: bool = False) -> None:
         self.buffers = buffers
         self.trees_differ = trees_differ  # SaveOptions.trees_differ
-        self.taken: list[tuple[np.ndarray, torch.Tensor | None]] = []
+        self.taken: list[Buffer] = []
         self.rank = _leaves.this_rank()  # asked once per save, not once per leaf
 
     def is_leaf(self, x: Any) -> bool:
@@ -90,15 +97,15 @@ class TorchAdapter:
     def release(self) -> None:
         """The host buffers this save took go back to the pool for the next one."""
         if self.buffers is not None:
-            self.buffers.give_back(self.taken)
+            taken, self.taken = self.taken, []
+            self.buffers.give_back(taken)
 
     def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray:
         return _leaves.classify(path, value, process_count, self.rank, self.trees_differ)
 
-    def _buffer(self, nbytes: int, pinned: bool) -> tuple[np.ndarray, torch.Tensor | None]:
+    def _buffer(self, nbytes: int, pinned: bool) -> Buffer:
         if self.buffers is None:
-            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) if pinned else None
-            return (t.numpy(), t) if t is not None else (aligned_empty(nbytes), None)
+            return _allocate(nbytes, pinned)
         b = self.buffers.take(nbytes, pinned)
         self.taken.append(b)
         return b
@@ -166,10 +173,12 @@ def start_save(
     saving.prepare), for the manager's TORCH framework.
 
     Asynchronous (the default): every byte this rank writes is copied into host buffers
-    (from `buffers`, the process's pool by default) before returning, whatever
-    `options.host_budget` says, and the buffers go back to the pool when the background
-    phase, `finish()`, ends, however it ends. Synchronous: CPU tensors are staged as views
-    of their memory, so the caller must not change them before `finish()` returns.
+    (from `buffers`; by default the pool of the manager that starts the save, see
+    staging.pools_for_saves, else the process's) before returning, whatever
+    `options.host_budget` says (see the module's doc), and the buffers go back to the pool
+    when the background phase, `finish()`, ends, however it ends. Synchronous: CPU tensors
+    are staged as views of their memory, so the caller must not change them before
+    `finish()` returns.
     `snapshot` is taken for the manager's sake and unused."""
     del snapshot
     prep = _saving.prepare(
@@ -183,8 +192,11 @@ def start_save(
 def adapter_for(
     options: SaveOptions, asynchronous: bool, buffers: HostBuffers | None = None
 ) -> TorchAdapter:
-    """The adapter of one save: asynchronous saves copy into reused host buffers."""
-    return TorchAdapter((buffers or _buffers) if asynchronous else None, options.trees_differ)
+    """The adapter of one save: asynchronous saves copy into reused host buffers (`buffers`,
+    else the pool of the manager starting the save, else the process's)."""
+    if asynchronous and buffers is None:
+        buffers = current_pool(HostBuffers) or _buffers
+    return TorchAdapter(buffers if asynchronous else None, options.trees_differ)
 
 
 def save(
