@@ -81,14 +81,19 @@ def calibrate(step_ms: float) -> int:
     """The rounds of python_work that take about step_ms of this thread's CPU time (CPU
     time, not wall time: on a busy machine a wall-clock probe measures the other
     processes too). Two refinements from a first guess, each the median of several
-    timings."""
+    timings. Where the thread's CPU clock is too coarse to time a step (it reads 0), the
+    wall clock."""
     rounds = 2000
-    for _ in range(2):
+    clock = time.thread_time
+    for _ in range(3):
         times = []
         for _ in range(7):
-            t0 = time.thread_time()
+            t0 = clock()
             python_work(rounds)
-            times.append(time.thread_time() - t0)
+            times.append(clock() - t0)
+        if statistics.median(times) <= 0:
+            clock = time.perf_counter
+            continue
         rounds = max(1, round(rounds * step_ms / 1000 / statistics.median(times)))
     return rounds
 

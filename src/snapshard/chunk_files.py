@@ -1,11 +1,13 @@
 """A save's data files: its staged items written back to back, their records as columns.
 
-Each plain chunk of one checksum block (every chunk of at most 4 KiB: a state of many small
-arrays is mostly these) is written in bulk: a run of them is checksummed, bound to its
-offsets (format.binding) and joined into one buffer of at most _PIECE_BYTES that goes out
-in one write. Other chunks (larger, compressed) go through format.encoding.write_chunk one
-by one, where the bytes, not the calls, set the time. Both give the same bytes: a file's
-layout is the chunks of its items in their order, each followed by its tables.
+Each plain chunk of at most _RUN_CHUNK_BYTES (a state of many small arrays is mostly these)
+is written in bulk: a run of them is checksummed block by block in one pass, bound to its
+offsets (format.binding) and handed on as one list of parts of about _PIECE_BYTES, with
+its records made as columns. Other chunks (larger, compressed) go through
+format.encoding.write_chunk one by one, where the bytes, not the calls, set the time. Both
+give the same bytes: a file's layout is the chunks of its items in their order, each
+followed by its tables. Per chunk the bulk path holds the interpreter for a few calls only,
+which is what a save's background phase takes from the training loop.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import crc32c as _crc32c
 import numpy as np
 
 from .format.binding import name_key
-from .format.chunks import MIN_CHECKSUM_BLOCK
+from .format.chunks import checksum_block
 from .format.encoding import chunk_span, write_chunk
 from .format.records import RECORD_FIXED, ChunkRecord
 from .staging import StagedItem
@@ -40,6 +42,8 @@ _PIECE_BYTES = 4 << 20
 # every file is one more object to list at commit and one more row of the manifest.
 MAX_CUT_FILES = 32
 _MIX = np.uint64(0x9E3779B97F4A7C15)
+# Plain chunks up to this size are written in runs (at most 64 checksum blocks each).
+_RUN_CHUNK_BYTES = 256 << 10
 
 CodecOf = Callable[[StagedItem], int]
 # crc32c of any C-contiguous array's bytes (a memoryview cannot describe every dtype).
@@ -184,24 +188,30 @@ def split_files(items: list[StagedItem], n: int) -> list[list[StagedItem]]:
 
 
 def _small(items: list[StagedItem], codec_of: CodecOf | None) -> np.ndarray:
-    """Per item, whether it is a plain chunk of one checksum block (written in bulk)."""
+    """Per item, whether it is a plain chunk written in a run (at most _RUN_CHUNK_BYTES)."""
     sizes = np.fromiter((it.nbytes for it in items), np.int64, len(items))
-    small = (sizes > 0) & (sizes <= MIN_CHECKSUM_BLOCK)
+    small = (sizes > 0) & (sizes <= _RUN_CHUNK_BYTES)
     if codec_of is not None:
         small &= np.fromiter((codec_of(it) == 0 for it in items), bool, len(items))
     return small
 
 
-def _runs(small: np.ndarray, sizes: np.ndarray) -> list[tuple[int, int, bool]]:
+def _tables(sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The checksum block and the number of blocks of plain chunks of these sizes."""
+    blocks = np.fromiter((checksum_block(n) for n in sizes.tolist()), np.int64, len(sizes))
+    return blocks, -(-sizes // blocks)
+
+
+def _runs(small: np.ndarray, stored: np.ndarray) -> list[tuple[int, int, bool]]:
     """The items as runs [i, j): of small chunks (at most about _PIECE_BYTES of output
-    each), or single other chunks."""
+    each, `stored`: each chunk's bytes with its table), or single other chunks."""
     out: list[tuple[int, int, bool]] = []
     edges = np.flatnonzero(np.diff(small.astype(np.int8))) + 1
     for i, j in itertools.pairwise([0, *edges.tolist(), len(small)]):
         if not small[i]:
             out.extend((k, k + 1, False) for k in range(i, j))
             continue
-        piece = np.cumsum(sizes[i:j] + 4) // _PIECE_BYTES  # piece number of each chunk
+        piece = np.cumsum(stored[i:j]) // _PIECE_BYTES  # piece number of each chunk
         cuts = (np.flatnonzero(np.diff(piece)) + 1 + i).tolist()
         out.extend((a, b, True) for a, b in itertools.pairwise([i, *cuts, j]))
     return out
@@ -217,28 +227,40 @@ def _contiguous(data: Any) -> np.ndarray:
 def _write_run(
     writer: FileWriter, run: list[StagedItem], file: int, offset: int, file_key: int
 ) -> tuple[np.ndarray, int]:
-    """Small plain chunks (one checksum block each) back to back from `offset`: the bytes
-    of each, then its crc32c XOR its chunk key; returns their fixed record fields and the
-    offset after them."""
+    """Plain chunks of at most _RUN_CHUNK_BYTES back to back from `offset`: the bytes of
+    each, then the crc32c of each of its checksum blocks XOR its chunk key; returns their
+    fixed record fields and the offset after them."""
     raws = [_contiguous(it.host if it.host is not None else it.materialize()) for it in run]
     sizes = np.fromiter((it.nbytes for it in run), np.int64, len(run))
-    ends = offset + np.cumsum(sizes + 4)
-    starts = ends - sizes - 4
-    mixed = ((starts.astype(np.uint64) * _MIX) >> np.uint64(32)).astype(np.uint32)
-    crcs = np.fromiter((_crc(r) for r in raws), np.uint32, len(raws))
-    words = np.frombuffer((crcs ^ mixed ^ np.uint32(file_key)).astype("<u4").tobytes(), "V4")
     if any(r.nbytes != n for r, n in zip(raws, sizes.tolist(), strict=True)):
         raise ValueError(f"leaf {run[0].name!r}: staged bytes do not match the planned sizes")
+    blocks, nblocks = _tables(sizes)
+    ends = offset + np.cumsum(sizes + 4 * nblocks)
+    starts = ends - sizes - 4 * nblocks
+    keys = ((starts.astype(np.uint64) * _MIX) >> np.uint64(32)).astype(np.uint32)
+    keys ^= np.uint32(file_key)
+    if int(nblocks.max()) == 1:
+        crcs = np.fromiter((_crc(r) for r in raws), np.uint32, len(raws))
+    else:
+        flat = [r.reshape(-1).view(np.uint8) for r in raws]
+        crcs = np.fromiter(
+            (_crc(u[a : a + b]) for u, b in zip(flat, blocks.tolist(), strict=True)
+             for a in range(0, len(u), b)),
+            np.uint32, int(nblocks.sum()),
+        )  # fmt: skip
+        keys = np.repeat(keys, nblocks)
+    words = memoryview((crcs ^ keys).astype("<u4").tobytes())
+    cuts = (4 * np.cumsum(nblocks)).tolist()
     parts: list[Any] = [None] * (2 * len(run))
     parts[0::2] = raws
-    parts[1::2] = words.tolist()
+    parts[1::2] = [words[a:b] for a, b in itertools.pairwise([0, *cuts])]
     writer.write_parts(parts)  # (no copy of the run joined: local files take them as they are)
     fixed = np.zeros(len(run), RECORD_FIXED)
     fixed["file"] = file
     fixed["offset"] = starts
     fixed["nbytes"] = sizes
-    fixed["block"] = sizes
-    fixed["nblocks"] = 1
+    fixed["block"] = blocks
+    fixed["nblocks"] = nblocks
     fixed["crc_offset"] = starts + sizes
     for it in run:
         it.release()  # the bytes are in the file now: let the host copy go
@@ -272,9 +294,12 @@ def write_file(
     parts: list[np.ndarray] = []
     offset = 0
     try:
-        sizes = np.fromiter((it.nbytes for it in items), np.int64, len(items))
-        for i, j, small in _runs(_small(items, codec_of), sizes) if items else ():
-            if small:
+        small = _small(items, codec_of) if items else np.zeros(0, bool)
+        stored = np.fromiter((it.nbytes for it in items), np.int64, len(items))
+        if small.any():
+            stored[small] += 4 * _tables(stored[small])[1]
+        for i, j, run in _runs(small, stored) if items else ():
+            if run:
                 fixed, offset = _write_run(writer, items[i:j], file, offset, key)
             else:
                 it = items[i]

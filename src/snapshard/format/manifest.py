@@ -29,6 +29,7 @@ import numpy as np
 from ..checksum import crc32c
 from ..errors import CorruptCheckpointError
 from ..tree import JsonNode, Path
+from . import json_pieces
 from .bounds import (
     MAX_BYTES,
     MAX_DEPTH,
@@ -188,7 +189,7 @@ class Manifest:
             **({"codecs": self.codecs} if self.codecs else {}),
             "extra": self.extra,
         }
-        raw = json.dumps(doc, separators=(",", ":")).encode()
+        raw = json_pieces.dumps(doc).encode()
         at = raw.index(CHECKSUM_KEY) + len(CHECKSUM_KEY)
         return raw[:at] + f"{crc32c(raw):08x}".encode() + raw[at + 8 :]
 
