@@ -308,3 +308,21 @@ def test_jax_arrays_saved_by_the_manager_stay_zero_copy_on_cpu(tmp_path):
         m.wait_until_finished()
         assert m.save_timings()[1].bytes_staged == 0
         assert m._pools.pool(HostArrays).cached_bytes() == 0
+
+
+def test_what_a_saves_blocking_phase_leaves_alive_does_not_count_toward_a_collection(
+    collector_on,
+):
+    """A transient pause (a save's blocking phase) counts the young objects it found on
+    entry, not those it made and left alive for the save's background phase."""
+    gc.collect()
+    with gc_pause.collection_paused():  # (takes in the full collection just made)
+        pass
+    moved = gc_pause._moved
+    kept = []
+    with gc_pause.collection_paused(transient=True):
+        kept += [_Node() for _ in range(5000)]
+    assert gc_pause._moved - moved < 1000
+    with gc_pause.collection_paused():
+        kept += [_Node() for _ in range(5000)]
+    assert gc_pause._moved - moved >= 5000

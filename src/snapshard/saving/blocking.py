@@ -36,7 +36,7 @@ from .state import PreparedSave, SaveAdapter, SaveTimings
 log = logging.getLogger("snapshard")
 
 
-@collection_paused()
+@collection_paused(transient=True)  # what it leaves alive is the save's, freed when it ends
 def prepare(
     location: Location | Storage,
     tree: Any,

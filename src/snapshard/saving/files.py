@@ -4,7 +4,6 @@ file; and the report that tells process 0 what was written."""
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from ..errors import (
 from ..format import (
     data_file_name,
     encoding,
+    json_pieces,
     record_file_name,
     records,
 )
@@ -110,7 +110,7 @@ def write_own(prep: PreparedSave) -> dict[str, Any]:
     increment = inc.report() if inc is not None else {}
     return ProcessReport(
         nonce, sizes, len(data), crc32c(data), len(values), crc32c(values),
-        crc32c(prep.digests.tobytes(), crc32c(json.dumps(prep.structure).encode())),
+        crc32c(prep.digests.tobytes(), crc32c(json_pieces.dumps(prep.structure).encode())),
         refs_used=tuple(increment.get("refs_used", ())),
         referenced_bytes=int(increment.get("referenced_bytes", 0)),
         ref_codecs=tuple(increment.get("ref_codecs", ())),
@@ -135,7 +135,7 @@ def tree_file(prep: PreparedSave) -> bytes:
         "tree": prep.structure, "leaves": [leaf_to_json(x, chunks=False) for x in leaves],
         "layouts": layouts, "meshes": meshes, "plans": digests,
     }  # fmt: skip
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return json_pieces.dumps(doc).encode()
 
 
 @dataclass(frozen=True)
