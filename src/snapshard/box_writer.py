@@ -28,12 +28,11 @@ from .format import (
     record_file_name,
     records,
     validate_coverage,
-    validate_structure,
 )
 from .format.binding import name_key
 from .format.encoding import chunk_span, write_chunk
 from .format.records import records_of
-from .saving import refuse_existing
+from .saving import commit_manifest, refuse_existing, staged_files
 from .storage import FileWriter, Location, Storage, storage_for
 from .tree import JsonNode, Path
 
@@ -137,24 +136,14 @@ class CheckpointWriter:
                         r["nbytes"].astype(np.int64), r["block"].astype(np.int64), [],
                         r["crc_offset"].astype(np.int64),
                     )  # fmt: skip
-            # Files an earlier, interrupted attempt left in the staging area must not commit.
-            ours = {f.name for f in self.files} | {record_name}
-            stale = [n for n in self.storage.list_staging() if n not in ours]
-            self.storage.delete_staging_files(stale)
             table = ProcessTable([self.nonce], [[f.size for f in self.files]], [len(data)], [crc32c(data)])
-            manifest = Manifest(
-                structure=structure,
-                leaves=self.leaves,
-                files=self.files,
-                process_count=1,
-                write_mode="single_replica",
-                extra=self.extra,
+            manifest = Manifest.of_processes(
+                table, structure, self.leaves, write_mode="single_replica", extra=self.extra,
                 layouts=[{"kind": "host"}],  # every leaf's: layout 0
-                processes=table,
-            )
-            validate_structure(manifest, self.url)
-            validate_coverage(manifest, self.url)
-            self.storage.commit(manifest.to_json(), overwrite=self.overwrite)
+            )  # fmt: skip
+            validate_coverage(manifest, self.url)  # (the boxes came from the caller)
+            # Files an earlier, interrupted attempt left in the staging area do not commit.
+            commit_manifest(self.storage, manifest, staged_files(table), overwrite=self.overwrite)
         except BaseException:
             self.abort()
             raise

@@ -139,6 +139,28 @@ class Manifest:
     codecs: list[str] = field(default_factory=list)  # codecs some chunk uses (codecs.py)
     minor: int = FORMAT_MINOR  # of version 2: 0 for 2.0, 1 for 2.1 (format.binding)
 
+    @classmethod
+    def of_processes(
+        cls,
+        processes: ProcessTable,
+        structure: JsonNode,
+        leaves: list[Leaf],
+        *,
+        write_mode: str,
+        layouts: list[dict[str, Any]],
+        meshes: list[dict[str, Any]] | None = None,
+        extra: dict[str, Any] | None = None,
+        codecs: list[str] | None = None,
+    ) -> Manifest:
+        """The manifest every writer of this library commits (format 2.1, or 2.2 where the
+        table has a leaf map): `leaves` over the data files of `processes`, in the table's
+        order, one process each row."""
+        return cls(
+            structure=structure, leaves=leaves, files=processes.files(),
+            process_count=len(processes.nonces), write_mode=write_mode, extra=extra or {},
+            meshes=meshes or [], layouts=layouts, processes=processes, codecs=codecs or [],
+        )  # fmt: skip
+
     @property
     def bound(self) -> bool:
         """Whether the checksums of its files are bound to them (2.1, format.binding)."""

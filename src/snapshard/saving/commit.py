@@ -58,17 +58,10 @@ def commit_save(prep: PreparedSave, docs: list[dict[str, Any]]) -> None:
     if any(isinstance(leaf, PerProcessLeaf) for leaf in leaves):
         table.values_sizes = [r.values_size for r in reports]
         table.values_crcs = [r.values_crc for r in reports]
-    manifest = Manifest(
-        structure=structure,
-        leaves=leaves,
-        files=table.files(),
-        process_count=len(reports),
-        write_mode=prep.plan.mode,
+    manifest = Manifest.of_processes(
+        table, structure, leaves, write_mode=prep.plan.mode, layouts=layouts, meshes=meshes,
         extra=prep.extra,
-        meshes=meshes,
-        layouts=layouts,
-        processes=table,
-    )
+    )  # fmt: skip
     expected = staged_files(table)
     # Bytes stored = each array's bytes plus its checksums: the tiling, from the sizes alone.
     # (the plans of differing trees are each process's own: each reports its planned bytes)

@@ -553,10 +553,9 @@ def _manifest(
         record_crcs=[r.record_crc for r in reports],
     )
     names = [path_str(leaves[i].path) for i in sorted(pickled)]
-    manifest = Manifest(
-        structure=structure, leaves=out, files=processes.files(), process_count=len(reports),
-        write_mode="single_replica", extra={PICKLED_KEY: {"pickled": names}} if names else {},
-        layouts=table.layouts, processes=processes,
+    manifest = Manifest.of_processes(
+        processes, structure, out, write_mode="single_replica", layouts=table.layouts,
+        extra={PICKLED_KEY: {"pickled": names}} if names else {},
         codecs=[records.CODECS[c] for c in sorted({c for r in reports for c in r.codecs})],
     )  # fmt: skip
     return manifest, processes
