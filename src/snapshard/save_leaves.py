@@ -13,6 +13,7 @@ import numpy as np
 
 from .dtypes import dtype_name, little_endian
 from .errors import UnsupportedLeafError
+from .format.kinds import LeafKind
 from .format.manifest import PerProcessLeaf, ValueLeaf
 from .frameworks import is_jax_array, jax_wing
 from .iterators import is_data_iterator, iterator_record
@@ -41,7 +42,7 @@ class SaveArray:
     """An array leaf to be saved: what is stored (dtype, shape) and where its shards live."""
 
     path: Path
-    kind: str  # "array", "scalar" or "prng_key"
+    kind: LeafKind  # ARRAY, SCALAR or PRNG_KEY
     dtype: np.dtype
     shape: tuple[int, ...]
     layout: ArrayLayout
@@ -71,7 +72,7 @@ def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLea
         arr = little_endian(np.asarray(value))
         checked_dtype(arr.dtype, name)
         shape = tuple(arr.shape)
-        kind = "scalar" if isinstance(value, np.generic) else "array"
+        kind = LeafKind.SCALAR if isinstance(value, np.generic) else LeafKind.ARRAY
         layout = host_layout(shape, arr.dtype.itemsize, process_count)
         saved = SaveArray(path, kind, arr.dtype, shape, layout, None, arr, {"type": "host"})
         return _named(saved, name)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeletedArrayError
+from ..format.kinds import LeafKind
 from ..format.manifest import Leaf
 from ..frameworks import is_jax_array
 from ..planning import WritePlan
@@ -107,19 +108,21 @@ def save_array(path: Path, name: str, value: Any) -> SaveArray:
     known = _PLACED.get((value.dtype, value.shape, value.sharding))
     if known is not None:  # an array like one met before: what follows from the three
         dt, shape, placed, described = known
-        return SaveArray(path, "array", dt, shape, placed.layout, placed.devices, value, described)
-    kind, key_impl, data = "array", None, value
+        return SaveArray(
+            path, LeafKind.ARRAY, dt, shape, placed.layout, placed.devices, value, described
+        )
+    kind, key_impl, data = LeafKind.ARRAY, None, value
     if is_prng_key(value):
         import jax
 
-        kind, key_impl = "prng_key", str(jax.random.key_impl(value))
+        kind, key_impl = LeafKind.PRNG_KEY, str(jax.random.key_impl(value))
         data = jax.random.key_data(value)
     dt = np.dtype(data.dtype)
     checked_dtype(dt, name)
     shape = tuple(int(s) for s in data.shape)
     sharding = data.sharding
     placed = layout_of(shape, dt.itemsize, sharding)
-    if kind == "array":
+    if kind == LeafKind.ARRAY:
         if len(_PLACED) >= 4096:
             _PLACED.clear()
         _PLACED[(value.dtype, value.shape, sharding)] = (

@@ -16,6 +16,7 @@ import torch
 
 from ..checksum import crc32c
 from ..errors import UnsupportedLeafError
+from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess, checked
 from ..planning.layout import host_layout, own_layout
@@ -241,7 +242,7 @@ def _tensor_leaf(
         else:
             layout = host_layout(shape, dt.itemsize, process_count)
         source = TorchSource(value, None)
-        return SaveArray(path, "array", dt, shape, layout, None, source, describe(value))
+        return SaveArray(path, LeafKind.ARRAY, dt, shape, layout, None, source, describe(value))
     local = local_tensor(value)
     if value.is_meta or local.is_meta:
         refuse_meta(value, path_str(path))
@@ -252,7 +253,7 @@ def _tensor_leaf(
             f"{tuple(local.shape)}, its mesh and placements say {tl.local_shape(rank)}"
         )
     source = TorchSource(local, tl.local_starts)
-    return SaveArray(path, "array", dt, shape, tl.layout, None, source, desc)
+    return SaveArray(path, LeafKind.ARRAY, dt, shape, tl.layout, None, source, desc)
 
 
 def this_rank() -> int:
