@@ -4,7 +4,7 @@
 `json.dumps` runs in C and holds the interpreter for the whole document: the manifest of a
 10,000-leaf checkpoint takes it for tens of milliseconds in one go, a stall for every
 other thread of the process (the training loop, while an asynchronous save commits). Here
-a dict is encoded item by item and a long list slice by slice, so another thread gets the
+a large dict or list is encoded SLICE items at a time, so another thread gets the
 interpreter between pieces; the text is the same.
 """
 
