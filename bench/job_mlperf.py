@@ -45,12 +45,16 @@ import math
 import os
 import resource
 import shutil
+import sys
 import time
 import warnings
 import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common as bc
 
 METHODS = ("raw", "snapshard", "dcp", "dcp+snapshard")
 ROLES = ("param", "master", "exp_avg", "exp_avg_sq")  # param: bf16, the others fp32
@@ -208,7 +212,7 @@ def raw_save(tensors: list[Any], path: str, rank: int) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    fsync_path(path)
+    bc.fsync_path(path)
 
 
 def raw_load(tensors: list[Any], path: str, rank: int) -> None:
@@ -225,19 +229,11 @@ def raw_load(tensors: list[Any], path: str, rank: int) -> None:
         os.close(fd)
 
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fsync_dirs(path: str) -> None:
     """FileSystemWriter fsyncs its files, not its directories: done here."""
     for d, _, _ in os.walk(path):
-        fsync_path(d)
-    fsync_path(os.path.dirname(path))
+        bc.fsync_path(d)
+    bc.fsync_path(os.path.dirname(path))
 
 
 def evict(path: str) -> int:
