@@ -9,7 +9,7 @@ import json
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from snapshard import chunk_files
@@ -160,6 +160,7 @@ def _spans(files):
     st.integers(1, 4),
     st.sampled_from([2 << 20, 8 << 20, 32 << 20]),
 )
+@example([11183815] * 5, 2, 32 << 20)  # fits 2 files by its bytes, not split evenly
 def test_object_store_files_are_cut_to_fit_one_request(sizes, writers, most):
     """Every item in exactly one file; at least `writers` files (as the items allow), at
     most MAX_CUT_FILES; each within `most` bytes unless it holds an item larger than that,

@@ -144,7 +144,10 @@ def cut_files(
     total = int(spans.sum())
     n = min(MAX_CUT_FILES, max(writers, -(-total // most_bytes)))
     if n <= writers:
-        return split_files(items, writers)
+        # (the bytes fit in `writers` files, but an even split may still put more in one)
+        even = split_files(items, writers)
+        if all(len(f) == 1 or sum(chunk_span(it.nbytes) for it in f) <= most_bytes for f in even):
+            return even
     files: list[list[StagedItem]] = [[] for _ in range(n)]
     heap = [(0, j) for j in range(n)]
     for i in np.argsort(-spans, kind="stable").tolist():
