@@ -468,18 +468,7 @@ def _phase_save(args: argparse.Namespace, mesh: DeviceMesh, rec: Recorder) -> di
     def raw_write(sd: dict, path: str) -> None:
         """A plain durable write: the bytes this rank owns (its shards, its 1/world of each
         replicated leaf) written with os.write into one file, fsync'd with its directory."""
-        os.makedirs(path, exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-        fd = os.open(os.path.join(path, f"rank{rank}.bin"), flags, 0o644)
-        try:
-            for t in sd.values():
-                b = _owned(t, world, rank)
-                while len(b):
-                    b = b[os.write(fd, b) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        bc.fsync_path(path)
+        bc.write_durable(path, f"rank{rank}.bin", (_owned(t, world, rank) for t in sd.values()))
 
     def shuffled(ops: list[Callable[[], None]], r: int) -> None:
         """Run `ops` as listed in round 0 (the tables keep that order), then in an order

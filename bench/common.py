@@ -15,6 +15,8 @@ import resource
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -298,6 +300,22 @@ def fsync_path(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_durable(path: str, name: str, buffers: Iterable[Any]) -> None:
+    """The buffers written back to back with os.write into file `name` of directory `path`
+    (made if missing), then the file and the directory fsync'd: the plain durable write."""
+    os.makedirs(path, exist_ok=True)
+    fd = os.open(os.path.join(path, name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for b in buffers:
+            mv = memoryview(b).cast("B")
+            while len(mv):
+                mv = mv[os.write(fd, mv) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_path(path)
 
 
 def fresh_dir(path: str) -> None:

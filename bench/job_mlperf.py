@@ -200,19 +200,7 @@ def as_bytes(t: Any) -> Any:
 
 # ---------------------------------------------------------------- the methods
 def raw_save(tensors: list[Any], path: str, rank: int) -> None:
-    os.makedirs(path, exist_ok=True)
-    fd = os.open(
-        os.path.join(path, f"rank{rank}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644
-    )
-    try:
-        for t in tensors:
-            mv = memoryview(as_bytes(t))
-            while len(mv):
-                mv = mv[os.write(fd, mv) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    bc.fsync_path(path)
+    bc.write_durable(path, f"rank{rank}.bin", (as_bytes(t) for t in tensors))
 
 
 def raw_load(tensors: list[Any], path: str, rank: int) -> None:

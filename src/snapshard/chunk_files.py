@@ -228,16 +228,21 @@ def _contiguous(data: Any) -> np.ndarray:
 
 
 def _write_run(
-    writer: FileWriter, run: list[StagedItem], file: int, offset: int, file_key: int
+    writer: FileWriter,
+    run: list[StagedItem],
+    tables: tuple[np.ndarray, np.ndarray],
+    file: int,
+    offset: int,
+    file_key: int,
 ) -> tuple[np.ndarray, int]:
     """Plain chunks of at most _RUN_CHUNK_BYTES back to back from `offset`: the bytes of
-    each, then the crc32c of each of its checksum blocks XOR its chunk key; returns their
-    fixed record fields and the offset after them."""
+    each, then the crc32c of each of its checksum blocks XOR its chunk key (`tables`: their
+    _tables); returns their fixed record fields and the offset after them."""
     raws = [_contiguous(it.host if it.host is not None else it.materialize()) for it in run]
     sizes = np.fromiter((it.nbytes for it in run), np.int64, len(run))
     if any(r.nbytes != n for r, n in zip(raws, sizes.tolist(), strict=True)):
         raise ValueError(f"leaf {run[0].name!r}: staged bytes do not match the planned sizes")
-    blocks, nblocks = _tables(sizes)
+    blocks, nblocks = tables
     ends = offset + np.cumsum(sizes + 4 * nblocks)
     starts = ends - sizes - 4 * nblocks
     keys = ((starts.astype(np.uint64) * _MIX) >> np.uint64(32)).astype(np.uint32)
@@ -299,11 +304,15 @@ def write_file(
     try:
         small = _small(items, codec_of) if items else np.zeros(0, bool)
         stored = np.fromiter((it.nbytes for it in items), np.int64, len(items))
+        # Each small chunk's checksum block and block count (zeros for the others).
+        blocks, nblocks = np.zeros(len(items), np.int64), np.zeros(len(items), np.int64)
         if small.any():
-            stored[small] += 4 * _tables(stored[small])[1]
+            blocks[small], nblocks[small] = _tables(stored[small])
+            stored += 4 * nblocks
         for i, j, run in _runs(small, stored) if items else ():
             if run:
-                fixed, offset = _write_run(writer, items[i:j], file, offset, key)
+                tables = (blocks[i:j], nblocks[i:j])
+                fixed, offset = _write_run(writer, items[i:j], tables, file, offset, key)
             else:
                 it = items[i]
                 codec = codec_of(it) if codec_of is not None else 0
