@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import snapshard
-from snapshard.reading import BATCH_ITEMS, Dest, ReadStats, Request, execute, executor
+from snapshard.reading import BATCH_ITEMS, Dest, ReadStats, Request, execute
 from snapshard.reading.requests import plan_of_boxes
 
 
@@ -25,18 +25,18 @@ def test_buffers_are_allocated_batch_by_batch(tmp_path, monkeypatch) -> None:
     sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh) for k, v in state.items()}
     events: list[str] = []
-    real_with, real_build = executor.with_buffers, executor.build
+    real_dests, real_finish = Request.dests, Request.finish
 
-    def with_buffers(r: Request) -> list[Dest]:
+    def dests(r: Request) -> list[Dest]:
         events.append("alloc")
-        return real_with(r)
+        return real_dests(r)
 
-    def build(r: Request) -> object:
+    def finish(r: Request) -> None:
         events.append("build")
-        return real_build(r)
+        real_finish(r)
 
-    monkeypatch.setattr(executor, "with_buffers", with_buffers)
-    monkeypatch.setattr(executor, "build", build)
+    monkeypatch.setattr(Request, "dests", dests)
+    monkeypatch.setattr(Request, "finish", finish)
     out = snapshard.load(path, target, snapshard.ReadOptions(memory_budget=3 * 8 * 8 * 4))
     for k, v in state.items():
         np.testing.assert_array_equal(np.asarray(out[k]), v)
@@ -70,7 +70,7 @@ def test_arrays_bound_for_an_accelerator_are_read_in_batches_of_batch_items(
 
     def read(dests: list[Dest]) -> None:
         seen.append(len(dests))
-        alive.append(sum(1 for r in reqs if r.dests))  # buffers alive while a batch is read
+        alive.append(sum(1 for r in reqs if r._buffers))  # buffers alive while a batch is read
         for d in dests:
             d.buf.view(np.float32)[:] = len(seen)
 
@@ -79,4 +79,4 @@ def test_arrays_bound_for_an_accelerator_are_read_in_batches_of_batch_items(
     assert alive == sizes  # the batch's own, none of the batches before or after it
     batch_of = [k + 1 for k, n in enumerate(sizes) for _ in range(n)]
     assert [int(v[0]) for v in out] == batch_of
-    assert all(not r.dests for r in reqs)
+    assert all(not r._buffers for r in reqs)

@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 import multiproc
-from snapshard.torch import dcp_read_once
+from snapshard.torch.read_once import plan_dcp
 
 ENV = {"OMP_NUM_THREADS": "1", "SNAPSHARD_TEST_WITHOUT_JAX": "1"}
 
@@ -75,7 +75,7 @@ def test_plan_gives_each_shared_box_to_one_holder_balancing_bytes():
     b = ("b", (0,), (4,))
     c = ("c", (0,), (6,))
     sizes = {a: 40, b: 16, c: 24}
-    once = dcp_read_once.plan([[a, b], [a, b, c], [c]], sizes.__getitem__)
+    once = plan_dcp([[a, b], [a, b, c], [c]], sizes.__getitem__)
     assert once is not None
     by_key = {s.key: s for s in once.shared}
     assert by_key[a].holders == (0, 1) and by_key[b].holders == (0, 1)
@@ -90,4 +90,4 @@ def test_plan_gives_each_shared_box_to_one_holder_balancing_bytes():
 
 
 def test_plan_is_none_without_shared_boxes():
-    assert dcp_read_once.plan([[("a", (0,), (2,))], [("a", (2,), (4,))]], lambda k: 8) is None
+    assert plan_dcp([[("a", (0,), (2,))], [("a", (2,), (4,))]], lambda k: 8) is None

@@ -147,12 +147,13 @@ def test_a_small_memory_budget_reads_in_batches_and_holds_one_batch_of_staging(
 def test_many_small_tensors_are_read_a_bounded_number_at_a_time(tmp_path, monkeypatch):
     """However many tensors a state has, a batch reads at most BATCH_ITEMS regions (what
     each holds besides its bytes stays bounded), also without a memory budget."""
+    import snapshard.reading.fills as fills
     import snapshard.torch.loading as loading
 
     state = {f"w{i}": torch.randn(4, 4) for i in range(11)}
     st.save(tmp_path / "c", state)
     sizes = []
-    real = loading.batches
+    real = fills.batches
 
     def recorded(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -160,7 +161,7 @@ def test_many_small_tensors_are_read_a_bounded_number_at_a_time(tmp_path, monkey
         return out
 
     monkeypatch.setattr(loading, "BATCH_ITEMS", 3)
-    monkeypatch.setattr(loading, "batches", recorded)
+    monkeypatch.setattr(fills, "batches", recorded)
     target = {k: torch.zeros(4, 4) for k in state}
     st.load(tmp_path / "c", target)
     assert sizes == [3, 3, 3, 2]

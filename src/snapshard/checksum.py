@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import crc32c as _crc32c
 
 
@@ -14,10 +12,6 @@ def crc32c(data: memoryview | bytes, value: int = 0) -> int:
 
 def block_crcs(data: memoryview, block: int) -> list[int]:
     return [crc32c(data[i : i + block]) for i in range(0, len(data), block)]
-
-
-def crcs_to_hex(crcs: Iterable[int]) -> str:
-    return "".join(f"{c:08x}" for c in crcs)
 
 
 class BlockVerifier:

@@ -20,8 +20,7 @@ from .format.naming import values_file_name
 from .frameworks import is_jax_array, is_shape_dtype_struct
 from .iterators import is_data_iterator
 from .per_process import PerProcess, Resplit
-from .reading import build as build_request
-from .reading import make_request, with_buffers
+from .reading import make_request
 from .storage import Storage
 from .tree import Path, empty_containers, path_str
 
@@ -104,7 +103,7 @@ def build_from_host(
     boxes this process holds for the target."""
     req = make_request(saved, target, url, mesh)
     dtype = dtype_from_name(saved.dtype)
-    for d in with_buffers(req):
+    for d in req.dests():
         buf = d.buf.view(dtype).reshape(d.shape)
         for (start, stop), values in boxes.items():
             lo, hi = np.maximum(d.start, start), np.minimum(d.stop, stop)
@@ -112,7 +111,8 @@ def build_from_host(
                 into = tuple(map(slice, lo - d.start, hi - d.start))
                 src = tuple(map(slice, lo - np.asarray(start), hi - np.asarray(start)))
                 buf[into] = np.asarray(values, dtype=dtype)[src]
-    return build_request(req)
+    req.finish()
+    return req.value
 
 
 def missing_target_leaf(url: str, path: Path, saved: Mapping[Path, Any]) -> TargetMismatchError:

@@ -17,7 +17,7 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,17 +268,6 @@ def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:
         raise CorruptCheckpointError(f"unknown tree node type {t!r}")
 
     return build(structure)
-
-
-def iter_leaf_nodes(structure: JsonNode) -> Iterator[int]:
-    """The leaf indices of a stored structure, in order."""
-    stack = [structure]
-    while stack:
-        node = stack.pop()
-        if node.get("t") == "leaf":
-            yield int(node["i"])
-        else:
-            stack.extend(reversed(node.get("c", [])))
 
 
 class ClassesLostWarning(UserWarning):

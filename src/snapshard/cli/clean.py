@@ -90,12 +90,6 @@ def _remove(found: list[Unfinished]) -> list[str]:
     return failed
 
 
-def _owners(u: Unfinished) -> str:
-    if not u.owners:
-        return "-"
-    return "; ".join(f"{o.identity.describe()} ({o.state})" for o in u.owners)
-
-
 def run(args: argparse.Namespace, out: Output) -> int:
     root = _directory(args.dir)
     found = stale_staging.find(root)

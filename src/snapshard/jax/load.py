@@ -3,7 +3,6 @@ read executor (reading/) over the checkpoint's source (reading/sources.py)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,17 +13,17 @@ from ..format import Manifest, ValueLeaf
 from ..format.leaves import PerProcessLeaf
 from ..gc_pause import collection_paused
 from ..iterators import is_data_iterator, restore_iterator
-from ..options import ReadOptions, require
+from ..options import ReadOptions
 from ..per_process import Resplit
 from ..reading import ReadStats, Request, make_request
-from ..reading.sources import open_source
+from ..reading.sources import open_for_load
 from ..restore import (
     is_target_leaf,
     missing_target_leaf,
     per_process_values,
     refuse_empty_containers,
 )
-from ..storage import Location, Storage, storage_for
+from ..storage import Location, Storage
 from ..tree import Path, TargetTree, flatten_target, path_str, unflatten, warn_lost_classes
 from .read_once import execute as execute_read_once
 
@@ -70,13 +69,8 @@ def load(
     and read-once restores of replicated targets in multi-process jobs. `stats`, when
     given, is filled with what the restore read and how long it took.
     """
-    require(options, ReadOptions)
-    t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
-    owns_storage = not isinstance(directory, Storage)
-    storage = storage_for(directory)
-    try:
-        source = open_source(storage, options)
+    with open_for_load(directory, options, stats) as (storage, source, _):
         manifest, url = source.manifest, storage.url
         if target is None:
             pairs = [(leaf.path, None) for leaf in manifest.leaves]
@@ -87,10 +81,6 @@ def load(
         results, reqs = _values_and_requests(storage, manifest, pairs, resplit, mesh)
         built = execute_read_once([r for _, r in reqs], source, options, stats, location=url)
         results.update(zip([p for p, _ in reqs], built, strict=True))
-    finally:
-        if owns_storage:
-            storage.close()
-    stats.total_s = time.perf_counter() - t_start
     if matched is None:
         by_index: Callable[[int], Any] = lambda i: results[manifest.leaves[i].path]  # noqa: E731
         warn_lost_classes(manifest.structure)

@@ -34,11 +34,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..coordination import Coordinator
 from ..frameworks import jax_wing
+from ..options import ReadOptions, SaveOptions
+from ..reading import ReadStats
 from ..saving import SaveTimings
+from ..storage import Storage
+from ..tree import FlatTree
 
 
 @dataclass(frozen=True)
@@ -50,22 +54,43 @@ class StartedSave:
     finish: Callable[[], SaveTimings]
 
 
+class StartSave(Protocol):
+    """A save's blocking phase into one step's storage. It must snapshot every byte the
+    save writes before returning (the caller goes on training). `base` and `identical`,
+    passed only for an incremental save, are saving.prepare's."""
+
+    def __call__(
+        self,
+        storage: Storage,
+        tree: Any,
+        options: SaveOptions,
+        /,
+        *,
+        flat: FlatTree,
+        coordinator: Coordinator,
+        extra: dict[str, Any],
+        snapshot: Any,
+    ) -> StartedSave: ...
+
+
+class Load(Protocol):
+    """A restore of one step into `target` (None: the saved tree), filling `stats`. The
+    framework's own keywords that the manager's `restore` passes through come beside."""
+
+    def __call__(
+        self, storage: Storage, target: Any, options: ReadOptions, /, *, stats: ReadStats
+    ) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Framework:
-    """The framework-specific operations of a CheckpointManager (see the module docstring).
-
-    `start_save(storage, tree, options, *, flat, coordinator, extra, snapshot, base,
-    identical)` (options: a SaveOptions) must snapshot every byte the save writes before
-    returning (the caller goes on training); `base` and `identical` are those of an
-    incremental save (saving.prepare). `load(storage, target, options, *, stats, **args)`
-    takes a ReadOptions and fills the ReadStats `stats`; `args` are the framework's own
-    keywords that the manager's `restore` passes through."""
+    """The framework-specific operations of a CheckpointManager (see the module docstring)."""
 
     name: str
     is_leaf: Callable[[Any], bool]
     coordinator: Callable[[], Coordinator]
-    start_save: Callable[..., StartedSave]
-    load: Callable[..., Any]
+    start_save: StartSave
+    load: Load
     preemption_sync_point: Callable[[int], bool | None] | None = None
     warm_up: Callable[[], None] | None = None
     local_tier: Callable[[], Any] | None = None

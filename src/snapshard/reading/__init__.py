@@ -11,20 +11,21 @@ The internal API of every reader in the package (snapshard.load, Orbax and safet
 sources, the torch adapter, read-once): `make_request` says what to build for a leaf,
 `execute` reads and builds requests in memory-bounded batches through a `ReadDests`, and
 `reader_of` is the `ReadDests` of a snapshard checkpoint. Call order: make_request for each
-leaf → execute(requests, reader), which gives each batch its buffers (`with_buffers`) →
-values in request order.
+leaf → execute(requests, reader), which runs the one batch loop (`fill`) over the requests
+as `Fill`s → values in request order. The torch wing's fills go through the same loop.
 
 One job per module: host buffers and batching (`buffers.py`), requests and building their
-values (`requests.py`, JAX only for jax targets), the pure read plan (`plan.py`), the reads
+values (`requests.py`, JAX only for jax targets), the restore's seam and its batch loop
+(`fills.py`), the pure read plan (`plan.py`), the reads
 of one range (`ranges.py`, `windows.py`), where the bytes are and the prefetch
 (`prefetch.py`), one batch's reads on the read threads (`reads.py`), the chunk tables and
-the readers of a checkpoint (`tables.py`), and `execute` (`executor.py`).
+the readers of a checkpoint (`tables.py`).
 """
 
 from .buffers import ALIGN, BATCH_ITEMS, Dest, ReadDests, ReadStats, aligned_empty, batches
-from .executor import Expand, execute
+from .fills import Expand, Fill, fill
 from .plan import plan_reads
-from .requests import Request, build, make_request, request_boxes, with_buffers
+from .requests import Request, execute, make_request, request_boxes
 from .tables import SavedBoxes, chunk_boxes, chunk_tables, reader_of, saved_boxes, table_reader
 
 __all__ = [
@@ -32,21 +33,21 @@ __all__ = [
     "BATCH_ITEMS",
     "Dest",
     "Expand",
+    "Fill",
     "ReadDests",
     "ReadStats",
     "Request",
     "SavedBoxes",
     "aligned_empty",
     "batches",
-    "build",
     "chunk_boxes",
     "chunk_tables",
     "execute",
+    "fill",
     "make_request",
     "plan_reads",
     "reader_of",
     "request_boxes",
     "saved_boxes",
     "table_reader",
-    "with_buffers",
 ]

@@ -2,10 +2,11 @@
 
 `make_request` matches a saved array leaf with its target (None: NumPy as saved; a NumPy
 array; a jax.Array or ShapeDtypeStruct, whose sharding gives the boxes this process holds)
-and plans its boxes; `with_buffers` gives each box an aligned host buffer when the request's
-batch is read (so that only one batch's buffers are alive at a time); `build` turns the
-filled buffers into the value asked for. JAX is imported only where a jax target is met
-(the JAX wing, through frameworks.jax_wing).
+and plans its boxes. A request is a `Fill` (fills.py): its boxes get aligned host buffers
+when its batch is read (so that only one batch's buffers are alive at a time), and
+`finish` turns the filled buffers into the value asked for. `execute` runs the batch loop
+over requests. JAX is imported only where a jax target is met (the JAX wing, through
+frameworks.jax_wing).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from ..errors import TargetMismatchError
 from ..format import ArrayLeaf
 from ..format.kinds import LeafKind
 from ..frameworks import is_jax_array, is_prng_key_dtype, is_shape_dtype_struct, jax_wing
-from .buffers import ALIGN, Dest, aligned_empty
+from .buffers import ALIGN, BATCH_ITEMS, Dest, ReadDests, ReadStats, aligned_empty
+from .fills import Expand, fill
 
 
 @dataclass(frozen=True)
@@ -42,23 +44,47 @@ class _BoxPlan:
 
 @dataclass
 class Request:
-    """One leaf to produce. kind: 'numpy', 'scalar', 'jax', 'key' (typed PRNG key).
+    """One leaf to produce, a `Fill` (fills.py). kind: 'numpy', 'scalar', 'jax', 'key'
+    (typed PRNG key).
 
-    `dests` stays empty until `with_buffers` gives the planned boxes their host buffers,
-    and is emptied again once the value is built."""
+    Its buffers are made when its batch is read (`dests`) and dropped once `finish` has
+    built `value` from them."""
 
     saved: ArrayLeaf
     kind: str
     dtype: np.dtype
     sharding: Any = None
-    dests: list[Dest] = field(default_factory=list)
     box_plan: _BoxPlan | None = None
+    value: Any = None
+    _buffers: list[Dest] = field(default_factory=list)
 
     @property
-    def nbytes(self) -> int:
+    def buffered(self) -> int:
         """The bytes of the host buffers this request reads into (none before it is
-        planned: `with_buffers` gives an unplanned request no buffers)."""
+        planned: an unplanned request has no buffers)."""
         return sum(self.box_plan.sizes) if self.box_plan is not None else 0
+
+    def dests(self) -> list[Dest]:
+        """Each box of its plan with its aligned host buffer, allocated on the first call
+        (one allocation per leaf: a buffer per box would cost one per shard)."""
+        plan = self.box_plan
+        if self._buffers or plan is None:
+            return self._buffers
+        whole = aligned_empty(plan.offsets[-1])
+        saved = self.saved
+        self._buffers.extend(
+            Dest(saved, s, e, whole[at : at + n], devices, shape)
+            for s, e, at, n, (_, _, devices), shape in zip(
+                plan.starts, plan.stops, plan.offsets, plan.sizes, plan.boxes, plan.shapes,
+                strict=False,  # (offsets has one more)
+            )
+        )
+        return self._buffers
+
+    def finish(self) -> None:
+        """`value` built from the filled buffers, which are dropped."""
+        self.value = _build(self, self._buffers)
+        self._buffers.clear()
 
 
 def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> Request:
@@ -190,25 +216,7 @@ def request_boxes(req: Request, sharding: Any) -> Request:
     return req
 
 
-def with_buffers(req: Request) -> list[Dest]:
-    """`req`'s destinations, each box of its plan with its aligned host buffer, allocated
-    on the first call (one allocation per leaf: a buffer per box would cost one per shard)."""
-    plan = req.box_plan
-    if req.dests or plan is None:
-        return req.dests
-    whole = aligned_empty(plan.offsets[-1])
-    saved = req.saved
-    req.dests.extend(
-        Dest(saved, s, e, whole[at : at + n], devices, shape)
-        for s, e, at, n, (_, _, devices), shape in zip(
-            plan.starts, plan.stops, plan.offsets, plan.sizes, plan.boxes, plan.shapes,
-            strict=False,  # (offsets has one more)
-        )
-    )
-    return req.dests
-
-
-def build(req: Request) -> Any:
+def _build(req: Request, dests: list[Dest]) -> Any:
     """The value a request asks for (NumPy, scalar, typed keys or a jax.Array) from its
     filled host buffers."""
     saved_dtype = dtype_from_name(req.saved.dtype)
@@ -218,16 +226,45 @@ def build(req: Request) -> Any:
         return a if dtype == saved_dtype else a.astype(dtype)
 
     if req.kind in ("numpy", "scalar"):
-        a = host(req.dests[0], req.dtype)
+        a = host(dests[0], req.dtype)
         return a[()] if req.kind == "scalar" else a
     wing = jax_wing()  # keys, jax.Arrays
     if req.kind == "key":
         # Key arrays are small: every process reads all of the key data and builds its part.
         impl = req.saved.key_impl
-        data = host(req.dests[0], saved_dtype)
+        data = host(dests[0], saved_dtype)
         return wing.key_array(data, impl, req.sharding)
     plan = req.box_plan
     assert plan is not None  # (every request is planned when made)
     dtype = req.dtype
-    hosts = [host(d, dtype) for d in req.dests]
+    hosts = [host(d, dtype) for d in dests]
     return wing.array_from_host_boxes(req.saved.shape, req.sharding, plan.boxes, hosts, dtype)
+
+
+def execute(
+    reqs: list[Request],
+    read: ReadDests,
+    *,
+    memory_budget: int | None,
+    stats: ReadStats,
+    expand: Expand | None = None,
+) -> list[Any]:
+    """Read and build every request, in batches that fit the memory budget (jax.Arrays
+    only); returns the built values in the order of `reqs`.
+
+    On the CPU backend a jax.Array keeps its host buffer (XLA aliases it), so batches there
+    only bound the bytes. On an accelerator a buffer is dropped once its device copy is
+    made; batches of at most `BATCH_ITEMS` requests then keep the host memory of a restore
+    of many small arrays (buffers and the objects of their reads) a fraction of the
+    state's, not all of it at once."""
+    budget = None if all(r.kind in ("numpy", "scalar") for r in reqs) else memory_budget
+    plans = {id(r.box_plan): r.box_plan for r in reqs if r.box_plan is not None}
+    box_devices = [devs for p in plans.values() for _, _, devs in p.boxes if devs]
+    if any(len(devs) > 1 and devs[0].platform == "cpu" for devs in box_devices):
+        jax_wing().start_cpu_donation_check()  # overlaps the reads (see array_from_host_boxes)
+    on_device = any(devs[0].platform != "cpu" for devs in box_devices)
+    fill(reqs, read, stats, budget=budget, most=BATCH_ITEMS if on_device else None, expand=expand)
+    values = [r.value for r in reqs]
+    for r in reqs:
+        r.value = None  # (the caller holds the values, not its requests)
+    return values

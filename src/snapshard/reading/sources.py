@@ -11,6 +11,9 @@ names the tensors it wants), by byte ranges (safetensors.source).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,8 +23,8 @@ from ..errors import CheckpointNotFoundError
 from ..format import ArrayLeaf, Manifest
 from ..format.finder import ChunkFinder
 from ..format.reading import read_checkpoint
-from ..options import ReadOptions
-from ..storage import Storage
+from ..options import ReadOptions, require
+from ..storage import Location, Storage, storage_for
 from . import Dest, ReadDests, ReadStats, reader_of, saved_boxes
 
 
@@ -86,3 +89,24 @@ def open_checkpoint(
     """The checkpoint's source and the reader that fills buffers from it into `stats`."""
     source = open_source(storage, options)
     return source, lambda dests: source.read_dests(dests, stats)
+
+
+@contextmanager
+def open_for_load(
+    directory: Location | Storage, options: ReadOptions, stats: ReadStats
+) -> Iterator[tuple[Storage, TreeSource, ReadDests]]:
+    """What every load of a saved tree begins and ends with: the options checked, the
+    storage opened (and closed after, where opened here), the checkpoint's source and the
+    reader that fills buffers from it into `stats`; at the end, the load's whole time in
+    `stats.total_s`."""
+    require(options, ReadOptions)
+    t_start = time.perf_counter()
+    owns = not isinstance(directory, Storage)
+    storage = storage_for(directory)
+    try:
+        source, read = open_checkpoint(storage, options, stats)
+        yield storage, source, read
+    finally:
+        if owns:
+            storage.close()
+        stats.total_s = time.perf_counter() - t_start

@@ -14,7 +14,7 @@ Per-process values (snapshard.PerProcess) and dtypes torch lacks (int4, ...) are
 
 Where `ReadOptions.read_once` says so (by default on object stores and network
 filesystems), a box several ranks' plans read is read by one and broadcast to the others
-(torch/dcp_read_once.py).
+(torch/read_once.py).
 """
 
 from __future__ import annotations
@@ -46,15 +46,21 @@ from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
 from ..read_once_policy import too_small, wanted_here
-from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, batches
+from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, fill
 from ..reading.sources import open_checkpoint
 from ..storage import Location, storage_for
 from ..tree import JsonNode, Path, unflatten
-from . import dcp_read_once
 from .coordination import default_coordinator
 from .dcp_storage import PICKLED_KEY, DcpStorageError
 from .dtypes import from_numpy, host_view, torch_dtype
-from .read_once import backend_devices
+from .read_once import (
+    BoxKey,
+    DcpReadOncePlan,
+    backend_devices,
+    broadcast_device,
+    plan_dcp,
+    share_dcp,
+)
 
 
 def dcp_name(path: Path) -> str:
@@ -135,10 +141,11 @@ class _Entries:
 
 
 class _TensorRead:
-    """One DCP read item of a tensor: the saved box it reads and the target region."""
+    """One DCP read item of a tensor, a `Fill` (reading/fills.py): the saved box it reads
+    and the target region, handed to the planner once filled."""
 
     def __init__(self, item: ReadItem, leaf: ArrayLeaf, planner: LoadPlanner) -> None:
-        self.item, self.leaf = item, leaf
+        self.item, self.leaf, self.planner = item, leaf, planner
         self.key = _box_key(item)
         self.start = np.asarray(self.key[1], np.int64)
         self.stop = np.asarray(self.key[2], np.int64)
@@ -159,13 +166,15 @@ class _TensorRead:
     def buffered(self) -> int:
         return 0 if self.direct is not None else self.nbytes
 
-    def dest(self) -> Dest:
+    def dests(self) -> list[Dest]:
+        if not self.nbytes:
+            return []
         buf = self.direct
         if buf is None:
             buf = self._staged = aligned_empty(self.nbytes)
-        return Dest(self.leaf, self.start, self.stop, buf)
+        return [Dest(self.leaf, self.start, self.stop, buf)]
 
-    def commit(self, planner: LoadPlanner) -> None:
+    def finish(self) -> None:
         if self._staged is not None:
             shape = tuple(int(x) for x in self.stop - self.start)
             data = from_numpy(self._staged.view(self.dtype).reshape(shape))
@@ -173,7 +182,7 @@ class _TensorRead:
             with torch.no_grad():
                 self.target.copy_(data)
             self._staged = None
-        planner.commit_tensor(self.item, self.target)
+        self.planner.commit_tensor(self.item, self.target)
 
 
 class StorageReader(_DcpStorageReader):
@@ -184,7 +193,7 @@ class StorageReader(_DcpStorageReader):
     `verify`, `threads`, `memory_budget` (the host bytes of read buffers held at once) and
     `max_gap` as for snapshard.torch.load, `read_once` and `timeout_s` as there: with
     read-once, a box several ranks' plans read is read by one and broadcast to the others
-    (torch/dcp_read_once.py)."""
+    (torch/read_once.py)."""
 
     def __init__(self, path: Location | None = None, options: ReadOptions = ReadOptions()):
         super().__init__()
@@ -237,12 +246,12 @@ class StorageReader(_DcpStorageReader):
         self.is_coordinator = is_coordinator
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        """Tells the coordinator whether this rank would read once (see dcp_read_once):
+        """Tells the coordinator whether this rank would read once (see torch/read_once.py):
         the ranks agree through DCP's own gather of the plans, with no rendezvous of
         their own."""
         if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
             return plan
-        able = dcp_read_once.broadcast_device(backend_devices()) is not None
+        able = broadcast_device(backend_devices()) is not None
         once = able and wanted_here(self._open()[0].url, self.options.read_once)
         return dataclasses.replace(plan, storage_data=once)
 
@@ -252,11 +261,11 @@ class StorageReader(_DcpStorageReader):
             return [dataclasses.replace(p, storage_data=None) for p in plans]
         entries = self._open()[0]
 
-        def nbytes(key: dcp_read_once.BoxKey) -> int:
+        def nbytes(key: BoxKey) -> int:
             size = dtype_from_name(entries.arrays[key[0]].dtype).itemsize
             return int(np.prod(np.subtract(key[2], key[1]))) * size
 
-        def large(key: dcp_read_once.BoxKey) -> bool:  # (the others: read by every holder)
+        def large(key: BoxKey) -> bool:  # (the others: read by every holder)
             return not too_small(entries.arrays[key[0]].nbytes, self.options.read_once)
 
         keys = [
@@ -264,7 +273,7 @@ class StorageReader(_DcpStorageReader):
              if large(k := _box_key(item))]
             for p in plans
         ]  # fmt: skip
-        once = dcp_read_once.plan(keys, nbytes)
+        once = plan_dcp(keys, nbytes)
         return [dataclasses.replace(p, storage_data=once) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
@@ -272,11 +281,9 @@ class StorageReader(_DcpStorageReader):
         tensors, pickled = self._items(plan, planner, entries)
         for item, leaf in pickled:
             planner.load_bytes(item, io.BytesIO(_stored_bytes(read, leaf)))
-        once = (
-            plan.storage_data if isinstance(plan.storage_data, dcp_read_once.ReadOncePlan) else None
-        )
+        once = plan.storage_data if isinstance(plan.storage_data, DcpReadOncePlan) else None
         if once is None:
-            self._read(tensors, read, planner)
+            fill(tensors, read, self.stats, budget=self.options.memory_budget)
         else:
             self._read_once(once, tensors, read, planner, entries.url)
         done: Future[None] = Future()
@@ -305,15 +312,9 @@ class StorageReader(_DcpStorageReader):
                 tensors.append(_TensorRead(item, leaf, planner))
         return tensors, pickled
 
-    def _read(self, tensors: list[_TensorRead], read: ReadDests, planner: LoadPlanner) -> None:
-        for batch in batches(tensors, lambda r: r.buffered, self.options.memory_budget):
-            read([r.dest() for r in batch if r.nbytes])
-            for r in batch:
-                r.commit(planner)
-
     def _read_once(
         self,
-        once: dcp_read_once.ReadOncePlan,
+        once: DcpReadOncePlan,
         tensors: list[_TensorRead],
         read: ReadDests,
         planner: LoadPlanner,
@@ -328,24 +329,22 @@ class StorageReader(_DcpStorageReader):
         rv = Rendezvous(coord, namespace("load", url), f"dcp.load of {url}", self.options.timeout_s)
         error: BaseException | None = None
         try:
-            self._read(mine, read, planner)
+            fill(mine, read, self.stats, budget=self.options.memory_budget)
         except Exception as e:  # every rank learns of it in share(), which raises
             error = e
-        regions: dict[dcp_read_once.BoxKey, list[torch.Tensor]] = {}
+        regions: dict[BoxKey, list[torch.Tensor]] = {}
         for r in tensors:
             if r.key in readers:
                 regions.setdefault(r.key, []).append(r.target)
-        device = dcp_read_once.broadcast_device(backend_devices())
+        device = broadcast_device(backend_devices())
         assert device is not None  # prepare_local_plan wanted read-once only with one
         with torch.no_grad():
-            self.stats.bytes_from_peers += dcp_read_once.share(
-                once, rank, regions, rv, error, device
-            )
+            self.stats.bytes_from_peers += share_dcp(once, rank, regions, rv, error, device)
         for r in received:
             planner.commit_tensor(r.item, r.target)
 
 
-def _box_key(item: ReadItem) -> dcp_read_once.BoxKey:
+def _box_key(item: ReadItem) -> BoxKey:
     start = np.asarray(tuple(item.storage_index.offset or ()), np.int64) + np.asarray(
         tuple(item.storage_offsets), np.int64
     )

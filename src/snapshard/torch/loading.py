@@ -26,7 +26,7 @@ from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
 from ..format.leaves import PerProcessLeaf
 from ..gc_pause import collection_paused
-from ..options import ReadOptions, require
+from ..options import ReadOptions
 from ..per_process import PerProcess, Resplit
 from ..planning.layout import Box
 from ..read_once_policy import too_small, wanted_alike
@@ -37,11 +37,11 @@ from ..reading import (
     ReadStats,
     SavedBoxes,
     aligned_empty,
-    batches,
+    fill,
 )
-from ..reading.sources import TreeSource, open_checkpoint
+from ..reading.sources import TreeSource, open_for_load
 from ..restore import missing_target_leaf, per_process_values, refuse_empty_containers
-from ..storage import Location, Storage, storage_for
+from ..storage import Location, Storage
 from ..transforms.surgery import Transform
 from ..transforms.virtual import Derived, Stored, VArray
 from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
@@ -56,9 +56,9 @@ from .values import into_target, is_dtensor, local_tensor
 
 
 class _Fill:
-    """One region of a target leaf and how it is read: into the region's own memory
-    (`direct`, a uint8 view of it), or into a staging buffer made for the batch that reads
-    it and dropped once `store` has cast (and transposed) it into the region. Staging is
+    """One region of a target leaf, a `Fill` (reading/fills.py): read into the region's own
+    memory (`direct`, a uint8 view of it), or into a staging buffer made for the batch that
+    reads it and dropped once `finish` has cast (and transposed) it into the region. Staging is
     made per batch so that `ReadOptions.memory_budget` bounds the host bytes held at once.
     `start`, `stop`: the region's box in the target's coordinates; `saved_start`,
     `saved_stop`: the box of the saved array it is read from."""
@@ -90,14 +90,14 @@ class _Fill:
             return 0
         return math.prod(self.shape) * dtype_from_name(self.leaf.dtype).itemsize
 
-    def dest(self) -> Dest:
+    def dests(self) -> list[Dest]:
         """Where the read lands: the region itself, or a staging buffer made now."""
         buf = self.direct
         if buf is None:
             buf = self._staged = aligned_empty(self.buffered)
-        return Dest(self.leaf, self.saved_start, self.saved_stop, buf)
+        return [Dest(self.leaf, self.saved_start, self.saved_stop, buf)]
 
-    def store(self) -> None:
+    def finish(self) -> None:
         """Move a staged read into the region, cast to its dtype, and drop the staging."""
         if self._staged is None:
             return
@@ -289,12 +289,7 @@ def _read_targets(
 
     with torch.no_grad():
         try:
-            for batch in batches(fills, lambda f: f.buffered, options.memory_budget, BATCH_ITEMS):
-                timed_read([f.dest() for f in batch])
-                t1 = time.perf_counter()
-                for f in batch:
-                    f.store()
-                stats.assemble_s += time.perf_counter() - t1
+            fill(fills, read, stats, budget=options.memory_budget, most=BATCH_ITEMS)
         except Exception as e:
             if rv is None:
                 raise
@@ -428,15 +423,10 @@ def load(
     others (torch/read_once.py), and a target that cuts the saved rows is read as bands
     of whole rows, then exchanged (torch/exchange.py). Every rank passes the same target
     and options."""
-    require(options, ReadOptions)
     if target is None and transform is not None:
         raise ValueError("transform= needs a target: the state dict whose names it maps onto")
-    t_start = time.perf_counter()
     stats = stats if stats is not None else ReadStats()
-    owns = not isinstance(directory, Storage)
-    storage = storage_for(directory)
-    try:
-        source, read = open_checkpoint(storage, options, stats)
+    with open_for_load(directory, options, stats) as (storage, source, read):
         manifest = source.manifest
         if target is None:
             whole, scalars = _whole_target(manifest)
@@ -447,10 +437,6 @@ def load(
             out = _put_back(out, (), {p: a[()] for p, a in scalars.items()})
         else:
             out = _load_into(storage, source, read, target, options, stats, transform, resplit)
-    finally:
-        if owns:
-            storage.close()
-    stats.total_s = time.perf_counter() - t_start
     if target is None:
         warn_lost_classes(manifest.structure, hint=TORCH_TARGET_HINT)
     return out

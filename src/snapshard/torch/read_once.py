@@ -1,7 +1,8 @@
-"""Read-once restores for torch: a box that several ranks hold is read from storage by one of
-them and broadcast to the others over torch.distributed.
+"""Read-once restores for torch, for `snapshard.torch.load` and for `dcp.load` through
+snapshard.torch.StorageReader: a box that several ranks hold is read from storage by one of
+them and broadcast to the others over torch.distributed. Two planners, one broadcast.
 
-Call order, on every rank, with the same target:
+`snapshard.torch.load`, on every rank, with the same target:
 
 1. `plan(targets, rank, world, devices)`: pure, no communication. The layouts of the target
    tensors on devices the default process group serves (a DTensor's from its mesh and
@@ -11,22 +12,37 @@ Call order, on every rank, with the same target:
 2. `ReadOncePlan.bind(leaf, fills)` for every target leaf: the fills this rank reads itself;
    the regions of the others come from a peer.
 3. The restore reads those fills.
-4. `ReadOncePlan.share(rendezvous, error)`: every rank reports whether its reads succeeded
-   (one rendezvous through the coordinator's store, bounded by its timeout): a failed read
-   fails every rank, naming the rank. Then, for every box held by several ranks, in one
-   order on every rank, its reader broadcasts the box to the group of its holders. Groups
-   are made once per holder set, in the same order on every rank, and kept for the
-   process's life (a job restores onto a few layouts). A failure during the broadcasts
-   themselves is bounded by the process group's timeout, not the rendezvous's.
+4. `ReadOncePlan.share(rendezvous, error)`: `broadcast` below.
 
-Read-once is the default where `ReadOptions.read_once` says so (read_once.wanted: object
+`dcp.load` (the reader's methods in brackets):
+
+1. Every rank (`prepare_local_plan`): whether it wants read-once (`wanted_here`, as above)
+   and whether it has a device to broadcast on (`broadcast_device`); both go to the
+   coordinator with its local plan.
+2. The coordinator (`prepare_global_plan`): `plan_dcp(keys, nbytes)`, pure: the boxes that
+   several ranks' plans read alike (the same tensor, the same saved offsets and lengths),
+   each given to the holder with the fewest bytes to read so far (largest boxes first), in
+   one order. The same `DcpReadOncePlan` goes into every rank's plan, or none when a rank
+   did not want read-once or no box is shared.
+3. Every rank (`read_data`): reads its own items and those shared boxes it was given, then
+   `share_dcp`: `broadcast` below.
+
+`broadcast`: every rank reports whether its reads succeeded (one rendezvous through the
+coordinator's store, bounded by its timeout): a failed read fails every rank, naming the
+rank. Then, for every box held by several ranks, in one order on every rank, its reader
+broadcasts the box to the group of its holders. The groups are made for the broadcasts, in
+the same order on every rank, and destroyed after them, so that no group (and none of its
+backend's threads) outlives the restore. A failure during the broadcasts themselves is
+bounded by the process group's timeout, not the rendezvous's.
+
+Read-once is the default where `ReadOptions.read_once` says so (read_once_policy: object
 stores, network filesystems); NumPy targets, and tensors on devices the default group has
 no backend for (CPU tensors under an NCCL-only group), are always read by each rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -104,49 +120,71 @@ class ReadOncePlan:
 
     def share(self, rv: Rendezvous, error: BaseException | None) -> int:
         """Step 4 (agreement, then broadcasts); returns the bytes this rank received."""
-        all_succeeded(rv, "read", error)
-        groups = holder_groups(sorted({s.holders for s in self.shared}), rv.coord.process_count)
-        received = 0
-        pending: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
-        for s in self.shared:
-            region = self._regions.get((s.leaf, s.box))
-            if region is None:  # not a holder of this box
-                continue
-            buf = region if region.is_contiguous() else region.contiguous()
-            # bytes, whatever the dtype (float8, bool...); plan() kept only devices the
-            # group has a backend for
+        boxes = [
+            (s.reader, s.holders, [region])
+            for s in self.shared
+            if (region := self._regions.get((s.leaf, s.box))) is not None  # (a holder's)
+        ]
+        holder_sets = sorted({s.holders for s in self.shared})
+        return broadcast(holder_sets, boxes, self.rank, rv, error, None)
+
+
+def broadcast(
+    holder_sets: list[tuple[int, ...]],
+    boxes: Iterable[tuple[int, tuple[int, ...], list[torch.Tensor]]],
+    rank: int,
+    rv: Rendezvous,
+    error: BaseException | None,
+    device: torch.device | None,
+) -> int:
+    """After the reads: agreement, then the broadcasts (see the module docstring).
+    `holder_sets`: those of every shared box of the plan, in the plan's order (the groups
+    are made collectively from them); `boxes`: (reader, holders, target regions) of each
+    shared box this rank holds, in the plan's order, the regions filled where this rank
+    read them. Boxes travel on `device` (None: their first region's own). Returns the
+    bytes this rank received."""
+    all_succeeded(rv, "read", error)
+    groups = _holder_groups(holder_sets, rv.coord.process_count)
+    received = 0
+    pending: list[tuple[Any, torch.Tensor, list[torch.Tensor]]] = []
+    try:
+        for reader, holders, targets in boxes:
+            first = targets[0]
+            on = device if device is not None else first.device
+            direct = first.device == on and first.is_contiguous() and len(targets) == 1
+            buf = first if direct else torch.empty(first.shape, dtype=first.dtype, device=on)
+            if reader == rank and not direct:
+                buf.copy_(first)
+            # bytes, whatever the dtype (float8, bool...); the planners kept only devices
+            # the group has a backend for
             work = torch.distributed.broadcast(
-                buf.reshape(-1).view(torch.uint8), src=s.reader, group=groups[s.holders],
+                buf.reshape(-1).view(torch.uint8), src=reader, group=groups[holders],
                 async_op=True,
             )  # fmt: skip
-            pending.append((work, buf, region))
-            if s.reader != self.rank:
+            pending.append((work, buf, targets if reader != rank else []))
+            if reader != rank:
                 received += buf.numel() * buf.element_size()
-        for work, buf, region in pending:
+        for work, buf, targets in pending:
             work.wait()
-            if buf is not region:  # a strided region went through a contiguous copy
-                region.copy_(buf)
-        return received
+            for t in targets:
+                if t is not buf:
+                    t.copy_(buf)
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # (NCCL's wait only orders the stream: done before the end)
+        for group in groups.values():
+            if group is not None:
+                torch.distributed.destroy_process_group(group)
+    return received
 
 
-# Process groups of holder sets, made once per default group (new_group is collective).
-_group_cache: dict[tuple[Any, tuple[int, ...]], Any] = {}
-
-
-def holder_groups(holder_sets: list[tuple[int, ...]], world: int) -> dict[tuple[int, ...], Any]:
-    """The process group of each holder set (None: the default group), made collectively
-    once per set and kept."""
-    default = torch.distributed.group.WORLD
-    out: dict[tuple[int, ...], Any] = {}
-    for ranks in holder_sets:  # the same sorted order on every rank
-        if len(ranks) == world:
-            out[ranks] = None  # the default group
-            continue
-        key = (default, ranks)
-        if key not in _group_cache:
-            _group_cache[key] = torch.distributed.new_group(list(ranks))
-        out[ranks] = _group_cache[key]
-    return out
+def _holder_groups(holder_sets: list[tuple[int, ...]], world: int) -> dict[tuple[int, ...], Any]:
+    """The process group of each holder set (None: the default group), made collectively,
+    in the same sorted order on every rank."""
+    return {
+        ranks: None if len(ranks) == world else torch.distributed.new_group(list(ranks))
+        for ranks in holder_sets
+    }
 
 
 def backend_devices() -> frozenset[str]:
@@ -222,3 +260,77 @@ def plan_layouts(layouts: list[ArrayLayout | None], rank: int, world: int) -> Re
     if not shared:
         return None
     return ReadOncePlan(rank, frozenset(leaves), reads, shared)
+
+
+# A saved box of a tensor: its DCP name and start, stop in the saved tensor's coordinates.
+BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class SharedRead:
+    """A box several ranks' plans read: `reader` reads it, the other `holders` receive it."""
+
+    key: BoxKey
+    reader: int
+    holders: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DcpReadOncePlan:
+    """The shared boxes of one `dcp.load`, in the one order every rank broadcasts them."""
+
+    shared: tuple[SharedRead, ...]
+
+    def holders_of(self) -> list[tuple[int, ...]]:
+        return sorted({s.holders for s in self.shared})
+
+
+def plan_dcp(
+    keys: Sequence[Sequence[BoxKey]], nbytes: Callable[[BoxKey], int]
+) -> DcpReadOncePlan | None:
+    """dcp.load's step 2: `keys[r]` are the boxes rank r's plan reads. None when no box has several
+    holders."""
+    holders: dict[BoxKey, list[int]] = {}
+    for rank, rank_keys in enumerate(keys):
+        for key in dict.fromkeys(rank_keys):
+            holders.setdefault(key, []).append(rank)
+    load = [0] * len(keys)
+    for key, ranks in holders.items():
+        if len(ranks) == 1:
+            load[ranks[0]] += nbytes(key)
+    shared: list[SharedRead] = []
+    boxes = [(k, r) for k, r in holders.items() if len(r) > 1 and nbytes(k) > 0]
+    for key, ranks in sorted(boxes, key=lambda kr: (-nbytes(kr[0]), kr[0])):
+        reader = min(ranks, key=lambda r: (load[r], r))
+        load[reader] += nbytes(key)
+        shared.append(SharedRead(key, reader, tuple(ranks)))
+    return DcpReadOncePlan(tuple(shared)) if shared else None
+
+
+def broadcast_device(devices: frozenset[str]) -> torch.device | None:
+    """The device shared boxes travel on, the same on every rank of one group (a job's
+    ranks all have CUDA or none has)."""
+    if "cuda" in devices and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if "cpu" in devices:
+        return torch.device("cpu")
+    return None
+
+
+def share_dcp(
+    once: DcpReadOncePlan,
+    rank: int,
+    regions: dict[BoxKey, list[torch.Tensor]],
+    rv: Rendezvous,
+    error: BaseException | None,
+    device: torch.device,
+) -> int:
+    """dcp.load's step 3 after the reads: `broadcast`. `regions`: the target regions of
+    this rank's shared boxes (filled where this rank read them). Returns the bytes this
+    rank received."""
+    boxes = [
+        (s.reader, s.holders, regions[s.key])
+        for s in once.shared
+        if rank in s.holders and regions.get(s.key)
+    ]
+    return broadcast(once.holders_of(), boxes, rank, rv, error, device)
