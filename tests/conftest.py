@@ -11,9 +11,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 import numpy as np
 import pytest
+from hypothesis import settings
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 pytest_plugins = ["s3env"]  # the s3_bucket fixture of the object-store tests
+
+# CI draws the same examples every run (a red CI then means a change broke something, not
+# that a new example was drawn); local runs draw new ones, and what fails there is pinned
+# with @example. The profile is chosen by SNAPSHARD_HYPOTHESIS_PROFILE (.ci/run: "ci").
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.load_profile(os.environ.get("SNAPSHARD_HYPOTHESIS_PROFILE", "default"))
 
 
 def mesh(*shape: int, names: tuple[str, ...] | None = None) -> Mesh:
