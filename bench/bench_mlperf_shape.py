@@ -3,11 +3,13 @@ saving and restoring its ZeRO-3 shards of the model's parameters and AdamW state
 durable saves then 10 restores from a cold page cache, reported per operation as the
 slowest process's time, the throughput it gives (all the bytes over it) and the lowest
 throughput of any single process. snapshard.torch (direct and as DCP's storage) against
-PyTorch DCP's own file storage and against a raw write/read of the same bytes.
+PyTorch DCP's own file storage, snapshard's JAX API against Orbax on the same state as
+global jax.Arrays, and all of them against a raw write/read of the same bytes.
 
     python bench/bench_mlperf_shape.py                              # 8 processes, ~2.3 GB, 3 rounds
     python bench/bench_mlperf_shape.py --scale 0.001 --saves 3 --restores 3 --rounds 1
     python bench/bench_mlperf_shape.py --scale 1                    # llama3-8b in full: 112 GB
+    python bench/bench_mlperf_shape.py --methods raw,dcp,orbax,snapshard-jax
     python bench/bench_mlperf_shape.py --analyze bench/results/mlperf-<time>.jsonl
 
 The state (bench/job_mlperf.py): llama3-8b's parameters (vocab 128256, dim 4096, 32 layers,
@@ -22,19 +24,28 @@ then, below one full-width layer, one layer with every width shrunk together (th
 of 1-128, which sets dim, kv dim, ffn hidden and vocab in llama3-8b's proportions); the
 run prints the shape and its exact bytes. Values are seeded per tensor, role and process,
 and the low mantissa bits of every element are XORed with a key of the save before each
-save, so no save writes bytes an earlier one wrote (keys repeat after 127 saves).
+save, so no save writes bytes an earlier one wrote (keys repeat after 127 saves; the JAX
+job draws its values with NumPy: the same distributions, other values).
 
-One job per method and round: `--procs` (8) fresh processes of bench/job_mlperf.py, gloo
-on CPU, meeting through env:// on 127.0.0.1 at a free port, bounded by `--timeout` (each
+One job per method and round: `--procs` (8) fresh processes, bounded by `--timeout` (each
 process its own session; all of them killed with their process groups when one fails or
-the time is up). Methods run in an order rotated by the round. A job first saves and
-restores the norm tensors once, unrecorded, then
+the time is up): for the torch methods, bench/job_mlperf.py, gloo on CPU, meeting through
+env:// on 127.0.0.1 at a free port; for the JAX methods, bench/job_mlperf_jax.py, meeting
+through jax.distributed.initialize at that address (one CPU device per process, the
+same tensors as 1-D jax.Arrays with NamedSharding(P("x")) over a 1-D mesh of every
+process's device; JAX cuts only evenly, which 1, 2, 4 and 8 processes always do). Methods
+run in an order rotated by the round. A job first saves and restores the norm tensors
+once, unrecorded, then
   `--saves` (10) saves, each into a new checkpoint, the previous one removed first and the
     machine's dirty pages flushed (os.sync), untimed; each durable: raw fsyncs its file and
     directory, snapshard fsyncs its files and directories itself, DCP's FileSystemWriter
-    fsyncs its files (sync_files=True) and the job fsyncs its directories inside the time;
+    fsyncs its files (sync_files=True) and the job fsyncs its directories inside the time,
+    Orbax's TensorStore fsyncs its data files and their directories and the job fsyncs the
+    rest (Orbax's own metadata files, its renamed directory) inside the time;
   `--restores` (10) restores of the last checkpoint, each into a new zero-filled target of
-    the save layout (allocated and touched before the clock), after every file of the
+    the save layout (allocated and touched before the clock; the JAX methods restore into
+    an abstract target of the save's sharding and allocate inside the call, as JAX
+    restores do, timed up to block_until_ready), after every file of the
     checkpoint was fsync'd and dropped from the page cache with
     posix_fadvise(POSIX_FADV_DONTNEED) (a hypervisor below may still cache the blocks);
     every restore is checked byte for byte, on every process, against the state saved.
@@ -53,23 +64,24 @@ Methods:
   dcp            torch.distributed.checkpoint save / load with FileSystemWriter /
                  FileSystemReader (their defaults: one file per process, one thread)
   dcp+snapshard  dcp.save / dcp.load with snapshard.torch.StorageWriter / StorageReader
+  orbax          orbax.checkpoint.StandardCheckpointer: save then wait_until_finished (the
+                 checkpoint committed on every process), restore into the abstract target;
+                 Orbax's defaults, so its arrays are zstd-compressed (see "on disk / state")
+  snapshard-jax  snapshard.save(path, state) / snapshard.load(path, abstract target)
 
 Tables: medians with [min-max] over every save (restore) of every round; ratios against
-`raw` and against `dcp` paired per round (a method's median of the round over the other's
-median of the same round, then the median [min-max] of those over the rounds); and the
-targets for snapshard's figures (both `snapshard` and `dcp+snapshard`): save and restore
-throughput, and the lowest single-process throughput, each >= 0.9x raw and ahead of DCP.
+`raw`, `dcp` and `orbax` paired per round (a method's median of the round over the
+other's median of the same round, then the median [min-max] of those over the rounds); and
+the targets for snapshard's figures (`snapshard`, `dcp+snapshard` and `snapshard-jax`):
+save and restore throughput, and the lowest single-process throughput, each >= 0.9x raw
+and ahead of DCP and of Orbax.
 
-Not measured: Orbax. The same workload for it is a JAX job of its own (8 processes through
-jax.distributed, the same flat shards as global jax.Arrays over one device per process,
-Orbax's CheckpointManager), left to do; bench_multiprocess.py compares snapshard with Orbax
-on several processes meanwhile.
-
-Memory: the state and one target, about twice the state over all processes, plus each
-process's interpreter and torch (~0.35 GB). Disk: at most two checkpoints (the last save and
-the one being written). Checkpoints go under $SNAPSHARD_BENCH_DIR (default a folder in the
-temp dir) and are deleted after every job. Writes one JSON line per job (--out, default
-bench/results/mlperf-<time>.jsonl).
+Memory: the state and one target, about twice the state over all processes (the JAX job:
+three times, its host copy, its arrays and the restored arrays), plus each process's
+interpreter and torch or JAX and Orbax (~0.35-0.5 GB). Disk: at most two checkpoints (the
+last save and the one being written). Checkpoints go under $SNAPSHARD_BENCH_DIR (default a
+folder in the temp dir) and are deleted after every job. Writes one JSON line per job
+(--out, default bench/results/mlperf-<time>.jsonl).
 """
 
 from __future__ import annotations
@@ -88,11 +100,15 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as bc
-from job_mlperf import FULL_BYTES, METHODS
+from job_mlperf import FULL_BYTES
+from job_mlperf import METHODS as TORCH_METHODS
+from job_mlperf_jax import METHODS as JAX_METHODS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GB = 1e9
-SNAPSHARD = ("snapshard", "dcp+snapshard")
+METHODS = TORCH_METHODS + JAX_METHODS
+SNAPSHARD = ("snapshard", "dcp+snapshard", "snapshard-jax")
+BASES = ("raw", "dcp", "orbax")  # what snapshard's figures are paired against
 RAW_TARGET = 0.9  # snapshard's throughput against raw's
 
 
@@ -107,7 +123,8 @@ def run_job(method: str, r: int, args: argparse.Namespace, root: str) -> dict[st
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": str(args.procs), "LOCAL_WORLD_SIZE": str(args.procs),
            "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONUNBUFFERED": "1"}  # fmt: skip
-    cmd = [sys.executable, os.path.join(HERE, "job_mlperf.py"), "--method", method,
+    job = "job_mlperf_jax.py" if method in JAX_METHODS else "job_mlperf.py"
+    cmd = [sys.executable, os.path.join(HERE, job), "--method", method,
            "--scale", str(args.scale), "--saves", str(args.saves),
            "--restores", str(args.restores), "--dir", path, "--timeout", str(args.timeout)]  # fmt: skip
     t0 = time.perf_counter()
@@ -224,21 +241,21 @@ def report(rows: list[dict[str, Any]]) -> None:
     by = _by_method(rows)
     for op, title in (
         ("save", "Saves: durable, one new checkpoint each"),
-        ("restore", "Restores: new zeroed target of the save layout, page cache dropped first"),
+        ("restore", "Restores: new target of the save layout, page cache dropped first"),
     ):
         print(f"\n## {title} (median [min-max] over every {op} of every round)\n")
         print(
             "| method | slowest process s | throughput GB/s | lowest process GB/s | "
-            "throughput / raw | lowest process / raw | throughput / dcp | "
+            "throughput / raw | lowest process / raw | throughput / dcp | throughput / orbax | "
             + ("on disk / state |" if op == "save" else "bit-exact |")
         )
-        print("|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|")
         for m, rs in by.items():
             xs = [x for r in rs for x in per_op(r, op)]
             if not xs:
                 continue
             cells = [bc.spread([x[k] for x in xs], 3) for k in ("s", "gbps", "low")]
-            for key, base in (("gbps", "raw"), ("low", "raw"), ("gbps", "dcp")):
+            for key, base in (("gbps", "raw"), ("low", "raw"), ("gbps", "dcp"), ("gbps", "orbax")):
                 v = paired(rows, op, key, m, base) if m != base else []
                 cells.append(bc.spread(v) if v else "")
             if op == "save":
@@ -262,7 +279,8 @@ def report(rows: list[dict[str, Any]]) -> None:
             continue
         for op in ("save", "restore"):
             for key, what in (("gbps", "throughput"), ("low", "lowest process throughput")):
-                for base, target in (("raw", RAW_TARGET), ("dcp", 1.0)):
+                for base in BASES:
+                    target = RAW_TARGET if base == "raw" else 1.0
                     v = paired(rows, op, key, m, base)
                     if not v:
                         continue
