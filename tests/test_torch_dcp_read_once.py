@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("torch")
 
 import multiproc
-from snapshard.torch.read_once import plan_dcp
+from snapshard.planning.read_once import plan_dcp
 
 ENV = {"OMP_NUM_THREADS": "1", "SNAPSHARD_TEST_WITHOUT_JAX": "1"}
 

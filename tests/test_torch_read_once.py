@@ -211,7 +211,8 @@ class _Fill:
 @given(placed_layouts())
 @settings(max_examples=80, deadline=None)
 def test_every_rank_plans_the_same_readers_among_each_boxs_holders(case):
-    from snapshard.torch.read_once import as_box, plan_layouts
+    from snapshard.planning.read_once import as_box
+    from snapshard.torch.read_once import plan_layouts
 
     layouts, world = case
     plans = [plan_layouts(list(layouts), r, world) for r in range(world)]

@@ -45,6 +45,7 @@ from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
 from ..format.manifest import PerProcessLeaf
 from ..options import ReadOptions, require
+from ..planning.read_once import BoxKey, DcpReadOncePlan, plan_dcp
 from ..read_once_policy import too_small, wanted_here
 from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, fill
 from ..reading.sources import open_checkpoint
@@ -53,14 +54,7 @@ from ..tree import JsonNode, Path, unflatten
 from .coordination import default_coordinator
 from .dcp_storage import PICKLED_KEY, DcpStorageError
 from .dtypes import from_numpy, host_view, torch_dtype
-from .read_once import (
-    BoxKey,
-    DcpReadOncePlan,
-    backend_devices,
-    broadcast_device,
-    plan_dcp,
-    share_dcp,
-)
+from .read_once import backend_devices, broadcast_device, share_dcp
 
 
 def dcp_name(path: Path) -> str:

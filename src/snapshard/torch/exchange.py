@@ -56,10 +56,10 @@ from ..planning.exchange import (
     row_bands,
     slabs,
 )
+from ..planning.read_once import as_box
 from ..reading import Dest, ReadDests, SavedBoxes, aligned_empty, batches
 from ..staging import Box
 from .leaves import dtensor_layout
-from .read_once import as_box
 from .values import is_dtensor
 
 # The most host bytes one rank holds for one exchange of a leaf (its band, what it sends

@@ -29,6 +29,7 @@ from ..gc_pause import collection_paused
 from ..options import ReadOptions
 from ..per_process import PerProcess, Resplit
 from ..planning.layout import Box
+from ..planning.read_once import as_box
 from ..read_once_policy import too_small, wanted_alike
 from ..reading import (
     BATCH_ITEMS,
@@ -50,7 +51,7 @@ from .dtypes import from_numpy, host_view, numpy_dtype, torch_dtype
 from .exchange import BandLeaf, Cuts, Exchange, Scratch, SharedBands, batches_of
 from .exchange import plan as plan_bands
 from .leaves import dtensor_layout, is_leaf, this_rank
-from .read_once import ReadOncePlan, any_shared, as_box, backend_devices
+from .read_once import ReadOncePlan, any_shared, backend_devices
 from .read_once import plan as plan_read_once
 from .values import into_target, is_dtensor, local_tensor
 

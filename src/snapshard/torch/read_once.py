@@ -1,14 +1,13 @@
 """Read-once restores for torch, for `snapshard.torch.load` and for `dcp.load` through
 snapshard.torch.StorageReader: a box that several ranks hold is read from storage by one of
-them and broadcast to the others over torch.distributed. Two planners, one broadcast.
+them and broadcast to the others over torch.distributed. Two plans, both made by the pure
+planner (planning/read_once.py), one broadcast.
 
 `snapshard.torch.load`, on every rank, with the same target:
 
 1. `plan(targets, rank, world, devices)`: pure, no communication. The layouts of the target
    tensors on devices the default process group serves (a DTensor's from its mesh and
-   placements, a plain tensor held whole by every rank) go through the write planner's
-   byte-balanced assignment (`planning.plan_balanced`): the rank that would write a box is
-   the one that reads it.
+   placements, a plain tensor held whole by every rank) go to `plan_holders`.
 2. `ReadOncePlan.bind(leaf, fills)` for every target leaf: the fills this rank reads itself;
    the regions of the others come from a peer.
 3. The restore reads those fills.
@@ -19,11 +18,10 @@ them and broadcast to the others over torch.distributed. Two planners, one broad
 1. Every rank (`prepare_local_plan`): whether it wants read-once (`wanted_here`, as above)
    and whether it has a device to broadcast on (`broadcast_device`); both go to the
    coordinator with its local plan.
-2. The coordinator (`prepare_global_plan`): `plan_dcp(keys, nbytes)`, pure: the boxes that
-   several ranks' plans read alike (the same tensor, the same saved offsets and lengths),
-   each given to the holder with the fewest bytes to read so far (largest boxes first), in
-   one order. The same `DcpReadOncePlan` goes into every rank's plan, or none when a rank
-   did not want read-once or no box is shared.
+2. The coordinator (`prepare_global_plan`): `plan_dcp(keys, nbytes)` over the boxes that
+   several ranks' plans read alike (the same tensor, the same saved offsets and lengths).
+   The same `DcpReadOncePlan` goes into every rank's plan, or none when a rank did not
+   want read-once or no box is shared.
 3. Every rank (`read_data`): reads its own items and those shared boxes it was given, then
    `share_dcp`: `broadcast` below.
 
@@ -42,7 +40,7 @@ no backend for (CPU tensors under an NCCL-only group), are always read by each r
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
@@ -52,9 +50,8 @@ import torch
 from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..errors import SnapshardError
 from ..planning import ArrayLayout
-from ..planning.layout import host_layout
-from ..planning.write_plan import plan_balanced
-from ..staging import Box
+from ..planning.layout import Box, host_layout
+from ..planning.read_once import BoxKey, DcpReadOncePlan, SharedBox, as_box, plan_holders
 from .leaves import dtensor_layout
 from .values import is_dtensor
 
@@ -69,21 +66,6 @@ class Region(Protocol):
 
 
 R = TypeVar("R", bound=Region)
-
-
-def as_box(start: Any, stop: Any) -> Box:
-    """A box as a hashable value, from its start and stop coordinates."""
-    return tuple(int(x) for x in start), tuple(int(x) for x in stop)
-
-
-@dataclass(frozen=True)
-class SharedBox:
-    """A box of target leaf `leaf` held by `holders` (ascending ranks), read by `reader`."""
-
-    leaf: int
-    box: Box
-    reader: int
-    holders: tuple[int, ...]
 
 
 @dataclass
@@ -237,74 +219,8 @@ def plan(targets: list[Any], rank: int, world: int, devices: frozenset[str]) -> 
 
 def plan_layouts(layouts: list[ArrayLayout | None], rank: int, world: int) -> ReadOncePlan | None:
     """Step 1 from the leaves' layouts (None: a leaf every rank reads itself)."""
-    chosen = [(i, la) for i, la in enumerate(layouts) if la is not None and la.nbytes > 0]
-    if not chosen:
-        return None
-    leaves = [i for i, _ in chosen]
-    plans, _, _ = plan_balanced([la for _, la in chosen], world)
-    reads: set[tuple[int, Box]] = set()
-    shared: list[SharedBox] = []
-    for i, p in zip(leaves, plans, strict=True):
-        g = p.groups
-        for u in range(g.count):
-            if g.nbytes[u] == 0:
-                continue
-            box = as_box(g.starts[u], g.stops[u])
-            lo, hi = int(g.cand_ptr[u]), int(g.cand_ptr[u + 1])
-            holders = tuple(sorted(int(x) for x in g.cand_process[lo:hi]))
-            reader = int(p.writer[u])
-            if reader == rank:
-                reads.add((i, box))
-            if len(holders) > 1:
-                shared.append(SharedBox(i, box, reader, holders))
-    if not shared:
-        return None
-    return ReadOncePlan(rank, frozenset(leaves), reads, shared)
-
-
-# A saved box of a tensor: its DCP name and start, stop in the saved tensor's coordinates.
-BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]
-
-
-@dataclass(frozen=True)
-class SharedRead:
-    """A box several ranks' plans read: `reader` reads it, the other `holders` receive it."""
-
-    key: BoxKey
-    reader: int
-    holders: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class DcpReadOncePlan:
-    """The shared boxes of one `dcp.load`, in the one order every rank broadcasts them."""
-
-    shared: tuple[SharedRead, ...]
-
-    def holders_of(self) -> list[tuple[int, ...]]:
-        return sorted({s.holders for s in self.shared})
-
-
-def plan_dcp(
-    keys: Sequence[Sequence[BoxKey]], nbytes: Callable[[BoxKey], int]
-) -> DcpReadOncePlan | None:
-    """dcp.load's step 2: `keys[r]` are the boxes rank r's plan reads. None when no box has several
-    holders."""
-    holders: dict[BoxKey, list[int]] = {}
-    for rank, rank_keys in enumerate(keys):
-        for key in dict.fromkeys(rank_keys):
-            holders.setdefault(key, []).append(rank)
-    load = [0] * len(keys)
-    for key, ranks in holders.items():
-        if len(ranks) == 1:
-            load[ranks[0]] += nbytes(key)
-    shared: list[SharedRead] = []
-    boxes = [(k, r) for k, r in holders.items() if len(r) > 1 and nbytes(k) > 0]
-    for key, ranks in sorted(boxes, key=lambda kr: (-nbytes(kr[0]), kr[0])):
-        reader = min(ranks, key=lambda r: (load[r], r))
-        load[reader] += nbytes(key)
-        shared.append(SharedRead(key, reader, tuple(ranks)))
-    return DcpReadOncePlan(tuple(shared)) if shared else None
+    found = plan_holders(layouts, rank, world)
+    return None if found is None else ReadOncePlan(rank, *found)
 
 
 def broadcast_device(devices: frozenset[str]) -> torch.device | None:
