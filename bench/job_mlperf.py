@@ -274,6 +274,34 @@ def methods(
 
 
 # ---------------------------------------------------------------- the job
+def own_info(rank_bytes: int, warm_ok: bool) -> dict[str, Any]:
+    """What each process tells rank 0 of itself at the end of a job."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"bytes": rank_bytes, "peak_rss": peak, "warm_ok": bool(warm_ok)}
+
+
+def print_result(
+    method: str,
+    world: int,
+    cfg: dict[str, int],
+    info: list[dict[str, Any]],
+    on_disk: int,
+    saves: list[list[float]],
+    restores: list[list[float]],
+    exact: list[bool],
+) -> None:
+    """Rank 0's RESULT line, which bench_mlperf_shape.py reads (every job's, torch or JAX)."""
+    import json
+
+    result = {
+        "method": method, "world": world, "cfg": cfg, "total_B": state_bytes(cfg),
+        "rank_B": [x["bytes"] for x in info], "peak_rss_B": [x["peak_rss"] for x in info],
+        "on_disk_B": on_disk, "save_s": saves, "restore_s": restores, "restore_exact": exact,
+        "warmup_exact": all(x["warm_ok"] for x in info),
+    }  # fmt: skip
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -363,30 +391,9 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
-    info = gather(
-        {
-            "bytes": rank_bytes,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "warm_ok": bool(warm_ok),
-        }
-    )
+    info = gather(own_info(rank_bytes, warm_ok))
     if rank == 0:
-        import json
-
-        result = {
-            "method": args.method,
-            "world": world,
-            "cfg": cfg,
-            "total_B": state_bytes(cfg),
-            "rank_B": [x["bytes"] for x in info],
-            "peak_rss_B": [x["peak_rss"] for x in info],
-            "on_disk_B": on_disk,
-            "save_s": saves,
-            "restore_s": restores,
-            "restore_exact": exact,
-            "warmup_exact": all(x["warm_ok"] for x in info),
-        }
-        print("RESULT " + json.dumps(result), flush=True)
+        print_result(args.method, world, cfg, info, on_disk, saves, restores, exact)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -50,7 +50,6 @@ import gc
 import json
 import math
 import os
-import resource
 import shutil
 import sys
 import time
@@ -61,7 +60,16 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as bc
-from job_mlperf import ROLES, WARMUP, evict, local_range, params, shape_for, state_bytes
+from job_mlperf import (
+    ROLES,
+    WARMUP,
+    evict,
+    local_range,
+    own_info,
+    params,
+    print_result,
+    shape_for,
+)
 
 METHODS = ("orbax", "snapshard-jax")
 
@@ -342,28 +350,9 @@ def main() -> None:
     g.barrier()
     if rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
-    info = g.gather(
-        {
-            "bytes": rank_bytes,
-            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "warm_ok": bool(warm_ok),
-        }
-    )
+    info = g.gather(own_info(rank_bytes, warm_ok))
     if rank == 0:
-        result = {
-            "method": args.method,
-            "world": world,
-            "cfg": cfg,
-            "total_B": state_bytes(cfg),
-            "rank_B": [x["bytes"] for x in info],
-            "peak_rss_B": [x["peak_rss"] for x in info],
-            "on_disk_B": on_disk,
-            "save_s": saves,
-            "restore_s": restores,
-            "restore_exact": exact,
-            "warmup_exact": all(x["warm_ok"] for x in info),
-        }
-        print("RESULT " + json.dumps(result), flush=True)
+        print_result(args.method, world, cfg, info, on_disk, saves, restores, exact)
     g.barrier()
     jax.distributed.shutdown()
 
