@@ -21,19 +21,35 @@ allocates the next, and whether the allocator still holds the freed one when a s
 taken moves a single sample by up to the state's size.
 
 With `--trim`, each sample is taken twice: as it is, then once the C allocator has given
-back the free pages it holds (glibc's `malloc_trim(0)`). The second is the memory the
-process uses: what a leak grows, without what the allocator keeps of freed memory, which
-for JAX (XLA's buffers of freed states, kept in the arenas of the threads that made them)
-is most of what moves the first, by up to a few states. The trim changes what later
-samples find held, so a run with it is not compared with one without. The memory the
-manager's saves stage into (torch: a copy of every byte; JAX: the host values' copies) is
-released by `close()`: the sample after it shows it gone.
+back the free pages it holds (glibc's `malloc_trim(0)`). The second is nearly the memory the
+process uses, without most of what the allocator keeps of freed memory, which for JAX
+(XLA's buffers of freed states, kept in the arenas of the threads that made them) is most
+of what moves the first, by up to a few states. Nearly: the trim gives back free pages in
+the allocator's bins, and the free top of the main arena, but not the free top of another
+thread's arena, which stays resident until that arena grows past it (glibc; a writer
+thread's arena, a few MB, is seen to stay so for hundreds of saves). So with `--trim` each
+sample also records the bytes that glibc's malloc has lent out and not had back
+(`mallinfo2`: in use in its arenas, plus its blocks of their own mmap; glibc 2.33 on):
+what a leak of native memory (array buffers, XLA's, torch's, NumPy's) grows, and nothing
+the allocator keeps of freed memory. Python's own small objects live in pools of Python's,
+outside it (tracemalloc sees those; they are in the resident memory). The trim changes
+what later samples find held, so a run with it is not compared with one without. The
+memory the manager's saves stage into (torch: a copy of every byte; JAX: the host values'
+copies) is released by `close()`: the sample after it shows it gone.
+
+What the allocator keeps moves with glibc's dynamic mmap threshold: once a block that had
+a mmap of its own is freed, the threshold rises to its size, and blocks up to it are
+served from the arenas from then on, where they stay when freed instead of going back to
+the system. With `MALLOC_MMAP_THRESHOLD_=131072` in the environment the threshold stays
+fixed, large blocks go back when freed, and the resident memory shows what the process
+holds without the allocator's jumps (JAX's of up to a few states, torch's of a few MB).
 
     python bench/bench_soak.py                           # 1,000 saves of 64 MB, JAX
     python bench/bench_soak.py --framework torch --state-mb 256
     python bench/bench_soak.py --saves 50 --every 10     # a quick check
     python bench/bench_soak.py --trim                    # also the memory in use
     python bench/bench_soak.py --baseline --trim         # the steps alone, no saves
+    MALLOC_MMAP_THRESHOLD_=131072 python bench/bench_soak.py --trim   # no dynamic threshold
 
 `--baseline` runs the same steps and samples with no manager and no save (JAX: waiting for
 each step's arrays, as a save's blocking phase does): what the framework and the allocator
@@ -57,6 +73,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from operator import attrgetter
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -89,10 +106,35 @@ def _malloc_trim() -> Callable[[], None] | None:
     return run
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def _malloc_lent() -> Callable[[], int] | None:
+    """The bytes glibc's malloc has lent out and not had back: mallinfo2's `uordblks` (in use
+    in its arenas) plus `hblkhd` (its blocks of their own mmap); None without mallinfo2."""
+    name = ctypes.util.find_library("c")
+    info = getattr(ctypes.CDLL(name), "mallinfo2", None) if name else None
+    if info is None:
+        return None
+    info.restype = _MallInfo2
+
+    def run() -> int:
+        m = info()
+        return int(m.uordblks + m.hblkhd)
+
+    return run
+
+
 @dataclass
 class Sample:
     """The process after `saves` saves (no save in flight). `in_use_B`: the resident memory
-    once the allocator gave back its free pages (--trim), else None."""
+    once the allocator gave back its free pages (--trim), else None; `malloc_B`: the bytes
+    malloc has lent out and not had back (--trim, with glibc's mallinfo2), else None."""
 
     saves: int
     elapsed_s: float
@@ -101,9 +143,16 @@ class Sample:
     threads: int
     steps_kept: int
     in_use_B: int | None = None
+    malloc_B: int | None = None
 
 
-def sample(saves: int, t0: float, directory: str, trim: Callable[[], None] | None = None) -> Sample:
+def sample(
+    saves: int,
+    t0: float,
+    directory: str,
+    trim: Callable[[], None] | None = None,
+    lent: Callable[[], int] | None = None,
+) -> Sample:
     s = Sample(
         saves=saves,
         elapsed_s=round(time.perf_counter() - t0, 2),
@@ -117,6 +166,8 @@ def sample(saves: int, t0: float, directory: str, trim: Callable[[], None] | Non
     if trim is not None:
         trim()
         s.in_use_B = _status_bytes("VmRSS")
+    if lent is not None:
+        s.malloc_B = lent()
     return s
 
 
@@ -186,6 +237,7 @@ def soak(
     trim = _malloc_trim() if args.trim else None
     if args.trim and trim is None:
         raise SystemExit("--trim needs glibc's malloc_trim")
+    lent = _malloc_lent() if args.trim else None
     state, step, manager_cls = make(args)
     nbytes = array_rows(args) * COLS * 4 * args.arrays
     at = {SETTLED_AFTER, args.saves, *range(args.every, args.saves + 1, args.every)}
@@ -196,13 +248,15 @@ def soak(
     wait = ready(args.framework)
     manager = None if args.baseline else manager_cls(directory, max_to_keep=args.keep)
     try:
-        samples.append(sample(0, t0, directory, trim))
+        samples.append(sample(0, t0, directory, trim, lent))
         for i in range(1, args.saves + 1):
             state = step(state)
             if manager is None:  # --baseline
                 wait(state)
                 if i in at:
-                    samples.append(record(sample(i, t0, directory, trim), nbytes, samples, out))
+                    samples.append(
+                        record(sample(i, t0, directory, trim, lent), nbytes, samples, out)
+                    )
                 continue
             t1 = time.perf_counter()
             manager.wait_until_finished()  # apart, so that blocking is the save's own
@@ -212,11 +266,11 @@ def soak(
             blocking.append(time.perf_counter() - t2)
             if i in at:
                 manager.wait_until_finished()  # every sample with no save in flight
-                samples.append(record(sample(i, t0, directory, trim), nbytes, samples, out))
+                samples.append(record(sample(i, t0, directory, trim, lent), nbytes, samples, out))
     finally:
         if manager is not None:
             manager.close()
-    closed = sample(args.saves, t0, directory, trim)
+    closed = sample(args.saves, t0, directory, trim, lent)
     samples.append(record(closed, nbytes, samples, out, closed=True))
     if not blocking:
         return samples, nbytes, {}
@@ -232,6 +286,10 @@ def record(s: Sample, nbytes: int, before: list[Sample], out: Any, closed: bool 
     in_use = ""
     if s.in_use_B is not None and base.in_use_B is not None:
         in_use = f", in use {s.in_use_B / 1e6:.1f} MB ({(s.in_use_B - base.in_use_B) / 1e6:+.1f})"
+    if s.malloc_B is not None and base.malloc_B is not None:
+        in_use += (
+            f", malloc'd {s.malloc_B / 1e6:.1f} MB ({(s.malloc_B - base.malloc_B) / 1e6:+.2f})"
+        )
     print(
         f"{'closed' if closed else 'save'} {s.saves}: RSS {s.rss_B / 1e6:.1f} MB "
         f"({(s.rss_B - base.rss_B) / 1e6:+.1f} MB from save {base.saves}){in_use}, "
@@ -293,18 +351,24 @@ def report(
             f"\n## Soak: {args.saves} asynchronous saves of {nbytes / 1e6:.1f} MB "
             f"({args.arrays} arrays, {args.framework}), manager keeping {args.keep}\n"
         )
-    trimmed = all(s.in_use_B is not None for s in samples)
-    extra = " in use MB | in use growth MB | % of state |" if trimmed else ""
+    # the figures beyond RSS that every sample has (--trim): their names and Sample fields
+    more = [
+        (name, field)
+        for name, field in (("in use", "in_use_B"), ("malloc'd", "malloc_B"))
+        if all(getattr(s, field) is not None for s in samples)
+    ]
+    extra = "".join(f" {n} MB | {n} growth MB | % of state |" for n, _ in more)
     print("| saves | elapsed s | RSS MB | RSS growth from save 10 MB | % of state | open files | threads | steps kept |" + extra)  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|" + ("---|---|---|" if trimmed else ""))
+    print("|---|---|---|---|---|---|---|---|" + "---|---|---|" * len(more))
     for i, s in enumerate(samples):
         label = "after close" if i == len(samples) - 1 else str(s.saves)
         grow = (s.rss_B - base.rss_B) if base else 0
         row = (f"| {label} | {s.elapsed_s:.1f} | {s.rss_B / 1e6:.1f} | {grow / 1e6:+.2f} "
                f"| {100 * grow / nbytes:+.2f} | {s.open_fds} | {s.threads} | {s.steps_kept} |")  # fmt: skip
-        if trimmed and s.in_use_B is not None:
-            used = (s.in_use_B - base.in_use_B) if base and base.in_use_B is not None else 0
-            row += f" {s.in_use_B / 1e6:.1f} | {used / 1e6:+.2f} | {100 * used / nbytes:+.2f} |"
+        for _, field in more:
+            held: int = getattr(s, field)
+            used = held - getattr(base, field) if base else 0
+            row += f" {held / 1e6:.1f} | {used / 1e6:+.2f} | {100 * used / nbytes:+.2f} |"
         print(row)
     if times:
         print(
@@ -318,8 +382,8 @@ def report(
     last = open_samples[-1]
     settled_samples = [s for s in open_samples if s.saves >= SETTLED_AFTER]
     checks = growth_checks("RSS", lambda s: s.rss_B, base, settled_samples, nbytes)
-    if trimmed:
-        checks += growth_checks("in use", lambda s: s.in_use_B or 0, base, settled_samples, nbytes)
+    for name, field in more:
+        checks += growth_checks(name, attrgetter(field), base, settled_samples, nbytes)
     print("\n| figure | value | target | met |\n|---|---|---|---|")
     for name, value in checks:
         met = "yes" if value <= TARGET_RSS_FRACTION else "NO"

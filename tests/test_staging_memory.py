@@ -175,6 +175,22 @@ def test_buffers_given_back_after_close_are_dropped():
     assert pool.take(64, False)[0].nbytes == 64  # still lends
 
 
+def test_a_borrower_gives_back_all_its_save_took():
+    pool = HostArrays()
+    first = pool.borrower()
+    a, b = first.take(64), first.take(128)
+    assert first.taken == [a, b] and pool.cached_bytes() == 0  # lent out
+    first.release()
+    assert _same_objects(_held(pool), [a, b]) and first.taken == []
+    second = pool.borrower()
+    assert second.take(64) is a  # the same buffer again
+    assert _same_objects(_held(pool), [b])
+    second.release()  # what the last save took, and only that
+    assert _same_objects(_held(pool), [a])
+    pool.borrower().release()  # a save that took nothing: nothing held for the next
+    assert pool.cached_bytes() == 0
+
+
 # ---------------------------------------------------------------- nothing grows
 def _objects() -> int:
     gc.collect()
@@ -213,6 +229,30 @@ def test_fifty_saves_leave_no_objects_behind(tmp_path, monkeypatch, framework):
         assert m._pools.pool(cls).cached_bytes() == staged > 0
         assert len(m.save_timings()) == len(m.tier_reports()) == 5
     assert m._pools.cached_bytes() == 0
+
+
+@pytest.mark.parametrize("framework", ["jax", "torch"])
+def test_a_managers_saves_leave_no_coordination_name_per_step(tmp_path, framework):
+    """A save's rendezvous is named by the count of saves to its location that this process
+    keeps (coordination/rendezvous.namespace): a manager's saves are counted under its
+    directory, not each under its step's own location, which would be one more entry,
+    kept for as long as the process runs, for every step saved."""
+    from snapshard.coordination import rendezvous
+
+    if framework == "jax":
+        make, state = CheckpointManager, lambda step: {"x": np.full(4, step)}
+    else:
+        make, state = st.CheckpointManager, lambda step: {"w": torch.full((4,), float(step))}
+    with make(tmp_path, max_to_keep=2) as m:
+        m.save(0, state(0))
+        m.wait_until_finished()
+        before = len(rendezvous._counts)
+        for step in range(1, 21):
+            m.save(step, state(step))
+        m.wait_until_finished()
+        assert len(rendezvous._counts) == before
+        assert m.all_steps() == [19, 20]
+    assert m.restore(20)["x" if framework == "jax" else "w"][0] == 20
 
 
 def test_reports_are_kept_for_the_newest_saves(tmp_path, monkeypatch):

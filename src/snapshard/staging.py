@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Hashable, Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import numpy as np
 
@@ -46,18 +46,19 @@ from .reading.buffers import aligned_empty
 from .save_leaves import SaveArray
 
 E = TypeVar("E")  # what a pool holds per buffer (torch: the array and its pinned tensor)
+A = ParamSpec("A")  # what a pool's `take` asks for a buffer (the byte size, ...)
 P = TypeVar("P", bound="HostPool[Any]")
 
 
 class HostPool(Generic[E]):
     """Host buffers of exact byte sizes reused across saves (see the module's doc).
 
-    A save takes one buffer per item it copies (`_take`, by a key: the byte size, and what
-    else makes buffers differ) and gives back all it took when its background phase ends
-    (`_give_back`). The pool then holds those and only those: buffers no save asked for in
-    the last round are dropped, so it holds at most what the saves in flight need. `close()`
-    drops every buffer; a pool closed keeps none given back after, and still lends new
-    ones (a save that runs after its owner closed)."""
+    A save borrows through a `Borrower` of its own (`borrower()`): one buffer per item it
+    copies (`take`, by a key: the byte size, and what else makes buffers differ), all given
+    back when its background phase ends (`release`). The pool then holds those and only
+    those: buffers no save asked for in the last round are dropped, so it holds at most what
+    the saves in flight need. `close()` drops every buffer; a pool closed keeps none given
+    back after, and still lends new ones (a save that runs after its owner closed)."""
 
     def __init__(self) -> None:
         self._free: dict[Hashable, list[E]] = {}
@@ -71,12 +72,17 @@ class HostPool(Generic[E]):
                 return free.pop()
         return make()
 
-    def _give_back(self, bufs: list[tuple[Hashable, E]]) -> None:
+    def give_back(self, bufs: list[E]) -> None:
+        """Take back every buffer the last round of saves took (see the class's doc)."""
         fresh: dict[Hashable, list[E]] = {}
-        for key, b in bufs:
-            fresh.setdefault(key, []).append(b)
+        for b in bufs:
+            fresh.setdefault(self._key(b), []).append(b)
         with self._lock:
             self._free = {} if self._closed else fresh
+
+    def _key(self, entry: E) -> Hashable:
+        """The key `take` lends `entry` by."""
+        raise NotImplementedError
 
     def _entry_bytes(self, entry: E) -> int:
         raise NotImplementedError
@@ -93,14 +99,43 @@ class HostPool(Generic[E]):
             self._free = {}
 
 
+class Borrower(Generic[A, E]):
+    """The buffers that one save borrows from a HostPool, given back together.
+
+    `take` lends a buffer as the pool's own `take` does (the same arguments) and notes it in
+    `taken`; `release()`, once the save has ended however it ended, gives every buffer noted
+    back to the pool for the next save (the pool then holds those and only those, even none)
+    and forgets them. Made by the pool's `borrower()`, one per save: each save's adapter
+    (JAX's, torch's) holds its own and releases it once (a second `release()` would give
+    the pool an empty round, which drops what it holds)."""
+
+    def __init__(self, pool: HostPool[E], take: Callable[A, E]) -> None:
+        self.pool = pool
+        self._lend = take
+        self.taken: list[E] = []  # lent and not given back yet
+
+    def take(self, *args: A.args, **kwargs: A.kwargs) -> E:
+        buf = self._lend(*args, **kwargs)
+        self.taken.append(buf)
+        return buf
+
+    def release(self) -> None:
+        taken, self.taken = self.taken, []
+        self.pool.give_back(taken)
+
+
 class HostArrays(HostPool[np.ndarray]):
     """JAX's staging pool: 64-byte aligned uint8 buffers by byte size."""
 
     def take(self, nbytes: int) -> np.ndarray:
         return self._take(nbytes, lambda: aligned_empty(nbytes))
 
-    def give_back(self, bufs: list[np.ndarray]) -> None:
-        self._give_back([(b.nbytes, b) for b in bufs])
+    def borrower(self) -> Borrower[[int], np.ndarray]:
+        """What one save borrows (Borrower: `take(nbytes)`, `release()`)."""
+        return Borrower(self, self.take)
+
+    def _key(self, entry: np.ndarray) -> Hashable:
+        return entry.nbytes
 
     def _entry_bytes(self, entry: np.ndarray) -> int:
         return int(entry.nbytes)

@@ -38,13 +38,7 @@ class JaxAdapter:
         self.budget = budget
         self.snapshot = snapshot
         self.pool = current_pool(HostArrays)
-        self.taken: list[np.ndarray] = []
-
-    def _take(self, nbytes: int) -> np.ndarray:
-        assert self.pool is not None
-        buf = self.pool.take(nbytes)
-        self.taken.append(buf)
-        return buf
+        self.borrowed = self.pool.borrower() if self.pool is not None else None
 
     def is_leaf(self, x: Any) -> bool:
         return is_save_leaf(x)
@@ -57,7 +51,7 @@ class JaxAdapter:
     ) -> tuple[list[StagedItem], int]:
         return stage(
             arrays, plan, process, budget=self.budget, asynchronous=copy, snapshot=self.snapshot,
-            take=self._take if self.pool is not None else None,
+            take=self.borrowed.take if self.borrowed is not None else None,
         )  # fmt: skip
 
     def mesh_of(self, arr: SaveArray) -> MeshSpec | None:
@@ -71,9 +65,8 @@ class JaxAdapter:
     def release(self) -> None:
         """The buffers this save took go back to its owner's pool for the next save (other
         host copies go with their items)."""
-        if self.pool is not None:
-            taken, self.taken = self.taken, []
-            self.pool.give_back(taken)
+        if self.borrowed is not None:
+            self.borrowed.release()
 
 
 # Per sharding, its JSON description (shared by the leaves that have it: never mutated).

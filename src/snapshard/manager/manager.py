@@ -11,8 +11,9 @@ works beside a live writer. Incomplete steps are never listed, and every process
 holds the listing process 0 made. A background failure is logged when it happens and raised,
 naming the step, by the next `save`, `wait_until_finished` or `close` (once). The host
 buffers its saves stage into are the manager's own, reused from one save to the next and
-released by `close` (staging.py); it keeps the reports of its last `REPORTS_KEPT` saves, so
-that nothing it holds grows with the saves it makes. What depends on the
+released by `close` (staging.py); it keeps the reports of its last `REPORTS_KEPT` saves, and
+names its saves' rendezvous under its directory rather than each step's (saving/blocking.py),
+so that nothing it or the process holds grows with the saves it makes. What depends on the
 arrays (which values are leaves, the default coordinator, a save's blocking phase, load,
 preemption) comes from a `Framework` (framework.py): JAX's by default, PyTorch's from
 snapshard.torch.
@@ -46,6 +47,7 @@ from ..gc_pause import collect_if_due
 from ..options import ReadOptions, SaveOptions, require
 from ..reading import ReadStats
 from ..saving import SaveTimings
+from ..saving.blocking import saves_counted_under
 from ..staging import SavePools, pools_for_saves
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
@@ -535,7 +537,8 @@ class CheckpointManager:
         storage = self._root.child(str(step))
         if self._lease is not None:
             storage.commit_guard = self._lease.verify
-        with pools_for_saves(self._pools):
+        # (its saves named as the n-th under its directory: no count kept per step, blocking.py)
+        with pools_for_saves(self._pools), saves_counted_under(self._root.url):
             started = self._framework.start_save(
                 storage,
                 tree,

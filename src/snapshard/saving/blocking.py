@@ -3,9 +3,12 @@ differ), stage this process's items on the host through the wing's adapter. Noth
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from typing import Any
 
 from ..coordination import Coordinator, default_coordinator
@@ -34,6 +37,25 @@ from .leaves import classify_leaves, leaf_digests, path_json
 from .state import PreparedSave, SaveAdapter, SaveTimings
 
 log = logging.getLogger("snapshard")
+
+# Where the saves started in this context are counted for their rendezvous' name, in place of
+# their own locations (saves_counted_under).
+_counted_under: ContextVar[str | None] = ContextVar("snapshard_saves_counted_under", default=None)
+
+
+@contextlib.contextmanager
+def saves_counted_under(location: str) -> Iterator[None]:
+    """Saves started inside name their rendezvous as the n-th save under `location` (a
+    CheckpointManager's directory, whose every process makes its saves in the same order),
+    not as the n-th save to their own location. The process keeps a count for every location
+    it names an operation after (coordination/rendezvous.namespace), for as long as it runs:
+    a manager saves each step to a location of its own, and one count per step saved would
+    grow with every save."""
+    token = _counted_under.set(location)
+    try:
+        yield
+    finally:
+        _counted_under.reset(token)
 
 
 @collection_paused(transient=True)  # what it leaves alive is the save's, freed when it ends
@@ -66,9 +88,8 @@ def prepare(
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
     # The namespace is taken here, in program order, the same on every process.
-    rv = Rendezvous(
-        coord, namespace("save", storage.url), f"save to {storage.url}", options.timeout_s
-    )
+    name = namespace("save", _counted_under.get() or storage.url)
+    rv = Rendezvous(coord, name, f"save to {storage.url}", options.timeout_s)
     try:
         return _prepare(
             rv, storage, tree, options, overwrite=overwrite, asynchronous=asynchronous,

@@ -1,6 +1,7 @@
 """POSIX filesystem storage: stage in a sibling directory, fsync everything, rename.
 
-The checkpoint at D is staged in D.snapshard-tmp-<job>-<n> (the n-th save of that job to D;
+The checkpoint at D is staged in D.snapshard-tmp-<job>-<n> (the n-th save of that job to D,
+or under its manager's directory;
 a failed save removes it, one that was killed leaves it for the manager or the user to
 remove, and readers never see it). Commit writes and fsyncs the manifest,
 fsyncs the staged directories, renames the staging directory to D and fsyncs the parent, so

@@ -33,7 +33,7 @@ from ..options import SaveOptions
 from ..planning import WritePlan
 from ..reading import aligned_empty
 from ..save_leaves import SaveArray
-from ..staging import HostPool, StagedItem, current_pool, planned_items
+from ..staging import Borrower, HostPool, StagedItem, current_pool, planned_items
 from ..storage import Location, Storage
 from ..tree import Path
 from . import leaves as _leaves
@@ -59,8 +59,12 @@ class HostBuffers(HostPool[Buffer]):
     def take(self, nbytes: int, pinned: bool) -> Buffer:
         return self._take((nbytes, pinned), lambda: _allocate(nbytes, pinned))
 
-    def give_back(self, bufs: list[Buffer]) -> None:
-        self._give_back([((b[0].nbytes, b[1] is not None), b) for b in bufs])
+    def borrower(self) -> Borrower[[int, bool], Buffer]:
+        """What one save borrows (staging.Borrower: `take(nbytes, pinned)`, `release()`)."""
+        return Borrower(self, self.take)
+
+    def _key(self, entry: Buffer) -> tuple[int, bool]:
+        return (entry[0].nbytes, entry[1] is not None)
 
     def _entry_bytes(self, entry: Buffer) -> int:
         return int(entry[0].nbytes)
@@ -83,8 +87,8 @@ class TorchAdapter:
 
     def __init__(self, buffers: HostBuffers | None, trees_differ: bool = False) -> None:
         self.buffers = buffers
+        self.borrowed = buffers.borrower() if buffers is not None else None
         self.trees_differ = trees_differ  # SaveOptions.trees_differ
-        self.taken: list[Buffer] = []
         self.rank = _leaves.this_rank()  # asked once per save, not once per leaf
 
     def is_leaf(self, x: Any) -> bool:
@@ -94,21 +98,23 @@ class TorchAdapter:
         """DTensor layouts are stored as explicit rows."""
         return None
 
+    @property
+    def taken(self) -> list[Buffer]:
+        """The pool's buffers this save holds (none without a pool)."""
+        return self.borrowed.taken if self.borrowed is not None else []
+
     def release(self) -> None:
         """The host buffers this save took go back to the pool for the next one."""
-        if self.buffers is not None:
-            taken, self.taken = self.taken, []
-            self.buffers.give_back(taken)
+        if self.borrowed is not None:
+            self.borrowed.release()
 
     def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray:
         return _leaves.classify(path, value, process_count, self.rank, self.trees_differ)
 
     def _buffer(self, nbytes: int, pinned: bool) -> Buffer:
-        if self.buffers is None:
+        if self.borrowed is None:
             return _allocate(nbytes, pinned)
-        b = self.buffers.take(nbytes, pinned)
-        self.taken.append(b)
-        return b
+        return self.borrowed.take(nbytes, pinned)
 
     def stage(
         self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
