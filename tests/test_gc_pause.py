@@ -73,13 +73,13 @@ def test_load_and_save_run_paused_and_leave_the_collector_on(
         monkeypatch.setattr(module, name, wrapped)
 
     probe(snapshard.saving.blocking, "plan_writes")
-    probe(snapshard.jax.load, "open_source")
+    probe(snapshard.jax.load, "open_for_load")
     snapshard.save(tmp_path / "c", {"a": np.arange(6.0)})
     assert gc.isenabled()
     out = snapshard.load(tmp_path / "c", {"a": np.zeros(6)})
     np.testing.assert_array_equal(out["a"], np.arange(6.0))
     assert gc.isenabled()
-    assert seen == {"plan_writes": False, "open_source": False}
+    assert seen == {"plan_writes": False, "open_for_load": False}
 
 
 class _Node:
