@@ -65,9 +65,16 @@ def _torchrun(cmd: str, root: str) -> tuple[int, str]:
 
 
 def _gloo_exit_abort(rc: int, out: str) -> bool:
-    """Whether a job ended with gloo's abort at interpreter exit after finishing its work."""
+    """Whether a job ended with gloo's abort at interpreter exit after finishing its work:
+    both ranks printed OK, no Python traceback of a rank before the abort, and after it only
+    torchrun's own report of a rank that died of SIGABRT (its ChildFailedError traceback,
+    the other rank stopped with SIGTERM)."""
     finished = "OK 0" in out and "OK 1" in out
-    return rc != 0 and finished and GLOO_EXIT_ABORT in out and "Traceback" not in out
+    before, abort, after = out.partition(GLOO_EXIT_ABORT)
+    torchrun_report = after.count("Traceback") <= 1 and (
+        "Traceback" not in after or ("ChildFailedError" in after and "SIGABRT" in after)
+    )
+    return rc != 0 and finished and bool(abort) and "Traceback" not in before and torchrun_report
 
 
 def test_resume_jobs_under_torchrun_finish_and_exit(tmp_path):
