@@ -302,17 +302,22 @@ def print_result(
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def main() -> None:
+def job_args(doc: str | None, methods: tuple[str, ...]) -> argparse.Namespace:
+    """The options every MLPerf job takes (the torch job's and the JAX job's)."""
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--method", choices=METHODS, required=True)
+    ap.add_argument("--method", choices=methods, required=True)
     ap.add_argument("--scale", type=float, required=True)
     ap.add_argument("--saves", type=int, default=10)
     ap.add_argument("--restores", type=int, default=10)
     ap.add_argument("--dir", required=True, help="this job's folder of checkpoints")
     ap.add_argument("--timeout", type=float, default=3600, help="of every collective, s")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    args = job_args(__doc__, METHODS)
 
     warnings.filterwarnings("ignore")
     import torch

@@ -45,7 +45,6 @@ usage (the driver runs it): RANK=.. WORLD_SIZE=.. MASTER_ADDR=.. MASTER_PORT=.. 
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -64,6 +63,7 @@ from job_mlperf import (
     ROLES,
     WARMUP,
     evict,
+    job_args,
     local_range,
     own_info,
     params,
@@ -273,16 +273,7 @@ def methods(method: str, rank: int) -> tuple[Callable[[Any, str], None], Callabl
 
 # ---------------------------------------------------------------- the job
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--method", choices=METHODS, required=True)
-    ap.add_argument("--scale", type=float, required=True)
-    ap.add_argument("--saves", type=int, default=10)
-    ap.add_argument("--restores", type=int, default=10)
-    ap.add_argument("--dir", required=True, help="this job's folder of checkpoints")
-    ap.add_argument("--timeout", type=float, default=3600, help="of every barrier, s")
-    args = ap.parse_args()
+    args = job_args(__doc__, METHODS)
 
     warnings.filterwarnings("ignore")
     g = init_jax(args.timeout)
