@@ -25,11 +25,13 @@ takes nothing from the loop itself.
 Methods. JAX (jax.Arrays on `--devices` CPU devices, cut on their first axis):
   jax_async         snapshard.save_async
   jax_manager       snapshard.CheckpointManager (asynchronous, keeps every step)
+  *_proc            the same with SaveOptions(background="process"): the background phase
+                    in a writer process
   jax_local         the same with a LocalTier (every step to both tiers; one process, so no
                     peer copies)
   orbax             ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
 torch (CPU tensors, one gloo rank):
-  torch_async       snapshard.torch.save_async
+  torch_async       snapshard.torch.save_async (torch_async_proc: in a writer process)
   torch_dcp_writer  dcp.async_save with snapshard.torch.StorageWriter (thread executor)
   dcp_thread        dcp.async_save with DCP's FileSystemWriter, thread executor
   dcp_process       the same with the process executor
@@ -57,8 +59,15 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common as bc
 
-JAX_METHODS = ("jax_async", "jax_manager", "jax_local", "orbax")
-TORCH_METHODS = ("torch_async", "torch_dcp_writer", "dcp_thread", "dcp_process")
+JAX_METHODS = (
+    "jax_async",
+    "jax_async_proc",
+    "jax_manager",
+    "jax_manager_proc",
+    "jax_local",
+    "orbax",
+)
+TORCH_METHODS = ("torch_async", "torch_async_proc", "torch_dcp_writer", "dcp_thread", "dcp_process")
 METHODS = JAX_METHODS + TORCH_METHODS
 LARGE_ARRAYS, LARGE_COLS = 24, 2048  # 24 x (4096, 2048) float32 = 805,306,368 B at scale 1
 
@@ -215,6 +224,9 @@ def jax_method(args: argparse.Namespace, root: str) -> Method:
 
     host = host_state(args)
     fresh, nbytes = _jax_arrays(host), sum(v.nbytes for v in host.values())
+    opts = snapshard.SaveOptions(
+        background="process" if args.method.endswith("_proc") else "thread"
+    )
     if args.method == "orbax":
         import orbax.checkpoint as ocp
 
@@ -225,17 +237,19 @@ def jax_method(args: argparse.Namespace, root: str) -> Method:
             return ckptr.wait_until_finished
 
         return Method(fresh, orbax_start, ckptr.close, nbytes)
-    if args.method == "jax_async":
+    if args.method.startswith("jax_async"):
 
         def async_start(tag: str, tree: Any) -> Callable[[], Any]:
-            return snapshard.save_async(os.path.join(root, tag), tree).wait
+            return snapshard.save_async(os.path.join(root, tag), tree, opts).wait
 
         return Method(fresh, async_start, lambda: None, nbytes)
     tier = None
     if args.method == "jax_local":
         tier = snapshard.LocalTier(os.path.join(root, "local"), interval=1, max_to_keep=2)
     # No retention: its deletions would run after the commit, in the measured window.
-    manager = snapshard.CheckpointManager(os.path.join(root, "steps"), local_tier=tier)
+    manager = snapshard.CheckpointManager(
+        os.path.join(root, "steps"), local_tier=tier, save_options=opts
+    )
     steps = iter(range(1, 1 << 30))
 
     def manager_start(tag: str, tree: Any) -> Callable[[], Any]:
@@ -266,10 +280,11 @@ def torch_method(args: argparse.Namespace, root: str) -> Method:
     )
     state = {k: torch.from_numpy(v) for k, v in host_state(args).items()}
     nbytes = sum(t.nbytes for t in state.values())
-    if args.method == "torch_async":
+    if args.method.startswith("torch_async"):
+        opts = sst.SaveOptions(background="process" if args.method.endswith("_proc") else "thread")
 
         def async_start(tag: str, sd: Any) -> Callable[[], Any]:
-            return sst.save_async(os.path.join(root, tag), sd).wait
+            return sst.save_async(os.path.join(root, tag), sd, opts).wait
 
         return Method(lambda: state, async_start, dist.destroy_process_group, nbytes)
     executor = (

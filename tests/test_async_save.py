@@ -98,6 +98,8 @@ def test_background_failure_is_raised_by_wait(ckpt, monkeypatch):
     def boom(self, data):
         raise PermissionError(13, "Permission denied (injected)")
 
+    # (injected into this process: the background phase runs in its threads)
+    monkeypatch.setenv("SNAPSHARD_BACKGROUND", "thread")
     monkeypatch.setattr(local.LocalFileWriter, "write", boom)
     handle = snapshard.save_async(ckpt, {"x": np.ones(10)})
     with pytest.raises(PermissionError, match="injected"):

@@ -152,6 +152,8 @@ def test_a_committed_step_is_never_overwritten(tmp_path):
 
 
 def fail_step(monkeypatch, step):
+    # (injected into this process: the background phase runs in its threads)
+    monkeypatch.setenv("SNAPSHARD_BACKGROUND", "thread")
     real = local.LocalFileWriter.write
 
     def write(self, data):

@@ -19,9 +19,10 @@ STEPS, EVERY = 9, 3  # saves at steps 3, 6, 9
 
 
 def train(directory, *kill):
-    (p,) = multiproc.run(
-        "nnx_train_kill.py", 1, 8, directory, STEPS, EVERY, *kill, timeout=120, check=not kill
-    )
+    # Kills injected into the save's own code need it in this process's threads.
+    env = {"SNAPSHARD_BACKGROUND": "thread"} if kill else None
+    args = (directory, STEPS, EVERY, *kill)
+    (p,) = multiproc.run("nnx_train_kill.py", 1, 8, *args, timeout=120, check=not kill, env=env)
     losses = [r["loss"] for r in p.results if "loss" in r]
     return p, losses
 

@@ -141,16 +141,18 @@ def test_a_torch_managers_saves_reuse_its_buffers_and_close_releases_them(tmp_pa
 
 
 def test_a_failed_save_gives_its_buffers_back_to_the_managers_pool(tmp_path, monkeypatch):
-    from snapshard.saving import commit
+    from snapshard.saving import entry
 
-    real = commit._finish  # (inside finish, which gives the buffers back however it ends)
+    real = entry.finish_here  # (inside finish, which gives the buffers back however it ends)
+    # (injected into this process: the background phase runs in its threads)
+    monkeypatch.setenv("SNAPSHARD_BACKGROUND", "thread")
 
     def failing(prep: Any) -> Any:
         if prep.extra["step"] == 2:
             raise OSError("disk full")
         return real(prep)
 
-    monkeypatch.setattr(commit, "_finish", failing)
+    monkeypatch.setattr(entry, "finish_here", failing)
     w = torch.ones(16)
     m = st.CheckpointManager(tmp_path)
     pool = m._pools.pool(HostBuffers)

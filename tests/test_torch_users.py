@@ -3,6 +3,7 @@ and what each error says, on 2 gloo ranks where several ranks are concerned."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 import warnings
 
@@ -211,6 +212,8 @@ def test_a_failed_save_removes_its_temporary_directory(tmp_path, monkeypatch):
         prep.storage.prepare_staging()
         raise OSError(28, "No space left on device")
 
+    # (injected into this process: the background phase runs in its threads)
+    monkeypatch.setenv("SNAPSHARD_BACKGROUND", "thread")
     monkeypatch.setattr(saving.files, "write_own", broken)
     with pytest.raises(OSError, match="No space left"):
         sst.save(tmp_path / "c", {"w": torch.ones(4)})
@@ -248,6 +251,15 @@ def test_relayed_errors_keep_their_type_and_stay_coordination_errors():
     )
     other = relayed_error("x", {"error": "OSError: boom", "error_type": "OSError"})
     assert type(other) is CoordinationError
+    # the base of every snapshard error (a writer process that died): a CoordinationError is one
+    base = relayed_error("x", {"error": "SnapshardError: gone", "error_type": "SnapshardError"})
+    assert type(base) is CoordinationError
+    # pickled (from a writer process, or by a stack's all_gather_object): the same class
+    doc["relay"] = {"leaves": ["a"]}
+    again = pickle.loads(pickle.dumps(relayed_error("save to x", doc)))
+    assert isinstance(again, CheckpointExistsError) and isinstance(again, CoordinationError)
+    assert type(again) is type(e) and again.relay == {"leaves": ["a"]}
+    assert str(again) == "save to x: CheckpointExistsError: a checkpoint already exists"
 
 
 def test_snapshard_load_refuses_an_empty_container_too(tmp_path):

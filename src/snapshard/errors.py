@@ -18,13 +18,13 @@ class SnapshardError(Exception):
     processes with pickle (DCP gathers each rank's exception with all_gather_object;
     multiprocessing; launchers). Python's default calls the class again with `args`, which
     fails for constructors that take something else than the message (keyword-only fields,
-    a cause); here the instance is rebuilt without calling `__init__` (`_rebuild`)."""
+    a cause); here the instance is rebuilt without calling `__init__` (`rebuild_error`)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild, (type(self), self.args, _fields(self)))
+        return (rebuild_error, (type(self), self.args, error_fields(self)))
 
 
-def _fields(error: BaseException) -> dict[str, Any]:
+def error_fields(error: BaseException) -> dict[str, Any]:
     """The attributes of `error` to restore after unpickling. A value that cannot be
     pickled travels as its repr: the error must arrive, even with a field described."""
     fields = dict(vars(error))
@@ -40,7 +40,7 @@ def _fields(error: BaseException) -> dict[str, Any]:
     return fields
 
 
-def _rebuild(cls: type[SnapshardError], args: tuple[Any, ...], fields: dict[str, Any]) -> Any:
+def rebuild_error(cls: type[SnapshardError], args: tuple[Any, ...], fields: dict[str, Any]) -> Any:
     """A pickled SnapshardError again: made by its `__new__` (OSError's parses `args` as
     when it was raised), its `args` and fields set back, its `__init__` not called."""
     error = cls.__new__(cls, *args)

@@ -15,6 +15,7 @@ incremental save, the `ReadStats` to fill) stays a keyword of that call.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from .coordination.rendezvous import DEFAULT_TIMEOUT_S
@@ -76,6 +77,14 @@ class SaveOptions:
         knows without asking, is written by every rank that passes it, and the commit
         checks the copies equal and keeps one. Every process passes the same value (the
         commit checks). Default False: every process saves the same tree.
+    background: where an asynchronous save's background phase runs: 'process', a writer
+        process of this process's own, started at its first such save and kept
+        (saving/writer_process.py), whose Python work never takes the interpreter from the
+        training loop; or 'thread', threads of this process. None (default): the
+        environment's SNAPSHARD_BACKGROUND where set, else 'process'. A save that cannot run
+        in a writer (an object store, an incremental save, a host budget smaller than the
+        bytes owned, a kernel that forbids reading this process's memory) runs in threads,
+        and the log says why, once per reason.
     """
 
     mode: str = "auto"
@@ -85,10 +94,13 @@ class SaveOptions:
     host_budget: int | None = None
     timeout_s: float = DEFAULT_TIMEOUT_S
     trees_differ: bool = False
+    background: str | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ValueError(f"unknown write mode {self.mode!r}; expected one of {', '.join(MODES)}")
+            raise ValueError(
+                f"unknown write mode {self.mode!r}; expected one of {', '.join(MODES)}"
+            )
         _whole("writers", self.writers, 1, none_ok=True)
         if self.compression not in COMPRESSIONS:
             raise ValueError(
@@ -101,6 +113,22 @@ class SaveOptions:
         _seconds("timeout_s", self.timeout_s)
         if not isinstance(self.trees_differ, bool):
             raise ValueError(f"trees_differ must be True or False, not {self.trees_differ!r}")
+        if self.background not in (None, *BACKGROUNDS):
+            raise ValueError(f"background must be 'thread' or 'process', not {self.background!r}")
+
+
+BACKGROUNDS = ("process", "thread")
+
+
+def background_of(options: SaveOptions) -> str:
+    """Where a save's background phase runs (SaveOptions.background, or the environment's
+    SNAPSHARD_BACKGROUND, else 'process')."""
+    if options.background is not None:
+        return options.background
+    chosen = os.environ.get("SNAPSHARD_BACKGROUND", "process")
+    if chosen not in BACKGROUNDS:
+        raise ValueError(f"SNAPSHARD_BACKGROUND must be 'thread' or 'process', not {chosen!r}")
+    return chosen
 
 
 @dataclass(frozen=True)

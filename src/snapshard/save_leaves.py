@@ -55,6 +55,14 @@ class SaveArray:
     def name(self) -> str:  # asked per chunk of the array: made once
         return path_str(self.path)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """What a writer process gets (saving/writer_main.py): the description, never the
+        framework's array or devices (whether it had devices stays known)."""
+        state = dict(self.__dict__)
+        state["source"] = None
+        state["devices"] = None if self.devices is None else ()
+        return state
+
 
 def classify(path: Path, value: Any, process_count: int) -> SaveArray | ValueLeaf:
     name = path_str(path)

@@ -2,7 +2,10 @@
 
 usage: train_kill.py DIR STEPS EVERY [KILL_POINT SAVE_NUMBER]
    KILL_POINT: 'stage' (during the host copy), 'write' (while writing data files),
-   'commit' (just before the commit); SAVE_NUMBER counts the saves of this run from 1.
+   'commit' (just before the commit), 'writer' (when the save's writer process, its files
+   written, asks this process for its first coordination call: this process dies, its
+   writer lives on; the writer's process id is printed first, as 'WRITER <pid>');
+   SAVE_NUMBER counts the saves of this run from 1.
 Prints 'RESULT {"digest": ...}' when the run ends.
 """
 
@@ -52,6 +55,18 @@ def install_kill(point: str, at: int) -> None:
     save_mod.stage = stage
     local.LocalFileWriter.write = write
     local.LocalStorage.commit = commit
+    if point == "writer":
+        from snapshard.saving import writer_process
+
+        real_answer = writer_process.WriterProcess._answer
+
+        def answer(self, *a, **k):
+            if calls["n"] == at:
+                print(f"WRITER {self.proc.pid}")
+                die()
+            return real_answer(self, *a, **k)
+
+        writer_process.WriterProcess._answer = answer
 
 
 def load_example(name: str) -> Any:

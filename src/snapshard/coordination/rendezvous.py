@@ -59,7 +59,18 @@ def relayed_error(context: str, doc: dict[str, Any]) -> CoordinationError:
     value for the processes that can say more (a tree check names the leaves of the
     process whose tree differs, which only that process knows)."""
     message = f"{context}: {doc['error']}"
-    name = str(doc.get("error_type") or "")
+    cls = _relay_class(str(doc.get("error_type") or ""))
+    try:
+        out = cls(message)
+    except TypeError:  # a class whose constructor takes more than a message
+        out = CoordinationError(message)
+    out.relay = doc.get("relay")  # type: ignore[attr-defined]
+    return out
+
+
+def _relay_class(name: str) -> type[CoordinationError]:
+    """The class a failure of class `name` is raised as elsewhere (see relayed_error): made
+    once per name, and pickled by name (another process makes it again)."""
     cls = _relay_classes.get(name)
     if cls is None:
         cause = getattr(errors, name, None)
@@ -67,16 +78,22 @@ def relayed_error(context: str, doc: dict[str, Any]) -> CoordinationError:
         if (
             isinstance(cause, type)
             and issubclass(cause, errors.SnapshardError)
+            and not issubclass(CoordinationError, cause)  # (SnapshardError itself, or one above)
             and not issubclass(cause, CoordinationError)
         ):
-            cls = type(name, (cause, CoordinationError), {"__module__": errors.__name__})
+            body = {"__module__": errors.__name__, "__reduce__": _reduce_relayed}
+            cls = type(name, (cause, CoordinationError), body)
         _relay_classes[name] = cls
-    try:
-        out = cls(message)
-    except TypeError:  # a class whose constructor takes more than a message
-        out = CoordinationError(message)
-    out.relay = doc.get("relay")  # type: ignore[attr-defined]
-    return out
+    return cls
+
+
+def _reduce_relayed(error: CoordinationError) -> tuple[Any, ...]:
+    return (_relayed_again, (type(error).__name__, error.args, errors.error_fields(error)))
+
+
+def _relayed_again(name: str, args: tuple[Any, ...], fields: dict[str, Any]) -> Any:
+    """A relayed error unpickled: of the same made class, in this process."""
+    return errors.rebuild_error(_relay_class(name), args, fields)
 
 
 @dataclass

@@ -14,8 +14,8 @@ phase to the next; `entry.py` the entry points. See docs/design.md.
 """
 
 from .blocking import prepare
-from .commit import commit_manifest, finish, staged_files
-from .entry import AsyncSave, refuse_existing, save, save_async, save_through
+from .commit import commit_manifest, staged_files
+from .entry import AsyncSave, finish, refuse_existing, save, save_async, save_through
 from .files import WrittenFile, rows_by_leaf, write_data_files
 from .leaves import classify_leaves, leaf_digests, path_json
 from .state import ReplicatedSource, SaveAdapter, SaveTimings

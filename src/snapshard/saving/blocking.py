@@ -26,8 +26,8 @@ from ..format import (
 from ..frameworks import default_save_adapter
 from ..gc_pause import collection_paused
 from ..incremental import Increment
-from ..options import SaveOptions, require
-from ..planning import plan_writes
+from ..options import SaveOptions, background_of, require
+from ..planning import WritePlan, plan_writes
 from ..planning.write_plan import plan_by_holders
 from ..save_leaves import SaveArray
 from ..staging import Snapshot
@@ -58,6 +58,16 @@ def saves_counted_under(location: str) -> Iterator[None]:
         _counted_under.reset(token)
 
 
+def plan_save(arrays: list[SaveArray], options: SaveOptions, process_count: int) -> WritePlan:
+    """The write plan of a save's arrays: pure, from their layouts alone (a writer process
+    makes it again from the same leaves)."""
+    layouts = [a.layout for a in arrays]
+    if options.trees_differ:  # each holder set planned on its own, alike on each of its holders
+        keys = [path_json(a.path) for a in arrays]
+        return plan_by_holders(layouts, keys, options.mode, num_processes=process_count)
+    return plan_writes(layouts, options.mode, num_processes=process_count)
+
+
 @collection_paused(transient=True)  # what it leaves alive is the save's, freed when it ends
 def prepare(
     location: Location | Storage,
@@ -81,6 +91,7 @@ def prepare(
     manager), so staging must not depend on the tree staying as it is (staging.stage)."""
     t0 = time.perf_counter()
     require(options, SaveOptions)
+    background_of(options)  # a bad SNAPSHARD_BACKGROUND fails here, before any work
     if adapter is None:
         adapter = default_save_adapter(options.host_budget, snapshot)
     if not isinstance(location, Storage) and not os.fspath(location):
@@ -140,12 +151,7 @@ def _prepare(
     flat = flat or flatten(tree, adapter.is_leaf)
     leaves = classify_leaves(flat, coord.process_count, adapter)
     arrays = [(i, leaf) for i, leaf in enumerate(leaves) if isinstance(leaf, SaveArray)]
-    layouts = [a.layout for _, a in arrays]
-    if options.trees_differ:  # each holder set planned on its own, alike on each of its holders
-        keys = [path_json(a.path) for _, a in arrays]
-        plan = plan_by_holders(layouts, keys, options.mode, num_processes=coord.process_count)
-    else:
-        plan = plan_writes(layouts, options.mode, num_processes=coord.process_count)
+    plan = plan_save([a for _, a in arrays], options, coord.process_count)
     t1 = time.perf_counter()
     items, copied = adapter.stage(arrays, plan, coord.process_index, copy=asynchronous)
     # Host values are assumed equal on every process: their digests are compared at commit.
@@ -155,5 +161,5 @@ def _prepare(
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
     return PreparedSave(
         storage, rv, leaves, flat.structure, plan, items, overwrite, options, extra or {},
-        digests, timings, increment, adapter=adapter,
+        digests, timings, increment, adapter=adapter, asynchronous=asynchronous,
     )  # fmt: skip

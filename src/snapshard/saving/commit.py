@@ -145,16 +145,9 @@ def discard_own(prep: PreparedSave, settled: bool) -> None:
         log.warning("%s: could not remove this process's files: %s", prep.rendezvous.what, e)
 
 
-def finish(prep: PreparedSave) -> SaveTimings:
-    """The background phase. Raises on this process if the save failed anywhere; the
-    adapter's `release` runs once it has ended, however it ended."""
-    try:
-        return _finish(prep)
-    finally:
-        prep.adapter.release()
-
-
-def _finish(prep: PreparedSave) -> SaveTimings:
+def finish_here(prep: PreparedSave) -> SaveTimings:
+    """The background phase in this process's threads (entry.finish; a writer process runs
+    it so too). Raises on this process if the save failed anywhere."""
     t0 = time.perf_counter()
     t1 = t0
 

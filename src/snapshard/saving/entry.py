@@ -12,11 +12,12 @@ from ..errors import (
     CheckpointExistsError,
 )
 from ..gc_pause import Frozen, collection_paused
-from ..options import SaveOptions
+from ..options import SaveOptions, background_of
 from ..storage import Location, Storage, storage_for
 from .blocking import prepare
-from .commit import finish
+from .commit import finish_here
 from .state import PreparedSave, SaveAdapter, SaveTimings
+from .writer_process import finish_in_writer
 
 log = logging.getLogger("snapshard")
 
@@ -77,6 +78,21 @@ def save_through(
         adapter=adapter,
     )  # fmt: skip
     return finish(prep)
+
+
+def finish(prep: PreparedSave) -> SaveTimings:
+    """The background phase of every save: in this process's writer process where the save
+    is asynchronous and its options say so (SaveOptions.background), else in this thread.
+    Raises on this process if the save failed anywhere; the adapter's `release` runs once
+    it has ended, however it ended."""
+    try:
+        if prep.asynchronous and background_of(prep.options) == "process":
+            timings = finish_in_writer(prep)  # None: it cannot run there
+            if timings is not None:
+                return timings
+        return finish_here(prep)
+    finally:
+        prep.adapter.release()
 
 
 class AsyncSave(BackgroundTask[SaveTimings]):

@@ -145,6 +145,17 @@ def describe_leaves(
     return out, table.meshes, table.layouts
 
 
+def describe_layouts(prep: PreparedSave) -> None:
+    """Every array's layout description made now (each is kept in its layout's memo), so
+    that a process without the framework can describe the leaves (writer_process.py)."""
+    for leaf in prep.leaves:
+        if not isinstance(leaf, SaveArray):
+            continue
+        memo = leaf.layout.memo
+        if not memo.own and memo.description is None:
+            memo.description = _description(leaf, prep.adapter.mesh_of(leaf))
+
+
 def _describe(
     arr: SaveArray,
     adapter: SaveAdapter,

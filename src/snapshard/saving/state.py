@@ -64,6 +64,7 @@ class PreparedSave:
     increment: Increment | None = None  # content hashes and references (incremental.py)
     nonce: str = field(default_factory=lambda: uuid.uuid4().hex[:8])  # this attempt's files
     adapter: SaveAdapter = field(default_factory=default_save_adapter)
+    asynchronous: bool = False  # the caller goes on during the background phase
 
 
 class SaveAdapter(Protocol):

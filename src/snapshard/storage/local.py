@@ -21,7 +21,7 @@ import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .. import cpus
 from ..errors import (
@@ -266,6 +266,18 @@ class LocalStorage(Storage):
         self._fds: dict[str, int] = {}
         self._siblings: dict[str, LocalStorage] = {}
         self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Its paths, for a writer process (saving/writer_main.py): no open files, no lock,
+        no commit guard (the writer asks the training process to run it)."""
+        state = dict(self.__dict__)
+        for handle in ("_fds", "_siblings", "_lock", "commit_guard"):
+            state.pop(handle, None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._fds, self._siblings, self._lock = {}, {}, threading.Lock()
 
     def set_attempt(self, token: str) -> None:
         """Stage in `D.snapshard-tmp-<token>`: saves of different jobs (tokens) to one

@@ -1,0 +1,316 @@
+"""The writer process's side of a background phase run out of the training process
+(SaveOptions.background="process"; the training process's side is writer_process.py).
+
+Started once per training process as `python -c "...writer_main import main; main()" FD`,
+with FD one end of a socket pair. The protocol, in order, each message a pickled tuple:
+
+1. the training process sends ("probe", pid, address, nbytes, expected); the writer reads
+   those bytes out of the training process's memory (`process_vm_readv`) and answers
+   ("ready", None) or ("unable", why): a training process whose memory it cannot read
+   (a kernel or a sandbox that forbids it) keeps its background phase in threads;
+2. ("template", Template) whenever the tree changed (its leaves, without their values);
+   then per save, ("save", Message): where each staged item's bytes are in the training
+   process's memory, the values of the leaves that are not arrays, the save's storage and
+   rendezvous. The writer runs the whole background phase (saving.commit.finish_here: data
+   files, records, process 0's commit);
+3. while it runs, each call on the coordinator or the storage's commit guard goes to the
+   training process as ("call", method, args) and waits for ("reply", value) or
+   ("raise", error): the key-value store of a job is the training process's;
+4. the save ends with ("done", timings) or ("failed", error), the error pickled with its
+   type (errors.py: every snapshard error crosses processes by pickle).
+
+The staged bytes are read straight from the training process, item by item as each file is
+written: nothing is copied in the blocking phase and nothing is shared but the addresses,
+which stay valid because the training process keeps the save's items until step 4. The
+writer imports no framework: NumPy, the format and the storage. It ends when the socket
+closes (its training process ended or let it go) and is killed with it otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import socket
+import sys
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from ..coordination.base import Coordinator
+from ..coordination.rendezvous import Rendezvous
+from ..errors import SnapshardError
+from ..format import Leaf
+from ..options import SaveOptions
+from ..save_leaves import SaveArray
+from ..staging import StagedItem
+from ..storage import Storage
+from .state import PreparedSave, SaveTimings
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_NICE = 5  # a third of a CPU's share beside a busy process: below the loop, never starved
+
+
+_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                                   ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
+_libc.process_vm_readv.restype = ctypes.c_ssize_t
+_IOVEC = np.dtype([("base", np.uint64), ("len", np.uint64)])
+_IOV_MAX = 1024  # iovecs per call
+
+
+def _readv(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
+    """process_vm_readv of iovec arrays (_IOVEC); ctypes lets the interpreter go for it."""
+    got = int(_libc.process_vm_readv(pid, local.ctypes.data, len(local), remote.ctypes.data,
+                                     len(remote), 0))  # fmt: skip
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"reading the training process's memory: {os.strerror(err)}")
+    return got
+
+
+def read_remote(pid: int, address: int, out: np.ndarray) -> None:
+    """Fill `out` with the bytes at `address` in process `pid` (`process_vm_readv`, which
+    copies without the interpreter)."""
+    n, done = out.nbytes, 0
+    local, remote = np.empty(1, _IOVEC), np.empty(1, _IOVEC)
+    while done < n:
+        local[0] = (out.ctypes.data + done, n - done)
+        remote[0] = (address + done, n - done)
+        got = _readv(pid, local, remote)
+        if got == 0:
+            raise OSError(0, "reading the training process's memory: nothing read")
+        done += got
+
+
+def read_words(pid: int, addresses: np.ndarray) -> np.ndarray:
+    """The 8-byte words at `addresses` in process `pid`, read in a few calls."""
+    out = np.empty(len(addresses), np.uint64)
+    for a in range(0, len(addresses), _IOV_MAX):
+        b = min(a + _IOV_MAX, len(addresses))
+        local, remote = np.empty(b - a, _IOVEC), np.empty(b - a, _IOVEC)
+        local["base"] = out.ctypes.data + 8 * np.arange(a, b, dtype=np.uint64)
+        remote["base"] = addresses[a:b]
+        local["len"] = remote["len"] = 8
+        if _readv(pid, local, remote) != 8 * (b - a):
+            raise OSError(0, "reading the training process's memory: a word was not read")
+    return out
+
+
+class RemoteBytes:
+    """A staged item's bytes in the training process, read when the item is written
+    (StagedItem.materialize calls np.asarray on it)."""
+
+    __slots__ = ("address", "dtype", "pid", "shape")
+
+    def __init__(self, pid: int, address: int, dtype: np.dtype, shape: tuple[int, ...]):
+        self.pid, self.address, self.dtype, self.shape = pid, address, dtype, shape
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        try:
+            read_remote(self.pid, self.address, out)
+        except OSError as e:
+            raise SnapshardError(f"the writer process could not read a staged item: {e}") from e
+        return out
+
+
+@dataclass
+class Message:
+    """One save, as the training process sends it to its writer (see the module's doc)."""
+
+    template: int  # the template's number: its leaves and structure, sent once (`Template`)
+    values: list[tuple[int, Leaf]]  # the leaves that are not arrays, this save's values
+    digests: np.ndarray
+    items: tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]
+    # (leaf, start, stop, nbytes, where) of each staged item, as columns; where: the address
+    # of its bytes, or with `data_offset` the address of its ndarray object, which holds the
+    # address of its bytes `data_offset` bytes in
+    data_offset: int | None
+    storage: Storage
+    guarded: bool  # the storage has a commit guard, which runs in the training process
+    rendezvous: tuple[str, str, float, int, int]  # prefix, what, timeout, process, count
+    overwrite: bool
+    options: SaveOptions
+    extra: dict[str, Any]
+    nonce: str
+    timings: SaveTimings
+
+
+@dataclass
+class Template:
+    """What stays the same from one save of a state to the next: its leaves (arrays without
+    their values; see SaveArray.__getstate__) and the tree's structure."""
+
+    number: int
+    leaves: list[Leaf | SaveArray]
+    structure: dict[str, Any]
+
+
+class _Link:
+    """The writer's end of the socket: calls into the training process."""
+
+    def __init__(self, conn: Connection):
+        self.conn = conn
+
+    def send(self, *msg: Any) -> None:
+        self.conn.send_bytes(pickle.dumps(msg, protocol=5))
+
+    def recv(self) -> tuple[Any, ...]:
+        return tuple(pickle.loads(self.conn.recv_bytes()))
+
+    def call(self, method: str, *args: Any) -> Any:
+        self.send("call", method, args)
+        kind, value = self.recv()
+        if kind == "raise":
+            raise value
+        return value
+
+
+class ProxyCoordinator(Coordinator):
+    """The training process's coordinator, reached through the link (one call at a time:
+    the background phase makes its calls from one thread)."""
+
+    def __init__(self, link: _Link, process_index: int, process_count: int):
+        self._link = link
+        self.process_index = process_index
+        self.process_count = process_count
+
+    def set(self, key: str, value: str) -> None:
+        self._link.call("set", key, value)
+
+    def get(self, key: str, timeout_s: float) -> str:
+        return str(self._link.call("get", key, timeout_s))
+
+    def try_get(self, key: str) -> str | None:
+        value = self._link.call("try_get", key)
+        return None if value is None else str(value)
+
+    def barrier(self, name: str, timeout_s: float) -> None:
+        self._link.call("barrier", name, timeout_s)
+
+    def get_dir(self, prefix: str) -> dict[str, str]:
+        return dict(self._link.call("get_dir", prefix))
+
+    def delete(self, prefix: str, keys: Any = None) -> None:
+        self._link.call("delete", prefix, None if keys is None else list(keys))
+
+    def increment(self, key: str, by: int = 1) -> int:
+        return int(self._link.call("increment", key, by))
+
+    def set_if_absent(self, key: str, value: str) -> str:
+        return str(self._link.call("set_if_absent", key, value))
+
+
+class _NoAdapter:
+    """The adapter of a save run in the writer: every layout was described and every item
+    staged by the training process, whose adapter releases what it lent when the save ends."""
+
+    trees_differ = False
+
+    def mesh_of(self, arr: SaveArray) -> None:
+        raise AssertionError(f"leaf {arr.name!r}: its layout was not described before sending")
+
+    def release(self) -> None:
+        return None
+
+
+def prepared(msg: Message, template: Template, link: _Link, parent: int) -> PreparedSave:
+    """The PreparedSave that `finish` runs on, rebuilt in the writer from `msg`."""
+    from .blocking import plan_save
+
+    leaves = list(template.leaves)
+    for i, value in msg.values:
+        leaves[i] = value
+    arrays = [x for x in leaves if isinstance(x, SaveArray)]
+    prefix, what, timeout_s, index, count = msg.rendezvous
+    rv = Rendezvous(ProxyCoordinator(link, index, count), prefix, what, timeout_s)
+    plan = plan_save(arrays, msg.options, count)
+    of_leaf, starts, stops, nbytes, addresses = msg.items
+    if msg.data_offset is not None:
+        addresses = read_words(parent, addresses.astype(np.uint64) + np.uint64(msg.data_offset))
+    items = []
+    columns = zip(of_leaf.tolist(), nbytes.tolist(), addresses.tolist(), strict=True)
+    for j, (i, n, a) in enumerate(columns):
+        arr = leaves[i]
+        assert isinstance(arr, SaveArray)
+        start, stop = starts[j], stops[j]
+        shape = tuple((stop - start).tolist())
+        remote = RemoteBytes(parent, a, arr.dtype, shape)
+        items.append(StagedItem(i, arr.name, start, stop, n, deferred=remote))
+    storage = msg.storage
+    if msg.guarded:
+        storage.commit_guard = lambda: link.call("guard")
+    adapter = _NoAdapter()
+    adapter.trees_differ = msg.options.trees_differ
+    return PreparedSave(
+        storage, rv, leaves, template.structure, plan, items, msg.overwrite, msg.options,
+        msg.extra, msg.digests, msg.timings, nonce=msg.nonce, adapter=adapter,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+def serve(conn: Connection, parent: int) -> None:
+    """The writer's loop: saves one after the other until the socket closes."""
+    from .commit import finish_here
+
+    link = _Link(conn)
+    templates: dict[int, Template] = {}
+    while True:
+        try:
+            msg = link.recv()
+        except (EOFError, OSError):
+            return
+        kind = msg[0]
+        if kind == "probe":
+            _, pid, address, n, expected = msg
+            out = np.empty(n, np.uint8)
+            try:
+                read_remote(pid, address, out)
+                ok = out.tobytes() == expected
+                link.send("ready" if ok else "unable", None if ok else "the bytes read differ")
+            except OSError as e:
+                link.send("unable", str(e))
+        elif kind == "template":
+            template = msg[1]
+            templates = {template.number: template}  # one state at a time: the newest
+        elif kind == "save":
+            save: Message = msg[1]
+            try:
+                prep = prepared(save, templates[save.template], link, parent)
+                outcome: tuple[str, Any] = ("done", finish_here(prep))
+            except BaseException as e:  # every failure goes back to the training process
+                outcome = ("failed", portable_error(e))
+            try:
+                link.send(*outcome)
+            except OSError:  # the training process is gone: so is the save
+                return
+
+
+def portable_error(e: BaseException) -> BaseException:
+    """`e` if it survives pickling, else a SnapshardError with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return SnapshardError(f"{type(e).__name__}: {e}")
+
+
+def main() -> None:
+    # Below the training process in the CPU's scheduling: where the cores are all busy,
+    # the loop goes first and the save drains in what it leaves.
+    os.nice(_NICE)
+    # It ends when its training process lets it go (the socket closes), never on a signal
+    # sent to the whole job (Ctrl-C, a scheduler's SIGTERM): the save in flight finishes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    fd = int(sys.argv[-1])
+    sock = socket.socket(fileno=fd)
+    conn = Connection(os.dup(sock.fileno()))
+    sock.close()
+    serve(conn, os.getppid())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""The background phase in a writer process (SaveOptions.background="process"): the training
+process's side. The protocol and the writer's side are in writer_main.py.
+
+Why: the background phase's Python (records, the manifest, the commit: a few microseconds
+per leaf) holds the interpreter that the training loop needs, in slices of the switch
+interval, whenever it runs in a thread (docs/design.md, "What the background phase takes
+from the training loop"). In a process of its own it takes none of it. What stays here per
+save: one message (the items' addresses as columns; the leaves only when the tree changed)
+and the writer's few calls on the coordinator, answered from this thread while it waits.
+
+One writer per training process, started at its first such save and kept for the next
+(`writer()`); saves go to it one at a time. If it dies (killed, out of memory), the save it
+ran fails on every process, naming it, and leaves nothing behind that its own clean-up
+would not have removed (`_finish_protocol`); the next save starts a new writer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+from ..errors import SnapshardError
+from ..format.reading import read_manifest
+from ..save_leaves import SaveArray
+from ..storage.local import LocalStorage
+from .commit import discard_own
+from .leaves import describe_layouts
+from .state import PreparedSave, SaveTimings
+from .writer_main import Message, Template, portable_error
+
+log = logging.getLogger("snapshard")
+
+_PR_SET_PTRACER = 0x59616D61  # Yama: let this pid read our memory (process_vm_readv)
+# (not `-m`: the package imports the module before runpy would run it as __main__)
+_START = "from snapshard.saving.writer_main import main; main()"
+_STARTUP_S = 120.0  # a writer's start: an interpreter, NumPy and snapshard imported
+
+
+def unsupported(prep: PreparedSave) -> str | None:
+    """Why `prep` cannot run in a writer process, or None."""
+    if not sys.platform.startswith("linux"):
+        return "a writer process needs Linux (process_vm_readv)"
+    if not isinstance(prep.storage, LocalStorage):
+        return "a writer process writes to local filesystems only, so far"
+    if prep.increment is not None:
+        return "an incremental save runs in threads, so far"
+    if any(it.host is None for it in prep.items):
+        return "a host budget smaller than the bytes owned needs the framework in the background"
+    return None
+
+
+class _LinkDown(Exception):
+    """The socket to the writer broke: it died, or never started."""
+
+
+class WriterProcess:
+    """A writer process of this process's own, and the saves it runs (see the module's doc)."""
+
+    def __init__(self) -> None:
+        mine, theirs = socket.socketpair()
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
+        path = os.environ.get("PYTHONPATH")
+        env = {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _START, str(theirs.fileno())],
+            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        theirs.close()
+        self._conn = Connection(os.dup(mine.fileno()))
+        mine.close()
+        self._lock = threading.Lock()  # one save at a time
+        self._kept: list[np.ndarray] = []
+        self._template: tuple[Any, np.ndarray, dict[str, Any], int] | None = None
+        self._numbers = 0
+        self.unable = self._probe()
+
+    def _send(self, *msg: Any) -> None:
+        data = pickle.dumps(msg, protocol=5)
+        try:
+            self._conn.send_bytes(data)
+        except OSError as e:
+            raise _LinkDown(str(e)) from e
+
+    def _recv(self, timeout: float | None = None) -> tuple[Any, ...]:
+        try:
+            if timeout is not None and not self._conn.poll(timeout):
+                raise _LinkDown(f"no answer from the writer process in {timeout:g} s")
+            data = self._conn.recv_bytes()
+        except (EOFError, OSError) as e:
+            raise _LinkDown(str(e) or "its end of the socket closed") from e
+        return tuple(pickle.loads(data))
+
+    def _probe(self) -> str | None:
+        """None if the writer can read this process's memory, else why not."""
+        with contextlib.suppress(Exception):  # no Yama: nothing to allow
+            ctypes.CDLL(None).prctl(_PR_SET_PTRACER, self.proc.pid, 0, 0, 0)
+        probe = np.frombuffer(os.urandom(64), np.uint8).copy()
+        try:
+            self._send("probe", os.getpid(), probe.ctypes.data, probe.nbytes, probe.tobytes())
+            kind, why = self._recv(_STARTUP_S)
+        except _LinkDown as e:
+            return f"the writer process did not start: {e}"
+        return None if kind == "ready" else f"it cannot read this process's memory: {why}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        self._conn.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def run(self, prep: PreparedSave) -> SaveTimings | None:
+        """The background phase of `prep`, in the writer; raises what it raised. None where
+        the writer is busy with another save (started from another thread), for the caller
+        to run this one in threads: saves queued behind each other here could wait in
+        another order on another process, each for the other."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        try:
+            return self._run(prep)
+        finally:
+            self._kept = []
+            self._lock.release()
+
+    def _run(self, prep: PreparedSave) -> SaveTimings:
+        t0 = time.perf_counter()
+        seen = _Seen(prep)
+        sent = False
+        try:
+            self._send_save(prep)
+            sent = True
+            while True:
+                kind, *rest = self._recv()
+                if kind != "call":
+                    break
+                self._answer(prep, seen, *rest)
+        except BaseException as e:
+            if not sent and not isinstance(e, _LinkDown):
+                _finish_protocol(prep, e, seen)  # the writer never started this save
+            # The writer may be reading this save's items: it goes before they do.
+            if self.proc.poll() is None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(5 if isinstance(e, _LinkDown) else 0)
+            if self.proc.poll() is None:
+                self.proc.kill()
+            what = prep.rendezvous.what
+            if isinstance(e, _LinkDown):
+                error = SnapshardError(
+                    f"{what}: the writer process {_death(self.proc.wait())} ({e})"
+                )
+            else:
+                self.proc.wait()
+                error = SnapshardError(f"{what}: {type(e).__name__}: {e}")
+            _finish_protocol(prep, error, seen, died=True)
+            prep.timings.total_s = prep.timings.blocking_s + time.perf_counter() - t0
+            return prep.timings
+        if kind == "failed":
+            _finish_protocol(prep, rest[0], seen)
+        timings: SaveTimings = rest[0]
+        prep.timings.__dict__.update(timings.__dict__)
+        return prep.timings
+
+    def _send_save(self, prep: PreparedSave) -> None:
+        """Send the save, keeping the copies made of items that were not contiguous, which
+        the writer reads until it is done (`_kept`)."""
+        number = self._template_of(prep)
+        where, keep = _where(prep)
+        items = prep.items
+        msg = Message(
+            template=number,
+            values=[(i, x) for i, x in enumerate(prep.leaves) if not isinstance(x, SaveArray)],
+            digests=prep.digests,
+            items=(
+                np.fromiter((it.leaf for it in items), np.int64, len(items)),
+                [it.start for it in items], [it.stop for it in items],
+                np.fromiter((it.nbytes for it in items), np.int64, len(items)),
+                where,
+            ),
+            data_offset=_DATA_OFFSET,
+            storage=prep.storage, guarded=prep.storage.commit_guard is not None,
+            rendezvous=(
+                prep.rendezvous.prefix, prep.rendezvous.what, prep.rendezvous.timeout_s,
+                prep.rendezvous.coord.process_index, prep.rendezvous.coord.process_count,
+            ),
+            overwrite=prep.overwrite, options=prep.options, extra=prep.extra,
+            nonce=prep.nonce, timings=prep.timings,
+        )  # fmt: skip
+        self._kept = keep
+        self._send("save", msg)
+
+    def _template_of(self, prep: PreparedSave) -> int:
+        """The number of the writer's template of `prep`'s leaves, sent first if the tree
+        changed: the same plan (cached per layouts), descriptions and structure."""
+        t = self._template
+        desc = prep.digests["description"]
+        if (
+            t is not None
+            and t[0] is prep.plan
+            and np.array_equal(t[1], desc)
+            and t[2] == prep.structure
+        ):
+            return t[3]
+        describe_layouts(prep)  # the descriptions need the framework: made here
+        self._numbers += 1
+        template = Template(self._numbers, list(prep.leaves), prep.structure)
+        self._send("template", template)
+        self._template = (prep.plan, desc.copy(), prep.structure, self._numbers)
+        return self._numbers
+
+    def _answer(self, prep: PreparedSave, seen: _Seen, method: str, args: tuple[Any, ...]) -> None:
+        try:
+            if method == "guard":
+                guard = prep.storage.commit_guard
+                value = guard() if guard is not None else None
+            else:
+                value = getattr(prep.rendezvous.coord, method)(*args)
+            seen.note(method, args)
+        except Exception as e:
+            self._send("raise", portable_error(e))
+            return
+        self._send("reply", value)
+
+
+class _Seen:
+    """What the writer has told the other processes of a save so far (its calls pass here):
+    whether it reported its files written, and whether process 0 published the outcome."""
+
+    def __init__(self, prep: PreparedSave):
+        rv = prep.rendezvous
+        self.report_key = f"{rv.prefix}/written/{rv.coord.process_index}"
+        self.outcome_key = f"{rv.prefix}/outcome"
+        self.reported = False
+        self.published: bool | None = None  # the outcome's "ok", once published
+
+    def note(self, method: str, args: tuple[Any, ...]) -> None:
+        if method == "set" and args[0] == self.report_key:
+            self.reported = True
+        elif method == "set" and args[0] == self.outcome_key:
+            self.published = bool(json.loads(args[1])["ok"])
+
+
+def _death(code: int | None) -> str:
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"ended with exit code {code}"
+
+
+def _finish_protocol(
+    prep: PreparedSave, error: BaseException, seen: _Seen, *, died: bool = False
+) -> None:
+    """The save failed with `error` in the writer, or the writer died (`died`): this
+    process finishes the writer's part of the protocol in its place, so that every process
+    learns the outcome in bounded time and what it staged goes (as commit.finish_here's
+    protocol would). Returns only where the save is committed after all: the writer died
+    after its part (process 0: after the rename; another process: after reporting its
+    files, when process 0 commits)."""
+    rv = prep.rendezvous
+    if seen.reported and not died:
+        raise error  # the writer ran the protocol to its end: the others know
+    if rv.coord.is_leader:
+        if seen.published is not None:  # the others know; only the clean-up may be left
+            if seen.published:
+                return
+            prep.storage.discard_staging()
+            raise error
+        if died and _committed_by(prep):
+            rv.publish_outcome()
+            return
+        rv.publish_outcome(error)
+        prep.storage.discard_staging()
+        raise error
+    if seen.reported:
+        rv.start_clock()
+        rv.await_outcome()  # raises the save's failure
+        return
+    rv.report(f"written/{rv.coord.process_index}", error)
+    cause = rv.failed_outcome()
+    discard_own(prep, cause is not None)
+    if cause is not None:
+        raise cause from error
+    raise error
+
+
+def _committed_by(prep: PreparedSave) -> bool:
+    """Whether the checkpoint at `prep`'s location is `prep`'s own: its writer died after
+    the rename. Told by process 0's nonce in the manifest, never by what is there: an
+    overwritten checkpoint is there until the rename."""
+    try:
+        manifest = read_manifest(prep.storage)
+    except SnapshardError:
+        return False
+    nonces = manifest.processes.nonces if manifest.processes is not None else []
+    return bool(nonces) and nonces[0] == prep.nonce
+
+
+def _data_offset() -> int | None:
+    """Where an ndarray object holds the address of its bytes (NumPy's PyArrayObject.data,
+    after the object's header), found in two probes' own bytes rather than assumed; None
+    where it is not found alike in both."""
+    found = []
+    for probe in (np.zeros(3, np.uint8), np.ones((2, 5), np.float64)):
+        address = probe.__array_interface__["data"][0]
+        head = ctypes.string_at(id(probe), 64)
+        found.append(
+            [k for k in range(0, 57, 8) if int.from_bytes(head[k : k + 8], "little") == address]
+        )
+    return found[0][0] if len(found[0]) == 1 and found[0] == found[1] else None
+
+
+_DATA_OFFSET = _data_offset()
+
+
+def _where(prep: PreparedSave) -> tuple[np.ndarray, list[np.ndarray]]:
+    """Where each staged item's bytes are, as the writer reads it: its ndarray object's
+    address (id) where _DATA_OFFSET is known (a few hundred nanoseconds an item, where
+    asking each array for its address costs microseconds), else the bytes' address; and
+    the C-contiguous copies made of the items that were not, kept until the save ends."""
+    hosts: list[np.ndarray] = []
+    keep: list[np.ndarray] = []
+    for it in prep.items:
+        host = it.host
+        assert host is not None
+        if not host.flags.c_contiguous:
+            host = np.ascontiguousarray(host)
+            keep.append(host)
+        hosts.append(host)
+    if _DATA_OFFSET is not None:
+        return np.fromiter(map(id, hosts), np.int64, len(hosts)), keep
+    addresses = (h.__array_interface__["data"][0] for h in hosts)
+    return np.fromiter(addresses, np.int64, len(hosts)), keep
+
+
+_writer: WriterProcess | None = None
+_unusable: str | None = None  # why this process's writers cannot run saves: never again
+_writer_lock = threading.Lock()
+_told: set[str] = set()
+
+
+def writer() -> WriterProcess | None:
+    """This process's writer, started if it has none (or its last one died); None where
+    none can run here (said once)."""
+    global _writer, _unusable
+    with _writer_lock:
+        if _unusable is None and (_writer is None or not _writer.alive()):
+            try:
+                _writer = WriterProcess()
+                _unusable = _writer.unable
+            except (OSError, subprocess.SubprocessError) as e:
+                _unusable = f"the writer process could not be started: {e}"
+            if _unusable is not None:
+                _tell(_unusable)
+                if _writer is not None:
+                    _writer.close()
+                _writer = None
+        return _writer
+
+
+def _tell(why: str) -> None:
+    """Say once per reason why saves that asked for a writer process run in threads."""
+    if why not in _told:
+        _told.add(why)
+        log.warning("a save's background phase runs in threads, not a writer process: %s", why)
+
+
+def finish_in_writer(prep: PreparedSave) -> SaveTimings | None:
+    """The background phase of `prep` in this process's writer; None (said once) where it
+    cannot run there, for the caller to run it in threads."""
+    why = unsupported(prep)
+    if why is not None:
+        _tell(why)
+        return None
+    w = writer()
+    return w.run(prep) if w is not None else None
+
+
+def stop_writer() -> None:
+    """Let this process's writer go (it ends when its socket closes); the next save that
+    asks for one starts another."""
+    global _writer
+    with _writer_lock:
+        w, _writer = _writer, None
+    if w is not None:
+        w.close()
+
+
+def _forget_in_child() -> None:
+    """A forked child (a data loader's worker) does not share its parent's writer."""
+    global _writer, _writer_lock
+    if _writer is not None:
+        with contextlib.suppress(OSError):
+            _writer._conn.close()
+    _writer, _writer_lock = None, threading.Lock()
+
+
+atexit.register(stop_writer)  # (after the saves in flight: their threads are joined first)
+os.register_at_fork(after_in_child=_forget_in_child)

@@ -1,0 +1,250 @@
+"""The background phase in a writer process (SaveOptions(background="process")): the same
+checkpoints as in threads, errors raised with their own types, a writer killed mid-save
+fails the save on every process and leaves nothing behind, and the next save works."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import multiproc
+import snapshard
+from snapshard import SaveOptions
+from snapshard.coordination.base import SingleProcessCoordinator
+from snapshard.errors import CheckpointExistsError, SnapshardError
+from snapshard.saving import writer_process
+
+pytestmark = pytest.mark.timeout(180)
+
+PROCESS = SaveOptions(background="process")
+
+
+@pytest.fixture
+def runs(monkeypatch) -> list[str]:
+    """The saves that ran in a writer process during the test (their locations)."""
+    ran: list[str] = []
+    real = writer_process.WriterProcess._run
+
+    def counted(self, prep):
+        ran.append(prep.storage.url)
+        return real(self, prep)
+
+    monkeypatch.setattr(writer_process.WriterProcess, "_run", counted)
+    return ran
+
+
+def _writer_pid() -> int:
+    assert writer_process._writer is not None
+    return writer_process._writer.proc.pid
+
+
+def _leftovers(parent) -> list[str]:
+    return sorted(n for n in os.listdir(parent) if "snapshard-tmp" in n)
+
+
+def test_saves_in_a_writer_process_load_back_equal_and_reuse_the_writer(tmp_path, runs):
+    tree = {"a": np.arange(12.0).reshape(3, 4), "b": {"c": np.int32(5)}, "step": 3}
+    snapshard.save_async(tmp_path / "0", tree, PROCESS).wait()
+    first = _writer_pid()
+    assert first != os.getpid()
+    # A changed tree: the writer is sent its new leaves.
+    tree2 = {**tree, "d": np.ones((100, 7), np.float32), "step": 4}
+    timings = snapshard.save_async(tmp_path / "1", tree2, PROCESS).wait()
+    assert _writer_pid() == first  # started once, kept
+    assert timings.bytes_written == 12 * 8 + 4 + 100 * 7 * 4 and timings.total_s > 0
+    out = snapshard.load(tmp_path / "1")
+    np.testing.assert_array_equal(out["d"], tree2["d"])
+    np.testing.assert_array_equal(out["a"], tree["a"])
+    assert out["step"] == 4 and out["b"]["c"] == 5
+    assert snapshard.load(tmp_path / "0")["step"] == 3
+    assert len(runs) == 2
+
+
+def test_the_caller_may_change_its_arrays_once_the_blocking_phase_returned(tmp_path, runs):
+    a = np.arange(1000, dtype=np.float64)
+    b = np.arange(600.0).reshape(20, 30)[:, ::3]  # not contiguous: copied for the writer
+    save = snapshard.save_async(tmp_path / "x", {"a": a, "b": b}, PROCESS)
+    a[:] = -1
+    save.wait()
+    out = snapshard.load(tmp_path / "x")
+    np.testing.assert_array_equal(out["a"], np.arange(1000.0))
+    np.testing.assert_array_equal(out["b"], np.arange(600.0).reshape(20, 30)[:, ::3])
+    assert runs == [str(tmp_path / "x")]
+
+
+def test_jax_cpu_shards_are_read_from_their_own_buffers(tmp_path, runs):
+    jax = pytest.importorskip("jax")
+    x = jax.numpy.arange(4096.0, dtype=jax.numpy.float32).reshape(64, 64)
+    t = snapshard.save_async(tmp_path / "x", {"x": x}, PROCESS).wait()
+    assert t.bytes_staged == 0  # zero-copy views in the blocking phase, read by the writer
+    np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["x"], np.asarray(x))
+    assert len(runs) == 1
+
+
+def test_without_the_data_offset_each_arrays_address_is_sent(tmp_path, runs, monkeypatch):
+    monkeypatch.setattr(writer_process, "_DATA_OFFSET", None)
+    a = np.arange(100.0)
+    snapshard.save_async(tmp_path / "x", {"a": a}, PROCESS).wait()
+    np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["a"], a)
+    assert len(runs) == 1
+
+
+def test_a_writer_error_is_raised_with_its_own_type_and_the_writer_stays(tmp_path):
+    snapshard.save(tmp_path / "x", {"a": np.ones(3)})
+    save = snapshard.save_async(tmp_path / "x", {"a": np.zeros(3)}, PROCESS)
+    with pytest.raises(CheckpointExistsError, match="already exists"):
+        save.wait()
+    pid = _writer_pid()
+    np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["a"], np.ones(3))
+    assert _leftovers(tmp_path) == []
+    snapshard.save_async(tmp_path / "y", {"a": np.zeros(3)}, PROCESS).wait()
+    assert _writer_pid() == pid
+
+
+class _KillsTheWriter(SingleProcessCoordinator):
+    """Kills the writer process when it reports its files written: mid-save, after every
+    data file and before the commit."""
+
+    def set(self, key: str, value: str) -> None:
+        if "/written/" in key:
+            os.kill(_writer_pid(), signal.SIGKILL)
+            writer_process._writer.proc.wait()  # type: ignore[union-attr]
+            raise OSError("killed")
+        super().set(key, value)
+
+
+def test_a_writer_killed_mid_save_fails_the_save_and_leaves_nothing(tmp_path):
+    snapshard.save_async(tmp_path / "warm", {"a": np.ones(4)}, PROCESS).wait()
+    killed = _writer_pid()
+    tree = {"a": np.arange(4096.0), "b": np.ones((64, 64), np.float32)}
+    save = snapshard.save_async(tmp_path / "x", tree, PROCESS, coordinator=_KillsTheWriter())
+    with pytest.raises(
+        SnapshardError, match=r"save to .*x: the writer process was killed by SIGKILL"
+    ):
+        save.wait()
+    assert not (tmp_path / "x").exists() and _leftovers(tmp_path) == []
+    snapshard.save_async(tmp_path / "x", tree, PROCESS).wait()  # a new writer
+    assert _writer_pid() != killed
+    np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["a"], tree["a"])
+
+
+class _KillsTheWriterAfterItsCommit(SingleProcessCoordinator):
+    """Kills the writer as it removes the save's keys: after the rename, before it says
+    it is done."""
+
+    def delete(self, prefix, keys=None) -> None:
+        # (not the reports' keys, which process 0 removes as it gathers them, before the commit)
+        if prefix.startswith("snapshard/save/") and not prefix.endswith("/written"):
+            os.kill(_writer_pid(), signal.SIGKILL)
+            writer_process._writer.proc.wait()  # type: ignore[union-attr]
+            raise OSError("killed")
+        super().delete(prefix, keys)
+
+
+def test_a_writer_killed_after_the_rename_leaves_its_save_committed(tmp_path):
+    snapshard.save(tmp_path / "x", {"a": np.zeros(4)})
+    coord = _KillsTheWriterAfterItsCommit()
+    t = snapshard.save_async(
+        tmp_path / "x", {"a": np.ones(4)}, PROCESS, overwrite=True, coordinator=coord
+    ).wait()
+    assert t.total_s > 0
+    np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["a"], np.ones(4))
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_writer_killed_at_the_commit_guard_commits_nothing(tmp_path):
+    from snapshard.storage import storage_for
+
+    storage = storage_for(tmp_path / "x")
+
+    def guard() -> None:  # runs here, asked by the writer just before its commit
+        os.kill(_writer_pid(), signal.SIGKILL)
+        writer_process._writer.proc.wait()  # type: ignore[union-attr]
+
+    storage.commit_guard = guard
+    save = snapshard.save_async(storage, {"a": np.ones(10)}, PROCESS)
+    with pytest.raises(SnapshardError, match="the writer process was killed by SIGKILL"):
+        save.wait()
+    assert not (tmp_path / "x").exists() and _leftovers(tmp_path) == []
+
+
+def test_saves_a_writer_cannot_run_go_to_threads_saying_why_once(
+    tmp_path, caplog, runs, monkeypatch
+):
+    snapshard.save(tmp_path / "base", {"a": np.ones(3)}, SaveOptions(hashes=True))
+    monkeypatch.setattr(writer_process, "_told", set())
+    with caplog.at_level(logging.WARNING, "snapshard"):
+        for name in ("i1", "i2"):
+            snapshard.save_async(
+                tmp_path / name, {"a": np.ones(3)}, PROCESS, base=tmp_path / "base"
+            ).wait()
+    said = [r for r in caplog.records if "incremental" in r.getMessage()]
+    assert len(said) == 1 and runs == []
+    assert snapshard.load(tmp_path / "i2")["a"].tolist() == [1, 1, 1]
+
+
+def test_a_save_started_while_the_writer_is_busy_runs_in_threads(tmp_path, runs):
+    big = {"a": np.ones((1024, 1024), np.float32)}
+    first = snapshard.save_async(tmp_path / "1", big, PROCESS)
+    second = snapshard.save_async(tmp_path / "2", {"b": np.arange(5)}, PROCESS)
+    first.wait()
+    second.wait()
+    assert snapshard.load(tmp_path / "2")["b"].tolist() == [0, 1, 2, 3, 4]
+    assert float(snapshard.load(tmp_path / "1")["a"].sum()) == 1024 * 1024
+    assert str(tmp_path / "1") in runs
+
+
+def test_synchronous_saves_stay_in_the_calling_thread(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_process, "finish_in_writer", lambda prep: pytest.fail("used"))
+    snapshard.save(tmp_path / "x", {"a": np.ones(3)}, PROCESS)
+
+
+@pytest.mark.parametrize(
+    ("victim", "when"), [(-1, "-"), (0, "report"), (1, "report"), (1, "outcome")]
+)
+def test_two_processes_with_writers_and_one_killed_mid_save(tmp_path, victim, when):
+    """A writer killed as it reports its files fails the save everywhere; one killed as it
+    waits for process 0's outcome (its files reported) leaves the save to commit."""
+    procs = multiproc.run("writer_process_save.py", 2, 2, tmp_path, victim, when, timeout=150)
+    for p in procs:
+        r = p.result()
+        assert r["second_equal"], r
+        assert all(w is not None and w != r["me"] for w in r["writers"])
+        committed = victim < 0 or when == "outcome"
+        assert r["listing"] == (["0", "1"] if committed else ["1"]), r
+        if committed:
+            assert r["first"]["ok"], r
+            assert (r["writers"][0] == r["writers"][1]) == (p.process_id != victim)
+            continue
+        assert not r["first"]["ok"]
+        assert "the writer process was killed by SIGKILL" in r["first"]["error"], r
+        # the victim's writer is started again; the other's is kept
+        assert (r["writers"][0] != r["writers"][1]) == (p.process_id == victim)
+
+
+def test_a_manager_saves_every_step_through_its_writer(tmp_path):
+    manager = snapshard.CheckpointManager(tmp_path / "steps", save_options=PROCESS)
+    for step in range(3):
+        manager.save(step, {"w": np.full((8, 8), step, np.float32), "step": step})
+    manager.wait_until_finished()
+    assert manager.all_steps() == [0, 1, 2]
+    out = manager.restore(2)
+    assert out["step"] == 2 and float(out["w"][0, 0]) == 2.0
+    manager.close()
+    assert _writer_pid() != os.getpid()
+
+
+def test_torch_state_dicts_through_the_writer(tmp_path):
+    torch = pytest.importorskip("torch")
+    import snapshard.torch as sst
+
+    sd = {"w": torch.arange(64, dtype=torch.float32).reshape(8, 8), "b": torch.ones(3)}
+    save = sst.save_async(tmp_path / "t", sd, PROCESS)
+    sd["w"].zero_()  # after the blocking phase: the checkpoint has the values before
+    save.wait()
+    out = sst.load(tmp_path / "t", {"w": torch.empty(8, 8), "b": torch.empty(3)})
+    assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
