@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -236,6 +237,18 @@ def test_a_manager_saves_every_step_through_its_writer(tmp_path):
     assert out["step"] == 2 and float(out["w"][0, 0]) == 2.0
     manager.close()
     assert _writer_pid() != os.getpid()
+
+
+def test_a_manager_starts_the_writer_when_it_is_made(tmp_path, runs):
+    writer_process.stop_writer()
+    manager = snapshard.CheckpointManager(tmp_path / "steps", save_options=PROCESS)
+    deadline = time.monotonic() + 60
+    while writer_process._writer is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # started in a thread of its own, before any save
+    started = _writer_pid()
+    manager.save(1, {"a": np.ones(3)})
+    manager.close()
+    assert _writer_pid() == started and len(runs) == 1
 
 
 def test_torch_state_dicts_through_the_writer(tmp_path):

@@ -44,10 +44,11 @@ from ..errors import (
 )
 from ..format.reading import read_summary
 from ..gc_pause import collect_if_due
-from ..options import ReadOptions, SaveOptions, require
+from ..options import ReadOptions, SaveOptions, background_of, require
 from ..reading import ReadStats
 from ..saving import SaveTimings
 from ..saving.blocking import saves_counted_under
+from ..saving.writer_process import start_writer_soon
 from ..staging import SavePools, pools_for_saves
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
@@ -152,6 +153,8 @@ class CheckpointManager:
         self._save_options = save_options
         self._read_options = read_options
         self._async = async_save
+        if async_save and not read_only and background_of(save_options) == "process":
+            start_writer_soon()  # its first save then finds the writer's interpreter started
         self._incremental = incremental
         self._init_state()
         self._local = self._local_store(local_tier)

@@ -29,6 +29,7 @@ closes (its training process ended or let it go) and is killed with it otherwise
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import pickle
 import signal
@@ -50,21 +51,26 @@ from ..staging import StagedItem
 from ..storage import Storage
 from .state import PreparedSave, SaveTimings
 
-_libc = ctypes.CDLL(None, use_errno=True)
 _NICE = 5  # a third of a CPU's share beside a busy process: below the loop, never starved
-
-
-_libc.process_vm_readv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
-                                   ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
-_libc.process_vm_readv.restype = ctypes.c_ssize_t
 _IOVEC = np.dtype([("base", np.uint64), ("len", np.uint64)])
 _IOV_MAX = 1024  # iovecs per call
 
 
+@functools.cache
+def _process_vm_readv() -> Any:
+    """libc's process_vm_readv, typed (looked up when first used: Linux has it, and only
+    a writer process, which runs on Linux alone, calls it)."""
+    call = ctypes.CDLL(None, use_errno=True).process_vm_readv
+    call.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                     ctypes.c_void_p, ctypes.c_ulong, ctypes.c_ulong]  # fmt: skip
+    call.restype = ctypes.c_ssize_t
+    return call
+
+
 def _readv(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
     """process_vm_readv of iovec arrays (_IOVEC); ctypes lets the interpreter go for it."""
-    got = int(_libc.process_vm_readv(pid, local.ctypes.data, len(local), remote.ctypes.data,
-                                     len(remote), 0))  # fmt: skip
+    got = int(_process_vm_readv()(pid, local.ctypes.data, len(local), remote.ctypes.data,
+                                  len(remote), 0))  # fmt: skip
     if got < 0:
         err = ctypes.get_errno()
         raise OSError(err, f"reading the training process's memory: {os.strerror(err)}")

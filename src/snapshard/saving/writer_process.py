@@ -374,6 +374,14 @@ def writer() -> WriterProcess | None:
         return _writer
 
 
+def start_writer_soon() -> None:
+    """Start this process's writer in a thread of its own, unless it has one (a
+    CheckpointManager asks when it is made): a writer's start (an interpreter, its imports:
+    0.3 to 0.5 s) is then not in its first save's background phase."""
+    if sys.platform.startswith("linux") and _unusable is None and _writer is None:
+        threading.Thread(target=writer, name="snapshard: writer start", daemon=True).start()
+
+
 def _tell(why: str) -> None:
     """Say once per reason why saves that asked for a writer process run in threads."""
     if why not in _told:
@@ -412,4 +420,5 @@ def _forget_in_child() -> None:
 
 
 atexit.register(stop_writer)  # (after the saves in flight: their threads are joined first)
-os.register_at_fork(after_in_child=_forget_in_child)
+if hasattr(os, "register_at_fork"):  # (POSIX; elsewhere saves run in threads)
+    os.register_at_fork(after_in_child=_forget_in_child)
