@@ -4,8 +4,8 @@
 Started once per training process as `python -c "...writer_main import main; main()" FD`,
 with FD one end of a socket pair. The protocol, in order, each message a pickled tuple:
 
-1. the training process sends ("probe", pid, address, nbytes, expected); the writer reads
-   those bytes out of the training process's memory (`process_vm_readv`) and answers
+1. the training process sends ("probe", address, nbytes, expected); the writer reads
+   those bytes out of the training process's memory (its parent's) (`process_vm_readv`) and answers
    ("ready", None) or ("unable", why): a training process whose memory it cannot read
    (a kernel or a sandbox that forbids it) keeps its background phase in threads;
 2. ("template", Template) whenever the tree changed (its leaves, without their values);
@@ -155,8 +155,9 @@ class Template:
     structure: dict[str, Any]
 
 
-class _Link:
-    """The writer's end of the socket: calls into the training process."""
+class Link:
+    """One end of the socket: pickled tuples each way (both processes frame them so), and
+    the writer's calls into the training process."""
 
     def __init__(self, conn: Connection):
         self.conn = conn
@@ -179,7 +180,7 @@ class ProxyCoordinator(Coordinator):
     """The training process's coordinator, reached through the link (one call at a time:
     the background phase makes its calls from one thread)."""
 
-    def __init__(self, link: _Link, process_index: int, process_count: int):
+    def __init__(self, link: Link, process_index: int, process_count: int):
         self._link = link
         self.process_index = process_index
         self.process_count = process_count
@@ -223,7 +224,7 @@ class _NoAdapter:
         return None
 
 
-def prepared(msg: Message, template: Template, link: _Link, parent: int) -> PreparedSave:
+def prepared(msg: Message, template: Template, link: Link, parent: int) -> PreparedSave:
     """The PreparedSave that `finish` runs on, rebuilt in the writer from `msg`."""
     from .blocking import plan_save
 
@@ -261,7 +262,7 @@ def serve(conn: Connection, parent: int) -> None:
     """The writer's loop: saves one after the other until the socket closes."""
     from .commit import finish_here
 
-    link = _Link(conn)
+    link = Link(conn)
     templates: dict[int, Template] = {}
     while True:
         try:
@@ -270,10 +271,10 @@ def serve(conn: Connection, parent: int) -> None:
             return
         kind = msg[0]
         if kind == "probe":
-            _, pid, address, n, expected = msg
+            _, address, n, expected = msg
             out = np.empty(n, np.uint8)
             try:
-                read_remote(pid, address, out)
+                read_remote(parent, address, out)
                 ok = out.tobytes() == expected
                 link.send("ready" if ok else "unable", None if ok else "the bytes read differ")
             except OSError as e:
@@ -316,7 +317,3 @@ def main() -> None:
     conn = Connection(os.dup(sock.fileno()))
     sock.close()
     serve(conn, os.getppid())
-
-
-if __name__ == "__main__":
-    main()

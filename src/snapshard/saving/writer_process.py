@@ -22,7 +22,6 @@ import ctypes
 import json
 import logging
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -41,7 +40,7 @@ from ..storage.local import LocalStorage
 from .commit import discard_own
 from .leaves import describe_layouts
 from .state import PreparedSave, SaveTimings
-from .writer_main import Message, Template, portable_error
+from .writer_main import Link, Message, Template, portable_error
 
 log = logging.getLogger("snapshard")
 
@@ -81,7 +80,7 @@ class WriterProcess:
             pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
         )  # fmt: skip
         theirs.close()
-        self._conn = Connection(os.dup(mine.fileno()))
+        self._link = Link(Connection(os.dup(mine.fileno())))
         mine.close()
         self._lock = threading.Lock()  # one save at a time
         self._kept: list[np.ndarray] = []
@@ -90,20 +89,18 @@ class WriterProcess:
         self.unable = self._probe()
 
     def _send(self, *msg: Any) -> None:
-        data = pickle.dumps(msg, protocol=5)
         try:
-            self._conn.send_bytes(data)
+            self._link.send(*msg)
         except OSError as e:
             raise _LinkDown(str(e)) from e
 
     def _recv(self, timeout: float | None = None) -> tuple[Any, ...]:
         try:
-            if timeout is not None and not self._conn.poll(timeout):
+            if timeout is not None and not self._link.conn.poll(timeout):
                 raise _LinkDown(f"no answer from the writer process in {timeout:g} s")
-            data = self._conn.recv_bytes()
+            return self._link.recv()
         except (EOFError, OSError) as e:
             raise _LinkDown(str(e) or "its end of the socket closed") from e
-        return tuple(pickle.loads(data))
 
     def _probe(self) -> str | None:
         """None if the writer can read this process's memory, else why not."""
@@ -111,7 +108,7 @@ class WriterProcess:
             ctypes.CDLL(None).prctl(_PR_SET_PTRACER, self.proc.pid, 0, 0, 0)
         probe = np.frombuffer(os.urandom(64), np.uint8).copy()
         try:
-            self._send("probe", os.getpid(), probe.ctypes.data, probe.nbytes, probe.tobytes())
+            self._send("probe", probe.ctypes.data, probe.nbytes, probe.tobytes())
             kind, why = self._recv(_STARTUP_S)
         except _LinkDown as e:
             return f"the writer process did not start: {e}"
@@ -121,7 +118,7 @@ class WriterProcess:
         return self.proc.poll() is None
 
     def close(self) -> None:
-        self._conn.close()
+        self._link.conn.close()
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -415,7 +412,7 @@ def _forget_in_child() -> None:
     global _writer, _writer_lock
     if _writer is not None:
         with contextlib.suppress(OSError):
-            _writer._conn.close()
+            _writer._link.conn.close()
     _writer, _writer_lock = None, threading.Lock()
 
 
