@@ -261,3 +261,73 @@ def test_torch_state_dicts_through_the_writer(tmp_path):
     save.wait()
     out = sst.load(tmp_path / "t", {"w": torch.empty(8, 8), "b": torch.empty(3)})
     assert torch.equal(out["w"], torch.arange(64, dtype=torch.float32).reshape(8, 8))
+
+
+@pytest.fixture
+def through_the_window(monkeypatch):
+    """Writers that read through the shared window (as where process_vm_readv is missing),
+    one of 64 KiB: several requests per save, a large item in pieces."""
+    writer_process.stop_writer()
+    monkeypatch.setattr(writer_process, "_WINDOW_ONLY", True)
+    monkeypatch.setattr(writer_process, "_WINDOW_BYTES", 1 << 16)
+    yield
+    writer_process.stop_writer()
+
+
+def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
+    tmp_path, runs, caplog, through_the_window
+):
+    tree = {f"s{i}": np.arange(i, i + 300, dtype=np.float32) for i in range(300)}
+    tree |= {
+        "big": np.arange(100_000.0),  # 800 KB: in window-sized pieces
+        "strided": np.arange(600.0).reshape(20, 30)[:, ::3],
+        "empty": np.zeros((0, 3)),
+        "step": 7,
+    }
+    with caplog.at_level(logging.INFO, "snapshard"):
+        for name in ("0", "1"):
+            snapshard.save_async(tmp_path / name, tree, PROCESS).wait()
+    assert any("through a shared window: asked to" in r.getMessage() for r in caplog.records)
+    assert writer_process._writer is not None and writer_process._writer.window is not None
+    assert len(runs) == 2
+    for name in ("0", "1"):
+        out = snapshard.load(tmp_path / name)
+        assert out["step"] == 7
+        for k, v in tree.items():
+            if k != "step":
+                np.testing.assert_array_equal(out[k], v)
+
+
+def test_a_writer_killed_while_reading_through_the_window_leaves_nothing(
+    tmp_path, monkeypatch, through_the_window
+):
+    real = writer_process.WriterProcess._copy
+    copies = []
+
+    def kills_on_the_second(self, rows):
+        copies.append(len(rows))
+        if len(copies) == 2:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        return real(self, rows)
+
+    monkeypatch.setattr(writer_process.WriterProcess, "_copy", kills_on_the_second)
+    tree = {"a": np.arange(50_000.0), "b": np.ones((64, 64), np.float32)}
+    with pytest.raises(SnapshardError, match="the writer process was killed by SIGKILL"):
+        snapshard.save_async(tmp_path / "x", tree, PROCESS).wait()
+    assert not (tmp_path / "x").exists() and _leftovers(tmp_path) == []
+    snapshard.save_async(tmp_path / "x", tree, PROCESS).wait()  # a new writer
+    np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["a"], tree["a"])
+
+
+def test_the_window_serves_only_the_bytes_of_the_save_s_items(tmp_path, through_the_window):
+    snapshard.save_async(tmp_path / "x", {"a": np.ones(8)}, PROCESS).wait()
+    w = writer_process._writer
+    assert w is not None and w.window is not None
+    w._hosts = [np.arange(8, dtype=np.uint8)]
+    w._copy(np.array([[0, 2, 4, 10]]))
+    assert w.window[10:14].tolist() == [2, 3, 4, 5]
+    for bad in ([0, 6, 4, 0], [0, -1, 2, 0], [0, 0, 2, len(w.window) - 1]):
+        with pytest.raises(SnapshardError, match="out of range"):
+            w._copy(np.array([bad]))
+    w._hosts = []

@@ -238,6 +238,10 @@ def _write_run(
     """Plain chunks of at most _RUN_CHUNK_BYTES back to back from `offset`: the bytes of
     each, then the crc32c of each of its checksum blocks XOR its chunk key (`tables`: their
     _tables); returns their fixed record fields and the offset after them."""
+    # Deferred bytes that are read in bulk (a writer process's window) come in one request.
+    together = getattr(run[0].deferred, "read_together", None)
+    if together is not None:
+        together([it.deferred for it in run])
     raws = [_contiguous(it.host if it.host is not None else it.materialize()) for it in run]
     sizes = np.fromiter((it.nbytes for it in run), np.int64, len(run))
     if any(r.nbytes != n for r, n in zip(raws, sizes.tolist(), strict=True)):

@@ -1,13 +1,17 @@
 """The writer process's side of a background phase run out of the training process
 (SaveOptions.background="process"; the training process's side is writer_process.py).
 
-Started once per training process as `python -c "...writer_main import main; main()" FD`,
-with FD one end of a socket pair. The protocol, in order, each message a pickled tuple:
+Started once per training process as `python -c "...writer_main import main; main()" FD
+WINDOW`, with FD one end of a socket pair and WINDOW a shared memory file (memfd) of the
+training process's, or -1. The protocol, in order, each message a pickled tuple:
 
-1. the training process sends ("probe", address, nbytes, expected); the writer reads
-   those bytes out of the training process's memory (its parent's) (`process_vm_readv`) and answers
-   ("ready", None) or ("unable", why): a training process whose memory it cannot read
-   (a kernel or a sandbox that forbids it) keeps its background phase in threads;
+1. the training process sends ("probe", address, nbytes, expected, window_only); the
+   writer reads those bytes out of the training process's memory (its parent's)
+   (`process_vm_readv`) and answers ("ready", None); where it cannot (a kernel or a sandbox
+   that forbids or lacks the call) or is told not to (`window_only`), it answers
+   ("window", why) and reads every staged item through the shared window instead (below),
+   or ("unable", why) where there is no window: the training process then keeps its
+   background phase in threads;
 2. ("template", Template) whenever the tree changed (its leaves, without their values);
    then per save, ("save", Message): where each staged item's bytes are in the training
    process's memory, the values of the leaves that are not arrays, the save's storage and
@@ -16,12 +20,17 @@ with FD one end of a socket pair. The protocol, in order, each message a pickled
 3. while it runs, each call on the coordinator or the storage's commit guard goes to the
    training process as ("call", method, args) and waits for ("reply", value) or
    ("raise", error): the key-value store of a job is the training process's;
+   Through a window, reading staged bytes is such a call too: ("call", "copy", (rows,))
+   with rows of (item, byte offset, nbytes, window offset), which the training process
+   answers once it has copied those bytes of its items into the window (`Window`);
 4. the save ends with ("done", timings) or ("failed", error), the error pickled with its
    type (errors.py: every snapshard error crosses processes by pickle).
 
 The staged bytes are read straight from the training process, item by item as each file is
 written: nothing is copied in the blocking phase and nothing is shared but the addresses,
-which stay valid because the training process keeps the save's items until step 4. The
+which stay valid because the training process keeps the save's items until step 4. Through
+a window they are copied once more, by the training process, a window's worth per call: a
+run of small items in one call (`read_together`), a large item in window-sized pieces. The
 writer imports no framework: NumPy, the format and the storage. It ends when the socket
 closes (its training process ended or let it go) and is killed with it otherwise.
 """
@@ -30,11 +39,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 import pickle
 import signal
 import socket
 import sys
+import threading
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -123,6 +134,79 @@ class RemoteBytes:
         return out
 
 
+class Window:
+    """Staged bytes read through a window of shared memory, copied into it by the training
+    process on request: where the writer cannot read the training process's memory
+    (process_vm_readv missing, as in some sandboxes, or forbidden). One request at a time
+    (the files are written by several threads), as many items per request as the window
+    holds."""
+
+    def __init__(self, link: Link, view: np.ndarray):
+        self._link = link
+        self._view = view
+        self._lock = threading.Lock()
+
+    def read(self, parts: list[tuple[int, np.ndarray]]) -> None:
+        """Fill each (item, out) pair's `out` (C-contiguous) with the item's bytes."""
+        size = len(self._view)
+        with self._lock:
+            rows: list[tuple[int, int, int, int]] = []
+            pieces: list[tuple[np.ndarray, int]] = []
+            used = 0
+            for j, out in parts:
+                flat = out.reshape(-1).view(np.uint8)
+                for a in range(0, len(flat), size):
+                    piece = flat[a : a + size]
+                    if used + len(piece) > size:
+                        self._fetch(rows, pieces)
+                        rows, pieces, used = [], [], 0
+                    rows.append((j, a, len(piece), used))
+                    pieces.append((piece, used))
+                    used += len(piece)
+            self._fetch(rows, pieces)
+
+    def _fetch(
+        self, rows: list[tuple[int, int, int, int]], pieces: list[tuple[np.ndarray, int]]
+    ) -> None:
+        if not rows:
+            return
+        try:
+            self._link.call("copy", np.array(rows, np.int64))
+        except Exception as e:
+            raise SnapshardError(f"the writer process could not read a staged item: {e}") from e
+        for piece, at in pieces:
+            piece[:] = self._view[at : at + len(piece)]
+
+
+class WindowBytes:
+    """A staged item's bytes in the training process, read through its `Window` when the
+    item is written, or with the run of items it is written in (`read_together`)."""
+
+    __slots__ = ("dtype", "got", "item", "shape", "window")
+
+    def __init__(self, window: Window, item: int, dtype: np.dtype, shape: tuple[int, ...]):
+        self.window, self.item, self.dtype, self.shape = window, item, dtype, shape
+        self.got: np.ndarray | None = None
+
+    @staticmethod
+    def read_together(parts: list[Any]) -> None:
+        """Read these items' bytes in as few requests as the window allows."""
+        todo = [p for p in parts if isinstance(p, WindowBytes) and p.got is None]
+        if not todo:
+            return
+        outs = [np.empty(p.shape, p.dtype) for p in todo]
+        todo[0].window.read([(p.item, out) for p, out in zip(todo, outs, strict=True)])
+        for p, out in zip(todo, outs, strict=True):  # (only once every byte is read)
+            p.got = out
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self.got is None:
+            WindowBytes.read_together([self])
+        out, self.got = self.got, None
+        assert out is not None
+        return out
+
+
 @dataclass
 class Message:
     """One save, as the training process sends it to its writer (see the module's doc)."""
@@ -161,6 +245,7 @@ class Link:
 
     def __init__(self, conn: Connection):
         self.conn = conn
+        self._calls = threading.Lock()  # a call and its reply, one thread at a time
 
     def send(self, *msg: Any) -> None:
         self.conn.send_bytes(pickle.dumps(msg, protocol=5))
@@ -169,8 +254,9 @@ class Link:
         return tuple(pickle.loads(self.conn.recv_bytes()))
 
     def call(self, method: str, *args: Any) -> Any:
-        self.send("call", method, args)
-        kind, value = self.recv()
+        with self._calls:
+            self.send("call", method, args)
+            kind, value = self.recv()
         if kind == "raise":
             raise value
         return value
@@ -224,8 +310,11 @@ class _NoAdapter:
         return None
 
 
-def prepared(msg: Message, template: Template, link: Link, parent: int) -> PreparedSave:
-    """The PreparedSave that `finish` runs on, rebuilt in the writer from `msg`."""
+def prepared(
+    msg: Message, template: Template, link: Link, parent: int, window: Window | None
+) -> PreparedSave:
+    """The PreparedSave that `finish` runs on, rebuilt in the writer from `msg`, its items
+    read from the training process's memory, or through `window`."""
     from .blocking import plan_save
 
     leaves = list(template.leaves)
@@ -236,7 +325,7 @@ def prepared(msg: Message, template: Template, link: Link, parent: int) -> Prepa
     rv = Rendezvous(ProxyCoordinator(link, index, count), prefix, what, timeout_s)
     plan = plan_save(arrays, msg.options, count)
     of_leaf, starts, stops, nbytes, addresses = msg.items
-    if msg.data_offset is not None:
+    if msg.data_offset is not None and window is None:
         addresses = read_words(parent, addresses.astype(np.uint64) + np.uint64(msg.data_offset))
     items = []
     columns = zip(of_leaf.tolist(), nbytes.tolist(), addresses.tolist(), strict=True)
@@ -245,7 +334,11 @@ def prepared(msg: Message, template: Template, link: Link, parent: int) -> Prepa
         assert isinstance(arr, SaveArray)
         start, stop = starts[j], stops[j]
         shape = tuple((stop - start).tolist())
-        remote = RemoteBytes(parent, a, arr.dtype, shape)
+        remote: RemoteBytes | WindowBytes = (
+            RemoteBytes(parent, a, arr.dtype, shape)
+            if window is None
+            else WindowBytes(window, j, arr.dtype, shape)
+        )
         items.append(StagedItem(i, arr.name, start, stop, n, deferred=remote))
     storage = msg.storage
     if msg.guarded:
@@ -258,12 +351,13 @@ def prepared(msg: Message, template: Template, link: Link, parent: int) -> Prepa
     )  # fmt: skip
 
 
-def serve(conn: Connection, parent: int) -> None:
+def serve(conn: Connection, parent: int, window_fd: int = -1) -> None:
     """The writer's loop: saves one after the other until the socket closes."""
     from .commit import finish_here
 
     link = Link(conn)
     templates: dict[int, Template] = {}
+    window: Window | None = None
     while True:
         try:
             msg = link.recv()
@@ -271,21 +365,23 @@ def serve(conn: Connection, parent: int) -> None:
             return
         kind = msg[0]
         if kind == "probe":
-            _, address, n, expected = msg
-            out = np.empty(n, np.uint8)
-            try:
-                read_remote(parent, address, out)
-                ok = out.tobytes() == expected
-                link.send("ready" if ok else "unable", None if ok else "the bytes read differ")
-            except OSError as e:
-                link.send("unable", str(e))
+            _, address, n, expected, window_only = msg
+            why = "asked to" if window_only else _unreadable(parent, address, n, expected)
+            if why is None:
+                link.send("ready", None)
+            elif window_fd < 0:
+                link.send("unable", why)
+            else:
+                view = np.frombuffer(mmap.mmap(window_fd, 0), np.uint8)
+                window = Window(link, view)
+                link.send("window", why)
         elif kind == "template":
             template = msg[1]
             templates = {template.number: template}  # one state at a time: the newest
         elif kind == "save":
             save: Message = msg[1]
             try:
-                prep = prepared(save, templates[save.template], link, parent)
+                prep = prepared(save, templates[save.template], link, parent, window)
                 outcome: tuple[str, Any] = ("done", finish_here(prep))
             except BaseException as e:  # every failure goes back to the training process
                 outcome = ("failed", portable_error(e))
@@ -293,6 +389,16 @@ def serve(conn: Connection, parent: int) -> None:
                 link.send(*outcome)
             except OSError:  # the training process is gone: so is the save
                 return
+
+
+def _unreadable(parent: int, address: int, n: int, expected: bytes) -> str | None:
+    """Why the writer cannot read `parent`'s memory (the probe's bytes there), or None."""
+    out = np.empty(n, np.uint8)
+    try:
+        read_remote(parent, address, out)
+    except OSError as e:
+        return str(e)
+    return None if out.tobytes() == expected else "the bytes read differ"
 
 
 def portable_error(e: BaseException) -> BaseException:
@@ -312,8 +418,8 @@ def main() -> None:
     # sent to the whole job (Ctrl-C, a scheduler's SIGTERM): the save in flight finishes.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    fd = int(sys.argv[-1])
+    fd, window_fd = int(sys.argv[-2]), int(sys.argv[-1])
     sock = socket.socket(fileno=fd)
     conn = Connection(os.dup(sock.fileno()))
     sock.close()
-    serve(conn, os.getppid())
+    serve(conn, os.getppid(), window_fd)

@@ -8,6 +8,12 @@ from the training loop"). In a process of its own it takes none of it. What stay
 save: one message (the items' addresses as columns; the leaves only when the tree changed)
 and the writer's few calls on the coordinator, answered from this thread while it waits.
 
+Where the writer cannot read this process's memory (a sandbox without process_vm_readv, a
+kernel that forbids it), it reads the staged bytes through a window of shared memory
+instead, which this process copies them into on the writer's request (`_copy`): one copy
+more, made a window's worth at a time with the interpreter let go for large items, and a
+run of small items per request.
+
 One writer per training process, started at its first such save and kept for the next
 (`writer()`); saves go to it one at a time. If it dies (killed, out of memory), the save it
 ran fails on every process, naming it, and leaves nothing behind that its own clean-up
@@ -21,6 +27,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import mmap
 import os
 import signal
 import socket
@@ -48,12 +55,15 @@ _PR_SET_PTRACER = 0x59616D61  # Yama: let this pid read our memory (process_vm_r
 # (not `-m`: the package imports the module before runpy would run it as __main__)
 _START = "from snapshard.saving.writer_main import main; main()"
 _STARTUP_S = 120.0  # a writer's start: an interpreter, NumPy and snapshard imported
+_WINDOW_BYTES = 64 << 20  # the shared window, where the writer reads through one
+_HELD_COPY_BYTES = 1 << 20  # smaller pieces are copied into it holding the interpreter
+_WINDOW_ONLY = False  # read through the window even where process_vm_readv works (tests)
 
 
 def unsupported(prep: PreparedSave) -> str | None:
     """Why `prep` cannot run in a writer process, or None."""
     if not sys.platform.startswith("linux"):
-        return "a writer process needs Linux (process_vm_readv)"
+        return "a writer process needs Linux"
     if not isinstance(prep.storage, LocalStorage):
         return "a writer process writes to local filesystems only, so far"
     if prep.increment is not None:
@@ -75,18 +85,28 @@ class WriterProcess:
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
         path = os.environ.get("PYTHONPATH")
         env = {**os.environ, "PYTHONPATH": package_root + (os.pathsep + path if path else "")}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _START, str(theirs.fileno())],
-            pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-        theirs.close()
+        window_fd = _window_file()
+        fds = (theirs.fileno(),) if window_fd < 0 else (theirs.fileno(), window_fd)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _START, str(theirs.fileno()), str(window_fd)],
+                pass_fds=fds, env=env, stdin=subprocess.DEVNULL,
+            )  # fmt: skip
+        finally:
+            theirs.close()
         self._link = Link(Connection(os.dup(mine.fileno())))
         mine.close()
         self._lock = threading.Lock()  # one save at a time
         self._kept: list[np.ndarray] = []
+        self._hosts: list[np.ndarray] = []  # the save's items' bytes, read through the window
         self._template: tuple[Any, np.ndarray, dict[str, Any], int] | None = None
         self._numbers = 0
-        self.unable = self._probe()
+        self.window: np.ndarray | None = None
+        try:
+            self.unable = self._probe(window_fd)
+        finally:
+            if window_fd >= 0:
+                os.close(window_fd)
 
     def _send(self, *msg: Any) -> None:
         try:
@@ -102,16 +122,21 @@ class WriterProcess:
         except (EOFError, OSError) as e:
             raise _LinkDown(str(e) or "its end of the socket closed") from e
 
-    def _probe(self) -> str | None:
-        """None if the writer can read this process's memory, else why not."""
+    def _probe(self, window_fd: int) -> str | None:
+        """None if the writer can read this process's memory, or else through the window
+        (`window` set), else why not."""
         with contextlib.suppress(Exception):  # no Yama: nothing to allow
             ctypes.CDLL(None).prctl(_PR_SET_PTRACER, self.proc.pid, 0, 0, 0)
         probe = np.frombuffer(os.urandom(64), np.uint8).copy()
         try:
-            self._send("probe", probe.ctypes.data, probe.nbytes, probe.tobytes())
+            self._send("probe", probe.ctypes.data, probe.nbytes, probe.tobytes(), _WINDOW_ONLY)
             kind, why = self._recv(_STARTUP_S)
         except _LinkDown as e:
             return f"the writer process did not start: {e}"
+        if kind == "window":
+            self.window = np.frombuffer(mmap.mmap(window_fd, 0), np.uint8)
+            log.info("the writer process reads staged bytes through a shared window: %s", why)
+            return None
         return None if kind == "ready" else f"it cannot read this process's memory: {why}"
 
     def alive(self) -> bool:
@@ -135,7 +160,7 @@ class WriterProcess:
         try:
             return self._run(prep)
         finally:
-            self._kept = []
+            self._kept, self._hosts = [], []
             self._lock.release()
 
     def _run(self, prep: PreparedSave) -> SaveTimings:
@@ -180,7 +205,7 @@ class WriterProcess:
         """Send the save, keeping the copies made of items that were not contiguous, which
         the writer reads until it is done (`_kept`)."""
         number = self._template_of(prep)
-        where, keep = _where(prep)
+        where, keep, hosts = _where(prep, direct=self.window is None)
         items = prep.items
         msg = Message(
             template=number,
@@ -192,7 +217,7 @@ class WriterProcess:
                 np.fromiter((it.nbytes for it in items), np.int64, len(items)),
                 where,
             ),
-            data_offset=_DATA_OFFSET,
+            data_offset=_DATA_OFFSET if self.window is None else None,
             storage=prep.storage, guarded=prep.storage.commit_guard is not None,
             rendezvous=(
                 prep.rendezvous.prefix, prep.rendezvous.what, prep.rendezvous.timeout_s,
@@ -201,7 +226,7 @@ class WriterProcess:
             overwrite=prep.overwrite, options=prep.options, extra=prep.extra,
             nonce=prep.nonce, timings=prep.timings,
         )  # fmt: skip
-        self._kept = keep
+        self._kept, self._hosts = keep, hosts
         self._send("save", msg)
 
     def _template_of(self, prep: PreparedSave) -> int:
@@ -225,7 +250,10 @@ class WriterProcess:
 
     def _answer(self, prep: PreparedSave, seen: _Seen, method: str, args: tuple[Any, ...]) -> None:
         try:
-            if method == "guard":
+            value = None
+            if method == "copy":
+                self._copy(*args)
+            elif method == "guard":
                 guard = prep.storage.commit_guard
                 value = guard() if guard is not None else None
             else:
@@ -235,6 +263,27 @@ class WriterProcess:
             self._send("raise", portable_error(e))
             return
         self._send("reply", value)
+
+    def _copy(self, rows: np.ndarray) -> None:
+        """Copy the bytes the writer asked for into the window: rows of (item, byte
+        offset, nbytes, window offset), each checked against the item and the window.
+        Small pieces are copied holding the interpreter (a memoryview's copy): letting it
+        go for each, as NumPy does from a few KB, would wait a switch interval for it
+        back each time, behind the training loop."""
+        window = self.window
+        if window is None:
+            raise SnapshardError("the writer process asked for a copy without a window")
+        held = window.data
+        for j, a, n, at in rows.tolist():
+            src = self._hosts[j].reshape(-1).view(np.uint8)
+            if min(a, n, at) < 0 or a + n > len(src) or at + n > len(window):
+                raise SnapshardError(
+                    f"the writer process asked for bytes out of range: {(j, a, n, at)}"
+                )
+            if n < _HELD_COPY_BYTES:
+                held[at : at + n] = src.data[a : a + n]
+            else:
+                window[at : at + n] = src[a : a + n]
 
 
 class _Seen:
@@ -326,11 +375,14 @@ def _data_offset() -> int | None:
 _DATA_OFFSET = _data_offset()
 
 
-def _where(prep: PreparedSave) -> tuple[np.ndarray, list[np.ndarray]]:
-    """Where each staged item's bytes are, as the writer reads it: its ndarray object's
-    address (id) where _DATA_OFFSET is known (a few hundred nanoseconds an item, where
-    asking each array for its address costs microseconds), else the bytes' address; and
-    the C-contiguous copies made of the items that were not, kept until the save ends."""
+def _where(
+    prep: PreparedSave, *, direct: bool
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+    """Where each staged item's bytes are, as the writer reads it (`direct`): its ndarray
+    object's address (id) where _DATA_OFFSET is known (a few hundred nanoseconds an item,
+    where asking each array for its address costs microseconds), else the bytes' address;
+    the C-contiguous copies made of the items that were not, kept until the save ends; and
+    each item's bytes C-contiguous, which a writer reading through the window asks for."""
     hosts: list[np.ndarray] = []
     keep: list[np.ndarray] = []
     for it in prep.items:
@@ -340,10 +392,27 @@ def _where(prep: PreparedSave) -> tuple[np.ndarray, list[np.ndarray]]:
             host = np.ascontiguousarray(host)
             keep.append(host)
         hosts.append(host)
+    if not direct:
+        return np.zeros(len(hosts), np.int64), keep, hosts
     if _DATA_OFFSET is not None:
-        return np.fromiter(map(id, hosts), np.int64, len(hosts)), keep
+        return np.fromiter(map(id, hosts), np.int64, len(hosts)), keep, hosts
     addresses = (h.__array_interface__["data"][0] for h in hosts)
-    return np.fromiter(addresses, np.int64, len(hosts)), keep
+    return np.fromiter(addresses, np.int64, len(hosts)), keep, hosts
+
+
+def _window_file() -> int:
+    """A shared memory file of _WINDOW_BYTES for the writer to read through (its pages
+    are taken only where it is used), or -1 where this system makes none."""
+    try:
+        fd = os.memfd_create("snapshard-window")
+    except (AttributeError, OSError):
+        return -1
+    try:
+        os.ftruncate(fd, _WINDOW_BYTES)
+    except OSError:
+        os.close(fd)
+        return -1
+    return fd
 
 
 _writer: WriterProcess | None = None
