@@ -128,6 +128,39 @@ def test_an_asynchronous_save_keeps_what_existed_out_of_collections_until_it_end
     assert gc.isenabled()
 
 
+def test_a_manager_s_save_keeps_what_existed_out_of_collections_while_it_drains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import snapshard.jax.manager as jax_manager
+
+    before = _Node()
+    seen = []
+    real = jax_manager.finish
+
+    def finish(prep):
+        seen.append((gc.get_freeze_count(), _generation_of(before)))
+        return real(prep)
+
+    monkeypatch.setattr(jax_manager, "finish", finish)
+    manager = snapshard.CheckpointManager(tmp_path / "steps")
+    manager.save(1, {"a": np.arange(6.0)})
+    manager.wait_until_finished()
+    assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1] is None  # frozen while it drained
+    assert gc.get_freeze_count() == 0 and _generation_of(before) == 2
+    manager.close()
+
+
+@pytest.mark.parametrize("background", ["thread", "process"])
+def test_a_finished_save_lets_its_items_and_leaves_go_in_its_own_thread(
+    tmp_path: Path, background: str
+) -> None:
+    tree = {f"a{i}": np.full(4, i, np.float32) for i in range(600)}
+    save = snapshard.save_async(tmp_path / "c", tree, snapshard.SaveOptions(background=background))
+    save.wait()
+    assert save._prep.items == [] and save._prep.leaves == []  # freed a slice at a time
+    assert snapshard.load(tmp_path / "c")["a599"].tolist() == [599] * 4
+
+
 def test_two_overlapping_frozen_holders_release_at_the_last() -> None:
     from snapshard.gc_pause import Frozen
 

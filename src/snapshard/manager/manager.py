@@ -43,7 +43,7 @@ from ..errors import (
     WriterLeaseError,
 )
 from ..format.reading import read_summary
-from ..gc_pause import collect_if_due
+from ..gc_pause import Frozen
 from ..options import ReadOptions, SaveOptions, background_of, require
 from ..reading import ReadStats
 from ..saving import SaveTimings
@@ -468,20 +468,24 @@ class CheckpointManager:
             else (None, False)
         )
         report.blocking_s = time.perf_counter() - t0
+        # What the blocking phase made (items, views, JAX's shard objects) stays out of the
+        # collections while the save drains, as for save_async; its release runs the full
+        # collection that may be due, here rather than in a blocking phase (gc_pause.py).
+        frozen = Frozen()
 
         def work() -> None:
-            if local_work is not None:
-                local_work()
-            if started is not None:
-                timings = started.finish()
-                report.persistent_save_s = timings.total_s - timings.blocking_s
-                report.persistent_bytes = timings.bytes_written
-                if self._incremental and self._framework.immutable_arrays:
-                    self._saved_arrays = (step, saved_arrays(flat))
-                self._after_commit(step, info_metrics, based)
-            # The cycles left since the last full collection, which the saves' collection
-            # pauses keep from the young collections (gc_pause.py): here, not in a blocking phase.
-            collect_if_due()
+            try:
+                if local_work is not None:
+                    local_work()
+                if started is not None:
+                    timings = started.finish()
+                    report.persistent_save_s = timings.total_s - timings.blocking_s
+                    report.persistent_bytes = timings.bytes_written
+                    if self._incremental and self._framework.immutable_arrays:
+                        self._saved_arrays = (step, saved_arrays(flat))
+                    self._after_commit(step, info_metrics, based)
+            finally:
+                frozen.release()
 
         task = BackgroundTask(work, f"save of step {step}")
         with self._lock:
