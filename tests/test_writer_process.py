@@ -274,9 +274,16 @@ def through_the_window(monkeypatch):
     writer_process.stop_writer()
 
 
+@pytest.mark.parametrize("pwritev", ["works", "refused"])
 def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
-    tmp_path, runs, caplog, through_the_window
+    tmp_path, runs, caplog, through_the_window, monkeypatch, pwritev
 ):
+    if pwritev == "refused":  # a file system that refuses it: copied through the mapping
+
+        def refused(*args):
+            raise OSError(95, "not supported")
+
+        monkeypatch.setattr(writer_process.os, "pwritev", refused)
     tree = {f"s{i}": np.arange(i, i + 300, dtype=np.float32) for i in range(300)}
     tree |= {
         "big": np.arange(100_000.0),  # 800 KB: in window-sized pieces
@@ -331,3 +338,22 @@ def test_the_window_serves_only_the_bytes_of_the_save_s_items(tmp_path, through_
         with pytest.raises(SnapshardError, match="out of range"):
             w._copy(np.array([bad]))
     w._hosts = []
+
+
+def test_a_writer_that_cannot_be_started_sends_saves_to_threads_and_keeps_no_files(
+    tmp_path, monkeypatch, caplog
+):
+    writer_process.stop_writer()
+    monkeypatch.setattr(writer_process, "_unusable", None)
+    monkeypatch.setattr(writer_process, "_told", set())
+
+    def no_process(*args, **kwargs):
+        raise OSError("no processes left")
+
+    monkeypatch.setattr(writer_process.subprocess, "Popen", no_process)
+    before = len(os.listdir("/proc/self/fd"))
+    with caplog.at_level(logging.WARNING, "snapshard"):
+        snapshard.save_async(tmp_path / "x", {"a": np.arange(3.0)}, PROCESS).wait()
+    assert len(os.listdir("/proc/self/fd")) == before  # the socket and the window closed
+    assert any("could not be started: no processes left" in r.getMessage() for r in caplog.records)
+    assert snapshard.load(tmp_path / "x")["a"].tolist() == [0.0, 1.0, 2.0]

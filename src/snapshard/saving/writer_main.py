@@ -64,7 +64,7 @@ from .state import PreparedSave, SaveTimings
 
 _NICE = 5  # a third of a CPU's share beside a busy process: below the loop, never starved
 _IOVEC = np.dtype([("base", np.uint64), ("len", np.uint64)])
-_IOV_MAX = 1024  # iovecs per call
+IOV_MAX = 1024  # iovecs per call (Linux's IOV_MAX)
 
 
 @functools.cache
@@ -105,8 +105,8 @@ def read_remote(pid: int, address: int, out: np.ndarray) -> None:
 def read_words(pid: int, addresses: np.ndarray) -> np.ndarray:
     """The 8-byte words at `addresses` in process `pid`, read in a few calls."""
     out = np.empty(len(addresses), np.uint64)
-    for a in range(0, len(addresses), _IOV_MAX):
-        b = min(a + _IOV_MAX, len(addresses))
+    for a in range(0, len(addresses), IOV_MAX):
+        b = min(a + IOV_MAX, len(addresses))
         local, remote = np.empty(b - a, _IOVEC), np.empty(b - a, _IOVEC)
         local["base"] = out.ctypes.data + 8 * np.arange(a, b, dtype=np.uint64)
         remote["base"] = addresses[a:b]
