@@ -263,8 +263,8 @@ class Link:
 
 
 class ProxyCoordinator(Coordinator):
-    """The training process's coordinator, reached through the link (one call at a time:
-    the background phase makes its calls from one thread)."""
+    """The training process's coordinator, reached through the link (which takes one call
+    at a time)."""
 
     def __init__(self, link: Link, process_index: int, process_count: int):
         self._link = link
@@ -325,7 +325,7 @@ def prepared(
     rv = Rendezvous(ProxyCoordinator(link, index, count), prefix, what, timeout_s)
     plan = plan_save(arrays, msg.options, count)
     of_leaf, starts, stops, nbytes, addresses = msg.items
-    if msg.data_offset is not None and window is None:
+    if msg.data_offset is not None:  # (never through a window: sent as None)
         addresses = read_words(parent, addresses.astype(np.uint64) + np.uint64(msg.data_offset))
     items = []
     columns = zip(of_leaf.tolist(), nbytes.tolist(), addresses.tolist(), strict=True)

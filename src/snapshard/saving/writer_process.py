@@ -106,12 +106,13 @@ class WriterProcess:
         self._template: tuple[Any, np.ndarray, dict[str, Any], int] | None = None
         self._numbers = 0
         self.window: np.ndarray | None = None
-        self._window_fd = -1  # its file, where the writer reads through the window
+        self._window_fd = window_fd  # its file, kept where the writer reads through it
         try:
-            self.unable = self._probe(window_fd)
+            self.unable = self._probe()
         finally:
-            if window_fd >= 0:
+            if self.window is None and window_fd >= 0:
                 os.close(window_fd)
+                self._window_fd = -1
 
     def _send(self, *msg: Any) -> None:
         try:
@@ -127,7 +128,7 @@ class WriterProcess:
         except (EOFError, OSError) as e:
             raise _LinkDown(str(e) or "its end of the socket closed") from e
 
-    def _probe(self, window_fd: int) -> str | None:
+    def _probe(self) -> str | None:
         """None if the writer can read this process's memory, or else through the window
         (`window` set), else why not."""
         with contextlib.suppress(Exception):  # no Yama: nothing to allow
@@ -139,8 +140,7 @@ class WriterProcess:
         except _LinkDown as e:
             return f"the writer process did not start: {e}"
         if kind == "window":
-            self.window = np.frombuffer(mmap.mmap(window_fd, 0), np.uint8)
-            self._window_fd = os.dup(window_fd)
+            self.window = np.frombuffer(mmap.mmap(self._window_fd, 0), np.uint8)
             log.info("the writer process reads staged bytes through a shared window: %s", why)
             return None
         return None if kind == "ready" else f"it cannot read this process's memory: {why}"
