@@ -5,7 +5,10 @@ steps per second are compared with its rate with no save (1.0: the save costs no
 Methods: snapshard's JAX `save_async`, its `CheckpointManager` and the manager with a local
 tier; `snapshard.torch.save_async` and DCP's `async_save` with `snapshard.torch.StorageWriter`;
 beside them Orbax's `AsyncCheckpointer` and DCP's own `FileSystemWriter` under `async_save`
-with the thread and the process executor (job_interference.py says exactly what each does).
+with the thread and the process executor (job_interference.py says exactly what each does);
+and the machine's floor, no library at all: a process of its own writing the same bytes
+(floor_write) or busy with the loop's kind of work (floor_spin) beside the loop, which says
+what any background work costs the loop on this machine.
 States: 'large' (24 float32 arrays, 805 MB at --scale 1) and 'many' (--arrays small arrays,
 10,000 by default). Every method and state runs in a fresh process (bench/job_interference.py)
 per round, methods in an order rotated by the round; the job saves once unmeasured first.

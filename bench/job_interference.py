@@ -30,11 +30,18 @@ Methods. JAX (jax.Arrays on `--devices` CPU devices, cut on their first axis):
   jax_local         the same with a LocalTier (every step to both tiers; one process, so no
                     peer copies)
   orbax             ocp.AsyncCheckpointer(ocp.StandardCheckpointHandler())
-torch (CPU tensors, one gloo rank):
+torch (CPU tensors, one gloo rank; where the machine refuses TCP sockets, no process group,
+and dcp_process, which needs one, fails):
   torch_async       snapshard.torch.save_async (torch_async_proc: in a writer process)
   torch_dcp_writer  dcp.async_save with snapshard.torch.StorageWriter (thread executor)
   dcp_thread        dcp.async_save with DCP's FileSystemWriter, thread executor
   dcp_process       the same with the process executor
+The machine's floor, no library at all: what any background work costs the loop here.
+  floor_write       a process of its own, started with the job, writes the state's bytes
+                    (random, as many files as the state has arrays for 'large', one file
+                    for 'many') and fsyncs them: the least a writer of these bytes costs
+  floor_spin        a process of its own runs the loop's pure-Python work for as long as
+                    --spin-s: what one busy core beside the loop costs it
 States: 'large', 24 float32 arrays of (4096 x scale, 2048) (805 MB at scale 1); 'many',
 `--arrays` float32 arrays of `--side` x `--side` (10,000 of 64 x 64: 164 MB).
 A method that fails prints its error in the RESULT (`error`) instead of figures.
@@ -68,7 +75,8 @@ JAX_METHODS = (
     "orbax",
 )
 TORCH_METHODS = ("torch_async", "torch_async_proc", "torch_dcp_writer", "dcp_thread", "dcp_process")
-METHODS = JAX_METHODS + TORCH_METHODS
+FLOOR_METHODS = ("floor_write", "floor_spin")
+METHODS = JAX_METHODS + TORCH_METHODS + FLOOR_METHODS
 LARGE_ARRAYS, LARGE_COLS = 24, 2048  # 24 x (4096, 2048) float32 = 805,306,368 B at scale 1
 
 
@@ -274,10 +282,14 @@ def torch_method(args: argparse.Namespace, root: str) -> Method:
 
     import snapshard.torch as sst
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where DCP's process executor listens
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{bc.free_port()}", rank=0, world_size=1
-    )
+    group = _tcp_allowed()
+    if group:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")  # where DCP's process executor listens
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{bc.free_port()}", rank=0, world_size=1
+        )
+    elif args.method == "dcp_process":
+        raise RuntimeError("DCP's process executor needs a process group; this machine refuses TCP")
     state = {k: torch.from_numpy(v) for k, v in host_state(args).items()}
     nbytes = sum(t.nbytes for t in state.values())
     if args.method.startswith("torch_async"):
@@ -286,7 +298,7 @@ def torch_method(args: argparse.Namespace, root: str) -> Method:
         def async_start(tag: str, sd: Any) -> Callable[[], Any]:
             return sst.save_async(os.path.join(root, tag), sd, opts).wait
 
-        return Method(lambda: state, async_start, dist.destroy_process_group, nbytes)
+        return Method(lambda: state, async_start, lambda: _close_dcp(dist), nbytes)
     executor = (
         AsyncCheckpointerType.PROCESS
         if args.method == "dcp_process"
@@ -319,7 +331,91 @@ def _close_dcp(dist: Any) -> None:
         proc = getattr(ape, "_CHECKPOINT_PROCESS", None)
         if proc is not None:
             proc.close()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _tcp_allowed() -> bool:
+    """Whether this machine lets the job open a TCP socket (gloo needs one; some sandboxes
+    allow unix sockets only)."""
+    import socket
+
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- the machine's floor
+def floor_method(args: argparse.Namespace, root: str) -> Method:
+    """A helper process of its own (no library), started here and told to go once per save;
+    the wait reads its answer. See the module docstring."""
+    import subprocess
+
+    host = host_state(args)
+    sizes = (
+        [v.nbytes for v in host.values()]
+        if args.state == "large"
+        else [sum(v.nbytes for v in host.values())]
+    )
+    del host
+    what = "spin" if args.method == "floor_spin" else "write"
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--floor-child", what, root,
+         ",".join(map(str, sizes)), str(calibrate(args.step_ms)), str(args.spin_s)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert child.stdin is not None and child.stdout is not None
+    if child.stdout.readline().strip() != "ready":
+        raise RuntimeError(f"the floor's helper did not start (exit {child.wait()})")
+
+    def go(tag: str, _state: Any) -> Callable[[], Any]:
+        child.stdin.write(tag + "\n")
+        child.stdin.flush()
+
+        def wait() -> None:
+            if child.stdout.readline().strip() != "done":
+                raise RuntimeError(f"the floor's helper failed (exit {child.wait()})")
+
+        return wait
+
+    def close() -> None:
+        child.stdin.close()
+        child.wait(timeout=60)
+
+    return Method(lambda: None, go, close, sum(sizes))
+
+
+def floor_child(what: str, root: str, sizes: str, rounds: int, spin_s: float) -> None:
+    """The floor's helper: answers 'ready', then for each tag read from stdin writes the
+    bytes (fsync'd, the directory too) or spins, and answers 'done'."""
+    import numpy as np
+
+    rng = np.random.default_rng(1)
+    data = [rng.bytes(int(n)) for n in sizes.split(",")] if what == "write" else []
+    print("ready", flush=True)
+    for line in sys.stdin:
+        tag = line.strip()
+        if what == "spin":
+            deadline = time.perf_counter() + spin_s
+            while time.perf_counter() < deadline:
+                python_work(rounds)
+        else:
+            folder = os.path.join(root, tag)
+            os.makedirs(folder)
+            for i, buf in enumerate(data):
+                fd = os.open(os.path.join(folder, f"{i}.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    view = memoryview(buf)
+                    for at in range(0, len(view), 8 << 20):
+                        os.write(fd, view[at : at + (8 << 20)])
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            bc.fsync_path(folder)
+        print("done", flush=True)
 
 
 # ---------------------------------------------------------------- the job
@@ -360,7 +456,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     bc.fresh_dir(root)
     os.makedirs(root)
     try:
-        method = jax_method(args, root) if args.method in JAX_METHODS else torch_method(args, root)
+        build = (
+            jax_method
+            if args.method in JAX_METHODS
+            else floor_method
+            if args.method in FLOOR_METHODS
+            else torch_method
+        )
+        method = build(args, root)
         try:
             method.start("warm-up", method.state())()
             bc.settle()  # the warm-up's dirty pages are not the measured save's to write
@@ -374,6 +477,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--floor-child"]:
+        what, root, sizes, rounds, spin_s = sys.argv[2:7]
+        floor_child(what, root, sizes, int(rounds), float(spin_s))
+        return
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("method", choices=METHODS)
     ap.add_argument("--state", choices=["large", "many"], required=True)
@@ -383,6 +490,7 @@ def main() -> None:
     ap.add_argument("--devices", type=int, default=1, help="JAX: CPU devices, arrays cut on axis 0")
     ap.add_argument("--step-ms", type=float, default=1.5)
     ap.add_argument("--baseline-s", type=float, default=2.0)
+    ap.add_argument("--spin-s", type=float, default=2.0, help="floor_spin: seconds per save")
     ap.add_argument("--round", type=int, default=0)
     args = ap.parse_args()
     if args.method in JAX_METHODS:
