@@ -23,15 +23,18 @@ training process's, or -1. The protocol, in order, each message a pickled tuple:
    Through a window, reading staged bytes is such a call too: ("call", "copy", (rows,))
    with rows of (item, byte offset, nbytes, window offset), which the training process
    answers once it has copied those bytes of its items into the window (`Window`);
-4. the save ends with ("done", timings) or ("failed", error), the error pickled with its
-   type (errors.py: every snapshard error crosses processes by pickle).
+4. the save ends with ("done", timings, made) or ("failed", error, made), the error
+   pickled with its type (errors.py: every snapshard error crosses processes by pickle),
+   `made` what the writer's copy of the storage counted of its requests (an object
+   store's), which the training process's copy adds to its own.
 
 The staged bytes are read straight from the training process, item by item as each file is
 written: nothing is copied in the blocking phase and nothing is shared but the addresses,
 which stay valid because the training process keeps the save's items until step 4. Through
 a window they are copied once more, by the training process, a window's worth per call: a
 run of small items in one call (`read_together`), a large item in window-sized pieces. The
-writer imports no framework: NumPy, the format and the storage. It ends when the socket
+writer imports no framework: NumPy, the format and the storage (a local filesystem, or an
+object store whose client the writer makes again from its URL and options, once). It ends when the socket
 closes (its training process ended or let it go) and is killed with it otherwise.
 """
 
@@ -385,8 +388,10 @@ def serve(conn: Connection, parent: int, window_fd: int = -1) -> None:
                 outcome: tuple[str, Any] = ("done", finish_here(prep))
             except BaseException as e:  # every failure goes back to the training process
                 outcome = ("failed", portable_error(e))
+            finally:
+                save.storage.close()
             try:
-                link.send(*outcome)
+                link.send(*outcome, save.storage.requests_made())
             except OSError:  # the training process is gone: so is the save
                 return
 

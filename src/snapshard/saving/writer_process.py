@@ -43,7 +43,6 @@ import numpy as np
 from ..errors import SnapshardError
 from ..format.reading import read_manifest
 from ..save_leaves import SaveArray
-from ..storage.local import LocalStorage
 from .commit import discard_own
 from .leaves import describe_layouts
 from .state import PreparedSave, SaveTimings
@@ -63,8 +62,9 @@ def unsupported(prep: PreparedSave) -> str | None:
     """Why `prep` cannot run in a writer process, or None."""
     if not sys.platform.startswith("linux"):
         return "a writer process needs Linux"
-    if not isinstance(prep.storage, LocalStorage):
-        return "a writer process writes to local filesystems only, so far"
+    why = prep.storage.unportable()
+    if why is not None:
+        return why
     if prep.increment is not None:
         return "an incremental save runs in threads, so far"
     if any(it.host is None for it in prep.items):
@@ -204,6 +204,7 @@ class WriterProcess:
             _finish_protocol(prep, error, seen, died=True)
             prep.timings.total_s = prep.timings.blocking_s + time.perf_counter() - t0
             return prep.timings
+        prep.storage.add_requests(rest[1])
         if kind == "failed":
             _finish_protocol(prep, rest[0], seen)
         timings: SaveTimings = rest[0]

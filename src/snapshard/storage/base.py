@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -114,6 +114,19 @@ class Storage(ABC):
     def will_need(self, name: str, offset: int, nbytes: int) -> None:  # noqa: B027
         """Start fetching bytes [offset, offset + nbytes) of file `name` from the device
         without waiting for them (a hint; nothing where the storage has no such means)."""
+
+    def unportable(self) -> str | None:
+        """Why this storage cannot be handed to a writer process (saving/writer_process.py),
+        or None: it then pickles to a copy that reaches the same location from there."""
+        return "a writer process writes to local filesystems and object stores only"
+
+    def requests_made(self) -> Any:
+        """What this copy counted of its requests (an object store's RequestStats), for a
+        writer process to hand back to the training process's copy; None: nothing counted."""
+        return None
+
+    def add_requests(self, made: Any) -> None:  # noqa: B027 - nothing counted by default
+        """Count `made` (another copy's `requests_made()`) as this storage's own."""
 
     def sibling(self, name: str) -> Storage:
         """The checkpoint `name` beside this one: same parent, same store (a base or a

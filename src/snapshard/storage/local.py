@@ -267,6 +267,9 @@ class LocalStorage(Storage):
         self._siblings: dict[str, LocalStorage] = {}
         self._lock = threading.Lock()
 
+    def unportable(self) -> str | None:
+        return None
+
     def __getstate__(self) -> dict[str, Any]:
         """Its paths, for a writer process (saving/writer_main.py): no open files, no lock,
         no commit guard (the writer asks the training process to run it)."""

@@ -9,6 +9,7 @@ becomes a StorageError that names the store, the bucket and the object's key.
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,12 @@ def make_bucket(scheme: str, bucket: str, options: Mapping[str, Any] | None) -> 
     return ObstoreBucket(scheme, bucket, options)
 
 
+# The buckets of clients unpickled in this process (a writer process's saves), by scheme,
+# bucket and options: a store's client is made once, not at every save.
+_remade: dict[bytes, Bucket] = {}
+_remade_lock = threading.Lock()
+
+
 class ObjectClient:
     """One key prefix in one bucket. Children share the bucket, counters and read pool."""
 
@@ -144,22 +151,51 @@ class ObjectClient:
         self.scheme: str
         self.bucket: str
         self.prefix: str
+        self.options: Mapping[str, Any] | None
         self.api: Bucket
         self.transfer: TransferConfig
         self.counter: RequestCounter
         self.reads: ReadPool
         if parent is not None:
             self.scheme, self.bucket = parent.scheme, parent.bucket
-            self.prefix = prefix
+            self.prefix, self.options = prefix, parent.options
             self.api, self.transfer = parent.api, parent.transfer
             self.counter, self.reads = parent.counter, parent.reads
         else:
             self.scheme, self.bucket, self.prefix = split_url(url)
+            self.options = options
             self.api = make_bucket(self.scheme, self.bucket, options)
             self.transfer = transfer or TransferConfig()
             self.counter = RequestCounter()
             self.reads = ReadPool(self.transfer)
         self.url = f"{self.scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
+
+    # ---- another process's copy (a writer process) -------------------------------------
+    def unportable(self) -> str | None:
+        """Why a copy of this client cannot work in another process, or None."""
+        if self.scheme == "memory":
+            return "a memory:// store lives in its own process"
+        try:
+            pickle.dumps(self.options)
+        except Exception as e:
+            return f"its store options cannot be sent to another process ({type(e).__name__}: {e})"
+        return None
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Where it points and how it connects: the copy makes its own bucket (once per
+        process and set of options) and counts its own requests."""
+        keep = ("scheme", "bucket", "prefix", "options", "transfer", "url")
+        return {k: self.__dict__[k] for k in keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        key = pickle.dumps((self.scheme, self.bucket, self.options))
+        with _remade_lock:
+            if key not in _remade:
+                _remade[key] = make_bucket(self.scheme, self.bucket, self.options)
+            self.api = _remade[key]
+        self.counter = RequestCounter()
+        self.reads = ReadPool(self.transfer)
 
     # ---- naming ------------------------------------------------------------------------
     def child(self, name: str) -> ObjectClient:

@@ -13,6 +13,7 @@ or the new one whole) and only then deletes the files that only the old manifest
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -58,6 +59,22 @@ class ObjectStorage(Storage):
     @property
     def stats(self) -> RequestStats:
         return self.client.stats
+
+    def unportable(self) -> str | None:
+        return self.client.unportable()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The client's location and options, for a writer process: not the commit guard,
+        which the writer asks the training process to run."""
+        state = dict(self.__dict__)
+        state.pop("commit_guard", None)
+        return state
+
+    def requests_made(self) -> RequestStats:
+        return self.client.stats
+
+    def add_requests(self, made: RequestStats) -> None:
+        self.client.counter.add(**dataclasses.asdict(made))
 
     @property
     def data_file_bytes(self) -> int | None:  # type: ignore[override]
