@@ -193,7 +193,8 @@ def test_identity_shortcut_skips_hashing_the_same_jax_array(tmp_path, monkeypatc
         return real(raw, hid)
 
     monkeypatch.setattr(incremental, "chunk_hash", counting)
-    with CheckpointManager(tmp_path, incremental=True) as m:
+    threads = SaveOptions(background="thread")  # the hashes counted are this process's
+    with CheckpointManager(tmp_path, incremental=True, save_options=threads) as m:
         m.save(1, {"frozen": frozen, "t": jnp.zeros(16)})
         m.wait_until_finished()
         assert sum(hashed) == 4096 * 4 + 16 * 4

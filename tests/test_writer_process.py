@@ -173,19 +173,24 @@ def test_a_writer_killed_at_the_commit_guard_commits_nothing(tmp_path):
     assert not (tmp_path / "x").exists() and _leftovers(tmp_path) == []
 
 
-def test_saves_a_writer_cannot_run_go_to_threads_saying_why_once(
-    tmp_path, caplog, runs, monkeypatch
-):
-    snapshard.save(tmp_path / "base", {"a": np.ones(3)}, SaveOptions(hashes=True))
-    monkeypatch.setattr(writer_process, "_told", set())
-    with caplog.at_level(logging.WARNING, "snapshard"):
-        for name in ("i1", "i2"):
-            snapshard.save_async(
-                tmp_path / name, {"a": np.ones(3)}, PROCESS, base=tmp_path / "base"
-            ).wait()
-    said = [r for r in caplog.records if "incremental" in r.getMessage()]
-    assert len(said) == 1 and runs == []
-    assert snapshard.load(tmp_path / "i2")["a"].tolist() == [1, 1, 1]
+def test_incremental_saves_refer_to_their_base_from_the_writer(tmp_path, runs):
+    from snapshard.incremental import UnprovableBaseWarning
+
+    frozen = {"emb": np.arange(4096.0).reshape(64, 64), "w": np.ones((100, 7), np.float32)}
+    snapshard.save(tmp_path / "1", {**frozen, "x": np.zeros(8)}, SaveOptions(hashes=True))
+    t = snapshard.save_async(
+        tmp_path / "2", {**frozen, "x": np.ones(8)}, PROCESS, base=tmp_path / "1"
+    ).wait()
+    assert t.bytes_written == 8 * 8  # only what changed
+    out = snapshard.load(tmp_path / "2")
+    np.testing.assert_array_equal(out["emb"], frozen["emb"])
+    assert out["x"].tolist() == [1.0] * 8
+    # A warning raised in the writer is raised here: a base without hashes says so.
+    snapshard.save(tmp_path / "3", frozen)
+    with pytest.warns(UnprovableBaseWarning, match=r"no xxh3-128 content hashes for \d+ bytes"):
+        t = snapshard.save_async(tmp_path / "4", frozen, PROCESS, base=tmp_path / "3").wait()
+    assert t.bytes_written == 64 * 64 * 8 + 100 * 7 * 4
+    assert runs == [str(tmp_path / n) for n in ("2", "4")]
 
 
 def test_a_save_started_while_the_writer_is_busy_runs_in_threads(tmp_path, runs):

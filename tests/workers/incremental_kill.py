@@ -58,7 +58,12 @@ def main() -> None:
     local.LocalStorage.commit = commit
     references._delete_files = removal(real_delete_files)
     local.LocalStorage.delete = removal(real_delete)
-    with snapshard.CheckpointManager(directory, max_to_keep=2, incremental=True) as m:
+    # In threads: the kill points above are patched into this process (the writer
+    # process's own kills are tests/test_writer_process.py's).
+    threads = snapshard.SaveOptions(background="thread")
+    with snapshard.CheckpointManager(
+        directory, max_to_keep=2, incremental=True, save_options=threads
+    ) as m:
         for step in range(first, last + 1):
             saves["n"] += 1
             m.save(step, tree(step))

@@ -23,10 +23,12 @@ training process's, or -1. The protocol, in order, each message a pickled tuple:
    Through a window, reading staged bytes is such a call too: ("call", "copy", (rows,))
    with rows of (item, byte offset, nbytes, window offset), which the training process
    answers once it has copied those bytes of its items into the window (`Window`);
-4. the save ends with ("done", timings, made) or ("failed", error, made), the error
-   pickled with its type (errors.py: every snapshard error crosses processes by pickle),
-   `made` what the writer's copy of the storage counted of its requests (an object
-   store's), which the training process's copy adds to its own.
+4. the save ends with ("done", timings, made, warned) or ("failed", error, made, warned),
+   the error pickled with its type (errors.py: every snapshard error crosses processes by
+   pickle), `made` what the writer's copy of the storage counted of its requests (an
+   object store's), which the training process's copy adds to its own, and `warned` the
+   warnings the save raised here (category, text), which the training process raises
+   again (an incremental save's base that cannot prove its chunks equal says so).
 
 The staged bytes are read straight from the training process, item by item as each file is
 written: nothing is copied in the blocking phase and nothing is shared but the addresses,
@@ -49,6 +51,7 @@ import signal
 import socket
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -59,6 +62,7 @@ from ..coordination.base import Coordinator
 from ..coordination.rendezvous import Rendezvous
 from ..errors import SnapshardError
 from ..format import Leaf
+from ..incremental import Increment
 from ..options import SaveOptions
 from ..save_leaves import SaveArray
 from ..staging import StagedItem
@@ -230,6 +234,7 @@ class Message:
     extra: dict[str, Any]
     nonce: str
     timings: SaveTimings
+    increment: Increment | None  # an incremental save's base and target (not yet opened)
 
 
 @dataclass
@@ -350,7 +355,8 @@ def prepared(
     adapter.trees_differ = msg.options.trees_differ
     return PreparedSave(
         storage, rv, leaves, template.structure, plan, items, msg.overwrite, msg.options,
-        msg.extra, msg.digests, msg.timings, nonce=msg.nonce, adapter=adapter,  # type: ignore[arg-type]
+        msg.extra, msg.digests, msg.timings, msg.increment, nonce=msg.nonce,
+        adapter=adapter,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -383,15 +389,17 @@ def serve(conn: Connection, parent: int, window_fd: int = -1) -> None:
             templates = {template.number: template}  # one state at a time: the newest
         elif kind == "save":
             save: Message = msg[1]
+            with warnings.catch_warnings(record=True) as warned:
+                warnings.simplefilter("always")  # the training process's filters decide
+                try:
+                    prep = prepared(save, templates[save.template], link, parent, window)
+                    outcome: tuple[str, Any] = ("done", finish_here(prep))
+                except BaseException as e:  # every failure goes back to the training process
+                    outcome = ("failed", portable_error(e))
+                finally:
+                    save.storage.close()
             try:
-                prep = prepared(save, templates[save.template], link, parent, window)
-                outcome: tuple[str, Any] = ("done", finish_here(prep))
-            except BaseException as e:  # every failure goes back to the training process
-                outcome = ("failed", portable_error(e))
-            finally:
-                save.storage.close()
-            try:
-                link.send(*outcome, save.storage.requests_made())
+                link.send(*outcome, save.storage.requests_made(), portable_warnings(warned))
             except OSError:  # the training process is gone: so is the save
                 return
 
@@ -404,6 +412,20 @@ def _unreadable(parent: int, address: int, n: int, expected: bytes) -> str | Non
     except OSError as e:
         return str(e)
     return None if out.tobytes() == expected else "the bytes read differ"
+
+
+def portable_warnings(caught: list[warnings.WarningMessage]) -> list[tuple[type[Warning], str]]:
+    """The warnings a save raised here, as (category, text) for the training process to
+    raise again: a category that does not pickle goes as a UserWarning."""
+    out = []
+    for w in caught:
+        category = w.category
+        try:
+            pickle.dumps(category)
+        except Exception:
+            category = UserWarning
+        out.append((category, str(w.message)))
+    return out
 
 
 def portable_error(e: BaseException) -> BaseException:

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -43,6 +44,7 @@ import numpy as np
 from ..errors import SnapshardError
 from ..format.reading import read_manifest
 from ..save_leaves import SaveArray
+from ..storage import Storage
 from .commit import discard_own
 from .leaves import describe_layouts
 from .state import PreparedSave, SaveTimings
@@ -65,8 +67,9 @@ def unsupported(prep: PreparedSave) -> str | None:
     why = prep.storage.unportable()
     if why is not None:
         return why
-    if prep.increment is not None:
-        return "an incremental save runs in threads, so far"
+    base = prep.increment.base_location if prep.increment is not None else None
+    if isinstance(base, Storage) and (why := base.unportable()) is not None:
+        return f"its base: {why}"
     if any(it.host is None for it in prep.items):
         return "a host budget smaller than the bytes owned needs the framework in the background"
     return None
@@ -205,6 +208,8 @@ class WriterProcess:
             prep.timings.total_s = prep.timings.blocking_s + time.perf_counter() - t0
             return prep.timings
         prep.storage.add_requests(rest[1])
+        for category, text in rest[2]:
+            warnings.warn(text, category, stacklevel=2)
         if kind == "failed":
             _finish_protocol(prep, rest[0], seen)
         timings: SaveTimings = rest[0]
@@ -234,7 +239,7 @@ class WriterProcess:
                 prep.rendezvous.coord.process_index, prep.rendezvous.coord.process_count,
             ),
             overwrite=prep.overwrite, options=prep.options, extra=prep.extra,
-            nonce=prep.nonce, timings=prep.timings,
+            nonce=prep.nonce, timings=prep.timings, increment=prep.increment,
         )  # fmt: skip
         self._kept, self._hosts = keep, hosts
         self._send("save", msg)
