@@ -36,8 +36,9 @@ which stay valid because the training process keeps the save's items until step 
 a window they are copied once more, by the training process, a window's worth per call: a
 run of small items in one call (`read_together`), a large item in window-sized pieces. The
 writer imports no framework: NumPy, the format and the storage (a local filesystem, or an
-object store whose client the writer makes again from its URL and options, once). It ends when the socket
-closes (its training process ended or let it go) and is killed with it otherwise.
+object store whose client the writer makes again from its URL and options, once). It ends
+when the socket closes (its training process ended or let it go) and is killed with it
+otherwise.
 """
 
 from __future__ import annotations
