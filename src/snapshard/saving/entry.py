@@ -103,7 +103,7 @@ def _let_go(objects: list[Any]) -> None:
     last reference to 10,000 of them at once would hold the interpreter for their
     deallocation (10-30 ms, with their views) in one piece that no thread switch
     interrupts. Every ~2 ms the interpreter is handed over (`time.sleep(0)`): left to the
-    switch interval, a training loop waiting for it waited 10-24 ms on 2 busy cores."""
+    switch interval, a training loop waiting for it waited 10-46 ms on 2 busy cores."""
     mark = time.perf_counter()
     while objects:
         del objects[-_FREE_SLICE:]
