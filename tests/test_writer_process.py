@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import time
 
@@ -201,7 +202,7 @@ def test_a_save_started_while_the_writer_is_busy_runs_in_threads(tmp_path, runs)
     second.wait()
     assert snapshard.load(tmp_path / "2")["b"].tolist() == [0, 1, 2, 3, 4]
     assert float(snapshard.load(tmp_path / "1")["a"].sum()) == 1024 * 1024
-    assert str(tmp_path / "1") in runs
+    assert len(runs) == 1  # (whichever asked first: the two background threads race)
 
 
 def test_synchronous_saves_stay_in_the_calling_thread(tmp_path, monkeypatch):
@@ -284,11 +285,7 @@ def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
     tmp_path, runs, caplog, through_the_window, monkeypatch, pwritev
 ):
     if pwritev == "refused":  # a file system that refuses it: copied through the mapping
-
-        def refused(*args):
-            raise OSError(95, "not supported")
-
-        monkeypatch.setattr(writer_process.os, "pwritev", refused)
+        monkeypatch.setattr(writer_process, "_pwritev", lambda *args: -1)
     tree = {f"s{i}": np.arange(i, i + 300, dtype=np.float32) for i in range(300)}
     tree |= {
         "big": np.arange(100_000.0),  # 800 KB: in window-sized pieces
@@ -336,13 +333,14 @@ def test_the_window_serves_only_the_bytes_of_the_save_s_items(tmp_path, through_
     snapshard.save_async(tmp_path / "x", {"a": np.ones(8)}, PROCESS).wait()
     w = writer_process._writer
     assert w is not None and w.window is not None
-    w._hosts = [np.arange(8, dtype=np.uint8)]
-    w._copy(np.array([[0, 2, 4, 10]]))
-    assert w.window[10:14].tolist() == [2, 3, 4, 5]
-    for bad in ([0, 6, 4, 0], [0, -1, 2, 0], [0, 0, 2, len(w.window) - 1]):
-        with pytest.raises(SnapshardError, match="out of range"):
-            w._copy(np.array([bad]))
-    w._hosts = []
+    host = np.arange(8, dtype=np.uint8)
+    w._expose([host], np.array([host.ctypes.data]))
+    w._copy(np.array([[0, 2, 4, 10], [0, 0, 1, 14], [0, 7, 1, 20]]))
+    assert w.window[10:15].tolist() == [2, 3, 4, 5, 0] and w.window[20] == 7
+    for bad in ([0, 6, 4, 0], [0, -1, 2, 0], [0, 0, 2, len(w.window) - 1], [1, 0, 1, 0]):
+        with pytest.raises(SnapshardError, match=re.escape(f"out of range: {tuple(bad)}")):
+            w._copy(np.array([[0, 0, 1, 0], bad]))
+    w._expose([], np.zeros(0, np.int64))
 
 
 def test_a_writer_that_cannot_be_started_sends_saves_to_threads_and_keeps_no_files(

@@ -71,7 +71,7 @@ from ..storage import Storage
 from .state import PreparedSave, SaveTimings
 
 _NICE = 5  # a third of a CPU's share beside a busy process: below the loop, never starved
-_IOVEC = np.dtype([("base", np.uint64), ("len", np.uint64)])
+IOVEC = np.dtype([("base", np.uint64), ("len", np.uint64)])
 IOV_MAX = 1024  # iovecs per call (Linux's IOV_MAX)
 
 
@@ -87,7 +87,7 @@ def _process_vm_readv() -> Any:
 
 
 def _readv(pid: int, local: np.ndarray, remote: np.ndarray) -> int:
-    """process_vm_readv of iovec arrays (_IOVEC); ctypes lets the interpreter go for it."""
+    """process_vm_readv of iovec arrays (IOVEC); ctypes lets the interpreter go for it."""
     got = int(_process_vm_readv()(pid, local.ctypes.data, len(local), remote.ctypes.data,
                                   len(remote), 0))  # fmt: skip
     if got < 0:
@@ -100,7 +100,7 @@ def read_remote(pid: int, address: int, out: np.ndarray) -> None:
     """Fill `out` with the bytes at `address` in process `pid` (`process_vm_readv`, which
     copies without the interpreter)."""
     n, done = out.nbytes, 0
-    local, remote = np.empty(1, _IOVEC), np.empty(1, _IOVEC)
+    local, remote = np.empty(1, IOVEC), np.empty(1, IOVEC)
     while done < n:
         local[0] = (out.ctypes.data + done, n - done)
         remote[0] = (address + done, n - done)
@@ -115,7 +115,7 @@ def read_words(pid: int, addresses: np.ndarray) -> np.ndarray:
     out = np.empty(len(addresses), np.uint64)
     for a in range(0, len(addresses), IOV_MAX):
         b = min(a + IOV_MAX, len(addresses))
-        local, remote = np.empty(b - a, _IOVEC), np.empty(b - a, _IOVEC)
+        local, remote = np.empty(b - a, IOVEC), np.empty(b - a, IOVEC)
         local["base"] = out.ctypes.data + 8 * np.arange(a, b, dtype=np.uint64)
         remote["base"] = addresses[a:b]
         local["len"] = remote["len"] = 8
