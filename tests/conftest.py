@@ -34,6 +34,22 @@ def sharded(x: np.ndarray, m: Mesh, *spec: object) -> jax.Array:
 
 
 @pytest.fixture
+def writer_runs(monkeypatch) -> list[str]:
+    """The saves that ran in a writer process during the test (their locations)."""
+    from snapshard.saving import writer_process
+
+    ran: list[str] = []
+    real = writer_process.WriterProcess._run
+
+    def counted(self, prep):
+        ran.append(prep.storage.url)
+        return real(self, prep)
+
+    monkeypatch.setattr(writer_process.WriterProcess, "_run", counted)
+    return ran
+
+
+@pytest.fixture
 def ckpt(tmp_path):
     """A fresh checkpoint path (not yet created)."""
     return tmp_path / "ckpt"

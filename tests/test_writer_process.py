@@ -25,20 +25,6 @@ pytestmark = pytest.mark.timeout(180)
 PROCESS = SaveOptions(background="process")
 
 
-@pytest.fixture
-def runs(monkeypatch) -> list[str]:
-    """The saves that ran in a writer process during the test (their locations)."""
-    ran: list[str] = []
-    real = writer_process.WriterProcess._run
-
-    def counted(self, prep):
-        ran.append(prep.storage.url)
-        return real(self, prep)
-
-    monkeypatch.setattr(writer_process.WriterProcess, "_run", counted)
-    return ran
-
-
 def _writer_pid() -> int:
     assert writer_process._writer is not None
     return writer_process._writer.proc.pid
@@ -48,7 +34,7 @@ def _leftovers(parent) -> list[str]:
     return sorted(n for n in os.listdir(parent) if "snapshard-tmp" in n)
 
 
-def test_saves_in_a_writer_process_load_back_equal_and_reuse_the_writer(tmp_path, runs):
+def test_saves_in_a_writer_process_load_back_equal_and_reuse_the_writer(tmp_path, writer_runs):
     tree = {"a": np.arange(12.0).reshape(3, 4), "b": {"c": np.int32(5)}, "step": 3}
     snapshard.save_async(tmp_path / "0", tree, PROCESS).wait()
     first = _writer_pid()
@@ -63,10 +49,10 @@ def test_saves_in_a_writer_process_load_back_equal_and_reuse_the_writer(tmp_path
     np.testing.assert_array_equal(out["a"], tree["a"])
     assert out["step"] == 4 and out["b"]["c"] == 5
     assert snapshard.load(tmp_path / "0")["step"] == 3
-    assert len(runs) == 2
+    assert len(writer_runs) == 2
 
 
-def test_the_caller_may_change_its_arrays_once_the_blocking_phase_returned(tmp_path, runs):
+def test_the_caller_may_change_its_arrays_once_the_blocking_phase_returned(tmp_path, writer_runs):
     a = np.arange(1000, dtype=np.float64)
     b = np.arange(600.0).reshape(20, 30)[:, ::3]  # not contiguous: copied for the writer
     save = snapshard.save_async(tmp_path / "x", {"a": a, "b": b}, PROCESS)
@@ -75,24 +61,24 @@ def test_the_caller_may_change_its_arrays_once_the_blocking_phase_returned(tmp_p
     out = snapshard.load(tmp_path / "x")
     np.testing.assert_array_equal(out["a"], np.arange(1000.0))
     np.testing.assert_array_equal(out["b"], np.arange(600.0).reshape(20, 30)[:, ::3])
-    assert runs == [str(tmp_path / "x")]
+    assert writer_runs == [str(tmp_path / "x")]
 
 
-def test_jax_cpu_shards_are_read_from_their_own_buffers(tmp_path, runs):
+def test_jax_cpu_shards_are_read_from_their_own_buffers(tmp_path, writer_runs):
     jax = pytest.importorskip("jax")
     x = jax.numpy.arange(4096.0, dtype=jax.numpy.float32).reshape(64, 64)
     t = snapshard.save_async(tmp_path / "x", {"x": x}, PROCESS).wait()
     assert t.bytes_staged == 0  # zero-copy views in the blocking phase, read by the writer
     np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["x"], np.asarray(x))
-    assert len(runs) == 1
+    assert len(writer_runs) == 1
 
 
-def test_without_the_data_offset_each_arrays_address_is_sent(tmp_path, runs, monkeypatch):
+def test_without_the_data_offset_each_arrays_address_is_sent(tmp_path, writer_runs, monkeypatch):
     monkeypatch.setattr(writer_process, "_DATA_OFFSET", None)
     a = np.arange(100.0)
     snapshard.save_async(tmp_path / "x", {"a": a}, PROCESS).wait()
     np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["a"], a)
-    assert len(runs) == 1
+    assert len(writer_runs) == 1
 
 
 def test_a_writer_error_is_raised_with_its_own_type_and_the_writer_stays(tmp_path):
@@ -174,7 +160,7 @@ def test_a_writer_killed_at_the_commit_guard_commits_nothing(tmp_path):
     assert not (tmp_path / "x").exists() and _leftovers(tmp_path) == []
 
 
-def test_incremental_saves_refer_to_their_base_from_the_writer(tmp_path, runs):
+def test_incremental_saves_refer_to_their_base_from_the_writer(tmp_path, writer_runs):
     from snapshard.incremental import UnprovableBaseWarning
 
     frozen = {"emb": np.arange(4096.0).reshape(64, 64), "w": np.ones((100, 7), np.float32)}
@@ -191,10 +177,10 @@ def test_incremental_saves_refer_to_their_base_from_the_writer(tmp_path, runs):
     with pytest.warns(UnprovableBaseWarning, match=r"no xxh3-128 content hashes for \d+ bytes"):
         t = snapshard.save_async(tmp_path / "4", frozen, PROCESS, base=tmp_path / "3").wait()
     assert t.bytes_written == 64 * 64 * 8 + 100 * 7 * 4
-    assert runs == [str(tmp_path / n) for n in ("2", "4")]
+    assert writer_runs == [str(tmp_path / n) for n in ("2", "4")]
 
 
-def test_a_save_started_while_the_writer_is_busy_runs_in_threads(tmp_path, runs):
+def test_a_save_started_while_the_writer_is_busy_runs_in_threads(tmp_path, writer_runs):
     big = {"a": np.ones((1024, 1024), np.float32)}
     first = snapshard.save_async(tmp_path / "1", big, PROCESS)
     second = snapshard.save_async(tmp_path / "2", {"b": np.arange(5)}, PROCESS)
@@ -202,7 +188,7 @@ def test_a_save_started_while_the_writer_is_busy_runs_in_threads(tmp_path, runs)
     second.wait()
     assert snapshard.load(tmp_path / "2")["b"].tolist() == [0, 1, 2, 3, 4]
     assert float(snapshard.load(tmp_path / "1")["a"].sum()) == 1024 * 1024
-    assert len(runs) == 1  # (whichever asked first: the two background threads race)
+    assert len(writer_runs) == 1  # (whichever asked first: the two background threads race)
 
 
 def test_synchronous_saves_stay_in_the_calling_thread(tmp_path, monkeypatch):
@@ -245,7 +231,7 @@ def test_a_manager_saves_every_step_through_its_writer(tmp_path):
     assert _writer_pid() != os.getpid()
 
 
-def test_a_manager_starts_the_writer_when_it_is_made(tmp_path, runs):
+def test_a_manager_starts_the_writer_when_it_is_made(tmp_path, writer_runs):
     writer_process.stop_writer()
     manager = snapshard.CheckpointManager(tmp_path / "steps", save_options=PROCESS)
     deadline = time.monotonic() + 60
@@ -254,7 +240,7 @@ def test_a_manager_starts_the_writer_when_it_is_made(tmp_path, runs):
     started = _writer_pid()
     manager.save(1, {"a": np.ones(3)})
     manager.close()
-    assert _writer_pid() == started and len(runs) == 1
+    assert _writer_pid() == started and len(writer_runs) == 1
 
 
 def test_torch_state_dicts_through_the_writer(tmp_path):
@@ -282,7 +268,7 @@ def through_the_window(monkeypatch):
 
 @pytest.mark.parametrize("pwritev", ["works", "refused"])
 def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
-    tmp_path, runs, caplog, through_the_window, monkeypatch, pwritev
+    tmp_path, writer_runs, caplog, through_the_window, monkeypatch, pwritev
 ):
     if pwritev == "refused":  # a file system that refuses it: copied through the mapping
         monkeypatch.setattr(writer_process, "_pwritev", lambda *args: -1)
@@ -298,7 +284,7 @@ def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
             snapshard.save_async(tmp_path / name, tree, PROCESS).wait()
     assert any("through a shared window: asked to" in r.getMessage() for r in caplog.records)
     assert writer_process._writer is not None and writer_process._writer.window is not None
-    assert len(runs) == 2
+    assert len(writer_runs) == 2
     for name in ("0", "1"):
         out = snapshard.load(tmp_path / name)
         assert out["step"] == 7

@@ -39,20 +39,6 @@ def prefix(request) -> str:
     return f"{fresh_prefix(request, request.param)}/run"
 
 
-@pytest.fixture
-def runs(monkeypatch) -> list[str]:
-    """The saves that ran in a writer process during the test (their locations)."""
-    ran: list[str] = []
-    real = writer_process.WriterProcess._run
-
-    def counted(self, prep):
-        ran.append(prep.storage.url)
-        return real(self, prep)
-
-    monkeypatch.setattr(writer_process.WriterProcess, "_run", counted)
-    return ran
-
-
 def tree() -> dict[str, object]:
     rng = np.random.default_rng(3)
     return {
@@ -62,13 +48,13 @@ def tree() -> dict[str, object]:
     }
 
 
-def test_a_save_goes_up_from_the_writer_with_the_requests_counted_here(prefix, runs):
+def test_a_save_goes_up_from_the_writer_with_the_requests_counted_here(prefix, writer_runs):
     state = tree()
     here = ObjectStorage(f"{prefix}/thread", transfer=SMALL)
     snapshard.save_async(here, state, SaveOptions(background="thread")).wait()
     there = ObjectStorage(f"{prefix}/writer", transfer=SMALL)
     snapshard.save_async(there, state, PROCESS).wait()
-    assert runs == [there.url]
+    assert writer_runs == [there.url]
     # Every request the writer made is counted in this process's copy, as in threads.
     made, expected = dataclasses.asdict(there.stats), dataclasses.asdict(here.stats)
     for kind in ("put", "post", "delete"):
@@ -82,14 +68,14 @@ def test_a_save_goes_up_from_the_writer_with_the_requests_counted_here(prefix, r
     assert out["step"] == 7
 
 
-def test_the_manager_saves_every_step_from_the_writer(prefix, runs):
+def test_the_manager_saves_every_step_from_the_writer(prefix, writer_runs):
     with snapshard.CheckpointManager(prefix, save_options=PROCESS) as manager:
         for step in (1, 2):
             manager.save(step, {"a": np.full(1000, step, np.int32)})
         manager.wait_until_finished()
         assert manager.all_steps() == [1, 2]
         assert snapshard.load(f"{prefix}/2")["a"].tolist() == [2] * 1000
-    assert len(runs) == 2
+    assert len(writer_runs) == 2
 
 
 class _KillsTheWriter(SingleProcessCoordinator):
@@ -119,7 +105,9 @@ def test_a_writer_killed_mid_save_leaves_nothing_on_the_store(prefix, monkeypatc
     np.testing.assert_array_equal(snapshard.load(storage)["w"], state["w"])
 
 
-def test_stores_that_cannot_cross_processes_stay_in_threads_saying_why(caplog, runs, monkeypatch):
+def test_stores_that_cannot_cross_processes_stay_in_threads_saying_why(
+    caplog, writer_runs, monkeypatch
+):
     monkeypatch.setattr(writer_process, "_told", set())
 
     def provider() -> dict[str, object]:  # a closure: it does not pickle
@@ -133,4 +121,4 @@ def test_stores_that_cannot_cross_processes_stay_in_threads_saying_why(caplog, r
             snapshard.save_async(url, {"a": np.arange(5)}, PROCESS).wait()
             assert snapshard.load(url)["a"].tolist() == [0, 1, 2, 3, 4]
     said = [r for r in caplog.records if "memory:// store lives in its own" in r.getMessage()]
-    assert len(said) == 1 and runs == []
+    assert len(said) == 1 and writer_runs == []
