@@ -338,11 +338,8 @@ def _close_dcp(dist: Any) -> None:
 def _tcp_allowed() -> bool:
     """Whether this machine lets the job open a TCP socket (gloo needs one; some sandboxes
     allow unix sockets only)."""
-    import socket
-
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
+        bc.free_port()
         return True
     except OSError:
         return False
@@ -390,7 +387,7 @@ def floor_method(args: argparse.Namespace, root: str) -> Method:
 
 def floor_child(what: str, root: str, sizes: str, rounds: int, spin_s: float) -> None:
     """The floor's helper: answers 'ready', then for each tag read from stdin writes the
-    bytes (fsync'd, the directory too) or spins, and answers 'done'."""
+    bytes (each file and the directory fsync'd) or spins, and answers 'done'."""
     import numpy as np
 
     rng = np.random.default_rng(1)
@@ -403,18 +400,8 @@ def floor_child(what: str, root: str, sizes: str, rounds: int, spin_s: float) ->
             while time.perf_counter() < deadline:
                 python_work(rounds)
         else:
-            folder = os.path.join(root, tag)
-            os.makedirs(folder)
             for i, buf in enumerate(data):
-                fd = os.open(os.path.join(folder, f"{i}.bin"), os.O_WRONLY | os.O_CREAT, 0o644)
-                try:
-                    view = memoryview(buf)
-                    for at in range(0, len(view), 8 << 20):
-                        os.write(fd, view[at : at + (8 << 20)])
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            bc.fsync_path(folder)
+                bc.write_durable(os.path.join(root, tag), f"{i}.bin", [buf])
         print("done", flush=True)
 
 
