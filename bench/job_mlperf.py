@@ -22,6 +22,8 @@ The job, every rank:
    (posix_fadvise(POSIX_FADV_DONTNEED)), a barrier, then each rank times its own call of
    the method's load of the last checkpoint; every local shard of the target is then
    compared byte for byte with the state that was saved.
+With `--raw-beside`, each save and restore of 2. and 3. has the raw one of the same bytes
+beside it (`RawBeside`), reported as raw_save_s and raw_restore_s.
 
 Methods:
   raw            each rank writes the bytes of its local shards into one file (os.write,
@@ -199,15 +201,17 @@ def as_bytes(t: Any) -> Any:
 
 
 # ---------------------------------------------------------------- the methods
-def raw_save(tensors: list[Any], path: str, rank: int) -> None:
-    bc.write_durable(path, f"rank{rank}.bin", (as_bytes(t) for t in tensors))
+def raw_write(buffers: list[Any], path: str, rank: int) -> None:
+    """The raw save: this rank's bytes (uint8 arrays) back to back into one durable file."""
+    bc.write_durable(path, f"rank{rank}.bin", buffers)
 
 
-def raw_load(tensors: list[Any], path: str, rank: int) -> None:
+def raw_read(buffers: list[Any], path: str, rank: int) -> None:
+    """The raw restore: this rank's file read back with os.readv straight into `buffers`."""
     fd = os.open(os.path.join(path, f"rank{rank}.bin"), os.O_RDONLY)
     try:
-        for t in tensors:
-            mv = memoryview(as_bytes(t))
+        for b in buffers:
+            mv = memoryview(b)
             while len(mv):
                 n = os.readv(fd, [mv])
                 if n == 0:
@@ -215,6 +219,66 @@ def raw_load(tensors: list[Any], path: str, rank: int) -> None:
                 mv = mv[n:]
     finally:
         os.close(fd)
+
+
+def raw_save(tensors: list[Any], path: str, rank: int) -> None:
+    raw_write([as_bytes(t) for t in tensors], path, rank)
+
+
+def raw_load(tensors: list[Any], path: str, rank: int) -> None:
+    raw_read([as_bytes(t) for t in tensors], path, rank)
+
+
+class RawBeside:
+    """`--raw-beside`: the raw write (read) of this rank's bytes right beside each of the
+    method's saves (restores), in the same processes, alternating which goes first, so that
+    the ratio to raw is paired per operation rather than across jobs run minutes apart on
+    a disk whose speed drifts. The raw restore reads into buffers of its own (`scratch`),
+    never into the method's target."""
+
+    def __init__(
+        self,
+        directory: str,
+        own: list[Any],
+        scratch: list[Any],
+        rank: int,
+        timed: Callable[[Callable[[], Any]], list[float]],
+    ) -> None:
+        self.directory, self.own, self.scratch = directory, own, scratch
+        self.rank, self.timed = rank, timed  # timed(fn): every process's seconds for fn
+        self.saves: list[list[float]] = []
+        self.restores: list[list[float]] = []
+        self.path = ""
+
+    def save(self, i: int, method_save: Callable[[], list[float]]) -> list[float]:
+        """The method's save i and the raw one beside it; the method's times."""
+        previous, self.path = self.path, os.path.join(self.directory, f"raw-{i}")
+        if self.rank == 0 and previous:
+            shutil.rmtree(previous, ignore_errors=True)
+
+        def raw() -> None:
+            self.saves.append(self.timed(lambda: raw_write(self.own, self.path, self.rank)))
+
+        return self._beside(i, raw, method_save)
+
+    def restore(self, i: int, method_restore: Callable[[], list[float]]) -> list[float]:
+        """The method's restore i and the raw one beside it (its file evicted first too)."""
+
+        def raw() -> None:
+            if self.rank == 0:
+                evict(self.path)
+            self.restores.append(self.timed(lambda: raw_read(self.scratch, self.path, self.rank)))
+
+        return self._beside(i, raw, method_restore)
+
+    @staticmethod
+    def _beside(i: int, raw: Callable[[], None], method: Callable[[], list[float]]) -> list[float]:
+        if i % 2:
+            took = method()
+            raw()
+            return took
+        raw()
+        return method()
 
 
 def fsync_dirs(path: str) -> None:
@@ -289,6 +353,7 @@ def print_result(
     saves: list[list[float]],
     restores: list[list[float]],
     exact: list[bool],
+    raw: RawBeside | None = None,
 ) -> None:
     """Rank 0's RESULT line, which bench_mlperf_shape.py reads (every job's, torch or JAX)."""
     import json
@@ -299,6 +364,8 @@ def print_result(
         "on_disk_B": on_disk, "save_s": saves, "restore_s": restores, "restore_exact": exact,
         "warmup_exact": all(x["warm_ok"] for x in info),
     }  # fmt: skip
+    if raw is not None:
+        result |= {"raw_save_s": raw.saves, "raw_restore_s": raw.restores}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -313,6 +380,9 @@ def job_args(doc: str | None, methods: tuple[str, ...]) -> argparse.Namespace:
     ap.add_argument("--restores", type=int, default=10)
     ap.add_argument("--dir", required=True, help="this job's folder of checkpoints")
     ap.add_argument("--timeout", type=float, default=3600, help="of every collective, s")
+    ap.add_argument(
+        "--raw-beside", action="store_true", help="a raw save (restore) beside each: RawBeside"
+    )
     return ap.parse_args()
 
 
@@ -366,6 +436,11 @@ def main() -> None:
         shutil.rmtree(warm, ignore_errors=True)
 
     sd = state_dict(state, fqns)
+    raw = None
+    if args.raw_beside and args.method != "raw":
+        scratch = [as_bytes(t) for t in local_tensors(build(cfg, mesh, fill=False), fqns)]
+        own = [as_bytes(t) for t in tensors]
+        raw = RawBeside(args.dir, own, scratch, rank, lambda fn: gather(timed(fn)))
     saves: list[list[float]] = []
     key, path, previous = 0, "", ""
     for i in range(args.saves):
@@ -376,29 +451,36 @@ def main() -> None:
             if previous:
                 shutil.rmtree(previous, ignore_errors=True)
             os.sync()
-        saves.append(gather(timed(lambda p=path: save(sd, tensors, p))))
+
+        def method_save(p: str = path) -> list[float]:
+            return gather(timed(lambda: save(sd, tensors, p)))
+
+        saves.append(raw.save(i, method_save) if raw else method_save())
 
     restores: list[list[float]] = []
     exact: list[bool] = []
     on_disk = 0
-    for _ in range(args.restores):
+    for i in range(args.restores):
         del target
         gc.collect()
         target = build(cfg, mesh, fill=False)
         target_sd, target_tensors = state_dict(target, fqns), local_tensors(target, fqns)
         if rank == 0:
             on_disk = evict(path)
-        dt = timed(lambda p=path, s=target_sd, t=target_tensors: load(s, t, p))
-        per_rank = gather((dt, same(target_tensors, tensors)))
-        restores.append([d for d, _ in per_rank])
-        exact.append(all(ok for _, ok in per_rank))
+
+        def method_restore(s: Any = target_sd, t: list[Any] = target_tensors) -> list[float]:
+            return gather(timed(lambda: load(s, t, path)))
+
+        restores.append(raw.restore(i, method_restore) if raw else method_restore())
+        per_rank = gather(same(target_tensors, tensors))
+        exact.append(all(per_rank))
     del target
     dist.barrier()
     if rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
     info = gather(own_info(rank_bytes, warm_ok))
     if rank == 0:
-        print_result(args.method, world, cfg, info, on_disk, saves, restores, exact)
+        print_result(args.method, world, cfg, info, on_disk, saves, restores, exact, raw)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -62,6 +62,7 @@ import common as bc
 from job_mlperf import (
     ROLES,
     WARMUP,
+    RawBeside,
     evict,
     job_args,
     local_range,
@@ -309,6 +310,13 @@ def main() -> None:
     if rank == 0:
         shutil.rmtree(warm, ignore_errors=True)
 
+    raw = None
+    if args.raw_beside:  # this process's bytes, and buffers of its own to read them into
+        import numpy as np
+
+        own = [host[f][r].reshape(-1).view(np.uint8) for f in fqns for r in ROLES]
+        scratch = [np.ones(b.nbytes, np.uint8) for b in own]
+        raw = RawBeside(args.dir, own, scratch, rank, lambda fn: g.gather(timed(fn)[0]))
     saves: list[list[float]] = []
     key, path, previous = 0, "", ""
     for i in range(args.saves):
@@ -322,28 +330,35 @@ def main() -> None:
             if previous:
                 shutil.rmtree(previous, ignore_errors=True)
             os.sync()
-        dt, _ = timed(lambda p=path, s=sd: save(s, p))
-        saves.append(g.gather(dt))
+
+        def method_save(p: str = path, s: Any = sd) -> list[float]:
+            return g.gather(timed(lambda: save(s, p))[0])
+
+        saves.append(raw.save(i, method_save) if raw else method_save())
     del state, sd
 
     restores: list[list[float]] = []
     exact: list[bool] = []
     on_disk = 0
-    for _ in range(args.restores):
+    for i in range(args.restores):
         gc.collect()  # the previous restore's arrays are gone before the next one
         if rank == 0:
             on_disk = evict(path)
-        dt, restored = timed(lambda p=path: load(target, p))
-        per_rank = g.gather([dt, same(restored, host, fqns)])
-        del restored
-        restores.append([d for d, _ in per_rank])
-        exact.append(all(ok for _, ok in per_rank))
+        got: list[Any] = []
+
+        def method_restore(got: list[Any] = got) -> list[float]:
+            dt, restored = timed(lambda: load(target, path))
+            got.append(restored)
+            return g.gather(dt)
+
+        restores.append(raw.restore(i, method_restore) if raw else method_restore())
+        exact.append(all(g.gather(same(got.pop(), host, fqns))))
     g.barrier()
     if rank == 0:
         shutil.rmtree(args.dir, ignore_errors=True)
     info = g.gather(own_info(rank_bytes, warm_ok))
     if rank == 0:
-        print_result(args.method, world, cfg, info, on_disk, saves, restores, exact)
+        print_result(args.method, world, cfg, info, on_disk, saves, restores, exact, raw)
     g.barrier()
     jax.distributed.shutdown()
 
