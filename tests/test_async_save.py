@@ -85,7 +85,9 @@ def test_a_deferred_array_deleted_before_its_copy_fails_with_a_clear_error(ckpt,
     m = mesh(2, 4)
     a = sharded(np.ones((64, 64), np.float32), m, None, "model")
     b = sharded(np.ones((64, 64), np.float32), m, None, "model")
-    handle = snapshard.save_async(ckpt, {"a": a, "b": b}, options=SaveOptions(host_budget=64 * 64 * 4, writers=1))
+    # In threads (the gate holds them here): tests/test_writer_process.py has the writer's.
+    opts = SaveOptions(host_budget=64 * 64 * 4, writers=1, background="thread")
+    handle = snapshard.save_async(ckpt, {"a": a, "b": b}, options=opts)
     b.delete()
     a.delete()
     gate.set()

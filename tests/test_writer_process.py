@@ -346,3 +346,87 @@ def test_a_writer_that_cannot_be_started_sends_saves_to_threads_and_keeps_no_fil
     assert len(os.listdir("/proc/self/fd")) == before  # the socket and the window closed
     assert any("could not be started: no processes left" in r.getMessage() for r in caplog.records)
     assert snapshard.load(tmp_path / "x")["a"].tolist() == [0.0, 1.0, 2.0]
+
+
+@pytest.fixture
+def copying(monkeypatch):
+    """JAX's CPU arrays copied in the blocking phase (as on an accelerator), so that a host
+    budget leaves copies to the background phase."""
+    from snapshard.jax import arrays as jax_arrays
+
+    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", False)
+
+
+@pytest.mark.parametrize("read", ["memory", "window"])
+def test_items_beyond_the_host_budget_are_copied_when_the_writer_asks(
+    tmp_path, writer_runs, copying, monkeypatch, request, read
+):
+    """A host budget smaller than the bytes owned: the save still runs in the writer, which
+    asks for each remaining item's host copy as it writes it, one at a time with one
+    writer, and lets it go after."""
+    from conftest import mesh, sharded
+
+    if read == "window":
+        request.getfixturevalue("through_the_window")
+    held: list[int] = []
+    most = [0]
+    real_stage, real_unstage = writer_process.WriterProcess._stage, writer_process.WriterProcess._unstage
+
+    def stage(self, prep, j):
+        held.append(j)
+        most[0] = max(most[0], len(held))
+        return real_stage(self, prep, j)
+
+    def unstage(self, j):
+        held.remove(j)
+        real_unstage(self, j)
+
+    monkeypatch.setattr(writer_process.WriterProcess, "_stage", stage)
+    monkeypatch.setattr(writer_process.WriterProcess, "_unstage", unstage)
+    m = mesh(2, 4)
+    values = {f"w{i}": np.arange(64 * 64, dtype=np.float32).reshape(64, 64) + i for i in range(4)}
+    tree = {k: sharded(v, m, None, "model") for k, v in values.items()}
+    budget = 2 * 64 * 64 * 4
+    opts = SaveOptions(background="process", host_budget=budget, writers=1)
+    t = snapshard.save_async(tmp_path / "c", tree, opts).wait(60)
+    assert len(writer_runs) == 1
+    assert 0 < t.bytes_staged <= budget
+    assert held == [] and most[0] == 1  # each copy let go before the next was made
+    out = snapshard.load(tmp_path / "c")
+    for k, v in values.items():
+        np.testing.assert_array_equal(out[k], v)
+
+
+def test_an_array_deleted_before_the_writer_asks_for_its_copy_fails_naming_it(
+    tmp_path, writer_runs, copying, monkeypatch
+):
+    """The caller deleted an array whose copy the host budget left to the background phase
+    (SaveOptions.host_budget says not to): the save fails with an error naming the leaf,
+    nothing is committed, and the next save works."""
+    import threading
+
+    from conftest import mesh, sharded
+
+    gate = threading.Event()
+    real_stage = writer_process.WriterProcess._stage
+
+    def stage(self, prep, j):  # answered in this process: held until the arrays are gone
+        gate.wait(30)
+        return real_stage(self, prep, j)
+
+    monkeypatch.setattr(writer_process.WriterProcess, "_stage", stage)
+    m = mesh(2, 4)
+    a = sharded(np.ones((64, 64), np.float32), m, None, "model")
+    b = sharded(np.ones((64, 64), np.float32), m, None, "model")
+    opts = SaveOptions(background="process", host_budget=64 * 64 * 4, writers=1)
+    handle = snapshard.save_async(tmp_path / "c", {"a": a, "b": b}, opts)
+    a.delete()
+    b.delete()
+    gate.set()
+    with pytest.raises(SnapshardError, match=r"leaf '[ab]'.*deleted"):
+        handle.wait(60)
+    assert len(writer_runs) == 1
+    assert not (tmp_path / "c").exists()
+    c = sharded(np.full((64, 64), 3, np.float32), m, None, "model")
+    snapshard.save_async(tmp_path / "d", {"c": c}, opts).wait(60)
+    assert np.all(snapshard.load(tmp_path / "d")["c"] == 3)

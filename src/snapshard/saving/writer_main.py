@@ -22,7 +22,11 @@ training process's, or -1. The protocol, in order, each message a pickled tuple:
    ("raise", error): the key-value store of a job is the training process's;
    Through a window, reading staged bytes is such a call too: ("call", "copy", (rows,))
    with rows of (item, byte offset, nbytes, window offset), which the training process
-   answers once it has copied those bytes of its items into the window (`Window`);
+   answers once it has copied those bytes of its items into the window (`Window`); and
+   an item the host budget left without a host copy (SaveOptions.host_budget) is asked
+   for as it is written: ("call", "stage", (item,)) makes its copy and answers its
+   address, then its bytes are read as any other item's, then ("call", "unstage",
+   (item,)) lets the copy go (`StagedLater`);
 4. the save ends with ("done", timings, made, warned) or ("failed", error, made, warned),
    the error pickled with its type (errors.py: every snapshard error crosses processes by
    pickle), `made` what the writer's copy of the storage counted of its requests (an
@@ -215,6 +219,28 @@ class WindowBytes:
         return out
 
 
+class StagedLater:
+    """An item whose host copy the training process makes only when it is written (the
+    host budget left it to the background phase, SaveOptions.host_budget): `stage` asks
+    for the copy there and its address, the bytes are read as any other item's (`bytes`,
+    from memory or through the window), and `unstage` lets the copy go, so that only the
+    items being written hold host memory, as in the threads' background phase."""
+
+    __slots__ = ("bytes", "item", "link")
+
+    def __init__(self, link: Link, item: int, bytes: RemoteBytes | WindowBytes):
+        self.link, self.item, self.bytes = link, item, bytes
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        address = self.link.call("stage", self.item)
+        try:
+            if isinstance(self.bytes, RemoteBytes):
+                self.bytes.address = address
+            return np.asarray(self.bytes)
+        finally:
+            self.link.call("unstage", self.item)
+
+
 @dataclass
 class Message:
     """One save, as the training process sends it to its writer (see the module's doc)."""
@@ -222,10 +248,11 @@ class Message:
     template: int  # the template's number: its leaves and structure, sent once (`Template`)
     values: list[tuple[int, Leaf]]  # the leaves that are not arrays, this save's values
     digests: np.ndarray
-    items: tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray]
-    # (leaf, start, stop, nbytes, where) of each staged item, as columns; where: the address
-    # of its bytes, or with `data_offset` the address of its ndarray object, which holds the
-    # address of its bytes `data_offset` bytes in
+    items: tuple[np.ndarray, list[np.ndarray], list[np.ndarray], np.ndarray, np.ndarray, np.ndarray]
+    # (leaf, start, stop, nbytes, where, later) of each staged item, as columns; where: the
+    # address of its bytes, or with `data_offset` the address of its ndarray object, which
+    # holds the address of its bytes `data_offset` bytes in; later: its host copy is made
+    # only when the writer asks for it (`StagedLater`), where 0
     data_offset: int | None
     storage: Storage
     guarded: bool  # the storage has a commit guard, which runs in the training process
@@ -333,12 +360,18 @@ def prepared(
     prefix, what, timeout_s, index, count = msg.rendezvous
     rv = Rendezvous(ProxyCoordinator(link, index, count), prefix, what, timeout_s)
     plan = plan_save(arrays, msg.options, count)
-    of_leaf, starts, stops, nbytes, addresses = msg.items
+    of_leaf, starts, stops, nbytes, addresses, later = msg.items
     if msg.data_offset is not None:  # (never through a window: sent as None)
-        addresses = read_words(parent, addresses.astype(np.uint64) + np.uint64(msg.data_offset))
+        now = ~later
+        addresses = addresses.copy()
+        addresses[now] = read_words(
+            parent, addresses[now].astype(np.uint64) + np.uint64(msg.data_offset)
+        )
     items = []
-    columns = zip(of_leaf.tolist(), nbytes.tolist(), addresses.tolist(), strict=True)
-    for j, (i, n, a) in enumerate(columns):
+    columns = zip(
+        of_leaf.tolist(), nbytes.tolist(), addresses.tolist(), later.tolist(), strict=True
+    )
+    for j, (i, n, a, staged_later) in enumerate(columns):
         arr = leaves[i]
         assert isinstance(arr, SaveArray)
         start, stop = starts[j], stops[j]
@@ -348,7 +381,8 @@ def prepared(
             if window is None
             else WindowBytes(window, j, arr.dtype, shape)
         )
-        items.append(StagedItem(i, arr.name, start, stop, n, deferred=remote))
+        deferred = StagedLater(link, j, remote) if staged_later else remote
+        items.append(StagedItem(i, arr.name, start, stop, n, deferred=deferred))
     storage = msg.storage
     if msg.guarded:
         storage.commit_guard = lambda: link.call("guard")

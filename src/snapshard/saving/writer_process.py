@@ -6,7 +6,9 @@ per leaf) holds the interpreter that the training loop needs, in slices of the s
 interval, whenever it runs in a thread (docs/design.md, "What the background phase takes
 from the training loop"). In a process of its own it takes none of it. What stays here per
 save: one message (the items' addresses as columns; the leaves only when the tree changed)
-and the writer's few calls on the coordinator, answered from this thread while it waits.
+and the writer's few calls on the coordinator, answered from this thread while it waits;
+with a host budget, the device-to-host copies of the items beyond it, made here when the
+writer asks for each (`_stage`) and let go after (`_unstage`).
 
 Where the writer cannot read this process's memory (a sandbox without process_vm_readv, a
 kernel that forbids it), it reads the staged bytes through a window of shared memory
@@ -72,8 +74,6 @@ def unsupported(prep: PreparedSave) -> str | None:
     base = prep.increment.base_location if prep.increment is not None else None
     if isinstance(base, Storage) and (why := base.unportable()) is not None:
         return f"its base: {why}"
-    if any(it.host is None for it in prep.items):
-        return "a host budget smaller than the bytes owned needs the framework in the background"
     return None
 
 
@@ -225,6 +225,7 @@ class WriterProcess:
         number = self._template_of(prep)
         where, keep, hosts = _where(prep, direct=self.window is None)
         items = prep.items
+        later = np.fromiter((h is None for h in hosts), np.bool_, len(hosts))
         msg = Message(
             template=number,
             values=[(i, x) for i, x in enumerate(prep.leaves) if not isinstance(x, SaveArray)],
@@ -233,7 +234,7 @@ class WriterProcess:
                 np.fromiter((it.leaf for it in items), np.int64, len(items)),
                 [it.start for it in items], [it.stop for it in items],
                 np.fromiter((it.nbytes for it in items), np.int64, len(items)),
-                where,
+                where, later,
             ),
             data_offset=_DATA_OFFSET if self.window is None else None,
             storage=prep.storage, guarded=prep.storage.commit_guard is not None,
@@ -245,8 +246,7 @@ class WriterProcess:
             nonce=prep.nonce, timings=prep.timings, increment=prep.increment,
         )  # fmt: skip
         self._kept = keep
-        if self.window is not None:
-            self._expose(hosts, where)
+        self._expose(hosts, where)
         self._send("save", msg)
 
     def _template_of(self, prep: PreparedSave) -> int:
@@ -273,6 +273,10 @@ class WriterProcess:
             value = None
             if method == "copy":
                 self._copy(*args)
+            elif method == "stage":
+                value = self._stage(prep, *args)
+            elif method == "unstage":
+                self._unstage(*args)
             elif method == "guard":
                 guard = prep.storage.commit_guard
                 value = guard() if guard is not None else None
@@ -284,11 +288,34 @@ class WriterProcess:
             return
         self._send("reply", value)
 
-    def _expose(self, hosts: list[np.ndarray], addresses: np.ndarray) -> None:
-        """The bytes a writer reading through the window may ask for: `hosts` (kept alive
-        until the save ends) at `addresses`."""
-        self._hosts, self._addresses = hosts, addresses
-        self._sizes = np.fromiter((h.nbytes for h in hosts), np.int64, len(hosts))
+    def _expose(self, hosts: list[np.ndarray | None], addresses: np.ndarray) -> None:
+        """The bytes the writer may read: `hosts` (kept alive until the save ends; None: an
+        item staged later, `_stage`) at `addresses`."""
+        self._hosts, self._addresses = hosts, addresses.copy()
+        self._sizes = np.fromiter(
+            (0 if h is None else h.nbytes for h in hosts), np.int64, len(hosts)
+        )
+        self._later = {j for j, h in enumerate(hosts) if h is None}
+
+    def _stage(self, prep: PreparedSave, j: int) -> int:
+        """Make item j's host copy, which the host budget left to the background phase (the
+        device-to-host copy, made here as the threads would make it just before the write);
+        the address of its bytes, held until `_unstage(j)`."""
+        if j not in self._later:
+            raise SnapshardError(
+                f"the writer process asked to stage item {j}, not one staged later"
+            )
+        host = np.ascontiguousarray(prep.items[j].materialize())
+        self._hosts[j] = host
+        self._sizes[j] = host.nbytes
+        self._addresses[j] = host.__array_interface__["data"][0]
+        return int(self._addresses[j])
+
+    def _unstage(self, j: int) -> None:
+        """Drop item j's host copy (`_stage`): the budget holds only those being written."""
+        if j in self._later:
+            self._hosts[j] = None
+            self._sizes[j] = 0
 
     def _copy(self, rows: np.ndarray) -> None:
         """Copy the bytes the writer asked for into the window: rows of (item, byte
@@ -437,28 +464,35 @@ _DATA_OFFSET = _data_offset()
 
 def _where(
     prep: PreparedSave, *, direct: bool
-) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
+) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray | None]]:
     """Where each staged item's bytes are: for a writer reading this process's memory
     (`direct`), its ndarray object's address (id) where _DATA_OFFSET is known (0.05 us an
     item, where asking each array for its address costs microseconds), else the bytes'
     address, which a window's copies read from; the C-contiguous copies made of the items
-    that were not, kept until the save ends; and each item's bytes C-contiguous."""
-    hosts: list[np.ndarray] = []
+    that were not, kept until the save ends; and each item's bytes C-contiguous, None for
+    an item whose copy the host budget left to the background phase (address 0)."""
+    hosts: list[np.ndarray | None] = []
     keep: list[np.ndarray] = []
     for it in prep.items:
         host = it.host
-        assert host is not None
-        if not host.flags.c_contiguous:
+        if host is not None and not host.flags.c_contiguous:
             host = np.ascontiguousarray(host)
             keep.append(host)
         hosts.append(host)
+    present = [h for h in hosts if h is not None]
     if direct and _DATA_OFFSET is not None:
-        return np.fromiter(map(id, hosts), np.int64, len(hosts)), keep, hosts
-    if _DATA_OFFSET is not None:  # the word in each object (0.6 us; asking each array: 3 us)
-        words = (ctypes.c_void_p.from_address(id(h) + _DATA_OFFSET).value for h in hosts)
-        return np.fromiter((w or 0 for w in words), np.int64, len(hosts)), keep, hosts
-    addresses = (h.__array_interface__["data"][0] for h in hosts)
-    return np.fromiter(addresses, np.int64, len(hosts)), keep, hosts
+        where = np.fromiter(map(id, present), np.int64, len(present))
+    elif _DATA_OFFSET is not None:  # the word in each object (0.6 us; asking each array: 3 us)
+        words = (ctypes.c_void_p.from_address(id(h) + _DATA_OFFSET).value for h in present)
+        where = np.fromiter((w or 0 for w in words), np.int64, len(present))
+    else:
+        addresses = (h.__array_interface__["data"][0] for h in present)
+        where = np.fromiter(addresses, np.int64, len(present))
+    if len(present) < len(hosts):  # items staged later (`WriterProcess._stage`): 0
+        full = np.zeros(len(hosts), np.int64)
+        full[[i for i, h in enumerate(hosts) if h is not None]] = where
+        where = full
+    return where, keep, hosts
 
 
 def _window_file() -> int:
