@@ -26,7 +26,8 @@ training process's, or -1. The protocol, in order, each message a pickled tuple:
    an item the host budget left without a host copy (SaveOptions.host_budget) is asked
    for as it is written: ("call", "stage", (item,)) makes its copy and answers its
    address, then its bytes are read as any other item's, then ("call", "unstage",
-   (item,)) lets the copy go (`StagedLater`);
+   (item,)) lets the copy go (`StagedLater`); through a window, the copy call stages such
+   an item itself and lets it go once all its bytes went through;
 4. the save ends with ("done", timings, made, warned) or ("failed", error, made, warned),
    the error pickled with its type (errors.py: every snapshard error crosses processes by
    pickle), `made` what the writer's copy of the storage counted of its requests (an
@@ -221,21 +222,20 @@ class WindowBytes:
 
 class StagedLater:
     """An item whose host copy the training process makes only when it is written (the
-    host budget left it to the background phase, SaveOptions.host_budget): `stage` asks
-    for the copy there and its address, the bytes are read as any other item's (`bytes`,
-    from memory or through the window), and `unstage` lets the copy go, so that only the
-    items being written hold host memory, as in the threads' background phase."""
+    host budget left it to the background phase, SaveOptions.host_budget), read from its
+    memory: `stage` asks for the copy there and its address, the bytes are read as any
+    other item's (`bytes`), and `unstage` lets the copy go, so that only the items being
+    written hold host memory, as in the threads' background phase. (Through the window the
+    training process stages an item when its bytes are first asked for.)"""
 
     __slots__ = ("bytes", "item", "link")
 
-    def __init__(self, link: Link, item: int, bytes: RemoteBytes | WindowBytes):
+    def __init__(self, link: Link, item: int, bytes: RemoteBytes):
         self.link, self.item, self.bytes = link, item, bytes
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        address = self.link.call("stage", self.item)
+        self.bytes.address = self.link.call("stage", self.item)
         try:
-            if isinstance(self.bytes, RemoteBytes):
-                self.bytes.address = address
             return np.asarray(self.bytes)
         finally:
             self.link.call("unstage", self.item)
@@ -376,12 +376,12 @@ def prepared(
         assert isinstance(arr, SaveArray)
         start, stop = starts[j], stops[j]
         shape = tuple((stop - start).tolist())
-        remote: RemoteBytes | WindowBytes = (
-            RemoteBytes(parent, a, arr.dtype, shape)
-            if window is None
-            else WindowBytes(window, j, arr.dtype, shape)
-        )
-        deferred = StagedLater(link, j, remote) if staged_later else remote
+        deferred: RemoteBytes | WindowBytes | StagedLater
+        if window is not None:  # (the training process stages an item staged later itself)
+            deferred = WindowBytes(window, j, arr.dtype, shape)
+        else:
+            remote = RemoteBytes(parent, a, arr.dtype, shape)
+            deferred = StagedLater(link, j, remote) if staged_later else remote
         items.append(StagedItem(i, arr.name, start, stop, n, deferred=deferred))
     storage = msg.storage
     if msg.guarded:
