@@ -83,8 +83,10 @@ class SaveOptions:
         training loop; or 'thread', threads of this process. None (default): the
         environment's SNAPSHARD_BACKGROUND where set, else 'process'. A save that cannot run
         in a writer (a memory:// store, store options that do not pickle, a system with no
-        shared memory file) runs in threads, and the log says why, once per reason. Where the writer may not read this process's memory (no
-        process_vm_readv, as in gVisor), it reads through a shared window instead.
+        shared memory file) runs in threads, and the log says why, once per reason. Where
+        the writer may not read this process's memory (no process_vm_readv, as in gVisor),
+        it reads through a shared window instead. With a host budget, the writer asks this
+        process for the copies beyond it as it writes them.
     """
 
     mode: str = "auto"
