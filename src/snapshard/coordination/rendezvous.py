@@ -248,11 +248,10 @@ def write_then_commit(
     try:
         mine = write()
     except BaseException as e:
-        rv.report(f"written/{pid}", e)
+        cause = report_failure(rv, e)
         if rv.coord.is_leader:
-            fail(e)
+            discard()
             raise
-        cause = rv.failed_outcome()
         if discard_own is not None:
             discard_own(cause is not None)
         if cause is not None:
@@ -278,19 +277,22 @@ def write_then_commit(
     return mine
 
 
-def report_early_failure(rv: Rendezvous, error: BaseException) -> CoordinationError | None:
-    """This process failed before its part of a `write_then_commit` operation began (a bad
-    leaf in a save's blocking phase): report it where the others look, so that they fail
-    within a poll, naming it, instead of waiting for the timeout. Returns process 0's
-    failure of the operation where it came first (then `error` may be only its
-    consequence: the staging area removed under this process), to be raised instead.
-    Best effort: where the store itself failed, the caller's own error is what it must see."""
+def report_failure(rv: Rendezvous, error: BaseException) -> CoordinationError | None:
+    """This process's part of a `write_then_commit` operation failed (or failed before it
+    began: a bad leaf in a save's blocking phase): report it where the others look, so that
+    they fail within a poll, naming it, instead of waiting for the timeout; process 0
+    publishes it as the outcome. Returns process 0's failure of the operation where it was
+    published before this report (then `error` may be only its consequence: the staging
+    area removed under this process), to be raised instead. It is read before reporting:
+    read after, it may be process 0's relay of this very failure, and the process that
+    failed would raise the others' account of its error instead of its own. Best effort:
+    where the store itself failed, the caller's own error is what it must see."""
     try:
+        cause = None if rv.coord.is_leader else rv.failed_outcome()
         rv.report(f"written/{rv.coord.process_index}", error)
         if rv.coord.is_leader:
             rv.publish_outcome(error)
-            return None
-        return rv.failed_outcome()
+        return cause
     except Exception as e:
         log.debug("%s: could not report the failure to the other processes: %s", rv.what, e)
         return None

@@ -15,7 +15,7 @@ from ..coordination import Coordinator, default_coordinator
 from ..coordination.rendezvous import (
     Rendezvous,
     namespace,
-    report_early_failure,
+    report_failure,
 )
 from ..errors import (
     SnapshardError,
@@ -107,7 +107,7 @@ def prepare(
             extra=extra, flat=flat, adapter=adapter, base=base, identical=identical, t0=t0,
         )  # fmt: skip
     except BaseException as e:
-        cause = report_early_failure(rv, e)  # the others fail at once, naming this error
+        cause = report_failure(rv, e)  # the others fail at once, naming this error
         if cause is not None:  # process 0 failed the save first: its error is the cause
             storage.discard_staging_if_empty()
             raise cause from e

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from ..coordination.rendezvous import report_failure
 from ..errors import SnapshardError
 from ..format.reading import read_manifest
 from ..save_leaves import SaveArray
@@ -443,8 +444,7 @@ def _finish_protocol(
         rv.start_clock()
         rv.await_outcome()  # raises the save's failure
         return
-    rv.report(f"written/{rv.coord.process_index}", error)
-    cause = rv.failed_outcome()
+    cause = report_failure(rv, error)
     discard_own(prep, cause is not None)
     if cause is not None:
         raise cause from error

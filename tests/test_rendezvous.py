@@ -1,0 +1,111 @@
+"""write_then_commit's failure paths, with ranks as threads over one shared store: which
+error each process raises does not depend on who reads the outcome first."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from snapshard.coordination.base import SingleProcessCoordinator
+from snapshard.coordination.rendezvous import Rendezvous, write_then_commit
+from snapshard.errors import CoordinationError, StorageError
+
+OUTCOME = "snapshard/test/0/outcome"
+
+
+class Rank(SingleProcessCoordinator):
+    """One rank's view of a store shared by `n` ranks; `after_set(key)` runs after each set."""
+
+    def __init__(self, shared: SingleProcessCoordinator, rank: int, n: int, after_set=None):
+        super().__init__()
+        self._kv, self._cond = shared._kv, shared._cond
+        self.process_index, self.process_count = rank, n
+        self._after_set = after_set
+
+    def set(self, key: str, value: str) -> None:
+        super().set(key, value)
+        if self._after_set is not None:
+            self._after_set(key)
+
+
+def _wait_for(shared: SingleProcessCoordinator, key: str) -> None:
+    shared.get(key, 10.0)
+
+
+def _run(writes, after_set=None) -> list:
+    """write_then_commit on len(writes) threads; each rank's result or exception."""
+    shared = SingleProcessCoordinator()
+    n = len(writes)
+    out: list = [None] * n
+    discarded: list = [None] * n
+
+    def run(r):
+        coord = Rank(shared, r, n, after_set(shared, r) if after_set else None)
+        rv = Rendezvous(coord, "snapshard/test/0", "save to /ckpt", 10.0)
+        rv.start_clock()
+        try:
+            out[r] = write_then_commit(
+                rv, lambda: writes[r](shared), lambda docs: None,
+                discard=lambda: None,
+                discard_own=lambda settled: discarded.__setitem__(r, settled),
+            )  # fmt: skip
+        except Exception as e:
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return [*out, discarded]
+
+
+def _ok(shared):
+    return {"files": 1}
+
+
+def _fails(shared):
+    raise StorageError("write (at byte 0) of /ckpt.snapshard-tmp/data/1: injected fault")
+
+
+def test_the_failing_process_raises_its_own_error_even_when_the_relay_came_first():
+    # Process 1 reports its failure; process 0 relays it as the outcome before process 1
+    # looks at the outcome (the order a loaded machine gives at random): process 1 still
+    # raises its own error, process 0 names process 1.
+    def after_set(shared, rank):
+        def hook(key):
+            if rank == 1 and key.endswith("/written/1"):
+                _wait_for(shared, OUTCOME)
+
+        return hook
+
+    leader, failed, discarded = _run([_ok, _fails], after_set)
+    assert isinstance(failed, StorageError) and not isinstance(failed, CoordinationError)
+    assert str(failed).startswith("write (at byte 0) of /ckpt.snapshard-tmp")
+    assert isinstance(leader, CoordinationError)
+    assert str(leader).startswith(
+        "save to /ckpt: process 1 failed: StorageError: write (at byte 0)"
+    )
+    assert discarded[1] is False  # process 0 had not failed the save before process 1
+
+
+def test_a_process_failing_after_process_0_failed_the_save_raises_process_0s_error():
+    # Process 0 fails first and removes the staging area; process 1's write then fails
+    # because of it: process 1 raises process 0's error, the cause, not its consequence.
+    def leader_fails(shared):
+        raise StorageError("creation of /ckpt.snapshard-tmp failed: injected fault")
+
+    def fails_after_the_outcome(shared):
+        _wait_for(shared, OUTCOME)
+        time.sleep(0.01)
+        raise StorageError("write (at byte 0) of /ckpt.snapshard-tmp/data/1: no such file")
+
+    leader, failed, discarded = _run([leader_fails, fails_after_the_outcome])
+    assert str(leader).startswith("creation of /ckpt.snapshard-tmp failed")
+    assert isinstance(failed, CoordinationError) and isinstance(failed, StorageError)
+    assert str(failed).startswith(
+        "save to /ckpt failed: StorageError: creation of /ckpt.snapshard-tmp"
+    )
+    assert isinstance(failed.__cause__, StorageError)
+    assert discarded[1] is True
