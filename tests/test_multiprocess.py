@@ -128,15 +128,20 @@ def test_managed_async_saves_on_two_processes_use_no_barrier(tmp_path):
         assert r["ok"] and r["steps"] == [4, 5]
         # The manager's start-up costs no barrier: process 0 publishes the outcome of taking
         # the writer lease and cleaning up, the others wait for it. Each save costs no
-        # barrier; process 0 reads the reports by listings of their directory (no blocking
-        # wait per process), the others wait once for the outcome.
+        # barrier; process 0 reads the reports by listings of their directory, waiting (when
+        # they are not all in at once) on the one key the last report sets, never on one key
+        # per process (and again only after a second: one save here takes less, bar a
+        # loaded machine); the others wait once for the outcome.
         assert r["at_start"]["barrier"] == 0
         # The outcome of process 0's start-up; and the job token, read by whoever set it second.
         assert r["at_start"]["get"] <= (1 if r["pid"] == 0 else 2)
         assert r["per_save"]["barrier"] == 0
         # The others wait once more at the first save, which makes the manager the writer
         # (the lease and the clean-up): 6 waits over 5 saves.
-        assert r["per_save"]["get"] == (0 if r["pid"] == 0 else 6 / 5)
+        if r["pid"] == 0:
+            assert r["per_save"]["get"] <= 2
+        else:
+            assert r["per_save"]["get"] == 6 / 5
 
 
 def test_without_the_preemption_service_processes_agree_on_the_step_through_the_store(

@@ -109,3 +109,62 @@ def test_a_process_failing_after_process_0_failed_the_save_raises_process_0s_err
     )
     assert isinstance(failed.__cause__, StorageError)
     assert discarded[1] is True
+
+
+def _counting(shared, rank, n, calls):
+    coord = Rank(shared, rank, n)
+    real = coord.get_dir
+
+    def get_dir(prefix):
+        calls.append(prefix)
+        return real(prefix)
+
+    coord.get_dir = get_dir  # type: ignore[method-assign]
+    return coord
+
+
+def test_process_0_wakes_on_the_last_report_instead_of_polling_and_no_key_is_left():
+    # Three ranks, the last one 0.3 s late: process 0 lists the reports when it starts to
+    # wait and once more when the last report's signal comes, not at a doubling pause.
+    shared = SingleProcessCoordinator()
+    lists: list = []
+    out: list = [None] * 3
+
+    def run(r):
+        coord = _counting(shared, r, 3, lists) if r == 0 else Rank(shared, r, 3)
+        rv = Rendezvous(coord, "snapshard/test/0", "save to /ckpt", 10.0)
+        rv.start_clock()
+
+        def write():
+            time.sleep(0.3 if r == 2 else 0.0)
+            return {"rank": r}
+
+        out[r] = write_then_commit(rv, write, lambda docs: None, lambda: None, lambda s: None)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == [{"rank": 0}, {"rank": 1}, {"rank": 2}]
+    assert 1 <= len(lists) <= 3, lists
+    assert shared.keys() == []  # the reports, their count and signal, the outcome: all gone
+
+
+def test_a_process_that_reported_without_its_count_is_gathered_at_the_next_listing(
+    monkeypatch,
+):
+    # A process (its writer) that died between its report and its count leaves the signal
+    # unset: process 0 finds the report at its next listing, not at the timeout.
+    from snapshard.coordination import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_RELIST_S", 0.05)
+    shared = SingleProcessCoordinator()
+    other = Rendezvous(Rank(shared, 1, 2), "snapshard/test/0", "save to /ckpt", 10.0)
+    leader = Rendezvous(Rank(shared, 0, 2), "snapshard/test/0", "save to /ckpt", 10.0)
+    leader.start_clock()
+    threading.Timer(0.2, lambda: other.report("written/1", files=3)).start()
+    t0 = time.monotonic()
+    assert leader.gather("written") == {1: {"ok": True, "error": None, "error_type": None,
+                                            "relay": None, "files": 3}}  # fmt: skip
+    assert time.monotonic() - t0 < 5.0

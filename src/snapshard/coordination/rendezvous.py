@@ -8,6 +8,7 @@ order: the n-th save to a location is named by n.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -39,8 +40,16 @@ def namespace(kind: str, location: str) -> str:
     return f"snapshard/{kind}/{hashlib.sha256(location.encode()).hexdigest()[:16]}/{n}"
 
 
-# What an operation's namespace still holds once every process has read its outcome.
-_LEFT_AFTER_OUTCOME = ["outcome", "seen", "ready"]
+# The reports process 0 gathers (see Rendezvous.report_own), and what an operation's
+# namespace may still hold once every process has read its outcome: a gather that found
+# every report can return before the last reporter's count and signal are in.
+_GATHERED = ("written", "ok", "v")
+_LEFT_AFTER_OUTCOME = ["outcome", "seen", "ready"] + [
+    f"{key}/{mark}" for key in _GATHERED for mark in ("count", "complete")
+]
+# How long process 0 waits on the signal before it lists the reports again: the signal
+# is missing only where a process died between its report and its count.
+_RELIST_S = 1.0
 
 
 def _error_text(error: BaseException) -> str:
@@ -131,6 +140,20 @@ class Rendezvous:
         }
         self.coord.set(f"{self.prefix}/{key}", json.dumps(doc))
 
+    def report_own(self, key: str, error: BaseException | None = None, **payload: Any) -> None:
+        """This process's report `key/<pid>`, for process 0's `gather(key)`. A process other
+        than 0 then counts itself in `key/count`; the report that completes the set, and any
+        failure, sets `key/complete`, on which process 0 waits (inside the store, where it
+        can block) rather than polling: its wake-up follows the last report by one request,
+        not by the pause of a poll that grew while it waited (up to 100 ms)."""
+        me = self.coord.process_index
+        self.report(f"{key}/{me}", error, **payload)
+        if me == 0:
+            return
+        count = self.coord.increment(f"{self.prefix}/{key}/count")
+        if error is not None or count >= self.coord.process_count - 1:
+            self.coord.set(f"{self.prefix}/{key}/complete", "1")
+
     def _get(self, key: str, who: str) -> dict[str, Any]:
         try:
             return dict(json.loads(self.coord.get(f"{self.prefix}/{key}", self._left())))
@@ -147,14 +170,18 @@ class Rendezvous:
         return doc
 
     def gather(self, key: str) -> dict[int, dict[str, Any]]:
-        """Process 0: every other process's report `key/<pid>`; a failure or a process that
-        does not report in time raises, naming it (and every process still missing).
+        """Process 0: every other process's report `key/<pid>` (`report_own`); a failure or
+        a process that does not report in time raises, naming it (and every process still
+        missing).
 
-        The reports are read together (one listing of `key/` per poll, never one request
-        per process), polling with a growing pause; they are deleted once read."""
+        The reports are read together (one listing of `key/`, never one request per
+        process) when the last of them or a failure has set `key/complete`, which process 0
+        waits for; it lists them again every `_RELIST_S` regardless, so that a process that
+        died between its report and its count costs that much, not the timeout. They are
+        deleted once read."""
         me, n = self.coord.process_index, self.coord.process_count
         want = set(range(n)) - {me}
-        pause = 0.0002  # doubling: a short wait costs little latency, a long one few polls
+        signal = f"{self.prefix}/{key}/complete"
         try:
             while True:
                 got = self._reports(key)
@@ -170,8 +197,8 @@ class Rendezvous:
                         f"{self.what}: process(es) {missing} did not report within "
                         f"{self.timeout_s:g} s (stopped or died)"
                     )
-                time.sleep(min(pause, left))
-                pause = min(pause * 2, 0.1)
+                with contextlib.suppress(TimeoutError):
+                    self.coord.get(signal, min(left, _RELIST_S))
         finally:
             self._forget(f"{self.prefix}/{key}", [str(p) for p in range(n)])
 
@@ -257,7 +284,7 @@ def write_then_commit(
         if cause is not None:
             raise cause from e
         raise
-    rv.report(f"written/{pid}", **mine)
+    rv.report_own("written", **mine)
     rv.start_clock()
     if rv.coord.is_leader:
         try:
@@ -289,7 +316,7 @@ def report_failure(rv: Rendezvous, error: BaseException) -> CoordinationError | 
     where the store itself failed, the caller's own error is what it must see."""
     try:
         cause = None if rv.coord.is_leader else rv.failed_outcome()
-        rv.report(f"written/{rv.coord.process_index}", error)
+        rv.report_own("written", error)
         if rv.coord.is_leader:
             rv.publish_outcome(error)
         return cause
@@ -309,7 +336,7 @@ def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> Non
     sub = rv.sub(step)
     sub.start_clock()
     if me != 0:
-        sub.report(f"ok/{me}", error)
+        sub.report_own("ok", error)
         sub.await_outcome()  # raises the outcome's error, naming the failing process
         if error is not None:  # (the outcome always reports it; never reached)
             raise error
@@ -352,7 +379,7 @@ def _decided(rv: Rendezvous, value: Any, decide: Callable[[Any, list[Any]], bool
         return decide(value, [])
     rv.start_clock()
     if coord.process_index != 0:
-        rv.report(f"v/{coord.process_index}", value=value)
+        rv.report_own("v", value=value)
         return bool(rv.await_outcome()["value"])
     try:
         answer = decide(value, [doc["value"] for doc in rv.gather("v").values()])

@@ -110,10 +110,10 @@ class WriterProcess:
         self._lock = threading.Lock()  # one save at a time
         self._kept: list[np.ndarray] = []
         self._items: list[StagedItem] = []  # the save's, for the copies staged later
+        self.window: np.ndarray | None = None
         self._expose([], np.zeros(0, np.int64))  # what a window's reader may ask for
         self._template: tuple[Any, np.ndarray, dict[str, Any], int] | None = None
         self._numbers = 0
-        self.window: np.ndarray | None = None
         self._window_fd = window_fd  # its file, kept where the writer reads through it
         try:
             self.unable = self._probe()
@@ -249,7 +249,7 @@ class WriterProcess:
             nonce=prep.nonce, timings=prep.timings, increment=prep.increment,
         )  # fmt: skip
         self._kept, self._items = keep, items
-        self._expose(hosts, where)
+        self._expose(hosts, where, later)
         self._send("save", msg)
 
     def _template_of(self, prep: PreparedSave) -> int:
@@ -291,14 +291,20 @@ class WriterProcess:
             return
         self._send("reply", value)
 
-    def _expose(self, hosts: list[np.ndarray | None], addresses: np.ndarray) -> None:
-        """The bytes the writer may read: `hosts` (kept alive until the save ends; None: an
-        item staged later, `_stage`) at `addresses`."""
+    def _expose(
+        self, hosts: list[np.ndarray | None], addresses: np.ndarray, later: np.ndarray | None = None
+    ) -> None:
+        """The bytes the writer may read: `hosts` (kept alive until the save ends; None, as
+        marked in `later`: an item staged later, `_stage`) at `addresses`. Their sizes are
+        what a window's reads are checked against; the writer reads the others directly."""
         self._hosts, self._addresses = hosts, addresses.copy()
-        self._sizes = np.fromiter(
-            (0 if h is None else h.nbytes for h in hosts), np.int64, len(hosts)
-        )
-        self._later = {j for j, h in enumerate(hosts) if h is None}
+        self._later = set() if later is None else set(np.flatnonzero(later).tolist())
+        if self.window is not None:
+            self._sizes = np.fromiter(
+                (0 if h is None else h.nbytes for h in hosts), np.int64, len(hosts)
+            )
+        else:
+            self._sizes = np.zeros(len(hosts), np.int64)
         self._left: dict[int, int] = {}  # staged items' bytes not yet copied to the window
 
     def _stage(self, j: int) -> int:
