@@ -135,6 +135,7 @@ def main() -> None:
                 f"{[round(x, 2) for x in ratios]} | {bc.spread(cpu[v])} |"
             )
         shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()  # ranks that left first aborted in gloo's teardown ("terminate called")
     dist.destroy_process_group()
 
 

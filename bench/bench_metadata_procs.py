@@ -12,7 +12,6 @@ bytes it fetched (v2), and its restore time.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -20,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from common import free_port, library_at
+from common import free_port, library_at, worker_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -68,14 +67,7 @@ def run(src: str, mode: str, ckpt: str, arrays: int) -> list[dict]:
         )
         for i in range(4)
     ]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
-        lines = [json.loads(x[7:]) for x in stdout.splitlines() if x.startswith("RESULT ")]
-        if p.returncode or not lines:
-            raise SystemExit(f"worker failed:\n{stderr[-3000:]}")
-        out.append(lines[0])
-    return out
+    return worker_results(procs)
 
 
 def main() -> None:

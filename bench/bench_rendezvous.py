@@ -26,7 +26,7 @@ import sys
 import tempfile
 import time
 
-from common import free_port, library_at
+from common import free_port, library_at, worker_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -96,15 +96,7 @@ def job(src: str, wing: str, n: int, stagger_ms: float, rounds: int) -> list[lis
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
 
-    procs = [start(p) for p in range(n)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
-        lines = [json.loads(x[7:]) for x in stdout.splitlines() if x.startswith("RESULT ")]
-        if p.returncode or not lines:
-            raise SystemExit(f"worker failed:\n{stderr[-3000:]}")
-        out.append(lines[0])
-    return out
+    return worker_results([start(p) for p in range(n)])
 
 
 def lags(per_proc: list[list[dict]]) -> tuple[list[float], list[float], float]:

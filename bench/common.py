@@ -374,6 +374,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def worker_results(procs: list[Any], timeout: float = 600) -> list[Any]:
+    """Each worker process's first `RESULT {json}` line on its stdout, in order; exits
+    with the stderr of the first that failed or printed none."""
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        lines = [json.loads(x[7:]) for x in stdout.splitlines() if x.startswith("RESULT ")]
+        if p.returncode or not lines:
+            raise SystemExit(f"worker failed:\n{stderr[-3000:]}")
+        out.append(lines[0])
+    return out
+
+
 def children_cpu() -> float:
     """CPU seconds of the finished child processes (the jobs)."""
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
