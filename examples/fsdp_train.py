@@ -57,7 +57,9 @@ class Block(nn.Module):
         b, t, _ = x.shape
         h = self.norm1(x)
         # With tensor parallelism q, k, v hold this rank's heads only: -1 heads.
-        q, k, v = (p(h).view(b, t, -1, DIM // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q, k, v = (
+            p(h).view(b, t, -1, DIM // HEADS).transpose(1, 2) for p in (self.q, self.k, self.v)
+        )
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.down(F.gelu(self.up(self.norm2(x))))
@@ -145,7 +147,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dir", required=True, help="the checkpoint directory (steps inside)")
     ap.add_argument("--steps", type=int, default=12, help="train until this step")
-    ap.add_argument("--mesh", default="", help="N (1-D FSDP) or DxT (FSDP x TP); default: all ranks")
+    ap.add_argument(
+        "--mesh", default="", help="N (1-D FSDP) or DxT (FSDP x TP); default: all ranks"
+    )
     ap.add_argument("--save-every", type=int, default=3)
     ap.add_argument("--keep", type=int, default=2, help="checkpoints kept")
     ap.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step (demos)")
@@ -156,7 +160,9 @@ def main() -> None:
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     model, opt, dp_rank, dp_size = build(args.mesh, world)
-    mgr = sst.CheckpointManager(args.dir, save_interval_steps=args.save_every, max_to_keep=args.keep)
+    mgr = sst.CheckpointManager(
+        args.dir, save_interval_steps=args.save_every, max_to_keep=args.keep
+    )
     step = 0
     latest = mgr.latest_step()
     if latest is not None:

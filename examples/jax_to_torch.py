@@ -29,7 +29,10 @@ def init(key: jax.Array) -> dict:
     k1, k2 = jax.random.split(key)
     return {
         "params": {
-            "hidden": {"kernel": jax.random.normal(k1, SIZES[:2]) * 0.3, "bias": jnp.zeros(SIZES[1])},
+            "hidden": {
+                "kernel": jax.random.normal(k1, SIZES[:2]) * 0.3,
+                "bias": jnp.zeros(SIZES[1]),
+            },
             "out": {"kernel": jax.random.normal(k2, SIZES[1:]) * 0.3, "bias": jnp.zeros(SIZES[2])},
         }
     }

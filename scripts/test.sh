@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
 .venv/bin/python -m ruff check src tests bench examples
+.venv/bin/python -m ruff format --check src tests bench examples
 .venv/bin/python -m mypy
 # Two worker processes (pytest-xdist): much of the suite waits on the processes its
 # multi-process tests start. worksteal keeps a module's tests together where it can and

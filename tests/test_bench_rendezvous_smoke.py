@@ -23,7 +23,9 @@ def test_bench_rendezvous_smoke():
         capture_output=True, text=True, env=env, timeout=240,
     )  # fmt: skip
     assert r.returncode == 0, r.stdout + r.stderr
-    rows = re.findall(r"^\| (jax|torch) \| here \| ([\d.]+) \[[\d.]+\] \| ([\d.]+) ", r.stdout, re.M)
+    rows = re.findall(
+        r"^\| (jax|torch) \| here \| ([\d.]+) \[[\d.]+\] \| ([\d.]+) ", r.stdout, re.M
+    )
     assert sorted(w for w, *_ in rows) == ["jax", "torch"], r.stdout
     for _, last, leader in rows:
         # the last process returns after process 0 has published the outcome

@@ -33,7 +33,8 @@ def test_chunk_keys_are_chunk_key(pairs: list[tuple[int, int]]) -> None:
 @given(
     st.lists(
         st.tuples(st.integers(0, 2), st.integers(1, JOB_BYTES // 3), st.booleans()),
-        min_size=1, max_size=40,
+        min_size=1,
+        max_size=40,
     )
 )
 def test_runs_are_contiguous_and_bounded(chunks: list[tuple[int, int, bool]]) -> None:

@@ -125,7 +125,9 @@ def test_a_damaged_block_fails_its_checksum_or_decompression(tmp_path):
 def test_incremental_saves_refer_to_compressed_chunks(tmp_path):
     s = state()
     snapshard.save(tmp_path / "1", s, options=SaveOptions(compression="zstd", hashes=True))
-    t = snapshard.save(tmp_path / "2", s, options=SaveOptions(compression="zstd"), base=tmp_path / "1")
+    t = snapshard.save(
+        tmp_path / "2", s, options=SaveOptions(compression="zstd"), base=tmp_path / "1"
+    )
     assert t.bytes_written == 0
     same(snapshard.load(tmp_path / "2"), s)
     part = snapshard.load(tmp_path / "2", {"m": jax.ShapeDtypeStruct((300, 257), np.float32)})

@@ -51,6 +51,7 @@ def read_checkpoint(directory: Path):
     def chunk_key(name: str, offset: int) -> int:
         mix = ((offset * 0x9E3779B97F4A7C15) % 2**64) >> 32
         return name_key(name) ^ mix if bound else 0
+
     at = raw.index(b'"checksum":"') + len(b'"checksum":"')
     assert crc32c.crc32c(raw[:at] + b"00000000" + raw[at + 8 :]) == int(doc["checksum"], 16)
     procs = doc["processes"]
@@ -180,9 +181,13 @@ def test_the_reader_follows_references_and_decompresses_blocks(tmp_path):
     frozen = {"w": rng.standard_normal((300, 70), dtype=np.float32),
               "ids": np.arange(50_000, dtype=np.int64) % 7}  # fmt: skip
     one = {**frozen, "t": np.zeros(5)}
-    snapshard.save(tmp_path / "1", one, options=SaveOptions(hashes=True, compression="zstd+shuffle"))
+    snapshard.save(
+        tmp_path / "1", one, options=SaveOptions(hashes=True, compression="zstd+shuffle")
+    )
     two = {**frozen, "t": np.ones(5)}
-    snapshard.save(tmp_path / "2", two, base=tmp_path / "1", options=SaveOptions(compression="zstd"))
+    snapshard.save(
+        tmp_path / "2", two, base=tmp_path / "1", options=SaveOptions(compression="zstd")
+    )
     snapshard.save(tmp_path / "3", {**frozen, "t": np.ones(5)}, base=tmp_path / "2")
     got = read_checkpoint(tmp_path / "3")
     assert got["w"].tobytes() == frozen["w"].tobytes()
@@ -224,7 +229,9 @@ def test_the_reader_follows_the_leaf_map_of_trees_that_differ(tmp_path, monkeypa
 
     shared = SingleProcessCoordinator()
     # (one process here: the save's namespace, numbered per process, is the same for both)
-    monkeypatch.setattr(saving.blocking, "namespace", lambda kind, where: f"snapshard/{kind}/test/0")
+    monkeypatch.setattr(
+        saving.blocking, "namespace", lambda kind, where: f"snapshard/{kind}/test/0"
+    )
     states = [
         {"layers.0": np.arange(6, dtype=np.float32).reshape(2, 3), "step": 7, "shared": np.ones(4)},
         {"layers.1": np.arange(8, dtype=np.int16), "step": 7, "shared": np.ones(4)},

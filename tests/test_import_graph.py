@@ -47,7 +47,6 @@ FOUNDATIONS = (
 FRAMEWORKS = ("jax", "jaxlib", "torch", "orbax", "tensorstore", "flax", "safetensors")
 
 
-
 def _modules() -> dict[str, pathlib.Path]:
     out = {}
     for p in ROOT.rglob("*.py"):
@@ -169,7 +168,9 @@ def test_format_and_planning_import_no_framework_and_nothing_above_them(package)
             continue
         frameworks = sorted(d for d in _named(m, p, names) if d.split(".")[0] in FRAMEWORKS)
         assert frameworks == [], f"{m} imports {frameworks}"
-        above = sorted(d for d in _imports(m, p, names) if not _under(d, (package, *BELOW[package])))
+        above = sorted(
+            d for d in _imports(m, p, names) if not _under(d, (package, *BELOW[package]))
+        )
         assert above == [], f"{m} imports {above}"
 
 

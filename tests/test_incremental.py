@@ -111,7 +111,9 @@ def test_base_without_hashes_refers_to_nothing_and_says_so(tmp_path):
 
 
 def test_other_shape_or_dtype_is_never_referred_to(tmp_path):
-    snapshard.save(tmp_path / "a", {"x": np.zeros((8, 8), np.float32)}, options=SaveOptions(hashes=True))
+    snapshard.save(
+        tmp_path / "a", {"x": np.zeros((8, 8), np.float32)}, options=SaveOptions(hashes=True)
+    )
     t = snapshard.save(tmp_path / "b", {"x": np.zeros((8, 8), np.int32)}, base=tmp_path / "a")
     assert t.bytes_written == 256
     t = snapshard.save(tmp_path / "c", {"x": np.zeros((4, 16), np.float32)}, base=tmp_path / "a")
@@ -342,7 +344,9 @@ def test_ls_shows_retained_steps_and_verify_skips_unused_slots(tmp_path):
 def test_compressed_incremental_round_trip_on_object_stores(store_root):
     s = tree(1)
     snapshard.save(f"{store_root}/1", s, options=SaveOptions(hashes=True, compression="zstd"))
-    t = snapshard.save(f"{store_root}/2", tree(2), base=f"{store_root}/1", options=SaveOptions(compression="zstd"))
+    t = snapshard.save(
+        f"{store_root}/2", tree(2), base=f"{store_root}/1", options=SaveOptions(compression="zstd")
+    )
     assert t.bytes_written == 32 * 8 * 4
     assert_same(snapshard.load(f"{store_root}/2"), tree(2))
     part = snapshard.load(

@@ -40,7 +40,9 @@ def test_holders_of_a_box_from_the_mesh_grid_equal_those_of_the_device_rows(case
     mesh, spec, shape, nproc, start, stop = case
     lay = mesh_layout(mesh, spec, shape, 4, "test")
     # Holders from the per-device rows: every process with a device whose box overlaps.
-    hit = np.all(lay.starts < np.asarray(stop), axis=1) & np.all(lay.stops > np.asarray(start), axis=1)
+    hit = np.all(lay.starts < np.asarray(stop), axis=1) & np.all(
+        lay.stops > np.asarray(start), axis=1
+    )
     want = np.unique(lay.process_ids[hit])
     leaf = ArrayLeaf(("x",), "array", "float32", shape, layout=0, chunk_count=1)
     m = Manifest(

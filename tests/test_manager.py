@@ -92,7 +92,9 @@ def test_best_n_by_metric_over_30_saves_keeps_unmeasured_steps(tmp_path):
 
 def test_a_policy_and_its_shorthand_keyword_are_not_both_given(tmp_path):
     with pytest.raises(ValueError, match="save_interval_steps or ManagerPolicies"):
-        CheckpointManager(tmp_path, save_interval_steps=5, policies=ManagerPolicies(save=EveryNSteps(2)))
+        CheckpointManager(
+            tmp_path, save_interval_steps=5, policies=ManagerPolicies(save=EveryNSteps(2))
+        )
     with pytest.raises(ValueError, match="max_to_keep or ManagerPolicies"):
         CheckpointManager(tmp_path, max_to_keep=2, policies=ManagerPolicies(retention=(KeepAll(),)))
     with pytest.raises(TypeError, match="policies"):
@@ -112,7 +114,9 @@ def test_lease_policy_takes_over_a_held_lease(tmp_path):
     try:
         with pytest.raises(snapshard.WriterLeaseError):
             CheckpointManager(tmp_path, policies=eager)
-        with CheckpointManager(tmp_path, policies=ManagerPolicies(lease=LeasePolicy(takeover=True))) as m:
+        with CheckpointManager(
+            tmp_path, policies=ManagerPolicies(lease=LeasePolicy(takeover=True))
+        ) as m:
             m.save(1, state(1))
         assert on_disk(tmp_path) == [1]
     finally:
@@ -255,10 +259,7 @@ def test_a_process_that_exits_right_after_making_a_manager_exits_cleanly(tmp_pat
     import subprocess
     import sys
 
-    code = (
-        "import snapshard, sys\n"
-        "snapshard.CheckpointManager(sys.argv[1]).close()\n"
-    )
+    code = "import snapshard, sys\nsnapshard.CheckpointManager(sys.argv[1]).close()\n"
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for i in range(2):
         p = subprocess.run(

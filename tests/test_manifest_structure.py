@@ -31,7 +31,11 @@ def test_a_valid_tree_of_dicts_lists_and_tuples_passes():
     "tree, paths, problem",
     [
         # two leaves swapped: each at the other's path
-        (node("dict", [leaf(1), leaf(0)], ["a", "b"]), [("a",), ("b",)], "leaf 1 has path 'b', the tree holds it at 'a'"),
+        (
+            node("dict", [leaf(1), leaf(0)], ["a", "b"]),
+            [("a",), ("b",)],
+            "leaf 1 has path 'b', the tree holds it at 'a'",
+        ),
         # a key "1" in the tree, 1 in the leaf's entry (equal as text, not as keys)
         (node("dict", [leaf(0)], ["1"]), [(1,)], "tree holds it at '1'"),
         # a list position where the entry says a key

@@ -344,10 +344,15 @@ def named_edits(docs: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
                 {"e": "set", "path": ["process_count"], "value": True},
                 {"e": "set", "path": ["total_bytes"], "value": -5},
                 {"e": "set", "path": [*leaf, "kind"], "value": "per_process"},
-                *({"e": "set", "path": [*leaf, "dtype"], "value": v} for v in ("object", "float128", "<i1")),
+                *(
+                    {"e": "set", "path": [*leaf, "dtype"], "value": v}
+                    for v in ("object", "float128", "<i1")
+                ),
             ]
             if keys:
-                edits.append({"e": "set", "path": ["leaves", keys[0], "key_impl"], "value": "bogus"})
+                edits.append(
+                    {"e": "set", "path": ["leaves", keys[0], "key_impl"], "value": "bogus"}
+                )
             used = [k for k, r in enumerate(doc.get("refs", [])) if r]
             if used:
                 ref = ["refs", used[0]]
@@ -355,7 +360,11 @@ def named_edits(docs: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
                     {"e": "set", "path": [*ref, "checkpoint"], "value": BASE + "\n"},
                     {"e": "set", "path": [*ref, "checkpoint"], "value": "nothere"},
                     {"e": "set", "path": [*ref, "size"], "value": doc["refs"][used[0]]["size"] + 1},
-                    {"e": "set", "path": [*ref, "file"], "value": doc["refs"][used[0]]["file"][:-5] + "9.bin"},
+                    {
+                        "e": "set",
+                        "path": [*ref, "file"],
+                        "value": doc["refs"][used[0]]["file"][:-5] + "9.bin",
+                    },
                 ]
         out += [(name, [e]) for e in edits]
     return out
@@ -454,7 +463,9 @@ def binding_mutations() -> list[dict[str, Any]]:
         for do in ("symlink_outside", "symlink_inside", "unmanifest", "garbage", "staging",
                    "foreign_data", "no_base")
     ]  # fmt: skip
-    return [{"src": src, "cls": "binding", "free": False, "must_fail": True, "ops": o} for src, o in ops]
+    return [
+        {"src": src, "cls": "binding", "free": False, "must_fail": True, "ops": o} for src, o in ops
+    ]
 
 
 def special_mutations() -> list[dict[str, Any]]:
@@ -560,7 +571,10 @@ def mutation_results(
     for name, src in sources.items():
         prepare_outside(name, src, base / "decoy" if name == "v2" else None, outside)
     prepare_outside_base(base / BASE, base / "decoybase", outside / "inc")
-    shutil.copy(only(base / "decoy" / "index"), outside / "v2" / "as_index" / only(base / "v2" / "index").name)
+    shutil.copy(
+        only(base / "decoy" / "index"),
+        outside / "v2" / "as_index" / only(base / "v2" / "index").name,
+    )
     docs = {name: json.loads((src / "manifest.json").read_bytes()) for name, src in sources.items()}
     muts = json_mutations(docs) + binary_mutations(docs)
     special = special_mutations()  # spread out: their hangs cost time in every batch alike
@@ -608,7 +622,10 @@ def print_table(out: list[tuple[dict[str, Any], str, Any]]) -> None:
     )
     print("loads by source (error / identical / different / other):")
     for src in sorted({s for s, _ in loads}):
-        print(f"  {src:<10}" + " / ".join(str(loads[(src, c)]) for c in ("error", "identical", "different", "other")))
+        print(
+            f"  {src:<10}"
+            + " / ".join(str(loads[(src, c)]) for c in ("error", "identical", "different", "other"))
+        )
     for m, v, o in out:
         if v in ("other", "wrong", "hang", "outside"):
             print(f"  {v}: {m['cls']} {m['src']} {json.dumps(m['ops'], default=str)[:300]}")

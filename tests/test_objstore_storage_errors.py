@@ -57,7 +57,9 @@ def test_a_failing_store_at_manager_start_is_a_storage_error_and_writes_nothing(
     root = ObjectRoot(f"{base}/run", {"endpoint": proxy.url, **OPTIONS})
     proxy.add("PUT", LEASE_DIR, "status", times=10_000, status=503)
     with pytest.raises(StorageError, match=rf"{base}/run/{LEASE_DIR}: .*'00000001.json' failed"):
-        snapshard.CheckpointManager(root, policies=ManagerPolicies(lease=LeasePolicy(at_start=True)))
+        snapshard.CheckpointManager(
+            root, policies=ManagerPolicies(lease=LeasePolicy(at_start=True))
+        )
     assert ObjectRoot(f"{base}/run").client.listing() == {}
     proxy.clear()
     with snapshard.CheckpointManager(root) as m:

@@ -50,10 +50,16 @@ def test_restoring_per_process_values_on_another_count_without_resplit_names_the
         ("differ", r"leaf 'shared' has another value on process 1"),
         ("shape", r"leaf 'shared' differs between process 0 and process 1"),
         ("key", r"leaf 'key'"),
-        ("extra", r"process 1 saved 3 leaves, process 0 saved 2 leaves; process 1 has 1 that process 0 "
-                  r"has not \(after 'shared' in its tree\)"),
-        ("missing", r"process 1 saved 1 leaf, process 0 saved 2 leaves; 'lr' of process 0 not on "
-                    r"process 1"),
+        (
+            "extra",
+            r"process 1 saved 3 leaves, process 0 saved 2 leaves; process 1 has 1 that process 0 "
+            r"has not \(after 'shared' in its tree\)",
+        ),
+        (
+            "missing",
+            r"process 1 saved 1 leaf, process 0 saved 2 leaves; 'lr' of process 0 not on "
+            r"process 1",
+        ),
     ],
 )
 def test_values_that_differ_between_processes_are_refused_naming_the_leaf(tmp_path, mode, match):

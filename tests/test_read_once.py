@@ -233,12 +233,21 @@ def test_by_default_arrays_under_the_minimum_are_read_by_every_holder(monkeypatc
     )
     side = int(np.sqrt(READ_ONCE_MIN_BYTES // 4))
     reqs = [
-        Request(ArrayLeaf(("small",), "array", "float32", (4, 16)), "jax", np.dtype(np.float32), target),
-        Request(ArrayLeaf(("large",), "array", "float32", (side, side)), "jax", np.dtype(np.float32), target),
+        Request(
+            ArrayLeaf(("small",), "array", "float32", (4, 16)), "jax", np.dtype(np.float32), target
+        ),
+        Request(
+            ArrayLeaf(("large",), "array", "float32", (side, side)),
+            "jax",
+            np.dtype(np.float32),
+            target,
+        ),
     ]
     assert sorted(read_once.plan(reqs, 0, 2, None, read_once=None)) == [1]
     assert sorted(read_once.plan(reqs, 0, 2, None, read_once=True)) == [0, 1]
     # The bytes as saved count, not the target's: a float32 array of just the minimum
     # restored as float16 is still read once.
-    cast = Request(ArrayLeaf(("cast",), "array", "float32", (side, side)), "jax", np.dtype(np.float16), target)
+    cast = Request(
+        ArrayLeaf(("cast",), "array", "float32", (side, side)), "jax", np.dtype(np.float16), target
+    )
     assert sorted(read_once.plan([cast], 0, 2, None, read_once=None)) == [0]

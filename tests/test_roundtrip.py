@@ -322,7 +322,9 @@ def test_both_read_paths_give_the_same_bits(
         x.shape, x.dtype, sharding=NamedSharding(mesh(*dst_mesh, names=names), P(*dst_spec))
     )
     stats = snapshard.ReadStats()
-    out = snapshard.load(ckpt, {"x": target}, options=ReadOptions(verify=verify, max_gap=0), stats=stats)
+    out = snapshard.load(
+        ckpt, {"x": target}, options=ReadOptions(verify=verify, max_gap=0), stats=stats
+    )
     assert same_bits(np.asarray(out["x"]), x)
     if not verify:
         assert stats.bytes_read == stats.bytes_needed

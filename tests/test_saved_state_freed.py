@@ -48,4 +48,6 @@ def test_a_saved_state_dies_with_its_last_reference(tmp_path, no_collector, how)
             m.wait_until_finished()
     del state
     assert [w() is None for w in watched] == [True, True]
-    assert snapshard.load(tmp_path / "c" if how != "manager" else tmp_path / "run" / "2")["step"] == 3
+    assert (
+        snapshard.load(tmp_path / "c" if how != "manager" else tmp_path / "run" / "2")["step"] == 3
+    )

@@ -99,7 +99,11 @@ def test_disk_full_while_writing_is_a_storage_error_naming_the_file(tmp_path, mo
     with pytest.raises(StorageError) as info:
         snapshard.save(tmp_path / "ckpt", {"a": np.zeros(10_000)})
     assert info.value.errno == errno.ENOSPC
-    assert "write" in str(info.value) and "ckpt.snapshard-tmp" in str(info.value) and "/data/" in str(info.value)
+    assert (
+        "write" in str(info.value)
+        and "ckpt.snapshard-tmp" in str(info.value)
+        and "/data/" in str(info.value)
+    )
     assert "[ENOSPC]" in str(info.value)
     monkeypatch.undo()
     assert not (tmp_path / "ckpt").exists()

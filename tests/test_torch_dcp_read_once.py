@@ -59,7 +59,9 @@ def test_by_default_tensors_under_the_size_floor_are_read_by_every_holder(remote
     for r in ranks:
         assert all(r["None"]["equal"].values()), (r["rank"], r["None"]["equal"])
     assert sum(r["None"]["bytes_from_peers"] for r in ranks) == 0
-    assert sum(r["None"]["bytes_read"] for r in ranks) == sum(r["False"]["bytes_read"] for r in ranks)
+    assert sum(r["None"]["bytes_read"] for r in ranks) == sum(
+        r["False"]["bytes_read"] for r in ranks
+    )
 
 
 @pytest.mark.multiprocess

@@ -59,7 +59,9 @@ def wait(procs: list[subprocess.Popen], logs: Path, timeout: float = 150) -> dic
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                pytest.fail(f"the run exceeded {timeout} s:\n{(logs / '0.err').read_text()[-3000:]}")
+                pytest.fail(
+                    f"the run exceeded {timeout} s:\n{(logs / '0.err').read_text()[-3000:]}"
+                )
             assert p.returncode == 0, f"rank {rank}: {(logs / f'{rank}.err').read_text()[-3000:]}"
     finally:
         multiproc.kill_all(procs)

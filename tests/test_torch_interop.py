@@ -112,7 +112,9 @@ def test_transforms_map_jax_names_onto_torch_ones_with_transposes_and_casts(tmp_
     plain = {"dense.weight": torch.zeros(3, 4)}
     st.load(tmp_path / "c", plain, transform=twice)
     assert torch.equal(plain["dense.weight"], torch.from_numpy(k))
-    with pytest.raises(TargetMismatchError, match=r"shape \(4, 3\) in the checkpoint \(transposed\)"):
+    with pytest.raises(
+        TargetMismatchError, match=r"shape \(4, 3\) in the checkpoint \(transposed\)"
+    ):
         st.load(tmp_path / "c", {"dense.weight": torch.zeros(3, 4)}, transform=jax_to_torch)
     flat = S.chain(jax_to_torch, S.reshape(r"dense\.weight", [12]))
     with pytest.raises(TargetMismatchError, match="rename, transpose and cast"):

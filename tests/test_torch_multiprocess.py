@@ -91,9 +91,7 @@ def test_ranks_signalled_at_different_steps_save_at_one_agreed_step(tmp_path):
     # by then): both ranks save at the step after it.
     assert [r["agreed"] for r in res] == [SIGNALLED_AT + 1] * 2
     assert all(r["steps"] == [SIGNALLED_AT + 1] for r in res)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == [
-        str(SIGNALLED_AT + 1)
-    ]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == [str(SIGNALLED_AT + 1)]
     assert res[0]["saved"] == res[1]["saved"]
     for r in res:  # restored bit-exact into a fresh model and optimizer
         assert r["restored"] == r["saved"], r["rank"]

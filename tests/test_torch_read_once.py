@@ -196,8 +196,7 @@ def placed_layouts(draw):
         ndim = draw(st.integers(1, 2))
         shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
         specs = [
-            draw(st.sampled_from([None, *[ShardSpec(d) for d in range(ndim)]]))
-            for _ in mesh_shape
+            draw(st.sampled_from([None, *[ShardSpec(d) for d in range(ndim)]])) for _ in mesh_shape
         ]
         layouts.append(tensor_layout(shape, 4, ranks, specs).layout)
     return layouts, world
@@ -240,7 +239,9 @@ def test_every_rank_plans_the_same_readers_among_each_boxs_holders(case):
             fills = [f for f in fills if all(b > a for a, b in zip(f.start, f.stop, strict=True))]
             kept = plans[r].bind(i, fills)  # type: ignore[union-attr]
             assert {as_box(f.start, f.stop) for f in kept} == {
-                box for (j, box) in plans[r].reads if j == i  # type: ignore[union-attr]
+                box
+                for (j, box) in plans[r].reads
+                if j == i  # type: ignore[union-attr]
             }
 
 

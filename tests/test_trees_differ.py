@@ -25,7 +25,9 @@ ENV = {"OMP_NUM_THREADS": "1", "SNAPSHARD_TEST_WITHOUT_JAX": "1"}
 
 
 def _run(n: int, *args: object, timeout: float = 150) -> list[dict]:
-    return [p.result() for p in multiproc.run("trees_differ.py", n, 1, *args, timeout=timeout, env=ENV)]
+    return [
+        p.result() for p in multiproc.run("trees_differ.py", n, 1, *args, timeout=timeout, env=ENV)
+    ]
 
 
 def _union(results: list[dict], key: str | None = None) -> dict[str, str]:
@@ -94,8 +96,9 @@ def test_a_key_given_with_two_shapes_fails_every_rank_naming_it(tmp_path):
     for r in _run(2, "clash", tmp_path, timeout=90):
         trees_differ, whole = r["True"], r["False"]
         assert not trees_differ["exists"] and not whole["exists"]
-        assert "leaf 'shared' is float32[2] on process 0 and float32[3] on process 1" in (
-            trees_differ["error"]
+        assert (
+            "leaf 'shared' is float32[2] on process 0 and float32[3] on process 1"
+            in (trees_differ["error"])
         )
         # without trees_differ the trees differ, and the message says what trees_differ is for
         assert "the trees differ" in whole["error"]

@@ -185,7 +185,9 @@ def test_chunks_swapped_inside_their_file_are_refused(tmp_path, capsys) -> None:
     """Two chunks of the same size, each with its own checksums, swap places: every chunk
     and its checksums still agree, but not with where they lie."""
     path = tmp_path / "two"
-    snapshard.save(path, {"a": np.arange(5000.0), "b": -np.arange(5000.0)}, options=SaveOptions(writers=1))
+    snapshard.save(
+        path, {"a": np.arange(5000.0), "b": -np.arange(5000.0)}, options=SaveOptions(writers=1)
+    )
     m = read_manifest(LocalStorage(path))
     (ta, tb) = (leaf.chunks for leaf in m.arrays)
     span = int(ta.crc_offset[0]) + 4 * -(-int(ta.nbytes[0]) // int(ta.block[0])) - int(ta.offset[0])
@@ -198,7 +200,9 @@ def test_chunks_swapped_inside_their_file_are_refused(tmp_path, capsys) -> None:
     assert_refused(path, capsys, f.name)
 
 
-def test_a_base_file_of_another_save_is_refused_through_the_reference(tmp_path, incremental, capsys):
+def test_a_base_file_of_another_save_is_refused_through_the_reference(
+    tmp_path, incremental, capsys
+):
     snapshard.save(tmp_path / "other", tree(), options=SaveOptions(hashes=True, writers=1))
     (mine,) = (incremental.parent / "base" / "data").iterdir()
     (theirs,) = (tmp_path / "other" / "data").iterdir()
@@ -288,7 +292,9 @@ def test_more_records_than_the_manifest_counts_names_the_leaf(tmp_path, capsys) 
     count = json.loads((path / "manifest.json").read_bytes())["leaves"][a]["chunk_count"]
     assert count > 1
     _set_leaf(path, "cut", chunk_count=count - 1)
-    assert_refused(path, capsys, "'cut'", f"{count} chunk records found, the manifest says {count - 1}")
+    assert_refused(
+        path, capsys, "'cut'", f"{count} chunk records found, the manifest says {count - 1}"
+    )
 
 
 def test_an_array_whose_records_are_gone_names_the_leaf(plain, capsys) -> None:

@@ -43,9 +43,7 @@ def test_writeback_keeps_bytes_and_requests_windows(tmp_path, monkeypatch):
     started = [(o, n) for o, n, f in calls if f == 2]
     waited = [(o, n) for o, n, f in calls if f == 7]
     # every byte but the last partial window was handed to the disk, once, in order
-    assert started[0][0] == 0 and all(
-        a[0] + a[1] == b[0] for a, b in itertools.pairwise(started)
-    )
+    assert started[0][0] == 0 and all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(started))
     assert sum(n for _, n in started) == wb.requested
     assert wb.requested > len(data) - writeback.WINDOW
     # and the writer waited only for bytes at least one window behind what it asked for
@@ -111,7 +109,9 @@ def test_replicas_on_cpu_devices_share_one_buffer_and_survive_donation(tmp_path)
     m = mesh(2, 4)
     x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
     snapshard.save(tmp_path / "c", {"w": sharded(x, m, None, "model")})
-    target = {"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded(x, m, None, "model").sharding)}
+    target = {
+        "w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharded(x, m, None, "model").sharding)
+    }
     w = snapshard.load(tmp_path / "c", target)["w"]
     by_index: dict[str, list] = {}
     index_of: dict[str, tuple] = {}
@@ -125,7 +125,9 @@ def test_replicas_on_cpu_devices_share_one_buffer_and_survive_donation(tmp_path)
     shard = by_index[key]
     donated = jax.jit(lambda a: a * 0 - 1, donate_argnums=0)(shard[1])
     assert np.all(np.asarray(donated) == -1)
-    np.testing.assert_array_equal(np.asarray(shard[0]), x[index_of[key]])  # the other copy kept its bytes
+    np.testing.assert_array_equal(
+        np.asarray(shard[0]), x[index_of[key]]
+    )  # the other copy kept its bytes
     np.testing.assert_array_equal(np.asarray(w), x)
 
 

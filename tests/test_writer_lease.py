@@ -101,6 +101,7 @@ def test_a_lease_this_process_gave_up_but_could_not_remove_is_stale(tmp_path, mo
     files = LocalLeaseFiles(tmp_path)
     first = WriterLease(files, timeout_s=30)
     first.acquire()
+
     def fail(self, name):
         raise OSError(5, "Input/output error")
 

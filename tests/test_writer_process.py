@@ -370,7 +370,10 @@ def test_items_beyond_the_host_budget_are_copied_when_the_writer_asks(
         request.getfixturevalue("through_the_window")
     held: list[int] = []
     most = [0]
-    real_stage, real_unstage = writer_process.WriterProcess._stage, writer_process.WriterProcess._unstage
+    real_stage, real_unstage = (
+        writer_process.WriterProcess._stage,
+        writer_process.WriterProcess._unstage,
+    )
 
     def stage(self, j):
         held.append(j)

@@ -136,7 +136,9 @@ class CheckpointWriter:
                         r["nbytes"].astype(np.int64), r["block"].astype(np.int64), [],
                         r["crc_offset"].astype(np.int64),
                     )  # fmt: skip
-            table = ProcessTable([self.nonce], [[f.size for f in self.files]], [len(data)], [crc32c(data)])
+            table = ProcessTable(
+                [self.nonce], [[f.size for f in self.files]], [len(data)], [crc32c(data)]
+            )
             manifest = Manifest.of_processes(
                 table, structure, self.leaves, write_mode="single_replica", extra=self.extra,
                 layouts=[{"kind": "host"}],  # every leaf's: layout 0

@@ -69,7 +69,9 @@ def chunk_hash(raw: memoryview | bytes, hid: int | None = None) -> bytes:
 
 
 def checkpoint_parent_and_name(location: Location | Storage) -> tuple[str, str]:
-    return parse_location(location.url if isinstance(location, Storage) else location).parent_and_name()
+    return parse_location(
+        location.url if isinstance(location, Storage) else location
+    ).parent_and_name()
 
 
 @dataclass

@@ -40,7 +40,9 @@ def write_all(out: Path) -> None:
     from golden import values
 
     m = values.mesh()
-    snapshard.save(out / "single", values.single_tree(m), options=snapshard.SaveOptions(hashes=True))
+    snapshard.save(
+        out / "single", values.single_tree(m), options=snapshard.SaveOptions(hashes=True)
+    )
     snapshard.save(
         out / "compressed",
         values.single_tree(m),

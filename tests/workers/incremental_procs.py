@@ -30,7 +30,13 @@ def main() -> None:
     full = np.arange(256 * 64, dtype=np.float32).reshape(256, 64)
     frozen = jax.make_array_from_callback(full.shape, frozen_sh, lambda i: full[i])
     written = []
-    with snapshard.CheckpointManager(directory, max_to_keep=2, incremental=True, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60)) as m:
+    with snapshard.CheckpointManager(
+        directory,
+        max_to_keep=2,
+        incremental=True,
+        save_options=SaveOptions(timeout_s=60),
+        read_options=ReadOptions(timeout_s=60),
+    ) as m:
         for step in range(1, steps + 1):
             t = np.full((64, 32), step, np.float32)
             trained = jax.make_array_from_callback(t.shape, train_sh, lambda i, t=t: t[i])

@@ -66,7 +66,9 @@ def main() -> None:
     def target() -> dict:
         return {"loader": iter(loader()), "stream": stream(), "w": w_target, "step": 0}
 
-    manager = snapshard.CheckpointManager(directory, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60))
+    manager = snapshard.CheckpointManager(
+        directory, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60)
+    )
     if mode == "save":
         tree = target()
         for _ in range(2 + 3 * pid):  # process 0: 2 batches, process 1: 5

@@ -28,7 +28,11 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         manager = snapshard.CheckpointManager(
-            root, max_to_keep=3, policies=ManagerPolicies(lease=LeasePolicy(lease_timeout, takeover, at_start=True)), save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60)
+            root,
+            max_to_keep=3,
+            policies=ManagerPolicies(lease=LeasePolicy(lease_timeout, takeover, at_start=True)),
+            save_options=SaveOptions(timeout_s=60),
+            read_options=ReadOptions(timeout_s=60),
         )
     except Exception as e:
         report(error_type=type(e).__name__, error=str(e), seconds=time.monotonic() - t0)

@@ -45,7 +45,12 @@ def main() -> None:
         lambda: jax.numpy.arange(256 * 64, dtype=jax.numpy.float32).reshape(256, 64),
         out_shardings=sharding,
     )()
-    manager = snapshard.CheckpointManager(directory, max_to_keep=2, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60))
+    manager = snapshard.CheckpointManager(
+        directory,
+        max_to_keep=2,
+        save_options=SaveOptions(timeout_s=60),
+        read_options=ReadOptions(timeout_s=60),
+    )
     at_start = dict(counts)
     for step in range(1, steps + 1):
         w = jax.jit(lambda a: a + 1, donate_argnums=0)(w)

@@ -20,7 +20,12 @@ def main() -> None:
     try:
         # The lease and the clean-up when the manager is made, as a writer asks for them.
         eager = ManagerPolicies(lease=LeasePolicy(at_start=True))
-        with snapshard.CheckpointManager(sys.argv[1], policies=eager, save_options=SaveOptions(timeout_s=30), read_options=ReadOptions(timeout_s=30)) as m:
+        with snapshard.CheckpointManager(
+            sys.argv[1],
+            policies=eager,
+            save_options=SaveOptions(timeout_s=30),
+            read_options=ReadOptions(timeout_s=30),
+        ) as m:
             report(ok=True, steps=m.all_steps(), pid=pid)
     except Exception as e:
         relayed = isinstance(e, snapshard.CoordinationError)  # learnt from another process

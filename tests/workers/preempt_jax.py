@@ -35,7 +35,12 @@ def main() -> None:
     mesh = Mesh(np.array(jax.devices()).reshape(2, -1), ("data", "model"))
     sharding = NamedSharding(mesh, P(None, "model"))
     w = jax.jit(lambda: jax.numpy.zeros((16, 8), jax.numpy.float32), out_shardings=sharding)()
-    manager = snapshard.CheckpointManager(directory, save_interval_steps=1000, save_options=SaveOptions(timeout_s=30), read_options=ReadOptions(timeout_s=30))
+    manager = snapshard.CheckpointManager(
+        directory,
+        save_interval_steps=1000,
+        save_options=SaveOptions(timeout_s=30),
+        read_options=ReadOptions(timeout_s=30),
+    )
     agreed = None
     for step in range(1, 12):
         w = jax.jit(lambda a: a + 1)(w)

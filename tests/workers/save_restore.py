@@ -100,7 +100,9 @@ def save(args) -> None:
         objstore.ObjectStorage._write_marker = die  # after the manifest, before the marker
     storage = storage_for(args.ckpt)
     try:
-        t = snapshard.save(storage, tree, options=SaveOptions(timeout_s=args.timeout, mode=args.mode))
+        t = snapshard.save(
+            storage, tree, options=SaveOptions(timeout_s=args.timeout, mode=args.mode)
+        )
     except Exception as e:
         report(ok=False, error=f"{type(e).__name__}: {e}")
         if pid == 0:

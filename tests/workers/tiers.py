@@ -51,7 +51,11 @@ def main() -> None:
         steps, every = int(sys.argv[4]), int(sys.argv[5])
         tier = snapshard.LocalTier(local, interval=1, max_to_keep=3, replicas=1)
         with snapshard.CheckpointManager(
-            persistent, save_interval_steps=every, local_tier=tier, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60)
+            persistent,
+            save_interval_steps=every,
+            local_tier=tier,
+            save_options=SaveOptions(timeout_s=60),
+            read_options=ReadOptions(timeout_s=60),
         ) as m:
             for step in range(1, steps + 1):
                 m.save(step, state(step, mesh))
@@ -77,7 +81,11 @@ def restored(persistent, local, mesh, pid) -> dict:
 
     tier = snapshard.LocalTier(local, interval=1, max_to_keep=3, replicas=1)
     m = snapshard.CheckpointManager(
-        persistent, save_interval_steps=1000, local_tier=tier, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60)
+        persistent,
+        save_interval_steps=1000,
+        local_tier=tier,
+        save_options=SaveOptions(timeout_s=60),
+        read_options=ReadOptions(timeout_s=60),
     )
     proto = state(0, mesh)
     target = jax.tree_util.tree_map(

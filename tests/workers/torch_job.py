@@ -151,7 +151,13 @@ def managed(cmd: str, root: str, rank: int, world: int) -> dict[str, object]:
 
     out: dict[str, object] = {}
     model, opt = build("1d", world)
-    mgr = st.CheckpointManager(root, save_interval_steps=2, max_to_keep=2, save_options=SaveOptions(timeout_s=60), read_options=ReadOptions(timeout_s=60))
+    mgr = st.CheckpointManager(
+        root,
+        save_interval_steps=2,
+        max_to_keep=2,
+        save_options=SaveOptions(timeout_s=60),
+        read_options=ReadOptions(timeout_s=60),
+    )
     out["coordinator"] = type(mgr._coord).__name__
     if cmd == "managed":
         saved = {}
@@ -172,7 +178,9 @@ def managed(cmd: str, root: str, rank: int, world: int) -> dict[str, object]:
         out["steps"] = mgr.all_steps()
         out["latest"] = mgr.latest_step()
         assert mgr.restore(None, target) is target
-        set_state_dict(model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"])
+        set_state_dict(
+            model, opt, model_state_dict=target["model"], optim_state_dict=target["optim"]
+        )
         msd, osd = get_state_dict(model, opt)
         out["restored"] = digests({"model": msd, "optim": osd, "step": target["step"]})
         out["tier"] = mgr.last_restore.tier if mgr.last_restore else None
@@ -195,7 +203,13 @@ def preempt(root: str, rank: int, world: int) -> dict[str, object]:
     from snapshard.manager import ManagerPolicies, PreemptionPolicy
 
     sigterm = ManagerPolicies(preemption=PreemptionPolicy(handle_sigterm=True))
-    mgr = st.CheckpointManager(root, save_interval_steps=1000, policies=sigterm, save_options=SaveOptions(timeout_s=30), read_options=ReadOptions(timeout_s=30))
+    mgr = st.CheckpointManager(
+        root,
+        save_interval_steps=1000,
+        policies=sigterm,
+        save_options=SaveOptions(timeout_s=30),
+        read_options=ReadOptions(timeout_s=30),
+    )
     out: dict[str, object] = {"agreed": None}
     for step in range(1, 30):
         train(model, opt, 1, seed=1000 * rank + step)
@@ -239,7 +253,9 @@ def main() -> None:
         if rank == 1:
             os._exit(0)
         try:
-            st.save(os.path.join(root, "never"), {"w": torch.zeros(4)}, options=SaveOptions(timeout_s=3))
+            st.save(
+                os.path.join(root, "never"), {"w": torch.zeros(4)}, options=SaveOptions(timeout_s=3)
+            )
             report(error=None)
         except Exception as e:
             report(
@@ -272,7 +288,10 @@ def main() -> None:
                 S.rename(r"params/(\w+)/bias", r"\1.bias"),
             ),
         )
-        result = {k: v.to_local().tolist() if hasattr(v, "to_local") else v.tolist() for k, v in target.items()}
+        result = {
+            k: v.to_local().tolist() if hasattr(v, "to_local") else v.tolist()
+            for k, v in target.items()
+        }
         result["bytes_needed"] = stats.bytes_needed
         dist.barrier()
         report(rank=rank, **result)
@@ -307,7 +326,9 @@ def main() -> None:
             result[kind] = digests(state)
             result[f"{kind}-plan"] = plan_digest(state)
             st.save(os.path.join(root, kind), state, options=SaveOptions(timeout_s=60))
-            job = st.save_async(os.path.join(root, f"{kind}-async"), state, options=SaveOptions(timeout_s=60))
+            job = st.save_async(
+                os.path.join(root, f"{kind}-async"), state, options=SaveOptions(timeout_s=60)
+            )
             train(model, opt, 1, seed=100 + rank)  # in place, while the save writes
             job.wait()
             result[f"{kind}-after"] = digests(state)

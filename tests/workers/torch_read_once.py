@@ -108,6 +108,7 @@ def main() -> None:
     if args.fail_read is not None:
         options = snapshard.ReadOptions(read_once=True, timeout_s=20)
         failing_torch_load(rank, args.fail_read, lambda: st.load(ckpt, target(), options))
+
     def restored(mode: bool | None) -> dict[str, object]:
         out = target()
         stats = snapshard.ReadStats()

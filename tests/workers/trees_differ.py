@@ -48,7 +48,9 @@ def digest(t: object) -> str:
     if isinstance(t, DTensor):
         t = t.full_tensor()
     if isinstance(t, torch.Tensor):
-        return hashlib.sha256(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        return hashlib.sha256(
+            t.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()
+        ).hexdigest()
     return repr(t)
 
 

@@ -49,7 +49,12 @@ if TYPE_CHECKING:
 
 NONE, ZSTD, ZSTD_SHUFFLE = 0, 1, 2
 # The values of SaveOptions.compression and the codec each gives (see codec_for).
-COMPRESSION_CODECS = {None: NONE, "zstd": ZSTD, "zstd-noshuffle": ZSTD, "zstd+shuffle": ZSTD_SHUFFLE}
+COMPRESSION_CODECS = {
+    None: NONE,
+    "zstd": ZSTD,
+    "zstd-noshuffle": ZSTD,
+    "zstd+shuffle": ZSTD_SHUFFLE,
+}
 COMPRESSIONS = tuple(COMPRESSION_CODECS)
 DEFAULT_LEVEL = 1
 # The most compressed bytes one read fetches at a time: bounds the scratch of each reader.
@@ -384,7 +389,9 @@ def _unpack_block(r: _Read, frame: memoryview, j: int) -> None:
     a, end = max(r.start - b * c.block, 0), min(r.stop - b * c.block, size)
     at = b * c.block + a - r.start  # where its bytes go in the output
     direct = out.view(at, at + size) if a == 0 and end == size else None
-    plain = direct if direct is not None and c.codec == ZSTD else z.scratch("block", size, 4 << 20).data
+    plain = (
+        direct if direct is not None and c.codec == ZSTD else z.scratch("block", size, 4 << 20).data
+    )
     try:
         got = z.decompress_into(frame, plain)
     except Exception as e:  # the backend's own error types

@@ -118,7 +118,9 @@ class ProcessTable:
             if not (isinstance(vsizes, list) and len(vsizes) == count and isinstance(vcrcs, str)
                     and len(vcrcs) == 8 * count):  # fmt: skip
                 raise CorruptCheckpointError(f"{where}: malformed per-process value table")
-            table.values_sizes = [bounded_int(x, 0, MAX_BYTES, "values file size", where) for x in vsizes]
+            table.values_sizes = [
+                bounded_int(x, 0, MAX_BYTES, "values file size", where) for x in vsizes
+            ]
             try:
                 table.values_crcs = [int(vcrcs[8 * q : 8 * q + 8], 16) for q in range(count)]
             except ValueError:

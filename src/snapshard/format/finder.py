@@ -164,9 +164,7 @@ class ChunkFinder:
                 parts = [g.cand_process]
                 break
             lo, hi = g.cand_ptr[u], g.cand_ptr[u + 1]
-            parts.extend(
-                g.cand_process[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True)
-            )
+            parts.extend(g.cand_process[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True))
         procs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
         if leaf.writers is not None:
             procs = np.intersect1d(procs, np.asarray(leaf.writers, np.int64))
@@ -247,7 +245,10 @@ class ChunkFinder:
         raw, pos = self._read_spans(name, offset[order], offset[order] + length[order])
         salt = name_key(name) if m.bound else 0
         view = memoryview(raw)
-        got = [(int(a[i]), view[p : p + int(length[i])]) for i, p in zip(order.tolist(), pos.tolist(), strict=True)]
+        got = [
+            (int(a[i]), view[p : p + int(length[i])])
+            for i, p in zip(order.tolist(), pos.tolist(), strict=True)
+        ]
         crcs = entries["crc"][order].tolist()
         for (leaf, data), crc, own in zip(got, crcs, local[order].tolist(), strict=True):
             if rec.segment_crc(data, q, own, salt) != crc:
@@ -284,7 +285,9 @@ class ChunkFinder:
         items = sorted(by_process.items())
         if self.threads > 1 and len(items) > 1:
             with ThreadPoolExecutor(min(self.threads, len(items)), "snapshard-records") as pool:
-                results = list(pool.map(lambda qa: self._fetch_hashed(qa[0], qa[1], hash_fn), items))
+                results = list(
+                    pool.map(lambda qa: self._fetch_hashed(qa[0], qa[1], hash_fn), items)
+                )
         else:
             results = [self._fetch_hashed(q, a, hash_fn) for q, a in items]
         out: dict[int, list[tuple[int, rec.Records, np.ndarray | None]]] = {
@@ -331,7 +334,9 @@ class ChunkFinder:
             out[a] = (records, rec.decode_hashes(raw[length:], e, ndim, at) if hashed else None)
         return out
 
-    def tables(self, wants: Sequence[tuple[ArrayLeaf, Sequence[BoundsArrays]]]) -> dict[int, ChunkTable]:
+    def tables(
+        self, wants: Sequence[tuple[ArrayLeaf, Sequence[BoundsArrays]]]
+    ) -> dict[int, ChunkTable]:
         """For each leaf (keyed by id), the chunks written by every process that may hold
         chunks overlapping its boxes."""
         leaves: dict[int, ArrayLeaf] = {}
@@ -371,7 +376,9 @@ class ChunkFinder:
         out.update(empty)
         return out
 
-    def _assemble(self, leaves: dict[int, ArrayLeaf], found: list[_Fetched]) -> dict[int, ChunkTable]:
+    def _assemble(
+        self, leaves: dict[int, ArrayLeaf], found: list[_Fetched]
+    ) -> dict[int, ChunkTable]:
         """Each leaf's chunk table (keyed by id) from the records `found` in the record files
         of the processes that hold them: per number of axes, the records of every leaf and
         process in one table, sorted by leaf and box, checked at once (check_array_rows),
@@ -390,7 +397,9 @@ class ChunkFinder:
             group = [leaves[a] for a in ids]
             for leaf in group:
                 if leaf.dtype not in NAME_TO_DTYPE:
-                    raise CorruptCheckpointError(f"{self._where(leaf)}: unknown dtype {leaf.dtype!r}")
+                    raise CorruptCheckpointError(
+                        f"{self._where(leaf)}: unknown dtype {leaf.dtype!r}"
+                    )
             parts = fetched.get(nd, [])
             t = ChunkTable.concat([f.table(self) for f in parts], nd)
             leaf_of = np.concatenate([np.zeros(0, np.int64), *(f.leaf_of_rows() for f in parts)])
@@ -480,7 +489,6 @@ class ChunkFinder:
         return t
 
 
-
 def span_heads(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
     """Where the spans that read byte ranges [lo, hi) (sorted by lo) start: a range joins
     the span before it where the bytes between cost less than a request, i.e. where they
@@ -497,6 +505,7 @@ def span_heads(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
             heads.append(i)
             start, end, need = a, b, b - a
     return np.asarray(heads, np.int64)
+
 
 @dataclass
 class _Fetched:
@@ -540,7 +549,9 @@ class _Fetched:
         if flags.any():  # references or codecs (most records have no flags at all)
             ref = (flags & rec.FLAG_REFERENCE) != 0
             codec = (flags & rec.CODEC_MASK) >> rec.CODEC_SHIFT
-            unknown = ((flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)) != 0) | (codec > max(rec.CODECS))
+            unknown = ((flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)) != 0) | (
+                codec > max(rec.CODECS)
+            )
             if unknown.any():
                 i = int(np.flatnonzero(unknown)[0])
                 _check_flags(flags[i : i + 1], codec[i : i + 1],

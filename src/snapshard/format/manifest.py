@@ -300,7 +300,11 @@ def _extra(doc: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _created(doc: dict[str, Any], where: str) -> float:
     created = doc.get("created_unix", 0.0)
-    if isinstance(created, bool) or not isinstance(created, int | float) or not math.isfinite(created):
+    if (
+        isinstance(created, bool)
+        or not isinstance(created, int | float)
+        or not math.isfinite(created)
+    ):
         raise CorruptCheckpointError(f"{where}: malformed created_unix {str(created)[:50]}")
     return float(created)
 
@@ -311,7 +315,9 @@ def _header(doc: dict[str, Any], where: str, version: int, minor: int) -> Manife
     structure = doc.get("tree")
     if not isinstance(structure, dict):
         raise CorruptCheckpointError(f"{where}: manifest lacks the tree structure")
-    process_count = bounded_int(doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where)
+    process_count = bounded_int(
+        doc.get("process_count", 1), 1, MAX_PROCESSES, "process count", where
+    )
     extra = _extra(doc, where)
     created = _created(doc, where)
     write_mode = doc.get("write_mode", "auto")

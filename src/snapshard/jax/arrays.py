@@ -157,7 +157,12 @@ def mesh_and_spec(sharding: Any, ndim: int) -> MeshSpec | None:
             spec.append([str(a) for a in p])
         else:
             spec.append([str(p)])
-    return tuple(str(a) for a in mesh.axis_names), tuple(int(s) for s in devices.shape), processes, spec
+    return (
+        tuple(str(a) for a in mesh.axis_names),
+        tuple(int(s) for s in devices.shape),
+        processes,
+        spec,
+    )
 
 
 # --- Independence from the caller's mesh context ------------------------------------------

@@ -309,7 +309,11 @@ def build_from_local(entry: dict[str, Any], target: Any, path: TreePath, where: 
         if not isinstance(v, np.ndarray | np.generic):
             return v  # a Python value
         a = np.asarray(v)
-        kind, key_impl, shape = (LeafKind.SCALAR if isinstance(v, np.generic) else LeafKind.ARRAY), None, a.shape
+        kind, key_impl, shape = (
+            (LeafKind.SCALAR if isinstance(v, np.generic) else LeafKind.ARRAY),
+            None,
+            a.shape,
+        )
         boxes = {((0,) * a.ndim, a.shape): a}
     else:
         boxes = {parse_box_key(k): a for k, a in entry["shards"].items()}

@@ -138,9 +138,7 @@ def saved_arrays(flat: FlatTree) -> dict[Path, weakref.ref[Any]]:
     """Weak references to the jax.Arrays of a saved tree, by path: the identity shortcut of
     incremental saves (the manager never keeps an array alive for it)."""
     return {
-        p: weakref.ref(x)
-        for p, x in zip(flat.paths, flat.leaves, strict=True)
-        if is_jax_array(x)
+        p: weakref.ref(x) for p, x in zip(flat.paths, flat.leaves, strict=True) if is_jax_array(x)
     }
 
 

@@ -42,9 +42,7 @@ def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> OrbaxC
     location = storage.url
     parsed = parse_location(location)
     local = parsed.local_path
-    if parsed.scheme not in ORBAX_SCHEMES or (
-        local is not None and not os.path.isdir(local)
-    ):
+    if parsed.scheme not in ORBAX_SCHEMES or (local is not None and not os.path.isdir(local)):
         raise not_found
     if local is None and not _holds_orbax_markers(storage):
         raise not_found  # never ask TensorStore: where it has no credentials it waits long

@@ -240,7 +240,9 @@ def _load_item(item: _Dir, prefix: Path) -> _Item:
             leaves.append(_array_leaf(path, stores[e], key_impls.get(e.param), sharding))
             arrays[path] = stores[e]
         else:
-            leaves.append(_value_leaf(e, path, scalars.get(e), strings, f"{where}, leaf {path_str(path)!r}"))
+            leaves.append(
+                _value_leaf(e, path, scalars.get(e), strings, f"{where}, leaf {path_str(path)!r}")
+            )
     return _Item(structure, leaves, arrays, max(process_count, 1), layout)
 
 

@@ -208,7 +208,9 @@ class _WholeChunks:
 
     def __init__(self) -> None:
         # by id of the source table: (it, dest indices, rows in it, dest bytes, chunks)
-        self._candidates: dict[int, tuple[ChunkTable, list[int], list[int], list[int], list[int]]] = {}
+        self._candidates: dict[
+            int, tuple[ChunkTable, list[int], list[int], list[int], list[int]]
+        ] = {}
         self.dest = self.file = self.offset = self.nbytes = self.chunk = np.zeros(0, np.int64)
         self.keys = np.zeros(0, np.int64)  # of the chunk's file, where checksums are bound
         self.bound = np.zeros(0, bool)

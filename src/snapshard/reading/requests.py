@@ -75,7 +75,12 @@ class Request:
         self._buffers.extend(
             Dest(saved, s, e, whole[at : at + n], devices, shape)
             for s, e, at, n, (_, _, devices), shape in zip(
-                plan.starts, plan.stops, plan.offsets, plan.sizes, plan.boxes, plan.shapes,
+                plan.starts,
+                plan.stops,
+                plan.offsets,
+                plan.sizes,
+                plan.boxes,
+                plan.shapes,
                 strict=False,  # (offsets has one more)
             )
         )
@@ -108,7 +113,9 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
     else:
         kind, dtype, resolved = _resolve(saved, target, url, mesh)
         plan = _plan_of(saved, resolved if kind == "jax" else None)
-        if t_shape is not None and not _on_abstract_mesh(sharding):  # placed on the mesh in context: asked each time
+        if t_shape is not None and not _on_abstract_mesh(
+            sharding
+        ):  # placed on the mesh in context: asked each time
             if len(_resolved) >= 4096:
                 _resolved.clear()
             _resolved[key] = (sharding, mesh, (kind, dtype, resolved, plan))
@@ -130,7 +137,9 @@ def _resolve(saved: ArrayLeaf, target: Any, url: str, mesh: Any) -> tuple[str, n
     saved_dtype = dtype_from_name(saved.dtype)
     if is_jax_array(target) or is_shape_dtype_struct(target):
         shape, dtype = tuple(target.shape), target.dtype
-        sharding = jax_wing().resolve_target_sharding(getattr(target, "sharding", None), mesh, leaf=name)
+        sharding = jax_wing().resolve_target_sharding(
+            getattr(target, "sharding", None), mesh, leaf=name
+        )
     elif isinstance(target, np.ndarray | np.generic):
         shape, dtype, sharding = tuple(np.shape(target)), target.dtype, None
     else:

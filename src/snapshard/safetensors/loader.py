@@ -109,8 +109,12 @@ def load(
             matched = flatten_target(target, is_target_leaf)
             names, targets = [tensor_name(p) for p in matched.paths], matched.leaves
         planner = Planner()
-        reqs = [_request(planner, lazy, n, t, source.url) for n, t in zip(names, targets, strict=True)]
-        built = read_once_execute(reqs, source, options, stats, location=source.url, expand=planner.expand)
+        reqs = [
+            _request(planner, lazy, n, t, source.url) for n, t in zip(names, targets, strict=True)
+        ]
+        built = read_once_execute(
+            reqs, source, options, stats, location=source.url, expand=planner.expand
+        )
     finally:
         files.close()
     stats.total_s = time.perf_counter() - t_start
@@ -119,7 +123,9 @@ def load(
     return matched.rebuild(dict(zip(matched.paths, built, strict=True)))
 
 
-def _request(planner: Planner, lazy: Mapping[str, VArray], name: str, target: Any, url: str) -> Request:
+def _request(
+    planner: Planner, lazy: Mapping[str, VArray], name: str, target: Any, url: str
+) -> Request:
     """The read request of tensor `name` (after the transform) for its target leaf."""
     if name not in lazy:
         raise _missing(name, lazy, url)

@@ -26,7 +26,8 @@ class SafetensorsSource:
 
     def __post_init__(self) -> None:
         self.entries = [
-            FileEntry(n, h.data_end) for n, h in zip(self.files.names, self.files.headers, strict=True)
+            FileEntry(n, h.data_end)
+            for n, h in zip(self.files.names, self.files.headers, strict=True)
         ]
         self.options = replace(self.options, verify=False)
 

@@ -25,6 +25,7 @@ def set_opener(opener: Callable[[str], Storage]) -> None:
     global _opener
     _opener = opener
 
+
 if TYPE_CHECKING:
     from typing_extensions import Buffer  # (typing's own from Python 3.12)
 

@@ -501,7 +501,9 @@ class LocalStorage(Storage):
             raise CorruptCheckpointError(
                 f"{self.url}: {name!r} is not a regular file ({_kind(st.st_mode)}); refusing to read it"
             )
-        return os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        return os.open(
+            file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+        )
 
     def _read_whole(self, base: Path, name: str) -> bytes:
         try:

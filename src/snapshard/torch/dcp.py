@@ -66,8 +66,10 @@ def _paths(metadata: Any) -> dict[str, Path]:
     out: dict[str, Path] = {}
     for k in keys:
         p = mapping.get(k)
-        if isinstance(p, tuple) and p and all(
-            isinstance(c, str | int) and not isinstance(c, bool) for c in p
+        if (
+            isinstance(p, tuple)
+            and p
+            and all(isinstance(c, str | int) and not isinstance(c, bool) for c in p)
         ):
             out[k] = p
         else:
@@ -179,7 +181,9 @@ class DcpCheckpoint:
         planner = _Planner(self._slots, lambda *_: None)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch.load's notes on weights_only
-            items = [i for k, m in entries.items() if k not in self._slots for i in _read_items(k, m)]
+            items = [
+                i for k, m in entries.items() if k not in self._slots for i in _read_items(k, m)
+            ]
             _read(self._reader, items, planner)
         leaves: dict[Path, Any] = {}
         for k in entries:
