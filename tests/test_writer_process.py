@@ -438,3 +438,26 @@ def test_an_array_deleted_before_the_writer_asks_for_its_copy_fails_naming_it(
     c = sharded(np.full((64, 64), 3, np.float32), m, None, "model")
     snapshard.save_async(tmp_path / "d", {"c": c}, opts).wait(60)
     assert np.all(snapshard.load(tmp_path / "d")["c"] == 3)
+
+
+def test_a_run_of_items_is_read_in_one_call_and_a_bad_address_is_read_alone(tmp_path):
+    # The writer reads a run of staged items with one process_vm_readv (into one buffer,
+    # each at a multiple of 64 bytes); what that call leaves unread, from the first item it
+    # could not read on, is read item by item, and the item that cannot be read fails
+    # alone, naming the failure. (Read here from this very process.)
+    from snapshard.saving.writer_main import RemoteBytes
+
+    pid = os.getpid()
+    arrays = [np.arange(n, dtype=dt) for n, dt in ((5, np.float32), (7, np.int8), (0, np.int64))]
+    arrays.append(np.full((3, 2), 7.5, np.float64))
+    parts = [RemoteBytes(pid, a.ctypes.data, a.dtype, a.shape) for a in arrays]
+    bad = RemoteBytes(pid, 8, np.dtype(np.float32), (4,))  # the first page: never mapped
+    RemoteBytes.read_together([*parts[:2], bad, *parts[2:]])
+    assert parts[0].got is not None and parts[1].got is not None
+    assert bad.got is None and parts[2].got is None and parts[3].got is None
+    for p, a in zip(parts, arrays, strict=True):
+        got = np.asarray(p)
+        assert got.dtype == a.dtype and got.shape == a.shape and np.array_equal(got, a)
+        assert got.ctypes.data % 16 == 0
+    with pytest.raises(SnapshardError, match="could not read a staged item"):
+        np.asarray(bad)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import mmap
 import os
 import pickle
@@ -131,14 +132,48 @@ def read_words(pid: int, addresses: np.ndarray) -> np.ndarray:
 
 class RemoteBytes:
     """A staged item's bytes in the training process, read when the item is written
-    (StagedItem.materialize calls np.asarray on it)."""
+    (StagedItem.materialize calls np.asarray on it), or with the run of items it is
+    written in (`read_together`)."""
 
-    __slots__ = ("address", "dtype", "pid", "shape")
+    __slots__ = ("address", "dtype", "got", "nbytes", "pid", "shape")
 
     def __init__(self, pid: int, address: int, dtype: np.dtype, shape: tuple[int, ...]):
         self.pid, self.address, self.dtype, self.shape = pid, address, dtype, shape
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self.got: np.ndarray | None = None
+
+    @staticmethod
+    def read_together(parts: list[Any]) -> None:
+        """Read these items' bytes into one buffer per IOV_MAX of them, each at a multiple
+        of 64 bytes, with one process_vm_readv. One call per item cost ~35 us for an item
+        of 16 KB: most of a save of 10,000 such arrays in the writer (0.6 s of its CPU),
+        and what the writer's CPU takes, a training loop on the next core loses. What a
+        call leaves unread is read item by item, which names the failure."""
+        todo = [p for p in parts if type(p) is RemoteBytes and p.got is None]
+        for a in range(0, len(todo), IOV_MAX):
+            batch = todo[a : a + IOV_MAX]
+            sizes = np.fromiter((p.nbytes for p in batch), np.int64, len(batch))
+            starts = np.zeros(len(batch) + 1, np.int64)
+            np.cumsum((sizes + 63) // 64 * 64, out=starts[1:])
+            buf = np.empty(int(starts[-1]), np.uint8)
+            local, remote = np.empty(len(batch), IOVEC), np.empty(len(batch), IOVEC)
+            local["base"] = buf.ctypes.data + starts[:-1]
+            remote["base"] = np.fromiter((p.address for p in batch), np.uint64, len(batch))
+            local["len"] = remote["len"] = sizes
+            try:
+                got = _readv(batch[0].pid, local, remote)
+            except OSError:
+                got = 0
+            ends = np.cumsum(sizes).tolist()
+            for p, at, end in zip(batch, starts.tolist(), ends, strict=False):
+                if end > got:
+                    break
+                p.got = buf[at : at + p.nbytes].view(p.dtype).reshape(p.shape)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        if self.got is not None:
+            out, self.got = self.got, None
+            return out
         out = np.empty(self.shape, self.dtype)
         try:
             read_remote(self.pid, self.address, out)
