@@ -1,10 +1,14 @@
-"""write_then_commit's failure paths, with ranks as threads over one shared store: which
-error each process raises does not depend on who reads the outcome first."""
+"""The rendezvous of every save, with ranks as threads over one shared store: which error
+each process raises does not depend on who reads the outcome first; process 0 wakes on the
+last report, and neither a missing count nor a stray signal makes it wait out the timeout
+or spin on the store."""
 
 from __future__ import annotations
 
 import threading
 import time
+
+import pytest
 
 from snapshard.coordination.base import SingleProcessCoordinator
 from snapshard.coordination.rendezvous import Rendezvous, write_then_commit
@@ -168,3 +172,20 @@ def test_a_process_that_reported_without_its_count_is_gathered_at_the_next_listi
     assert leader.gather("written") == {1: {"ok": True, "error": None, "error_type": None,
                                             "relay": None, "files": 3}}  # fmt: skip
     assert time.monotonic() - t0 < 5.0
+
+
+def test_a_signal_without_every_report_does_not_make_process_0_spin(monkeypatch):
+    # The protocol never sets the signal before every report is in (or one failed); were it
+    # found so, process 0 lists the reports a relist apart until the timeout, naming the
+    # process missing, instead of listing in a tight loop.
+    from snapshard.coordination import rendezvous
+
+    monkeypatch.setattr(rendezvous, "_RELIST_S", 0.05)
+    shared = SingleProcessCoordinator()
+    lists: list = []
+    leader = Rendezvous(_counting(shared, 0, 2, lists), "snapshard/test/0", "save to /ckpt", 0.5)
+    shared.set("snapshard/test/0/written/complete", "1")
+    leader.start_clock()
+    with pytest.raises(CoordinationError, match=r"process\(es\) \[1\] did not report"):
+        leader.gather("written")
+    assert 2 <= len(lists) <= 15, len(lists)

@@ -177,11 +177,14 @@ class Rendezvous:
         The reports are read together (one listing of `key/`, never one request per
         process) when the last of them or a failure has set `key/complete`, which process 0
         waits for; it lists them again every `_RELIST_S` regardless, so that a process that
-        died between its report and its count costs that much, not the timeout. They are
-        deleted once read."""
+        died between its report and its count costs that much, not the timeout. A signal
+        found set while a report is still missing (which the protocol never leaves) makes
+        the listings a second apart rather than a spin on the store. They are deleted once
+        read."""
         me, n = self.coord.process_index, self.coord.process_count
         want = set(range(n)) - {me}
         signal = f"{self.prefix}/{key}/complete"
+        signalled = False
         try:
             while True:
                 got = self._reports(key)
@@ -197,8 +200,12 @@ class Rendezvous:
                         f"{self.what}: process(es) {missing} did not report within "
                         f"{self.timeout_s:g} s (stopped or died)"
                     )
+                if signalled:
+                    time.sleep(min(left, _RELIST_S))
+                    continue
                 with contextlib.suppress(TimeoutError):
                     self.coord.get(signal, min(left, _RELIST_S))
+                    signalled = True
         finally:
             self._forget(f"{self.prefix}/{key}", [str(p) for p in range(n)])
 
