@@ -21,6 +21,7 @@ from pathlib import Path
 
 WORKERS = Path(__file__).parent / "workers"
 SRC = Path(__file__).parent.parent / "src"
+GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 def free_port() -> int:
@@ -36,6 +37,20 @@ class Proc:
     stdout: str
     stderr: str
     results: list[dict] = field(default_factory=list)
+
+    def exited_well(self) -> bool:
+        """Exit 0, or torch 2.13 gloo's abort at interpreter exit once the work is done: its
+        worker thread frees the last collective's tensors while Python shuts down (SIGABRT,
+        "terminate called without an active exception", no Python traceback; see
+        test_dcp_exit.py), after the process reported its results."""
+        if self.returncode == 0:
+            return True
+        return (
+            self.returncode == -signal.SIGABRT
+            and bool(self.results)
+            and GLOO_EXIT_ABORT in self.stderr
+            and "Traceback" not in self.stderr
+        )
 
     def result(self) -> dict:
         assert self.results, f"process {self.process_id} reported nothing:\n{self.stderr[-3000:]}"
@@ -131,7 +146,7 @@ def run(
     done = collect(procs, timeout)
     if check:
         for p in done:
-            assert p.returncode == 0, (
+            assert p.exited_well(), (
                 f"process {p.process_id} exited {p.returncode}:\n{p.stderr[-4000:]}"
             )
     return done

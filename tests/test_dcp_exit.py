@@ -30,7 +30,7 @@ import multiproc
 # loaded 2-core machine (each job is bounded by JOB_TIMEOUT_S).
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(600)]
 JOBS = 10
-GLOO_EXIT_ABORT = "terminate called without an active exception"
+GLOO_EXIT_ABORT = multiproc.GLOO_EXIT_ABORT
 AT_ONCE = 2
 JOB_TIMEOUT_S = 150
 
