@@ -14,7 +14,7 @@ adapter's cache makes them.
 Timed for process p = N // 2 + 1 (any process does the same work):
   write plan  plan_writes(layouts, mode) with fresh layouts (cold: nothing cached), again
               with the same layouts (cached: what a later save of an unchanged tree pays),
-              and plan.items_of(p) (the process's own boxes; save.py calls it every save).
+              and plan.process_items(p) (the process's own items; a save asks for them every time).
   read plan   the read executor's own planning (reading.plan_reads) of the process's target boxes
               against the saved chunks (the auto write plan's boxes): chunk indexes shared
               by arrays with the same chunk boxes, the overlaps, their byte runs and the
@@ -257,13 +257,13 @@ def timed(fn, profile: cProfile.Profile | None = None):
 
 
 def write_plan_times(arrays, mesh: Mesh, mode: str, n: int, p: int, prof) -> tuple:
-    """Cold, cached and items_of times of one write plan, with fresh layout objects."""
+    """Cold, cached and process_items times of one write plan, with fresh layout objects."""
     t0 = time.perf_counter()
     layouts = build_layouts(arrays, mesh)
     build_s = time.perf_counter() - t0
     plan, cold = timed(lambda: plan_writes(layouts, mode, num_processes=n), prof)
     _, cached = timed(lambda: plan_writes(layouts, mode, num_processes=n))
-    mine, items_s = timed(lambda: plan.items_of(p))
+    mine, items_s = timed(lambda: plan.process_items(p))
     # The planner keeps its last plans (functools.lru_cache); at 10,000 processes each holds
     # gigabytes, so drop them between measurements.
     write_plan._plan_cached.cache_clear()
@@ -295,7 +295,7 @@ def bench_one(n, n_arrays, modes, dp, repeat, profile, emit) -> None:
             cold_s=round(med(r[3] for r in runs), 4),
             cold_all_s=[round(r[3], 4) for r in runs],
             cached_s=round(med(r[4] for r in runs), 6),
-            items_of_s=round(med(r[5] for r in runs), 4),
+            process_items_s=round(med(r[5] for r in runs), 4),
             my_boxes=runs[-1][6],
             chunks_total=int(sum(len(a.writer) for a in plan.arrays)),
             plan_mb=round(plan_nbytes(plan) / 1e6, 1),
@@ -346,7 +346,7 @@ def table(rows: list[dict]) -> None:
     read = [r for r in rows if r["kind"] == "read"]
     print("\n## Write plan of one process (seconds)\n")
     print(
-        "| processes | devices | arrays (layouts) | mode | cold | cached | items_of | total chunks "
+        "| processes | devices | arrays (layouts) | mode | cold | cached | process_items | total chunks "
         "| plan MB | max/mean | manifest GB (est.) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -354,7 +354,7 @@ def table(rows: list[dict]) -> None:
         mode = r["mode"] if r["mode"] != "auto" else f"auto ({r['chosen']})"
         print(
             f"| {r['processes']:,} | {r['devices']:,} | {r['arrays']} ({r['distinct_layouts']}) "
-            f"| {mode} | {r['cold_s']:.3f} | {r['cached_s']:.6f} | {r['items_of_s']:.3f} "
+            f"| {mode} | {r['cold_s']:.3f} | {r['cached_s']:.6f} | {r['process_items_s']:.3f} "
             f"| {r['chunks_total']:,} | {r['plan_mb']:.0f} | {r['imbalance']:.3f} "
             f"| {r['manifest_gb']:.2f} |"
         )

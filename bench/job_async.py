@@ -33,6 +33,7 @@ warnings.filterwarnings("ignore")
 
 def plain_copy(tree) -> dict:
     """Copy every owned slice (the plan's items of this process) into fresh host memory."""
+    import snapshard.jax  # noqa: F401  (the JAX wing classifies jax.Arrays)
     from snapshard.planning import plan_writes
     from snapshard.save_leaves import classify
     from snapshard.tree import flatten
@@ -42,7 +43,8 @@ def plain_copy(tree) -> dict:
     plan = plan_writes([a.layout for a in arrays], num_processes=1)
     with bc.Meter() as m:
         copies = []
-        for a, k in plan.items_of(0):
+        mine = plan.process_items(0)
+        for a, k in zip(mine.array.tolist(), mine.item.tolist(), strict=True):
             arr, p = arrays[a], plan.arrays[a]
             shard = {s.device: s for s in arr.source.addressable_shards}[
                 arr.devices[p.source_row[k]]

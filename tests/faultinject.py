@@ -6,7 +6,7 @@ snapshard.storage.lease, snapshard.storage.obstore_bucket and snapshard.storage.
 through counting wrappers:
 
     local   open write fsync read pread mkdir list rename link unlink rmdir read_file rmtree
-    object  s3.put s3.get s3.get_range s3.head s3.list s3.delete
+    object  s3.put s3.get s3.head s3.list s3.delete
             s3.put_file (a file sent in one request)
             s3.open_upload s3.upload_part s3.close_upload, and on GCS s3.compose
 
@@ -229,7 +229,6 @@ class FaultInjector:
         wrapped = {
             "put": counted("s3.put", obstore.put),
             "get": counted("s3.get", obstore.get),
-            "get_range": counted("s3.get_range", obstore.get_range),
             "head": counted("s3.head", obstore.head),
             "delete": counted("s3.delete", obstore.delete),
             "list": listing,
@@ -272,7 +271,6 @@ class FaultInjector:
         ops = {
             (bucket, "put"): "s3.put",
             (bucket, "get"): "s3.get",
-            (bucket, "get_range"): "s3.get_range",
             (bucket, "head"): "s3.head",
             (bucket, "list"): "s3.list",
             (bucket, "delete"): "s3.delete",

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapshard.errors import CorruptCheckpointError
-from snapshard.format import validate
-from snapshard.format.manifest import ArrayLeaf, ChunkTable
+from snapshard.format import ArrayLeaf, ChunkTable, validate
 from snapshard.format.validate import check_array_rows, check_chunks
 
 FIELDS = ("starts", "stops", "file", "offset", "nbytes", "block", "crc_offset", "flags")

@@ -1,6 +1,5 @@
 """Data iterators (Grain) as checkpoint records, and bytes leaves."""
 
-import base64
 import json
 
 import numpy as np
@@ -118,53 +117,16 @@ def test_records_of_other_states():
 
 # ---- bytes leaves ----------------------------------------------------------------------
 #
-# The manifest stores a bytes value as {"type": "bytes", "value": <base64>}. The hooks that
-# accept it belong to the format and the leaf classifier: format.manifest.encode_value /
-# decode_value, and save_leaves.VALUE_TYPES. `bytes_hooks` applies them here so the
-# encoding is tested before they land.
+# The manifest stores a bytes value as {"type": "bytes", "value": <base64>}
+# (format.values.encode_value / decode_value; save_leaves.VALUE_TYPES has bytes).
 
 
-def encode_bytes(encode):
-    def wrapped(v, where):
-        if isinstance(v, bytes):
-            return {"type": "bytes", "value": base64.b64encode(v).decode("ascii")}
-        return encode(v, where)
-
-    return wrapped
-
-
-def decode_bytes(decode):
-    def wrapped(d, where):
-        if isinstance(d, dict) and d.get("type") == "bytes":
-            return base64.b64decode(d["value"], validate=True)
-        return decode(d, where)
-
-    return wrapped
-
-
-@pytest.fixture
-def bytes_hooks(monkeypatch):
-    from snapshard import save_leaves as leaves
-    from snapshard.format import manifest
-
-    if bytes in leaves.VALUE_TYPES:  # the hooks have landed
-        return
-    monkeypatch.setattr(leaves, "VALUE_TYPES", (*leaves.VALUE_TYPES, bytes))
-    monkeypatch.setattr(manifest, "encode_value", encode_bytes(manifest.encode_value))
-    monkeypatch.setattr(manifest, "decode_value", decode_bytes(manifest.decode_value))
-
-
-def test_bytes_leaves_with_the_hooks(ckpt, bytes_hooks):
+def test_bytes_leaves(ckpt):
     it = OwnIterator(b"\x00\x01\xfe\xff" * 10)
     snapshard.save(ckpt, {"data": iterator_record(it), "blob": b"", "raw": bytes(range(256))})
     out = snapshard.load(ckpt)
     assert out["blob"] == b"" and out["raw"] == bytes(range(256))
     assert restore_iterator(OwnIterator(None), out["data"]).state == it.state
-
-
-def test_bytes_leaves(ckpt):
-    snapshard.save(ckpt, {"raw": bytes(range(256))})
-    assert snapshard.load(ckpt)["raw"] == bytes(range(256))
 
 
 class OwnStream(OwnIterator):

@@ -9,9 +9,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from snapshard.format import ArrayLeaf, Manifest, ProcessTable
 from snapshard.format.finder import ChunkFinder
 from snapshard.format.layouts import Mesh, mesh_layout
-from snapshard.format.manifest import ArrayLeaf, Manifest, ProcessTable
 
 
 @st.composite

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snapshard.planning import ChunkIndex, coalesce_runs, overlap_runs, overlaps
+from snapshard.planning import ChunkIndex, coalesce_runs, overlaps
 
 
 @st.composite
@@ -45,7 +45,8 @@ def test_overlap_runs_copy_exactly_the_overlap(c, itemsize):
     sl = lambda s, e: tuple(slice(int(a), int(b)) for a, b in zip(s, e, strict=True))  # noqa: E731
     chunk_bytes = np.ascontiguousarray(full[sl(cs, ce)]).reshape(-1)
     target = np.zeros(int(np.prod(te - ts)) * itemsize, np.uint8)
-    src, dst, run = overlap_runs(cs, ce, ts, te, os_, oe, itemsize)
+    g = overlaps.run_grid(cs, ce, ts, te, os_, oe, itemsize)
+    (src, dst), run = g.runs(), g.run_bytes
     for a, b in zip(src, dst, strict=True):
         target[b : b + run] = chunk_bytes[a : a + run]
     want = np.zeros((*tuple(te - ts), itemsize), np.uint8)

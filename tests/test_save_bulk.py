@@ -88,9 +88,11 @@ def test_a_data_file_written_in_bulk_holds_the_bytes_and_records_of_chunk_by_chu
     got = chunk_files.write_file(storage, "data/p00000-abcd0123-0.bin", _items(rng), codec_of)
     raw = storage.read_staging("data/p00000-abcd0123-0.bin")
     assert raw == want_bytes and got.size == len(want_bytes)
-    assert [(leaf, tuple(r)) for leaf, r in got.records()] == [
-        (leaf, tuple(r)) for leaf, r in want_rows
+    records = [
+        (it.leaf, (*f, [int(x) for x in it.start], [int(x) for x in it.stop]))
+        for it, f in zip(got.items, got.fixed.tolist(), strict=True)
     ]
+    assert records == [(leaf, tuple(r)) for leaf, r in want_rows]
     assert all(it.host is None for it in got.items)  # released once written
 
 

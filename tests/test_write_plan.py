@@ -9,8 +9,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapshard.format.validate import coverage_problems
-from snapshard.planning import ArrayLayout, band_bounds, plan_writes
+from snapshard.planning import ArrayLayout, plan_writes
 from snapshard.planning.write_plan import plan_replica_parallel
+
+
+def band_bounds(start: int, stop: int, n: int) -> list[tuple[int, int]]:
+    """[start, stop) cut into n bands whose lengths differ by at most one."""
+    extent = stop - start
+    return [(start + (j * extent) // n, start + ((j + 1) * extent) // n) for j in range(n)]
 
 
 def layout_from_mesh(shape, mesh_shape, spec, devices_per_process, perm, itemsize=4):

@@ -150,19 +150,14 @@ def _load(accelerator: Any, path: str, state: dict[str, Any]) -> None:
 
 # Accelerate's own FSDP functions, where each call that is not ours goes.
 _ORIGINALS: dict[str, Callable[..., Any]] = {}
-_NAMES = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
 
 
-def _model_dir(directory: str, index: int) -> str:
-    from accelerate.utils.constants import FSDP_MODEL_NAME
+def _part_dir(directory: str, part: str, index: int) -> str:
+    """Where Accelerate puts model (part "FSDP_MODEL_NAME") or optimizer ("OPTIMIZER_NAME")
+    number `index` of a save_state."""
+    from accelerate.utils import constants
 
-    return os.path.join(directory, f"{FSDP_MODEL_NAME}_{index}")
-
-
-def _optimizer_dir(directory: str, index: int) -> str:
-    from accelerate.utils.constants import OPTIMIZER_NAME
-
-    return os.path.join(directory, f"{OPTIMIZER_NAME}_{index}")
+    return os.path.join(directory, f"{getattr(constants, part)}_{index}")
 
 
 def save_fsdp_model(
@@ -176,7 +171,7 @@ def save_fsdp_model(
         )
     _mark_incomplete(output_dir)
     state = {"model": get_model_state_dict(model, options=_SHARDED)}
-    _save(accelerator, _model_dir(output_dir, model_index), state)
+    _save(accelerator, _part_dir(output_dir, "FSDP_MODEL_NAME", model_index), state)
     return None
 
 
@@ -187,7 +182,7 @@ def load_fsdp_model(
     """Accelerate's `load_fsdp_model`, through snapshard for a switched accelerator and a
     snapshard checkpoint (one Accelerate wrote itself goes to Accelerate's)."""
     refuse_incomplete(input_dir)
-    path = _model_dir(input_dir, model_index)
+    path = _part_dir(input_dir, "FSDP_MODEL_NAME", model_index)
     if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
         return _ORIGINALS["load_fsdp_model"](
             fsdp_plugin, accelerator, model, input_dir, model_index, adapter_only, use_dcp
@@ -211,7 +206,7 @@ def save_fsdp_optimizer(
     _mark_incomplete(output_dir)
     plain = _plain_optimizer(optimizer)
     state = {"optimizer": get_optimizer_state_dict(model, plain, options=_SHARDED)}
-    _save(accelerator, _optimizer_dir(output_dir, optimizer_index), state)
+    _save(accelerator, _part_dir(output_dir, "OPTIMIZER_NAME", optimizer_index), state)
     return None
 
 
@@ -220,7 +215,7 @@ def load_fsdp_optimizer(
     optimizer_index: int = 0, adapter_only: bool = False, use_dcp: bool = True,
 ) -> None:  # fmt: skip
     """Accelerate's `load_fsdp_optimizer`, through snapshard as `load_fsdp_model` is."""
-    path = _optimizer_dir(input_dir, optimizer_index)
+    path = _part_dir(input_dir, "OPTIMIZER_NAME", optimizer_index)
     if not _ours(fsdp_plugin, accelerator, use_dcp, adapter_only) or not _is_snapshard(path):
         return _ORIGINALS["load_fsdp_optimizer"](
             fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index,
@@ -234,10 +229,8 @@ def load_fsdp_optimizer(
 
 
 _REPLACEMENTS: dict[str, Callable[..., Any]] = {
-    "save_fsdp_model": save_fsdp_model,
-    "load_fsdp_model": load_fsdp_model,
-    "save_fsdp_optimizer": save_fsdp_optimizer,
-    "load_fsdp_optimizer": load_fsdp_optimizer,
+    f.__name__: f
+    for f in (save_fsdp_model, load_fsdp_model, save_fsdp_optimizer, load_fsdp_optimizer)
 }
 
 
@@ -246,11 +239,11 @@ def _install_fsdp_functions() -> None:
     up (the names `accelerate.accelerator` imported), once per process."""
     import accelerate.accelerator as module
 
-    for name in _NAMES:
+    for name, ours in _REPLACEMENTS.items():
         current = getattr(module, name)
-        if current is not _REPLACEMENTS[name]:
+        if current is not ours:
             _ORIGINALS[name] = current
-            setattr(module, name, _REPLACEMENTS[name])
+            setattr(module, name, ours)
 
 
 def fsdp_functions() -> dict[str, Callable[..., Any]]:

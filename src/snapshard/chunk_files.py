@@ -25,7 +25,7 @@ import numpy as np
 from .format.binding import name_key
 from .format.chunks import checksum_block
 from .format.encoding import chunk_span, write_chunk
-from .format.records import RECORD_FIXED, ChunkRecord
+from .format.records import RECORD_FIXED
 from .staging import StagedItem
 from .storage import FileWriter, Storage
 from .storage.base import buffer_bytes, buffer_nbytes
@@ -53,33 +53,24 @@ _crc = cast(Callable[[Any], int], _crc32c.crc32c)
 class CoalescingWriter(FileWriter):
     """Writes shorter than COALESCE_BYTES gathered into one buffer and handed on together:
     a file of many small chunks would otherwise cost two writes (system calls, on local
-    files) per chunk, its bytes and its checksums. Each gathered buffer is handed on as
-    kept (a new one is started after it); `kept`: so is every longer write (the caller
-    leaves its buffers unchanged until the file is closed, as a save's staged items are)."""
+    files) per chunk, its bytes and its checksums. Every write is handed on as kept (the
+    caller leaves its buffers unchanged until the file is closed, as a save's staged items
+    are), each gathered buffer too (a new one is started after it)."""
 
-    def __init__(self, writer: FileWriter, kept: bool = False) -> None:
+    def __init__(self, writer: FileWriter) -> None:
         self.writer = writer
-        self.kept = kept
         self.held = bytearray()
 
     def write(self, data: memoryview) -> None:
         if len(data) >= COALESCE_BYTES:
             self.flush()
-            if self.kept:
-                self.writer.write_kept(data)
-            else:
-                self.writer.write(data)
+            self.writer.write_kept(data)
             return
         self.held += data
         if len(self.held) >= COALESCE_BYTES:
             self.flush()
 
-    def write_kept(self, data: memoryview) -> None:
-        if len(data) >= COALESCE_BYTES:
-            self.flush()
-            self.writer.write_kept(data)
-        else:
-            self.write(data)
+    write_kept = write
 
     def write_parts(self, parts: Sequence[Buffer]) -> None:
         if sum(buffer_nbytes(p) for p in parts) < COALESCE_BYTES:
@@ -115,18 +106,6 @@ class FileChunks:
     @property
     def leaves(self) -> np.ndarray:
         return np.fromiter((it.leaf for it in self.items), np.int64, len(self.items))
-
-    def records(self) -> list[tuple[int, ChunkRecord]]:
-        """The (leaf, record) of each chunk, one object per chunk (the torch wing's DCP
-        storage takes them so)."""
-        rows = self.fixed.tolist()  # tuples of the fixed fields
-        return [
-            (
-                it.leaf,
-                ChunkRecord._make((*f, [int(x) for x in it.start], [int(x) for x in it.stop])),
-            )
-            for it, f in zip(self.items, rows, strict=True)
-        ]
 
 
 def cut_files(
@@ -301,7 +280,7 @@ def write_file(
     """Write items back to back into data file number `file` named `name`.
     `codec_of(item)` gives each item's codec (format.encoding; None: nothing compressed)."""
     # The staged items stay as they are until the save ends: the file may keep them.
-    writer = CoalescingWriter(storage.open_writer(name), kept=True)
+    writer = CoalescingWriter(storage.open_writer(name))
     key = name_key(name)
     parts: list[np.ndarray] = []
     offset = 0

@@ -77,18 +77,16 @@ class UntrustedPickleError(ValueError):
     """A checkpoint holds pickled objects and the CheckpointIO was not told to trust it."""
 
 
-def _encode(value: Any, path: str, pickled: list[str]) -> Any:
-    """Lightning's checkpoint dict as snapshard leaves and values; `pickled` collects the
-    paths of the objects that had to be pickled."""
+def _encode(value: Any, path: str) -> Any:
+    """Lightning's checkpoint dict as snapshard leaves and values, other objects pickled."""
     if isinstance(value, (torch.Tensor, np.ndarray)) or type(value) in _PLAIN:
         return value
     if type(value) in (dict, OrderedDict):
         if PICKLED in value:
             raise ValueError(f"checkpoint entry {path or '/'} uses the reserved key {PICKLED!r}")
-        return {k: _encode(v, f"{path}/{k}", pickled) for k, v in value.items()}
+        return {k: _encode(v, f"{path}/{k}") for k, v in value.items()}
     if type(value) in (list, tuple):
-        return type(value)(_encode(v, f"{path}/{i}", pickled) for i, v in enumerate(value))
-    pickled.append(path or "/")
+        return type(value)(_encode(v, f"{path}/{i}") for i, v in enumerate(value))
     return {PICKLED: np.frombuffer(pickle.dumps(value), dtype=np.uint8).copy()}
 
 
@@ -242,8 +240,7 @@ class CheckpointIO(_LightningCheckpointIO):
                 f"snapshard.lightning.CheckpointIO.save_checkpoint({str(path)!r}): "
                 "storage_options is not supported; pass SaveOptions to CheckpointIO(options=...)"
             )
-        pickled: list[str] = []
-        state = _encode(checkpoint, "", pickled)
+        state = _encode(checkpoint, "")
         target = _save_target(str(path))
         sst.save(target, state, self.options, overwrite=True)
         if target != str(path):
@@ -285,9 +282,6 @@ class CheckpointIO(_LightningCheckpointIO):
             target.unlink()
         elif target.is_dir():
             shutil.rmtree(target)
-
-    def teardown(self) -> None:
-        pass
 
 
 class AsyncCheckpointIO(_LightningAsyncCheckpointIO):

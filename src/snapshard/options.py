@@ -26,13 +26,12 @@ from .planning import MODES
 DEFAULT_MEMORY_BUDGET = 4 << 30
 
 
-def _whole(name: str, value: object, least: int, none_ok: bool) -> None:
-    if value is None and none_ok:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        allowed = "None or " if none_ok else ""
+def _whole(name: str, value: object, least: int) -> None:
+    if value is not None and (
+        isinstance(value, bool) or not isinstance(value, int) or value < least
+    ):
         raise ValueError(
-            f"{name} must be {allowed}a whole number of at least {least}, not {value!r}"
+            f"{name} must be None or a whole number of at least {least}, not {value!r}"
         )
 
 
@@ -103,7 +102,7 @@ class SaveOptions:
             raise ValueError(
                 f"unknown write mode {self.mode!r}; expected one of {', '.join(MODES)}"
             )
-        _whole("writers", self.writers, 1, none_ok=True)
+        _whole("writers", self.writers, 1)
         if self.compression not in COMPRESSIONS:
             raise ValueError(
                 f"unknown compression {self.compression!r}; expected one of "
@@ -111,7 +110,7 @@ class SaveOptions:
             )
         if not isinstance(self.hashes, bool):
             raise ValueError(f"hashes must be True or False, not {self.hashes!r}")
-        _whole("host_budget", self.host_budget, 0, none_ok=True)
+        _whole("host_budget", self.host_budget, 0)
         _seconds("timeout_s", self.timeout_s)
         if not isinstance(self.trees_differ, bool):
             raise ValueError(f"trees_differ must be True or False, not {self.trees_differ!r}")
@@ -178,9 +177,9 @@ class ReadOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.verify, bool):
             raise ValueError(f"verify must be True or False, not {self.verify!r}")
-        _whole("threads", self.threads, 1, none_ok=True)
-        _whole("memory_budget", self.memory_budget, 1, none_ok=True)
-        _whole("max_gap", self.max_gap, 0, none_ok=True)
+        _whole("threads", self.threads, 1)
+        _whole("memory_budget", self.memory_budget, 1)
+        _whole("max_gap", self.max_gap, 0)
         if self.read_once is not None and not isinstance(self.read_once, bool):
             raise ValueError(f"read_once must be None, True or False, not {self.read_once!r}")
         _seconds("timeout_s", self.timeout_s)

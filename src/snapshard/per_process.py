@@ -23,7 +23,7 @@ import numpy as np
 
 from .dtypes import dtype_from_name, dtype_name
 from .errors import CorruptCheckpointError, UnsupportedLeafError
-from .format.manifest import decode_value, encode_value
+from .format.values import decode_value, encode_value
 
 # resplit(leaf name, the saved values by process, this process, process count) -> value
 Resplit = Callable[[str, list[Any], int, int], Any]

@@ -95,13 +95,12 @@ def build_from_host(
     target: Any,
     boxes: Mapping[tuple[tuple[int, ...], tuple[int, ...]], np.ndarray],
     url: str,
-    mesh: Any = None,
 ) -> Any:
     """`target`'s leaf of the saved array `saved`, built as `load` builds it (the target's
     sharding, shape and dtype checked against `saved`) from host data instead of storage:
     `boxes` maps boxes (start, stop) of the saved array to their values, and covers the
     boxes this process holds for the target."""
-    req = make_request(saved, target, url, mesh)
+    req = make_request(saved, target, url)
     dtype = dtype_from_name(saved.dtype)
     for d in req.dests():
         buf = d.buf.view(dtype).reshape(d.shape)

@@ -14,7 +14,7 @@ import numpy as np
 from .dtypes import dtype_name, little_endian
 from .errors import UnsupportedLeafError
 from .format.kinds import LeafKind
-from .format.manifest import PerProcessLeaf, ValueLeaf
+from .format.leaves import PerProcessLeaf, ValueLeaf
 from .frameworks import is_jax_array, jax_wing
 from .iterators import is_data_iterator, iterator_record
 from .per_process import PerProcess, checked

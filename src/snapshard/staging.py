@@ -223,14 +223,6 @@ class StagedItem:
 Snapshot = dict[int, dict[Box, np.ndarray]]
 
 
-def _on_host(data: Any, asynchronous: bool = True) -> np.ndarray | None:
-    """The zero-copy host view of a CPU shard where that is safe (`asynchronous`: the view
-    outlives the call that staged it), else None."""
-    if data.device.platform != "cpu":
-        return None
-    return np.asarray(data) if _views_safe(asynchronous) else None
-
-
 def _views_safe(asynchronous: bool) -> bool:
     """Whether a CPU shard may be staged as a view of its buffer (see the module's doc)."""
     return not asynchronous or jax_wing().cpu_donation_keeps_memory()  # a jax.Array is staged
@@ -258,18 +250,13 @@ def host_snapshot(arrays: list[tuple[int, SaveArray]], process: int) -> Snapshot
                 continue
             seen.add(box)
             data = shards[arr.devices[row]].data
-            view = _on_host(data)
-            if view is not None:
-                boxes[box] = view
+            if data.device.platform == "cpu" and _views_safe(True):  # (the view outlives the call)
+                boxes[box] = np.asarray(data)
             else:
                 data.copy_to_host_async()
                 pending.append((boxes, box, data))
-    for boxes, box, data in pending:
-        boxes[box] = (
-            np.array(np.asarray(data), copy=True)
-            if data.device.platform == "cpu"
-            else np.asarray(data)
-        )
+    for boxes, box, data in pending:  # a CPU shard's view copied: its buffer may be donated
+        boxes[box] = np.array(data) if data.device.platform == "cpu" else np.asarray(data)
     return out
 
 

@@ -40,6 +40,7 @@ import snapshard.torch as sst
 from snapshard.errors import TargetMismatchError
 from snapshard.format.reading import read_manifest
 from snapshard.storage import storage_for
+from snapshard.torch.dtypes import from_numpy, host_view
 
 _EXPORT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 _BYTES = "__snapshard_bytes__"
@@ -62,26 +63,16 @@ def _decode(value: Any) -> Any:
         if set(value) == {_BYTES}:
             return np.asarray(value[_BYTES], dtype=np.uint8).tobytes()
         return {k: _decode(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_decode(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_decode(v) for v in value)
     return value
 
 
-def _to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
 def _from_numpy(a: np.ndarray) -> torch.Tensor:
-    if a.dtype.name == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(a))
+    t = from_numpy(np.ascontiguousarray(a))
+    if t is None:
+        raise TypeError(f"torch has no dtype for {a.dtype}")
+    return t
 
 
 class CheckpointManager(BaseCheckpointManager):
@@ -232,7 +223,7 @@ class CheckpointManager(BaseCheckpointManager):
         path = os.path.join(self.folder, f"step-{step}-hf")
         sts.save(
             path,
-            {name: _to_numpy(t) for name, t in hf.items()},
+            {name: host_view(t.cpu().contiguous()) for name, t in hf.items()},
             metadata={"format": "pt"},
             coordinator=sst.default_coordinator(),
             overwrite=True,

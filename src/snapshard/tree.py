@@ -119,10 +119,10 @@ def _walk(node: Any, path: Path, flat: _Walk) -> JsonNode:
             "k": fields,
             "c": [_walk(getattr(node, f), (*path, f), flat) for f in fields],
         }
+    kind = f"{type(node).__module__}.{type(node).__qualname__}"
     try:
         children = _one_level(node, path)
     except ValueError:
-        kind = f"{type(node).__module__}.{type(node).__qualname__}"
         hint = (
             " here: torch state is saved with snapshard.torch (save, load, CheckpointManager)"
             if kind.startswith("torch.")
@@ -131,16 +131,11 @@ def _walk(node: Any, path: Path, flat: _Walk) -> JsonNode:
         raise UnsupportedLeafError(
             f"leaf {path_str(path)!r}: values of type {kind} cannot be saved{hint}"
         ) from None
-    keys_out: list[PathKey] = []
-    kids: list[JsonNode] = []
-    for k, child in children:
-        keys_out.append(k)
-        kids.append(_walk(child, (*path, k), flat))
     return {
         "t": "node",
-        "name": f"{type(node).__module__}.{type(node).__qualname__}",
-        "k": keys_out,
-        "c": kids,
+        "name": kind,
+        "k": [k for k, _ in children],
+        "c": [_walk(child, (*path, k), flat) for k, child in children],
     }
 
 
@@ -274,14 +269,8 @@ class ClassesLostWarning(UserWarning):
     """A restore without a target turned namedtuples or other registered classes into dicts."""
 
 
-def lost_classes(structure: JsonNode) -> list[tuple[Path, str]]:
-    """(path, class name) of every namedtuple or registered class node, in tree order."""
-    out: list[tuple[Path, str]] = []
-    _classes(structure, (), out)
-    return out
-
-
 def _classes(node: Any, path: Path, out: list[tuple[Path, str]]) -> None:
+    """(path, class name) of every namedtuple or registered class node, in tree order."""
     if not isinstance(node, dict):
         return
     t = node.get("t")
@@ -303,7 +292,8 @@ def warn_lost_classes(structure: JsonNode, hint: str = JAX_TARGET_HINT) -> None:
     """Warn (ClassesLostWarning) when rebuilding `structure` without a target turns class
     instances into dicts: name the first one and say (`hint`) how to get the classes back.
     The warning points at the caller's line, the first frame outside snapshard."""
-    lost = lost_classes(structure)
+    lost: list[tuple[Path, str]] = []
+    _classes(structure, (), lost)
     if not lost:
         return
     path, name = lost[0]

@@ -14,7 +14,6 @@ to.
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -163,38 +162,26 @@ def row_slabs(
 
 
 def to_safetensors(
-    reader: CheckpointReader,
-    dst: str,
-    out: Output,
-    overwrite: bool,
-    slab_bytes: int,
-    names: Any = None,
-    max_file_bytes: int | None = None,
+    reader: CheckpointReader, out: Output, args: argparse.Namespace
 ) -> dict[str, Any]:
-    try:
-        # Written alongside this module; looked up at run time so that either can ship first.
-        st = importlib.import_module("snapshard.safetensors")
-    except ImportError:
-        raise SnapshardError(
-            "writing safetensors needs snapshard.safetensors, which this installation does not have"
-        ) from None
-    names = names if names is not None else st.ExportNames()
-    chosen, skipped = _chosen_leaves(reader.manifest, names, st.export.leaf_name)
+    from ..safetensors import export as st  # (imported by this command only)
+
+    names = st.export_names(args.select, args.rename, args.transpose, args.prng_keys)
+    chosen, skipped = _chosen_leaves(reader.manifest, names, st.leaf_name)
     tensors = []
     renamed: dict[str, str] = {}
     for (_, leaf), (_, new, transpose) in zip(
         chosen, names.plan([n for n, _ in chosen]), strict=True
     ):
         shape = tuple(reversed(leaf.shape)) if transpose else leaf.shape
-        slabs = _slabs_of(reader, leaf, slab_bytes, transpose)
+        slabs = _slabs_of(reader, leaf, args.chunk_bytes, transpose)
         tensors.append(st.StreamedTensor(new, dtype_from_name(leaf.dtype), shape, slabs))
         renamed[new] = leaf.name
     with out.progress(sum(leaf.nbytes for _, leaf in chosen), "convert") as bar:
-        result = st.save_streamed(
-            dst, tensors, overwrite=overwrite, progress=bar.update, max_file_bytes=max_file_bytes
-        )
+        result = st.save_streamed(args.dst, tensors, overwrite=args.overwrite,
+                                  progress=bar.update, max_file_bytes=args.max_file_bytes)  # fmt: skip
     return {
-        "destination": os.path.abspath(dst),
+        "destination": os.path.abspath(args.dst),
         "skipped": skipped,
         "files": result.files,
         "names": renamed,
@@ -311,23 +298,16 @@ def _run_dcp(args: argparse.Namespace, out: Output) -> int:
 
 
 def _run(args: argparse.Namespace, out: Output) -> int:
-    chunk_bytes = args.chunk_bytes
     if _is_dcp(args.src):
         return _run_dcp(args, out)
     with open_for_command(args.src, "convert") as reader:
         if args.to == "snapshard":
             with storage_for(args.dst) as dst:
                 check_destination(reader.url, dst.url)
+            result = to_snapshard(reader, args.dst, out, args.overwrite, args.chunk_bytes)
         else:
             check_destination(reader.url, args.dst)
-        if args.to == "snapshard":
-            result = to_snapshard(reader, args.dst, out, args.overwrite, chunk_bytes)
-        else:
-            st = importlib.import_module("snapshard.safetensors")
-            names = st.export_names(args.select, args.rename, args.transpose, args.prng_keys)
-            result = to_safetensors(
-                reader, args.dst, out, args.overwrite, chunk_bytes, names, args.max_file_bytes
-            )
+            result = to_safetensors(reader, out, args)
         m = reader.manifest
         doc = {
             "source": reader.url,

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..format import ArrayLeaf, Leaf, Manifest
 from ..format.kinds import LeafKind
-from ..format.manifest import PerProcessLeaf
+from ..format.leaves import PerProcessLeaf
 from .ls import open_for_command
 from .options import add_listing_options, name_selector, shown_count
 from .output import (

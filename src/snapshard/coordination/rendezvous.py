@@ -52,10 +52,6 @@ _LEFT_AFTER_OUTCOME = ["outcome", "seen", "ready"] + [
 _RELIST_S = 1.0
 
 
-def _error_text(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
-
-
 _relay_classes: dict[str, type[CoordinationError]] = {}
 
 
@@ -132,7 +128,7 @@ class Rendezvous:
     def report(self, key: str, error: BaseException | None = None, **payload: Any) -> None:
         doc = {
             "ok": error is None,
-            "error": None if error is None else _error_text(error),
+            "error": None if error is None else f"{type(error).__name__}: {error}",
             "error_type": None if error is None else type(error).__name__,
             # what a failure tells the other processes beyond its text (see `relay`)
             "relay": getattr(error, "relay", None),
@@ -345,8 +341,6 @@ def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> Non
     if me != 0:
         sub.report_own("ok", error)
         sub.await_outcome()  # raises the outcome's error, naming the failing process
-        if error is not None:  # (the outcome always reports it; never reached)
-            raise error
         return
     failure: CoordinationError | None = None
     if error is not None:

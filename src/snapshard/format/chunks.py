@@ -115,20 +115,6 @@ class ChunkTable:
             starts, stops, cols["file"], cols["offset"], cols["nbytes"], cols["block"], crcs
         )
 
-    def rows(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "start": self.starts[i].tolist(),
-                "stop": self.stops[i].tolist(),
-                "file": int(self.file[i]),
-                "offset": int(self.offset[i]),
-                "nbytes": int(self.nbytes[i]),
-                "block": int(self.block[i]),
-                "crc32c": self.crc32c[i],
-            }
-            for i in range(len(self))
-        ]
-
     def intern_boxes(self, seen: dict[bytes, tuple[np.ndarray, np.ndarray]]) -> None:
         """Share the box columns with an earlier table of equal boxes (one index serves both)."""
         self.starts, self.stops = shared_boxes(seen, self.starts, self.stops)
@@ -180,30 +166,28 @@ def concat_optional(columns: list[np.ndarray | None], lengths: list[int]) -> np.
     )
 
 
-class _LoadedFirst:
-    """A field of LazyChunkTable that ChunkTable gives a class default: read before the
-    table is fetched, it fetches it (the default would be read instead of __getattr__ being
-    called). Once fetched, the instance's own value is found first."""
+class _Deferred:
+    """A field that ChunkTable gives a class default, of a table that makes its fields when
+    first read (LazyChunkTable: fetched; RowsTable: sliced from its source's): the default
+    would be read instead of __getattr__ being called. Once made, the instance's own value
+    is found first."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
 
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        obj.fetch()
-        return obj.__dict__[self.name]
+        return self if obj is None else obj.column(self.name)
 
 
 class LazyChunkTable(ChunkTable):
     """The chunks of a v2 array, fetched from the record files on first use (tools such as
     verify and diff that walk every chunk; a restore fetches only what its boxes touch)."""
 
-    crc_offset = _LoadedFirst()
-    flags = _LoadedFirst()
-    file_keys = _LoadedFirst()
-    nblocks = _LoadedFirst()
-    rows_of = _LoadedFirst()
+    crc_offset = _Deferred()
+    flags = _Deferred()
+    file_keys = _Deferred()
+    nblocks = _Deferred()
+    rows_of = _Deferred()
 
     def __init__(self, load: Callable[[], ChunkTable]):  # no fields yet: see __getattr__
         self.__dict__["_load"] = load
@@ -215,24 +199,15 @@ class LazyChunkTable(ChunkTable):
             t = load()
             self.__dict__.update({f.name: getattr(t, f.name) for f in fields(ChunkTable)})
 
+    def column(self, name: str) -> Any:
+        self.fetch()
+        return self.__dict__[name]
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or "_load" not in self.__dict__:
             raise AttributeError(name)
         self.fetch()
         return getattr(self, name)
-
-
-class _Sliced:
-    """A column of a RowsTable that ChunkTable gives a class default: its rows of the
-    source's column, sliced when first read (then the instance's own value is found)."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-
-    def __get__(self, obj: Any, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return obj.column(self.name)
 
 
 class RowsTable(ChunkTable):
@@ -241,9 +216,9 @@ class RowsTable(ChunkTable):
     source's columns at once (reading.plan, by `rows_of`): most of these views would be
     made and freed unread, several per array."""
 
-    crc_offset = _Sliced()
-    flags = _Sliced()
-    nblocks = _Sliced()
+    crc_offset = _Deferred()
+    flags = _Deferred()
+    nblocks = _Deferred()
 
     def __init__(
         self, source: ChunkTable, lo: int, hi: int, starts: np.ndarray, stops: np.ndarray

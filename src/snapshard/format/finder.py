@@ -15,8 +15,8 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
-from typing import TYPE_CHECKING, Any
+from functools import cached_property, partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from .validate import check_array_rows
 if TYPE_CHECKING:
     from ..storage import Storage
 
+T = TypeVar("T")
 BoundsArrays = tuple[np.ndarray, np.ndarray]  # a box as (start, stop) arrays
 # Reads of one record file closer than this are merged into one (`ChunkFinder._read`).
 _MERGE_GAP = 64 << 10
@@ -62,7 +63,6 @@ class ChunkFinder:
 
     storage: Storage
     manifest: Manifest
-    threads: int = RECORD_READ_THREADS
     metadata_bytes: int = 0  # record bytes read so far
     _holders: dict[tuple[Any, ...], Any] = field(default_factory=dict)
     _meshes: dict[int, Mesh] = field(default_factory=dict)
@@ -126,7 +126,7 @@ class ChunkFinder:
         d = self.manifest.layouts[leaf.layout] if leaf.layout is not None else {}
         grid = None
         if d.get("kind") == "mesh":
-            lay = self._layout(leaf)  # validates the description (and is cheap to build)
+            self._layout(leaf)  # validates the description (and is cheap to build)
             mesh = self._meshes[d["mesh"]]
             spec: list[list[str]] = d["spec"]
             used = [mesh.axes.index(a) for axes in spec for a in axes]
@@ -135,7 +135,6 @@ class ChunkFinder:
             t = mesh.processes.reshape(mesh.shape).transpose(used + rest)
             t = t.reshape([*pieces, -1])
             steps = np.asarray([n // k for n, k in zip(leaf.shape, pieces, strict=True)], np.int64)
-            del lay
             grid = (t, np.maximum(steps, 1))
         self._holders[key] = grid
         return grid
@@ -229,7 +228,7 @@ class ChunkFinder:
         raw, pos = self._read_spans(name, at, at + rec.DIR_ENTRY_SIZE)
         whole = np.frombuffer(raw, rec.DIR_ENTRY)
         entries = whole[pos // rec.DIR_ENTRY_SIZE]
-        ndim = self._ndims()[a]
+        ndim = self._ndims[a]
         count = entries["count"].astype(np.int64)
         offset = entries["offset"].astype(np.int64)
         length = count * (rec.RECORD_FIXED.itemsize + 16 * ndim)
@@ -283,13 +282,7 @@ class ChunkFinder:
             for q in self.candidates(leaf, boxes).tolist():
                 by_process.setdefault(q, []).append(self.index[id(leaf)])
         items = sorted(by_process.items())
-        if self.threads > 1 and len(items) > 1:
-            with ThreadPoolExecutor(min(self.threads, len(items)), "snapshard-records") as pool:
-                results = list(
-                    pool.map(lambda qa: self._fetch_hashed(qa[0], qa[1], hash_fn), items)
-                )
-        else:
-            results = [self._fetch_hashed(q, a, hash_fn) for q, a in items]
+        results = _each(partial(self._fetch_hashed, hash_fn=hash_fn), items)
         out: dict[int, list[tuple[int, rec.Records, np.ndarray | None]]] = {
             id(leaf): [] for leaf, _ in wants
         }
@@ -367,11 +360,7 @@ class ChunkFinder:
             for q in procs:
                 by_process.setdefault(q, []).extend(some)
         items = sorted((q, sorted(a)) for q, a in by_process.items())
-        if self.threads > 1 and len(items) > 1:
-            with ThreadPoolExecutor(min(self.threads, len(items)), "snapshard-records") as pool:
-                results = list(pool.map(lambda qa: self._fetch_process(*qa), items))
-        else:
-            results = [self._fetch_process(q, a) for q, a in items]
+        results = _each(self._fetch_process, items)
         out = self._assemble(leaves, [f for got in results for f in got.values()])
         out.update(empty)
         return out
@@ -384,14 +373,14 @@ class ChunkFinder:
         process in one table, sorted by leaf and box, checked at once (check_array_rows),
         then cut into the leaves' own tables (views), leaves with equal boxes sharing their
         box columns (one index serves them in the restore)."""
-        ndims = self._ndims()
+        ndims = self._ndims
         by_ndim: dict[int, list[int]] = {}
         for a in sorted(leaves):  # (ascending: searched below)
             by_ndim.setdefault(int(ndims[a]), []).append(a)
         fetched: dict[int, list[_Fetched]] = {}
         for f in found:
             fetched.setdefault(f.ndim, []).append(f)
-        sizes = self._per_process()[2]
+        sizes = self._per_process[2]
         out: dict[int, ChunkTable] = {}
         for nd, ids in by_ndim.items():
             group = [leaves[a] for a in ids]
@@ -452,30 +441,23 @@ class ChunkFinder:
         """The leaf, named in errors (made only for one)."""
         return f"{self.storage.url}, leaf {leaf.name!r}"
 
+    @cached_property
     def _ndims(self) -> np.ndarray:
         """Each leaf's number of axes (0 for leaves without chunks), computed once."""
-        got = self.__dict__.get("_ndims_cache")
-        if got is None:
-            got = np.asarray(
-                [len(x.shape) if isinstance(x, ArrayLeaf) else 0 for x in self.manifest.leaves],
-                np.int64,
-            )
-            self.__dict__["_ndims_cache"] = got
-        return got
+        leaves = self.manifest.leaves
+        return np.asarray(
+            [len(x.shape) if isinstance(x, ArrayLeaf) else 0 for x in leaves], np.int64
+        )
 
+    @cached_property
     def _per_process(self) -> tuple[np.ndarray, list[int], np.ndarray, np.ndarray | None]:
         """Each process's first global file number, its data file count, every data file's
         size and (2.1) name key, computed once: per leaf they would cost O(processes) each."""
-        got = self.__dict__.get("_per_process_cache")
-        if got is None:
-            m = self.manifest
-            table = m.processes
-            assert table is not None
-            sizes = np.asarray([f.size for f in m.files], dtype=np.int64)
-            keys = np.asarray([f.key or 0 for f in m.files], np.int64) if m.bound else None
-            got = (table.base, [len(s) for s in table.data_sizes], sizes, keys)
-            self.__dict__["_per_process_cache"] = got
-        return got
+        m, table = self.manifest, self.manifest.processes
+        assert table is not None
+        sizes = np.asarray([f.size for f in m.files], dtype=np.int64)
+        keys = np.asarray([f.key or 0 for f in m.files], np.int64) if m.bound else None
+        return table.base, [len(s) for s in table.data_sizes], sizes, keys
 
     def full_table(self, leaf: ArrayLeaf) -> ChunkTable:
         """Every chunk of an array (for tools that walk them all)."""
@@ -487,6 +469,14 @@ class ChunkFinder:
                 f"the manifest says {leaf.chunk_count}"
             )
         return t
+
+
+def _each(fn: Callable[[int, list[int]], T], items: list[tuple[int, list[int]]]) -> list[T]:
+    """fn(q, leaves) of every record file, many at once (reads bound by the store's latency)."""
+    if len(items) < 2:
+        return [fn(q, a) for q, a in items]
+    with ThreadPoolExecutor(min(RECORD_READ_THREADS, len(items)), "snapshard-records") as pool:
+        return list(pool.map(lambda qa: fn(*qa), items))
 
 
 def span_heads(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -540,7 +530,7 @@ class _Fetched:
         of many leaves: `ChunkFinder._assemble` cuts it up)."""
         m, q, r = finder.manifest, self.process, self.recs
         assert m.processes is not None
-        base, nfiles_of, _, file_keys = finder._per_process()
+        base, nfiles_of, _, file_keys = finder._per_process
         n, nd = len(r), r["start"].shape[1] if r["start"].ndim > 1 else 0
         starts = r["start"].astype(np.int64).reshape(n, nd)
         stops = r["stop"].astype(np.int64).reshape(n, nd)
@@ -549,13 +539,16 @@ class _Fetched:
         if flags.any():  # references or codecs (most records have no flags at all)
             ref = (flags & rec.FLAG_REFERENCE) != 0
             codec = (flags & rec.CODEC_MASK) >> rec.CODEC_SHIFT
-            unknown = ((flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)) != 0) | (
-                codec > max(rec.CODECS)
-            )
-            if unknown.any():
-                i = int(np.flatnonzero(unknown)[0])
-                _check_flags(flags[i : i + 1], codec[i : i + 1],
-                             f"{self._where(finder, i)}: a record of {m.processes.record_name(q)}")  # fmt: skip
+            bits = flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)
+            unknown = np.flatnonzero((bits != 0) | (codec > max(rec.CODECS)))
+            if len(unknown):  # the first such record, its flag bits named first
+                i = int(unknown[0])
+                at = f"{self._where(finder, i)}: a record of {m.processes.record_name(q)}"
+                raise CorruptCheckpointError(
+                    f"{at} has unknown flag bits {int(bits[i]):#x}, which this version does not read"
+                    if bits[i]
+                    else f"{at} uses codec {int(codec[i])}, which this version does not read"
+                )
             bad = np.where(ref, file >= len(m.refs), file >= nfiles_of[q])
             file = np.where(ref, int(base[-1]) + file, base[q] + file)
         else:
@@ -572,22 +565,6 @@ class _Fetched:
         codecs = None if codec is None else flags & rec.CODEC_MASK
         return ChunkTable(starts, stops, file, offset, nbytes, block, [], crc_offset, codecs,
                           file_keys, nblocks)  # fmt: skip
-
-
-def _check_flags(flags: np.ndarray, codec: np.ndarray, where: str) -> None:
-    """Record flags this version implements: the reference bit and a known codec."""
-    unknown_bits = flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)
-    if np.any(unknown_bits):
-        bits = int(unknown_bits[np.flatnonzero(unknown_bits)[0]])
-        raise CorruptCheckpointError(
-            f"{where} has unknown flag bits {bits:#x}, which this version does not read"
-        )
-    unknown_codec = codec > max(rec.CODECS)
-    if np.any(unknown_codec):
-        raise CorruptCheckpointError(
-            f"{where} uses codec {int(codec[np.flatnonzero(unknown_codec)[0]])}, which this "
-            "version does not read"
-        )
 
 
 def _check_found(

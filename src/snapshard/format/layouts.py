@@ -21,6 +21,7 @@ import base64
 import math
 import zlib
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -80,14 +81,11 @@ class Mesh:
             raise CorruptCheckpointError(f"{where}: mesh of {n} devices is too large")
         return Mesh(axes, shape, unpack_ints(d.get("processes"), n, where))
 
+    @cached_property
     def key(self) -> tuple[Any, ...]:
         """A hashable identity, made once per mesh: the committer looks it up for every leaf,
         and remaking it copies and hashes one integer per device each time."""
-        k = self.__dict__.get("_key")
-        if k is None:
-            k = (self.axes, self.shape, self.processes.tobytes())
-            object.__setattr__(self, "_key", k)  # a cache, not a field: frozen stays frozen
-        return k
+        return (self.axes, self.shape, self.processes.tobytes())
 
 
 def mesh_layout(

@@ -88,7 +88,7 @@ def _path_from_json(p: Any, where: str) -> Path:
     return tuple(p)
 
 
-def leaf_to_json(leaf: Leaf, chunks: bool = True) -> dict[str, Any]:
+def leaf_to_json(leaf: Leaf) -> dict[str, Any]:
     if isinstance(leaf, PerProcessLeaf):
         return {"path": list(leaf.path), "kind": LeafKind.PER_PROCESS}
     if isinstance(leaf, ValueLeaf):
@@ -112,8 +112,6 @@ def leaf_to_json(leaf: Leaf, chunks: bool = True) -> dict[str, Any]:
         out["writers"] = list(leaf.writers)
     if leaf.chunk_count is not None:
         out["chunk_count"] = leaf.chunk_count
-    if chunks:
-        out["chunks"] = leaf.chunks.rows()
     return out
 
 

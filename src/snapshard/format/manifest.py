@@ -30,93 +30,19 @@ from ..checksum import crc32c
 from ..errors import CorruptCheckpointError
 from ..tree import JsonNode, Path
 from . import json_pieces
-from .bounds import (
-    MAX_BYTES,
-    MAX_DEPTH,
-    MAX_DIM,
-    MAX_FILES_PER_PROCESS,
-    MAX_NDIM,
-    MAX_PROCESSES,
-    bounded_int,
-)
-from .chunks import (
-    MAX_BLOCKS_PER_CHUNK,
-    MIN_CHECKSUM_BLOCK,
-    ChunkTable,
-    LazyChunkTable,
-    checksum_block,
-)
+from .bounds import MAX_BYTES, MAX_PROCESSES, bounded_int
 from .files import FileEntry, ProcessTable
-from .kinds import ARRAY_KINDS, LeafKind
-from .leaves import (
-    ArrayLeaf,
-    Leaf,
-    PerProcessLeaf,
-    ValueLeaf,
-    interned,
-    leaf_from_json,
-    leaf_to_json,
-)
+from .leaves import ArrayLeaf, Leaf, interned, leaf_from_json, leaf_to_json
 from .naming import (
     CHECKSUM_KEY,
-    DATA_DIR,
     FORMAT_MINOR,
     FORMAT_NAME,
     FORMAT_VERSION,
-    INDEX_DIR,
-    INDEX_FORMAT_NAME,
     LEAF_MAP_MINOR,
-    MANIFEST_NAME,
     READ_VERSIONS,
     check_file_name,
-    data_file_name,
-    record_file_name,
-    values_file_name,
 )
 from .refs import ref_files
-from .values import decode_value, encode_value
-
-__all__ = [
-    "ARRAY_KINDS",
-    "CHECKSUM_KEY",
-    "DATA_DIR",
-    "FORMAT_MINOR",
-    "FORMAT_NAME",
-    "FORMAT_VERSION",
-    "INDEX_DIR",
-    "INDEX_FORMAT_NAME",
-    "MANIFEST_NAME",
-    "MAX_BLOCKS_PER_CHUNK",
-    "MAX_BYTES",
-    "MAX_DEPTH",
-    "MAX_DIM",
-    "MAX_FILES_PER_PROCESS",
-    "MAX_NDIM",
-    "MAX_PROCESSES",
-    "MIN_CHECKSUM_BLOCK",
-    "READ_VERSIONS",
-    "ArrayLeaf",
-    "ChunkTable",
-    "FileEntry",
-    "LazyChunkTable",
-    "Leaf",
-    "LeafKind",
-    "Manifest",
-    "ManifestSummary",
-    "PerProcessLeaf",
-    "ProcessTable",
-    "ValueLeaf",
-    "bounded_int",
-    "check_file_name",
-    "checksum_block",
-    "data_file_name",
-    "decode_value",
-    "encode_value",
-    "leaf_from_json",
-    "leaf_to_json",
-    "record_file_name",
-    "values_file_name",
-]
 
 
 @dataclass
@@ -203,7 +129,7 @@ class Manifest:
             "write_mode": self.write_mode,
             "total_bytes": self.total_bytes,
             "tree": self.structure,
-            "leaves": [leaf_to_json(leaf, chunks=False) for leaf in self.leaves],
+            "leaves": [leaf_to_json(leaf) for leaf in self.leaves],
             "meshes": self.meshes,
             "layouts": self.layouts,
             "processes": self.processes.to_json(),

@@ -9,7 +9,6 @@ from typing import Any
 from ..errors import CorruptCheckpointError
 
 FORMAT_NAME = "snapshard"
-INDEX_FORMAT_NAME = "snapshard-index"
 FORMAT_VERSION = 2
 # 2.1 binds every checksum to its file (format.binding). The manifest states it as the
 # string "2.1": a reader of 2.0 refuses it by name instead of failing every checksum.

@@ -135,10 +135,6 @@ class ChunkRecord(NamedTuple):
         """Where the next chunk starts in the file."""
         return self.crc_offset + self.tables()
 
-    def packed_saved(self) -> int:
-        """Bytes compression saved on this chunk (0 when stored plain)."""
-        return self.nbytes - (self.crc_offset - self.offset) if self.codec else 0
-
 
 def codec_of(flags: int) -> int:
     """The codec number in a record's flags (0: stored plain)."""
@@ -335,17 +331,14 @@ def directory_offset(leaf: int) -> int:
     return HEADER_SIZE + leaf * DIR_ENTRY_SIZE
 
 
-def digest_range(leaves: int) -> tuple[int, int]:
-    start = HEADER_SIZE + leaves * DIR_ENTRY_SIZE
-    return start, start + leaves * DIGEST.itemsize
-
-
 def staged_digests(data: bytes) -> np.ndarray | None:
     """The digests of a record file just written (the committer's check that processes
     saved the same tree), its leaf count taken from its own header; None if it is short."""
     if len(data) < HEADER_SIZE:
         return None
-    a, b = digest_range(int(HEADER.unpack_from(data)[3]))
+    n = int(HEADER.unpack_from(data)[3])
+    a = directory_offset(n)
+    b = a + n * DIGEST.itemsize
     return np.frombuffer(data[a:b], DIGEST) if len(data) >= b else None
 
 

@@ -137,6 +137,15 @@ def start_cpu_donation_check() -> None:
         threading.Thread(target=cpu_donation_keeps_memory, name="snapshard-probe").start()
 
 
+def spec_axes(entry: Any) -> list[str]:
+    """The mesh axes of one entry of a PartitionSpec."""
+    if entry is None:
+        return []
+    if isinstance(entry, tuple | list):
+        return [str(a) for a in entry]
+    return [str(entry)]
+
+
 def mesh_and_spec(sharding: Any, ndim: int) -> MeshSpec | None:
     """A NamedSharding as (mesh axis names, axis sizes, process of each mesh position, and
     per array axis the mesh axes it is cut over), for the manifest's compact layouts; None
@@ -148,15 +157,7 @@ def mesh_and_spec(sharding: Any, ndim: int) -> MeshSpec | None:
     if devices is None:  # an abstract mesh has no devices
         return None
     processes = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(devices).reshape(-1)
-    spec: list[list[str]] = []
-    for i in range(ndim):
-        p = sharding.spec[i] if i < len(sharding.spec) else None
-        if p is None:
-            spec.append([])
-        elif isinstance(p, tuple | list):
-            spec.append([str(a) for a in p])
-        else:
-            spec.append([str(p)])
+    spec = [spec_axes(sharding.spec[i] if i < len(sharding.spec) else None) for i in range(ndim)]
     return (
         tuple(str(a) for a in mesh.axis_names),
         tuple(int(s) for s in devices.shape),

@@ -21,13 +21,20 @@ def _is_deadline(e: BaseException) -> bool:
     return "DEADLINE_EXCEEDED" in str(e) or "timed out" in str(e).lower()
 
 
-def _call(what: str, fn: Callable[[], T]) -> T:
+def _ms(timeout_s: float) -> int:
+    return max(1, int(timeout_s * 1000))
+
+
+def _call(what: str, fn: Callable[[], T], late: str | None = None) -> T:
     """One call of the coordination client; a lost coordination service (it runs inside
     process 0) becomes a CoordinationError naming process 0, any other runtime error a
-    CoordinationError naming the call. Deadlines are left to the caller."""
+    CoordinationError naming the call. A deadline is a TimeoutError saying `late`, where
+    given, else left to the caller."""
     try:
         return fn()
     except Exception as e:
+        if _is_deadline(e) and late is not None:  # the runtime's own error type for deadlines
+            raise TimeoutError(late) from None
         if _is_deadline(e) or "NOT_FOUND" in str(e) or "ALREADY_EXISTS" in str(e):
             raise
         first = str(e).split("\n", 1)[0][:300]
@@ -62,19 +69,11 @@ class JaxDistributedCoordinator(Coordinator):
         )
 
     def get(self, key: str, timeout_s: float) -> str:
-        try:
-            return str(
-                _call(
-                    f"wait for {key!r}",
-                    lambda: self._client.blocking_key_value_get(key, max(1, int(timeout_s * 1000))),
-                )
-            )
-        except CoordinationError:
-            raise
-        except Exception as e:  # the runtime raises its own error type for deadlines
-            if _is_deadline(e):
-                raise TimeoutError(f"key {key!r} not set within {timeout_s:g} s") from None
-            raise
+        late = f"key {key!r} not set within {timeout_s:g} s"
+        return str(
+            _call(f"wait for {key!r}",
+                  lambda: self._client.blocking_key_value_get(key, _ms(timeout_s)), late)
+        )  # fmt: skip
 
     def try_get(self, key: str) -> str | None:
         try:
@@ -87,24 +86,13 @@ class JaxDistributedCoordinator(Coordinator):
             raise
 
     def barrier(self, name: str, timeout_s: float) -> None:
-        try:
-            _call(
-                f"barrier {name!r}",
-                lambda: self._client.wait_at_barrier(name, max(1, int(timeout_s * 1000))),
-            )
-        except CoordinationError:
-            raise
-        except Exception as e:
-            if _is_deadline(e):
-                raise TimeoutError(f"barrier {name!r} not reached within {timeout_s:g} s") from None
-            raise
+        late = f"barrier {name!r} not reached within {timeout_s:g} s"
+        _call(f"barrier {name!r}", lambda: self._client.wait_at_barrier(name, _ms(timeout_s)), late)
 
     def get_dir(self, prefix: str) -> dict[str, str]:
         base = prefix.rstrip("/") + "/"
         pairs = _call(f"listing of {base!r}", lambda: self._client.key_value_dir_get(base))
-        return {
-            str(k)[len(base) :] if str(k).startswith(base) else str(k): str(v) for k, v in pairs
-        }
+        return {str(k).removeprefix(base): str(v) for k, v in pairs}
 
     def delete(self, prefix: str, keys: Sequence[str] | None = None) -> None:
         base = prefix.rstrip("/")

@@ -44,7 +44,7 @@ from ..format.leaves import ArrayLeaf, ValueLeaf
 from ..manager.tier_config import LocalTier, RestoreReport, TierReport
 from ..options import SaveOptions
 from ..planning.layout import Box
-from ..reading import aligned_empty
+from ..reading import ReadStats, aligned_empty
 from ..restore import build_from_host, is_target_leaf
 from ..save_leaves import SaveArray
 from ..saving import classify_leaves, finish, prepare
@@ -102,11 +102,7 @@ def target_fingerprint(t: Any) -> str:
     ):
         return fingerprint("device", tuple(t.shape), t.sharding)
     if isinstance(t, np.ndarray | np.generic | jax.ShapeDtypeStruct):
-        return fingerprint(
-            "host",
-            tuple(np.shape(t)) if not isinstance(t, jax.ShapeDtypeStruct) else tuple(t.shape),
-            None,
-        )
+        return fingerprint("host", tuple(np.shape(t)), None)
     return fingerprint("value", (), None)
 
 
@@ -119,14 +115,12 @@ def process_boxes(arr: SaveArray, process: int) -> list[Box]:
 
 def shard_bytes(leaves: Sequence[Any], process: int) -> int:
     """The size of pack_shards(..., process): every process can compute every other's."""
-    total = 0
-    for leaf in leaves:
-        if isinstance(leaf, SaveArray) and leaf.devices is not None:
-            for start, stop in process_boxes(leaf, process):
-                total += (
-                    math.prod(b - a for a, b in zip(start, stop, strict=True)) * leaf.dtype.itemsize
-                )
-    return total
+    return sum(
+        math.prod(b - a for a, b in zip(*box, strict=True)) * leaf.dtype.itemsize
+        for leaf in leaves
+        if isinstance(leaf, SaveArray) and leaf.devices is not None
+        for box in process_boxes(leaf, process)
+    )
 
 
 def pack_shards(leaves: Sequence[Any], snapshot: Snapshot, process: int) -> np.ndarray:
@@ -272,20 +266,16 @@ class LocalStore:
             at += size
         move_into_place(tmp, final, replace=True)
 
-    def read_own(self, step: int) -> tuple[dict[str, Any], list[TreePath], int]:
-        """This process's own local checkpoint of `step`: entries by path string, paths, bytes read."""
-        from ..reading import ReadStats
-
+    def read_own(self, step: int) -> tuple[dict[str, Any], int]:
+        """This process's own local checkpoint of `step`: entries by path string, bytes read."""
         storage = LocalStorage(self.step_dir(step) / "own")
         extra = _read_extra(storage)
         stats = ReadStats()
         data = load(storage, stats=stats)
         paths = [tuple(p) for p in extra["paths"]]
-        return (
-            {path_str(p): e for p, e in zip(paths, data["leaves"], strict=True)},
-            paths,
-            stats.bytes_read,
-        )
+        return {
+            path_str(p): e for p, e in zip(paths, data["leaves"], strict=True)
+        }, stats.bytes_read
 
 
 def _read_extra(storage: LocalStorage) -> dict[str, Any]:
@@ -309,11 +299,8 @@ def build_from_local(entry: dict[str, Any], target: Any, path: TreePath, where: 
         if not isinstance(v, np.ndarray | np.generic):
             return v  # a Python value
         a = np.asarray(v)
-        kind, key_impl, shape = (
-            (LeafKind.SCALAR if isinstance(v, np.generic) else LeafKind.ARRAY),
-            None,
-            a.shape,
-        )
+        kind = LeafKind.SCALAR if isinstance(v, np.generic) else LeafKind.ARRAY
+        key_impl, shape = None, a.shape
         boxes = {((0,) * a.ndim, a.shape): a}
     else:
         boxes = {parse_box_key(k): a for k, a in entry["shards"].items()}
@@ -466,7 +453,7 @@ def restore_local(
             store.unpack_files(step, got)
             received += got.nbytes
         pairs = rest
-    entries, _, bytes_read = store.read_own(step)
+    entries, bytes_read = store.read_own(step)
     where = str(store.step_dir(step) / "own")
     wanted, treedef = target_leaves(target)
     leaves = []

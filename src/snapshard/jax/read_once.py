@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -101,20 +102,8 @@ def _boxes_by_process(
     return out
 
 
-def _holders(by_process: dict[int, set[Box]]) -> dict[Box, int]:
-    count: dict[Box, int] = {}
-    for boxes in by_process.values():
-        for b in boxes:
-            count[b] = count.get(b, 0) + 1
-    return count
-
-
-def _spec_axes(entry: Any) -> list[str]:
-    if entry is None:
-        return []
-    if isinstance(entry, tuple | list):
-        return [str(a) for a in entry]
-    return [str(entry)]
+def _holders(by_process: dict[int, set[Box]]) -> Counter[Box]:
+    return Counter(b for boxes in by_process.values() for b in boxes)
 
 
 def _named_candidates(sharding: NamedSharding, shape: tuple[int, ...]) -> list[NamedSharding]:
@@ -123,12 +112,14 @@ def _named_candidates(sharding: NamedSharding, shape: tuple[int, ...]) -> list[N
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from .arrays import spec_axes
+
     mesh = sharding.mesh
     if getattr(mesh, "devices", None) is None:  # an abstract mesh
         return []
     ndim = len(shape)
     spec = [sharding.spec[i] if i < len(sharding.spec) else None for i in range(ndim)]
-    used = {a for e in spec for a in _spec_axes(e)}
+    used = {a for e in spec for a in spec_axes(e)}
     sizes = dict(mesh.shape)
     unused = [str(a) for a in mesh.axis_names if str(a) not in used and sizes[a] > 1]
     procs = np.vectorize(lambda d: d.process_index, otypes=[np.int64])(mesh.devices)
@@ -142,7 +133,7 @@ def _named_candidates(sharding: NamedSharding, shape: tuple[int, ...]) -> list[N
             continue
         k = math.prod(sizes[a] for a in extra)
         for i in range(ndim):
-            existing = _spec_axes(spec[i])
+            existing = spec_axes(spec[i])
             m = math.prod(sizes[a] for a in existing) * k
             if shape[i] % m:
                 continue

@@ -13,7 +13,6 @@ import numpy as np
 
 from ..errors import DeletedArrayError
 from ..format.kinds import LeafKind
-from ..format.manifest import Leaf
 from ..frameworks import is_jax_array
 from ..planning import WritePlan
 from ..save_leaves import MeshSpec, SaveArray, checked_dtype, classify, is_save_leaf
@@ -40,11 +39,8 @@ class JaxAdapter:
         self.pool = current_pool(HostArrays)
         self.borrowed = self.pool.borrower() if self.pool is not None else None
 
-    def is_leaf(self, x: Any) -> bool:
-        return is_save_leaf(x)
-
-    def classify(self, path: Path, value: Any, process_count: int) -> Leaf | SaveArray:
-        return classify(path, value, process_count)
+    is_leaf = staticmethod(is_save_leaf)
+    classify = staticmethod(classify)
 
     def stage(
         self, arrays: list[tuple[int, SaveArray]], plan: WritePlan, process: int, *, copy: bool
@@ -115,23 +111,11 @@ def save_array(path: Path, name: str, value: Any) -> SaveArray:
     shape = tuple(int(s) for s in data.shape)
     sharding = data.sharding
     placed = layout_of(shape, dt.itemsize, sharding)
+    described = _sharding_description(sharding)
     if kind == LeafKind.ARRAY:
         if len(_PLACED) >= 4096:
             _PLACED.clear()
-        _PLACED[(value.dtype, value.shape, sharding)] = (
-            dt,
-            shape,
-            placed,
-            _sharding_description(sharding),
-        )
+        _PLACED[(value.dtype, value.shape, sharding)] = (dt, shape, placed, described)
     return SaveArray(
-        path,
-        kind,
-        dt,
-        shape,
-        placed.layout,
-        placed.devices,
-        data,
-        _sharding_description(sharding),
-        key_impl,
+        path, kind, dt, shape, placed.layout, placed.devices, data, described, key_impl
     )

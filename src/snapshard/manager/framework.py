@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ..coordination import Coordinator
-from ..frameworks import jax_wing
 from ..options import ReadOptions, SaveOptions
 from ..reading import ReadStats
 from ..saving import SaveTimings
@@ -95,13 +94,6 @@ class Framework:
     warm_up: Callable[[], None] | None = None
     local_tier: Callable[[], Any] | None = None
     immutable_arrays: bool = False
-
-
-def default_framework() -> Framework:
-    """The manager's framework when none is named: JAX's (registered by the JAX wing, which
-    the face `snapshard.CheckpointManager` imports)."""
-    found: Framework = jax_wing().framework()
-    return found
 
 
 def tier_of(framework: Framework) -> Any:

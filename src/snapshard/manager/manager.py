@@ -43,6 +43,7 @@ from ..errors import (
     WriterLeaseError,
 )
 from ..format.reading import read_summary
+from ..frameworks import jax_wing
 from ..gc_pause import Frozen
 from ..options import ReadOptions, SaveOptions, background_of, require
 from ..reading import ReadStats
@@ -53,7 +54,7 @@ from ..staging import SavePools, pools_for_saves
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
 from ..tree import FlatTree, flatten
-from .framework import Framework, StartedSave, default_framework, tier_of
+from .framework import Framework, StartedSave, tier_of
 from .policies import ManagerPolicies, StepInfo, young_daly_interval
 from .references import References, identical_leaves, is_retained, saved_arrays
 from .tier_config import LocalTier, RestoreReport, TierReport
@@ -131,7 +132,8 @@ class CheckpointManager:
         newest kept step for chunks that did not change (see references.py).
         `framework`: whose arrays the trees hold (see framework.py); `snapshard.torch`'s
         CheckpointManager passes PyTorch's (None: JAX's)."""
-        framework = framework if framework is not None else default_framework()
+        # None: JAX's (the face `snapshard.CheckpointManager` imports the JAX wing)
+        framework = framework if framework is not None else jax_wing().framework()
         if local_tier is not None and not framework.local_tier:
             raise ValueError(f"the local tier is not available for {framework.name} state")
         require(save_options, SaveOptions, "save_options")
@@ -494,8 +496,7 @@ class CheckpointManager:
             if started is not None:
                 _keep_newest(self._timings, step, started.timings)
         if not self._async:
-            self._wait_inflight()
-            self._raise_pending()
+            self.wait_until_finished()
         return True
 
     def _check_new_step(self, step: int) -> None:
@@ -503,8 +504,7 @@ class CheckpointManager:
         a new non-negative int newer than every saved one."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
-        self._wait_inflight()
-        self._raise_pending()
+        self.wait_until_finished()
         if self._lease is not None:
             self._lease.check()
         self._check_unsaved(step)

@@ -162,41 +162,19 @@ def run_grid(
     ov = [b - a for a, b in zip(os_, oe, strict=True)]
     c_ext = [b - a for a, b in zip(cs, ce, strict=True)]
     t_ext = [b - a for a, b in zip(ts, te, strict=True)]
-    j = 0
-    for a in range(nd - 1, -1, -1):
-        if ov[a] != c_ext[a] or ov[a] != t_ext[a]:
-            j = a
-            break
+    j = next((a for a in range(nd - 1, -1, -1) if ov[a] != c_ext[a] or ov[a] != t_ext[a]), 0)
     c_str, t_str = [itemsize] * nd, [itemsize] * nd
     for a in range(nd - 2, -1, -1):
         c_str[a] = c_str[a + 1] * c_ext[a + 1]
         t_str[a] = t_str[a + 1] * t_ext[a + 1]
-    run = itemsize
-    for x in ov[j:]:
-        run *= x
     return RunGrid(
         outer_shape=tuple(ov[:j]),
         src_strides=tuple(c_str[:j]),
         dst_strides=tuple(t_str[:j]),
         src_base=sum((o - c) * st for o, c, st in zip(os_, cs, c_str, strict=True)),
         dst_base=sum((o - t) * st for o, t, st in zip(os_, ts, t_str, strict=True)),
-        run_bytes=run,
+        run_bytes=math.prod(ov[j:]) * itemsize,
     )
-
-
-def overlap_runs(
-    chunk_start: np.ndarray,
-    chunk_stop: np.ndarray,
-    target_start: np.ndarray,
-    target_stop: np.ndarray,
-    ov_start: np.ndarray,
-    ov_stop: np.ndarray,
-    itemsize: int,
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """(offsets in the chunk, offsets in the target, run length in bytes) of an overlap."""
-    g = run_grid(chunk_start, chunk_stop, target_start, target_stop, ov_start, ov_stop, itemsize)
-    src, dst = g.runs()
-    return src, dst, g.run_bytes
 
 
 def coalesce_runs(

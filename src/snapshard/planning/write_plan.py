@@ -16,16 +16,14 @@ ask another who writes what. Modes:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Literal
 
 import numpy as np
 
 from .layout import ArrayLayout, ShardGroups, unique_rows
 
-Mode = Literal["auto", "single_replica", "replica_parallel", "balanced"]
 MODES: tuple[str, ...] = ("auto", "single_replica", "replica_parallel", "balanced")
 DEFAULT_MIN_BAND_BYTES = 1 << 20
 AUTO_BALANCE_TOLERANCE = 1.05
@@ -106,21 +104,6 @@ class WritePlan:
         mean = b.mean() if len(b) else 0.0
         return float(b.max() / mean) if mean > 0 else 1.0
 
-    def items_of(self, process: int) -> list[tuple[int, int]]:
-        """(array index, item index) of every box `process` writes, in plan order."""
-        out: list[tuple[int, int]] = []
-        for i, ks in self.items_by_array(process):
-            out.extend((i, k) for k in ks.tolist())
-        return out
-
-    def items_by_array(self, process: int) -> Iterator[tuple[int, np.ndarray]]:
-        """(array index, indices of its items) of every array `process` writes boxes of,
-        in plan order: what per-item work takes to fetch each array's columns once."""
-        for i, a in enumerate(self.arrays):
-            ks = a.items_of(process)
-            if len(ks):
-                yield i, ks
-
     def process_items(self, process: int) -> ProcessItems:
         """The items of `process` that hold bytes, in plan order, as columns; computed
         once per plan (a save of the same layouts reuses its plan) and for all arrays of
@@ -183,24 +166,16 @@ def _process_items(arrays: Sequence[ArrayWritePlan], process: int) -> ProcessIte
     return ProcessItems(array[order], item[order], nbytes[order], row[order])
 
 
-def _whole(sg: ShardGroups, choice: np.ndarray) -> ArrayWritePlan:
-    """Every unique box written whole by candidate index `choice[u]` of box u."""
-    return ArrayWritePlan(sg.starts, sg.stops, sg.nbytes, sg, sg.cand_ptr[:-1] + choice)
-
-
 def plan_single_replica(layout: ArrayLayout) -> ArrayWritePlan:
     memo = layout.memo
     if memo.single_replica is None:
         sg = layout.shards
-        memo.single_replica = _whole(sg, np.zeros(sg.count, dtype=np.int64))
+        # Every unique box written whole by its candidate 0 (the holder of replica 0).
+        memo.single_replica = ArrayWritePlan(
+            sg.starts, sg.stops, sg.nbytes, sg, sg.cand_ptr[:-1].copy()
+        )
     plan: ArrayWritePlan = memo.single_replica
     return plan
-
-
-def band_bounds(start: int, stop: int, n: int) -> list[tuple[int, int]]:
-    """[start, stop) cut into n bands whose lengths differ by at most one."""
-    extent = stop - start
-    return [(start + (j * extent) // n, start + ((j + 1) * extent) // n) for j in range(n)]
 
 
 def plan_replica_parallel(layout: ArrayLayout, min_band_bytes: int) -> ArrayWritePlan:

@@ -22,18 +22,16 @@ of one range (`ranges.py`, `windows.py`), where the bytes are and the prefetch
 the readers of a checkpoint (`tables.py`).
 """
 
-from .buffers import ALIGN, BATCH_ITEMS, Dest, ReadDests, ReadStats, aligned_empty, batches
-from .fills import Expand, Fill, fill
+from .buffers import BATCH_ITEMS, Dest, ReadDests, ReadStats, aligned_empty, batches
+from .fills import Expand, fill
 from .plan import plan_reads
 from .requests import Request, execute, make_request, request_boxes
 from .tables import SavedBoxes, chunk_boxes, chunk_tables, reader_of, saved_boxes, table_reader
 
 __all__ = [
-    "ALIGN",
     "BATCH_ITEMS",
     "Dest",
     "Expand",
-    "Fill",
     "ReadDests",
     "ReadStats",
     "Request",

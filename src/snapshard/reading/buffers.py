@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -61,7 +61,6 @@ class Dest:
     start: np.ndarray
     stop: np.ndarray
     buf: np.ndarray
-    devices: tuple[Any, ...] = ()
     box_shape: tuple[int, ...] | None = None  # stop - start, where the maker knows it
 
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -27,6 +27,14 @@ from ..format.validate import coverage_problems
 from ..planning import ChunkIndex, ReadRange, RunGrid, coalesce_runs, run_grid, whole_grid
 from ..planning.overlaps import covering_range
 from .buffers import Dest, ReadStats
+
+
+class SortedRuns(NamedTuple):
+    src: np.ndarray  # run offsets in the chunk
+    length: np.ndarray
+    dest: np.ndarray  # index into the batch's dest list
+    dst: np.ndarray  # run offsets in the destination buffer
+    overlap: np.ndarray  # index into `grids`
 
 
 @dataclass
@@ -42,38 +50,18 @@ class ChunkRuns:
     grids: list[tuple[int, RunGrid]]  # (dest index, runs) of each overlap
 
     @cached_property
-    def _sorted(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def sorted(self) -> SortedRuns:
         expanded = [g.runs() for _, g in self.grids]
         sizes = [g.count for _, g in self.grids]
         src = np.concatenate([e[0] for e in expanded])
         order = np.argsort(src, kind="stable")
-        return (
+        return SortedRuns(
             src[order],
             np.repeat(np.array([g.run_bytes for _, g in self.grids], np.int64), sizes)[order],
             np.repeat(np.array([di for di, _ in self.grids], np.int64), sizes)[order],
             np.concatenate([e[1] for e in expanded])[order],
             np.repeat(np.arange(len(self.grids)), sizes)[order],
         )
-
-    @property
-    def src(self) -> np.ndarray:  # run offsets in the chunk
-        return self._sorted[0]
-
-    @property
-    def length(self) -> np.ndarray:
-        return self._sorted[1]
-
-    @property
-    def dest(self) -> np.ndarray:  # index into the batch's dest list
-        return self._sorted[2]
-
-    @property
-    def dst(self) -> np.ndarray:  # run offsets in the destination buffer
-        return self._sorted[3]
-
-    @property
-    def overlap(self) -> np.ndarray:  # index into `grids`
-        return self._sorted[4]
 
 
 @dataclass
@@ -366,7 +354,7 @@ def _chunk_ranges(
         # Interleaved overlaps that fill their span (other targets' columns of the same
         # rows): one read, no per-run work at all.
         return [whole]
-    return coalesce_runs(runs.src, runs.length, nbytes, block=block, max_gap=max_gap)
+    return coalesce_runs(runs.sorted.src, runs.sorted.length, nbytes, block=block, max_gap=max_gap)
 
 
 def _coalesce_grids(

@@ -57,7 +57,7 @@ def _pieces_of(task: ReadTask) -> Iterable[tuple[int, int, int, int]]:
     if len(runs.grids) == 1 and runs.grids[0][1].count == 1:
         di, g = runs.grids[0]
         return [(di, g.src_base, g.dst_base, g.run_bytes)]
-    src, dst, length, dest = runs.src, runs.dst, runs.length, runs.dest
+    src, length, dest, dst, _ = runs.sorted
     return ((int(dest[p]), int(src[p]), int(dst[p]), int(length[p])) for p in range(r.p0, r.p1))
 
 
@@ -69,7 +69,7 @@ def copy_from_scratch(task: ReadTask, scratch: np.ndarray, dests: list[Dest]) ->
     if r.p1 - r.p0 == total:  # every overlap of the chunk, whole: no per-run arrays needed
         ids, counts = list(range(len(runs.grids))), [g.count for _, g in runs.grids]
     else:
-        inside = runs.overlap[r.p0 : r.p1]
+        inside = runs.sorted.overlap[r.p0 : r.p1]
         unique, n_inside = np.unique(inside, return_counts=True)
         ids, counts = unique.tolist(), n_inside.tolist()
     for ov, n in zip(ids, counts, strict=True):
@@ -85,8 +85,12 @@ def copy_from_scratch(task: ReadTask, scratch: np.ndarray, dests: list[Dest]) ->
             dst = as_strided(dest[g.dst_base :], (*g.outer_shape, g.run_bytes), (*g.dst_strides, 1))
             np.copyto(dst, src)
             continue
-        for p in np.flatnonzero(runs.overlap[r.p0 : r.p1] == ov) + r.p0:
-            a, b, ln = int(runs.src[p]) - r.start, int(runs.dst[p]), int(runs.length[p])
+        for p in np.flatnonzero(runs.sorted.overlap[r.p0 : r.p1] == ov) + r.p0:
+            a, b, ln = (
+                int(runs.sorted.src[p]) - r.start,
+                int(runs.sorted.dst[p]),
+                int(runs.sorted.length[p]),
+            )
             dest[b : b + ln] = scratch[a : a + ln]
 
 

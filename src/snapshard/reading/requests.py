@@ -73,13 +73,12 @@ class Request:
         whole = aligned_empty(plan.offsets[-1])
         saved = self.saved
         self._buffers.extend(
-            Dest(saved, s, e, whole[at : at + n], devices, shape)
-            for s, e, at, n, (_, _, devices), shape in zip(
+            Dest(saved, s, e, whole[at : at + n], shape)
+            for s, e, at, n, shape in zip(
                 plan.starts,
                 plan.stops,
                 plan.offsets,
                 plan.sizes,
-                plan.boxes,
                 plan.shapes,
                 strict=False,  # (offsets has one more)
             )

@@ -32,7 +32,7 @@ def row_windows(task: ReadTask) -> list[tuple[int, RunGrid]] | None:
     if r.p1 - r.p0 == sum(g.count for _, g in runs.grids):
         grids = runs.grids
     else:
-        inside, n = np.unique(runs.overlap[r.p0 : r.p1], return_counts=True)
+        inside, n = np.unique(runs.sorted.overlap[r.p0 : r.p1], return_counts=True)
         grids = [runs.grids[k] for k in inside.tolist()]
         if any(g.count != m for (_, g), m in zip(grids, n.tolist(), strict=True)):
             return None

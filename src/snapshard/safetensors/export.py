@@ -19,7 +19,7 @@ import shutil
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from ..coordination.rendezvous import Rendezvous, namespace, write_then_commit
 from ..errors import CheckpointExistsError, StorageError, UnsupportedLeafError
 from ..format.kinds import LeafKind
 from ..options import SaveOptions, require
-from ..planning import overlap_runs, plan_writes
+from ..planning import plan_writes, run_grid
 from ..save_leaves import SaveArray, classify, is_save_leaf
 from ..staging import stage
 from ..storage import Location, is_object_store_url
@@ -37,6 +37,8 @@ from ..tree import flatten, path_str
 from .dtypes import safetensors_name
 from .files import INDEX_NAME, SINGLE_NAME, SUFFIX
 from .header import build_header
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -211,21 +213,9 @@ def _tensors(tree: Any, process_count: int, names: ExportNames) -> tuple[list[_T
 def _layout_files(
     tensors: list[_Tensor], single: str | None, max_file_bytes: int | None, metadata: Any
 ) -> list[_File]:
-    groups: list[list[_Tensor]] = [[]]
-    size = 0
-    for t in tensors:
-        n = t.array.layout.nbytes
-        if single is None and max_file_bytes and groups[-1] and size + n > max_file_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += n
-    if single is not None:
-        names = [single]
-    elif len(groups) == 1:
-        names = [SINGLE_NAME]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(groups):05d}{SUFFIX}" for i in range(len(groups))]
+    most = None if single is not None else (max_file_bytes or None)
+    groups = _grouped(tensors, lambda t: t.array.layout.nbytes, most)
+    names = [single] if single is not None else _file_names(len(groups))
     files = []
     for name, group in zip(names, groups, strict=True):
         header, spans = build_header([(t.name, t.dtype, t.shape) for t in group], metadata)
@@ -255,9 +245,10 @@ def _write_own(target: Path, files: list[_File], pid: int, plan: Any, budget: in
                 path = target / f.name if target.is_dir() else target
                 fds[f.name] = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
             shape = np.asarray(t.shape, dtype=np.int64)
-            src, dst, run = overlap_runs(
+            g = run_grid(
                 np.zeros_like(shape), shape, start, stop, start, stop, t.array.dtype.itemsize
             )
+            (src, dst), run = g.runs(), g.run_bytes
             base = f.spans[t.name][0]
             for s, d in zip(src.tolist(), dst.tolist(), strict=True):
                 _pwrite_all(fds[f.name], data.data[d : d + run], base + s)
@@ -296,11 +287,7 @@ def _create(staging: Path, files: list[_File], directory: bool) -> None:
             os.close(fd)
     if directory and len(files) > 1:
         weight_map = {t.name: f.name for f in files for t in f.tensors}
-        doc = {
-            "metadata": {"total_size": sum(f.size - len(f.header) for f in files)},
-            "weight_map": dict(sorted(weight_map.items())),
-        }
-        (staging / INDEX_NAME).write_text(json.dumps(doc, indent=2))
+        _write_index(staging, weight_map, sum(f.size - len(f.header) for f in files))
 
 
 def _commit(staging: Path, final: Path, overwrite: bool) -> None:
@@ -369,7 +356,7 @@ def save(
         lambda _reports: _commit(staging, final, overwrite),
         lambda: _discard(staging),
     )
-    origin = {t.name: path_str_of(t.array) for f in files for t in f.tensors}
+    origin = {t.name: path_str(t.array.path) for f in files for t in f.tensors}
     return ExportResult([f.name for f in files], int(mine["bytes"]), origin, skipped)
 
 
@@ -409,10 +396,6 @@ def _create_staging(
         rv.report("ready", e)
         raise
     rv.report("ready")
-
-
-def path_str_of(array: SaveArray) -> str:
-    return path_str(array.path)
 
 
 def _discard(staging: Path) -> None:
@@ -464,22 +447,15 @@ def save_streamed(
             written = _write_streamed(staging, ordered, metadata, progress)
             names = [final.name]
         else:
-            groups = _group_by_bytes(ordered, max_file_bytes)
-            names = (
-                [SINGLE_NAME]
-                if len(groups) == 1
-                else [f"model-{i + 1:05d}-of-{len(groups):05d}{SUFFIX}" for i in range(len(groups))]
-            )
+            groups = _grouped(ordered, lambda t: math.prod(t.shape) * t.dtype.itemsize,
+                              max_file_bytes)  # fmt: skip
+            names = _file_names(len(groups))
             staging.mkdir()
             for name, group in zip(names, groups, strict=True):
                 written += _write_streamed(staging / name, group, metadata, progress)
             if len(groups) > 1:
                 weight_map = {t.name: n for n, g in zip(names, groups, strict=True) for t in g}
-                doc = {
-                    "metadata": {"total_size": written},
-                    "weight_map": dict(sorted(weight_map.items())),
-                }
-                (staging / INDEX_NAME).write_text(json.dumps(doc, indent=2))
+                _write_index(staging, weight_map, written)
     except BaseException:
         _discard(staging)
         raise
@@ -487,17 +463,31 @@ def save_streamed(
     return ExportResult(names, written, {t.name: t.name for t in ordered})
 
 
-def _group_by_bytes(tensors: list[StreamedTensor], max_bytes: int) -> list[list[StreamedTensor]]:
-    groups: list[list[StreamedTensor]] = [[]]
+def _grouped(items: list[T], nbytes: Callable[[T], int], most: int | None) -> list[list[T]]:
+    """The items in order, cut into files of at most `most` bytes (None: one file); an item
+    larger than that has a file of its own."""
+    groups: list[list[T]] = [[]]
     size = 0
-    for t in tensors:
-        n = math.prod(t.shape) * t.dtype.itemsize
-        if groups[-1] and size + n > max_bytes:
+    for t in items:
+        n = nbytes(t)
+        if most is not None and groups[-1] and size + n > most:
             groups.append([])
             size = 0
         groups[-1].append(t)
         size += n
     return groups
+
+
+def _file_names(count: int) -> list[str]:
+    """The files of an export into a directory, as Hugging Face names them."""
+    if count == 1:
+        return [SINGLE_NAME]
+    return [f"model-{i + 1:05d}-of-{count:05d}{SUFFIX}" for i in range(count)]
+
+
+def _write_index(directory: Path, weight_map: dict[str, str], total: int) -> None:
+    doc = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_NAME).write_text(json.dumps(doc, indent=2))
 
 
 def _write_streamed(

@@ -16,16 +16,16 @@ phase to the next; `entry.py` the entry points. See docs/design.md.
 from .blocking import prepare
 from .commit import commit_manifest, staged_files
 from .entry import AsyncSave, finish, refuse_existing, save, save_async, save_through
-from .files import WrittenFile, rows_by_leaf, write_data_files
+from .files import ChunkColumns, write_chunk_files
 from .leaves import classify_leaves, leaf_digests, path_json
 from .state import ReplicatedSource, SaveAdapter, SaveTimings
 
 __all__ = [
     "AsyncSave",
+    "ChunkColumns",
     "ReplicatedSource",
     "SaveAdapter",
     "SaveTimings",
-    "WrittenFile",
     "classify_leaves",
     "commit_manifest",
     "finish",
@@ -33,10 +33,9 @@ __all__ = [
     "path_json",
     "prepare",
     "refuse_existing",
-    "rows_by_leaf",
     "save",
     "save_async",
     "save_through",
     "staged_files",
-    "write_data_files",
+    "write_chunk_files",
 ]

@@ -6,7 +6,6 @@ per distinct tree."""
 from __future__ import annotations
 
 import json
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,17 +17,13 @@ from ..errors import (
     SnapshardError,
 )
 from ..format import (
-    Leaf,
     record_file_name,
     records,
 )
 from ..format.leaves import leaf_from_json
 from ..format.naming import tree_file_name
 from ..format.records import ProcessReport
-from ..save_leaves import SaveArray
 from .state import PreparedSave
-
-log = logging.getLogger("snapshard")
 
 
 def check_agreement(prep: PreparedSave, reports: list[ProcessReport]) -> None:
@@ -51,14 +46,14 @@ def _disagreement(prep: PreparedSave, q: int, theirs: np.ndarray | None) -> Coor
         differ = np.flatnonzero(mine["description"] != theirs["description"])
         if len(differ) == 1:  # one leaf in place: its kind, dtype, shape or layout changed
             return CoordinationError(
-                f"{what}: leaf {_name(prep.leaves[int(differ[0])])!r} differs between process 0 "
+                f"{what}: leaf {prep.leaves[int(differ[0])].name!r} differs between process 0 "
                 f"and process {q} (kind, dtype, shape or layout)"
             )
         if len(differ) == 0:
             values = np.flatnonzero(mine["value"] != theirs["value"])
             if len(values):
                 return CoordinationError(
-                    f"{what}: leaf {_name(prep.leaves[int(values[0])])!r} has another value on "
+                    f"{what}: leaf {prep.leaves[int(values[0])].name!r} has another value on "
                     f"process {q} than on process 0; leaves that are not sharded arrays "
                     "(jax.Array, DTensor) must be the same on every process: wrap values that "
                     "differ by design in snapshard.PerProcess"
@@ -76,13 +71,13 @@ def _other_leaves(prep: PreparedSave, q: int, theirs: np.ndarray) -> Coordinatio
     mine = prep.digests["description"].tolist()
     ours = {d: i for i, d in enumerate(mine)}
     their_set = set(theirs["description"].tolist())
-    lacking = [_name(prep.leaves[i]) for i, d in enumerate(mine) if d not in their_set]
+    lacking = [prep.leaves[i].name for i, d in enumerate(mine) if d not in their_set]
     extra: list[str] = []
     extra_at: list[int] = []  # positions in q's leaves: q names them (named_by_us)
     last_common = None
     for j, d in enumerate(theirs["description"].tolist()):
         if d in ours:
-            last_common = _name(prep.leaves[ours[d]])
+            last_common = prep.leaves[ours[d]].name
         else:
             extra.append("first" if last_common is None else f"after {last_common!r}")
             extra_at.append(j)
@@ -118,15 +113,11 @@ def named_by_us(prep: PreparedSave, error: CoordinationError) -> CoordinationErr
     extra = relay.get("tree_extra") if isinstance(relay, dict) else None
     if not extra or extra.get("process") != prep.rendezvous.coord.process_index:
         return None
-    names = [_name(prep.leaves[i]) for i in extra["leaves"] if 0 <= i < len(prep.leaves)]
+    names = [prep.leaves[i].name for i in extra["leaves"] if 0 <= i < len(prep.leaves)]
     if not names:
         return None
     shown = ", ".join(repr(n) for n in names)
     return type(error)(f"{error}; this process's leaves that process 0 has not: {shown}")
-
-
-def _name(leaf: Leaf | SaveArray) -> str:
-    return leaf.name
 
 
 def check_same_options(prep: PreparedSave, reports: list[ProcessReport]) -> None:

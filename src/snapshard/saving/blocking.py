@@ -4,7 +4,6 @@ differ), stage this process's items on the host through the wing's adapter. Noth
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Iterator
@@ -35,8 +34,6 @@ from ..storage import Location, Storage, storage_for
 from ..tree import FlatTree, flatten
 from .leaves import classify_leaves, leaf_digests, path_json
 from .state import PreparedSave, SaveAdapter, SaveTimings
-
-log = logging.getLogger("snapshard")
 
 # Where the saves started in this context are counted for their rendezvous' name, in place of
 # their own locations (saves_counted_under).

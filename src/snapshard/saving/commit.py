@@ -21,7 +21,8 @@ from ..format import (
     records,
     validate_structure,
 )
-from ..format.manifest import PerProcessLeaf, values_file_name
+from ..format.leaves import PerProcessLeaf
+from ..format.naming import values_file_name
 from ..format.records import ProcessReport
 from ..incremental import check_refs_committed, manifest_refs
 from ..storage import Storage
@@ -135,14 +136,21 @@ def discard_own(prep: PreparedSave, settled: bool) -> None:
     failed the save (`settled`), the staging area if that leaves it empty. Never another
     process's files, which may still be in the making. Best effort: the save's own error
     is what the caller must see."""
-    mine = f"p{prep.rendezvous.coord.process_index:05d}-{prep.nonce}"
-    try:
-        names = [n for n in prep.storage.list_staging() if n.rpartition("/")[2].startswith(mine)]
-        prep.storage.delete_staging_files(names)
-        if settled:  # process 0 writes no more: the last process to leave removes it
-            prep.storage.discard_staging_if_empty()
+    try:  # (settled: process 0 writes no more, so the last process to leave removes it)
+        remove_own(prep.storage, prep.rendezvous.coord.process_index, prep.nonce, settled)
     except SnapshardError as e:
         log.warning("%s: could not remove this process's files: %s", prep.rendezvous.what, e)
+
+
+def remove_own(storage: Storage, pid: int, nonce: str, settled: bool) -> None:
+    """Process `pid`'s staged files of the save of `nonce` removed, and where `settled`, the
+    staging area if that leaves it empty."""
+    mine = f"p{pid:05d}-{nonce}"
+    storage.delete_staging_files(
+        [n for n in storage.list_staging() if n.rpartition("/")[2].startswith(mine)]
+    )
+    if settled:
+        storage.discard_staging_if_empty()
 
 
 def finish_here(prep: PreparedSave) -> SaveTimings:

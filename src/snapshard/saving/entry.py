@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -19,8 +18,6 @@ from .blocking import prepare
 from .commit import finish_here
 from .state import PreparedSave, SaveAdapter, SaveTimings
 from .writer_process import finish_in_writer
-
-log = logging.getLogger("snapshard")
 
 
 def refuse_existing(storage: Storage, overwrite: bool) -> None:

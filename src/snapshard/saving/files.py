@@ -4,7 +4,6 @@ file; and the report that tells process 0 what was written."""
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -25,38 +24,14 @@ from ..format import (
     records,
 )
 from ..format.binding import name_key
-from ..format.leaves import leaf_to_json
-from ..format.manifest import PerProcessLeaf, values_file_name
-from ..format.naming import tree_file_name
-from ..format.records import RECORD_FIXED, ChunkRecord, ProcessReport
+from ..format.leaves import PerProcessLeaf, leaf_to_json
+from ..format.naming import tree_file_name, values_file_name
+from ..format.records import RECORD_FIXED, ProcessReport
 from ..save_leaves import SaveArray
 from ..staging import StagedItem
 from ..storage import Storage, is_object_store_url
 from .leaves import describe_leaves
 from .state import PreparedSave
-
-log = logging.getLogger("snapshard")
-
-
-WrittenFile = tuple[int, list[tuple[int, ChunkRecord]]]
-"""A data file just written: its size, and the (leaf, record) of each chunk in it."""
-
-
-def write_data_files(
-    storage: Storage,
-    pid: int,
-    nonce: str,
-    items: list[StagedItem],
-    count: int,
-    codec_of: Any = None,
-) -> list[WrittenFile]:
-    """Process `pid`'s items into `count` data files of nearly equal size, written in
-    parallel (one thread per file), or on an object store into more files where that keeps
-    each within one request (`Storage.data_file_bytes`), as many at once as `count` writers'
-    upload memory holds (`files_at_once`); per file, its size and its (leaf, chunk record)
-    rows."""
-    files = write_chunk_files(storage, pid, nonce, items, count, codec_of)
-    return [(f.size, f.records()) for f in files]
 
 
 def write_chunk_files(
@@ -67,7 +42,10 @@ def write_chunk_files(
     count: int,
     codec_of: Any = None,
 ) -> list[FileChunks]:
-    """write_data_files with each file's records as columns (chunk_files.FileChunks)."""
+    """Process `pid`'s items into `count` data files of nearly equal size, written in
+    parallel (one thread per file), or on an object store into more files where that keeps
+    each within one request (`Storage.data_file_bytes`), as many at once as `count` writers'
+    upload memory holds (`files_at_once`); each file with its records as columns."""
     groups = cut_files(items, count, storage.data_file_bytes)
     names = [data_file_name(pid, nonce, j) for j in range(len(groups))]
     at_once = files_at_once(groups, count, storage.upload_bytes_per_writer)
@@ -80,7 +58,7 @@ def write_own(prep: PreparedSave) -> dict[str, Any]:
     pid, nonce, inc = prep.rendezvous.coord.process_index, prep.nonce, prep.increment
     prep.storage.prepare_staging()
     files, data_bytes = _write_data(prep)
-    chunks = _Chunks.of(files, inc.ref_rows if inc is not None else [])
+    chunks = ChunkColumns.of(files, inc.ref_rows if inc is not None else [])
     if len(chunks.leaf) != len(prep.items):  # each process checks its records against its plan
         raise CoordinationError(
             f"{prep.rendezvous.what}: process {pid} wrote {len(chunks.leaf)} chunks, its plan has {len(prep.items)}"
@@ -132,14 +110,14 @@ def tree_file(prep: PreparedSave) -> bytes:
         # own, which names that process, is left out, as its layout's process is)
         digests.append(0 if x.layout.memo.own else plan.digest)
     doc = {
-        "tree": prep.structure, "leaves": [leaf_to_json(x, chunks=False) for x in leaves],
+        "tree": prep.structure, "leaves": [leaf_to_json(x) for x in leaves],
         "layouts": layouts, "meshes": meshes, "plans": digests,
     }  # fmt: skip
     return json_pieces.dumps(doc).encode()
 
 
 @dataclass(frozen=True)
-class _Chunks:
+class ChunkColumns:
     """Every chunk record of this process's save as columns: the written chunks file by
     file, then the references of an incremental save."""
 
@@ -149,22 +127,23 @@ class _Chunks:
     stops: list[Any]
 
     @staticmethod
-    def of(files: list[FileChunks], refs: list[tuple[int, tuple[Any, ...]]]) -> _Chunks:
+    def of(files: list[FileChunks], refs: list[tuple[int, tuple[Any, ...]]]) -> ChunkColumns:
         fixed = [f.fixed for f in files]
         leaf = [f.leaves for f in files]
         starts = [it.start for f in files for it in f.items]
         stops = [it.stop for f in files for it in f.items]
         if refs:
-            ref_fixed = np.zeros(len(refs), RECORD_FIXED)
-            for i, (_, row) in enumerate(refs):
-                ref_fixed[i] = tuple(row[:7])
-            fixed.append(ref_fixed)
+            fixed.append(np.array([tuple(row[:7]) for _, row in refs], RECORD_FIXED))
             leaf.append(np.asarray([x for x, _ in refs], np.int64))
             starts += [row[7] for _, row in refs]
             stops += [row[8] for _, row in refs]
         if not fixed:
-            return _Chunks(np.zeros(0, np.int64), np.zeros(0, RECORD_FIXED), [], [])
-        return _Chunks(np.concatenate(leaf), np.concatenate(fixed), starts, stops)
+            return ChunkColumns(np.zeros(0, np.int64), np.zeros(0, RECORD_FIXED), [], [])
+        return ChunkColumns(np.concatenate(leaf), np.concatenate(fixed), starts, stops)
+
+    def segments(self, ndims: list[int]) -> dict[int, np.ndarray]:
+        """The records per leaf, as `records.encode` takes them."""
+        return records.sorted_segments(self.leaf, self.fixed, self.starts, self.stops, ndims)
 
 
 def _packed(fixed: np.ndarray) -> tuple[int, int, tuple[int, ...]]:
@@ -204,23 +183,12 @@ def _write_data(prep: PreparedSave) -> tuple[list[FileChunks], int]:
     return files, data_bytes
 
 
-def rows_by_leaf(files: list[WrittenFile]) -> dict[int, list[ChunkRecord]]:
-    """The records of written data files (write_data_files) grouped by leaf."""
-    by_leaf: dict[int, list[ChunkRecord]] = {}
-    for _, rows in files:
-        for leaf, row in rows:
-            by_leaf.setdefault(leaf, []).append(row)
-    return by_leaf
-
-
-def _record_file(prep: PreparedSave, chunks: _Chunks) -> bytes:
+def _record_file(prep: PreparedSave, chunks: ChunkColumns) -> bytes:
     """This process's record file: its records per leaf, the digests, and (incremental
     saves) the chunks' content hashes."""
     pid, inc = prep.rendezvous.coord.process_index, prep.increment
     ndims = [len(leaf.shape) if isinstance(leaf, SaveArray) else 0 for leaf in prep.leaves]
-    segments = records.sorted_segments(
-        chunks.leaf, chunks.fixed, chunks.starts, chunks.stops, ndims
-    )
+    segments = chunks.segments(ndims)
     salt = name_key(record_file_name(pid, prep.nonce))
     if inc is not None:
         hashes = inc.segment_hashes(segments)

@@ -5,7 +5,6 @@ one compact layout per distinct layout and mesh."""
 from __future__ import annotations
 
 import json
-import logging
 from typing import Any
 
 import numpy as np
@@ -23,13 +22,12 @@ from ..format import (
 )
 from ..format.layout_table import LayoutTable
 from ..format.layouts import Mesh, describe_rows, mesh_layout, same_holders
-from ..format.manifest import PerProcessLeaf, encode_value
+from ..format.leaves import PerProcessLeaf
+from ..format.values import encode_value
 from ..frameworks import default_save_adapter
 from ..save_leaves import MeshSpec, SaveArray, checked_dtype
 from ..tree import FlatTree, Path
 from .state import PreparedSave, ReplicatedSource, SaveAdapter
-
-log = logging.getLogger("snapshard")
 
 
 def classify_leaves(
@@ -170,7 +168,7 @@ def _describe(
         memo.description = _description(arr, adapter.mesh_of(arr))
     desc, mesh = memo.description
     if mesh is not None:
-        desc = {**desc, "mesh": table.mesh(mesh.key(), mesh.to_json)}
+        desc = {**desc, "mesh": table.mesh(mesh.key, mesh.to_json)}
     return desc
 
 

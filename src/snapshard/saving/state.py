@@ -3,7 +3,6 @@ framework's wing fills: `SaveAdapter` (see saving/__init__.py for the call order
 
 from __future__ import annotations
 
-import logging
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -24,8 +23,6 @@ from ..save_leaves import MeshSpec, SaveArray
 from ..staging import StagedItem
 from ..storage import Storage
 from ..tree import Path
-
-log = logging.getLogger("snapshard")
 
 
 @dataclass

@@ -44,6 +44,22 @@ def buffer_bytes(p: Buffer) -> memoryview:
     return memoryview(np.frombuffer(p, np.uint8))  # type: ignore[call-overload]
 
 
+def slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
+    """The views covering bytes [pos, pos + n) of the concatenation of `views`."""
+    out = []
+    for v in views:
+        if pos >= len(v):
+            pos -= len(v)
+            continue
+        take = min(len(v) - pos, n)
+        out.append(v[pos : pos + take])
+        n -= take
+        pos = 0
+        if n == 0:
+            break
+    return out
+
+
 class FileWriter(ABC):
     """A file being written in the staging area. `close` makes it durable."""
 

@@ -122,21 +122,9 @@ class Bucket(ABC):
         """Delete the objects; one already gone is not an error."""
 
     @abstractmethod
-    def get_range(self, key: str, start: int, end: int) -> Any:
-        """Bytes [start, end) as a buffer; fewer when the object is shorter."""
-
     def read_range_into(self, key: str, start: int, views: Sequence[memoryview]) -> int:
         """Bytes from `start` into the views, in order, as many as they hold; returns how
-        many came (fewer when the object is shorter). A library that can stream a body
-        into memory it is given overrides this to save the copies of a response buffer."""
-        want = sum(len(v) for v in views)
-        got = memoryview(self.get_range(key, start, start + want)).cast("B")
-        pos = 0
-        for v in views:
-            n = min(len(v), len(got) - pos)
-            v[:n] = got[pos : pos + n]
-            pos += n
-        return len(got)
+        many came (fewer when the object is shorter)."""
 
     @abstractmethod
     def open_upload(self, key: str, transfer: TransferConfig) -> Upload: ...

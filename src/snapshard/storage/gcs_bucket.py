@@ -171,19 +171,6 @@ class GcsBucket(Bucket):
             except api_exceptions.NotFound:
                 continue  # already gone
 
-    def get_range(self, key: str, start: int, end: int) -> Any:
-        try:
-            return self.bucket.blob(key).download_as_bytes(
-                start=start,
-                end=end - 1,  # inclusive
-                raw_download=True,
-                checksum=None,  # snapshard checks its own crc32c per block
-                retry=self.retry,
-                timeout=self.timeout,
-            )
-        except api_exceptions.RequestRangeNotSatisfiable:
-            return b""  # the object ends before `start`: the caller reports it truncated
-
     def read_range_into(self, key: str, start: int, views: Sequence[memoryview]) -> int:
         # The body is read in one piece and written straight into the views (not 8 KiB
         # at a time into a buffer that is then copied twice). A download cut short is

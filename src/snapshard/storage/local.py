@@ -33,7 +33,7 @@ from ..errors import (
 from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME
 from ..format.refs import check_checkpoint_name, split_ref_name
 from . import stale_staging
-from .base import CheckpointRoot, FileWriter, Storage, buffer_bytes, buffer_nbytes
+from .base import CheckpointRoot, FileWriter, Storage, buffer_bytes, buffer_nbytes, slice_views
 from .lease import LEASE_DIR, LeaseFiles, LocalLeaseFiles
 from .stale_staging import DELETING_SUFFIX, STAGING_SUFFIX
 from .writeback import Writeback
@@ -405,8 +405,6 @@ class LocalStorage(Storage):
     def discard_staging_if_empty(self) -> None:
         """Remove the staging directory if no other process's files or records remain in
         it (this process's owner record goes first: it writes no more there)."""
-        from . import stale_staging
-
         stale_staging.remove_own_record(self.staging)
         for d in (self.staging / DATA_DIR, self.staging / INDEX_DIR, self.staging):
             with contextlib.suppress(OSError):  # not empty: another process's files remain
@@ -598,7 +596,7 @@ class LocalStorage(Storage):
             done = 0
             while done < want:
                 try:
-                    n = os.preadv(fd, _skip(batch, done), offset + done)
+                    n = os.preadv(fd, slice_views(batch, done, want - done), offset + done)
                 except OSError as e:
                     raise StorageError.wrap(
                         e, f"read (at byte {offset + done}) of", self.final / name
@@ -668,19 +666,14 @@ class LocalRoot(CheckpointRoot):
 
     def list(self) -> dict[str, bool]:
         out: dict[str, bool] = {}
-        if not self.path.is_dir():
-            return out
         for entry in self._entries():
             if not entry.is_dir() or entry.name == LEASE_DIR:
                 continue
-            name = entry.name
-            for suffix in (STAGING_SUFFIX, DELETING_SUFFIX):
-                if suffix in name:
-                    base = name[: name.index(suffix)]
-                    out.setdefault(base, False)
-                    break
+            found = stale_staging.classify(entry.name)
+            if found is not None:
+                out.setdefault(found[0], False)
             else:
-                out[name] = _is_regular(Path(entry.path) / MANIFEST_NAME)
+                out[entry.name] = _is_regular(Path(entry.path) / MANIFEST_NAME)
         return out
 
     def _entries(self) -> Sequence[os.DirEntry[str]]:
@@ -706,15 +699,3 @@ class LocalRoot(CheckpointRoot):
         target = self.path / name
         if target.is_dir() and not _is_regular(target / MANIFEST_NAME):
             shutil.rmtree(target, ignore_errors=True)
-
-
-def _skip(buffers: list[memoryview], n: int) -> list[memoryview]:
-    """The buffers with their first n bytes dropped (after a short read)."""
-    out = []
-    for b in buffers:
-        if n >= len(b):
-            n -= len(b)
-            continue
-        out.append(b[n:])
-        n = 0
-    return out

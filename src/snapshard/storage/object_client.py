@@ -9,6 +9,7 @@ becomes a StorageError that names the store, the bucket and the object's key.
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ..errors import CorruptCheckpointError, StorageError
-from .base import FileWriter
+from .base import FileWriter, slice_views
 from .bucket import Bucket, Failure, TransferConfig, Upload, brief
 from .location import parse_location
 
@@ -77,9 +78,7 @@ class RequestCounter:
 
     def snapshot(self) -> RequestStats:
         with self._lock:
-            return RequestStats(
-                **{f.name: getattr(self._stats, f.name) for f in fields(RequestStats)}
-            )
+            return dataclasses.replace(self._stats)
 
 
 class _ByteBudget:
@@ -199,9 +198,7 @@ class ObjectClient:
 
     # ---- naming ------------------------------------------------------------------------
     def child(self, name: str) -> ObjectClient:
-        _check_key(name, self.url)
-        prefix = f"{self.prefix}/{name}" if self.prefix else name
-        return ObjectClient(self.url, parent=self, prefix=prefix)
+        return ObjectClient(self.url, parent=self, prefix=self.key(name))
 
     def sibling(self, name: str) -> ObjectClient:
         """The client of prefix `name` beside this one (a referenced checkpoint)."""
@@ -319,7 +316,7 @@ class ObjectClient:
         pos = 0
         while pos < total:
             n = min(part, total - pos)
-            pieces.append((offset + pos, _slice_views(flat, pos, n)))
+            pieces.append((offset + pos, slice_views(flat, pos, n)))
             pos += n
         if len(pieces) <= 1:
             for start, vs in pieces:
@@ -348,22 +345,6 @@ class ObjectClient:
 
     def close(self) -> None:
         self.reads.close()
-
-
-def _slice_views(views: list[memoryview], pos: int, n: int) -> list[memoryview]:
-    """The views covering bytes [pos, pos + n) of the concatenation of `views`."""
-    out = []
-    for v in views:
-        if pos >= len(v):
-            pos -= len(v)
-            continue
-        take = min(len(v) - pos, n)
-        out.append(v[pos : pos + take])
-        n -= take
-        pos = 0
-        if n == 0:
-            break
-    return out
 
 
 class ReadPool:

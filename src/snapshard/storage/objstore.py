@@ -24,7 +24,8 @@ from ..errors import (
     CorruptCheckpointError,
     StorageError,
 )
-from ..format.manifest import MANIFEST_NAME, Manifest
+from ..format.manifest import Manifest
+from ..format.naming import MANIFEST_NAME
 from ..format.refs import split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
 from .lease import LEASE_DIR, LeaseFiles
@@ -147,12 +148,10 @@ class ObjectStorage(Storage):
         """Remove what a failed save wrote (never the committed checkpoint's objects).
         Best effort: the save's own error matters more, and leftovers stay invisible."""
         try:
-            self.client.delete(sorted(self._staged(self.client.listing())) + self._stray_manifest())
+            stray = [] if self.client.exists(COMMIT_MARKER) else [MANIFEST_NAME]
+            self.client.delete(sorted(self._staged(self.client.listing())) + stray)
         except (StorageError, CorruptCheckpointError) as e:
             log.warning("%s: could not remove the files of a failed save: %s", self.url, e)
-
-    def _stray_manifest(self) -> list[str]:
-        return [] if self.client.exists(COMMIT_MARKER) else [MANIFEST_NAME]
 
     # ---- read side ---------------------------------------------------------------------
     def is_committed(self) -> bool:

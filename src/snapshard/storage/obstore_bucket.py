@@ -122,9 +122,6 @@ class ObstoreBucket(Bucket):
         with contextlib.suppress(FileNotFoundError):  # already gone
             obstore.delete(self.store, list(keys))
 
-    def get_range(self, key: str, start: int, end: int) -> Any:
-        return obstore.get_range(self.store, key, start=start, end=end)
-
     def read_range_into(self, key: str, start: int, views: Sequence[memoryview]) -> int:
         # The body is streamed into the views in pieces, not received whole into a buffer
         # of obstore's own first: that buffer is fresh memory each time, and touching it

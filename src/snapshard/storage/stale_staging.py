@@ -124,9 +124,6 @@ class Identity:
     def record_name(self) -> str:
         return f"{OWNER_PREFIX}{self.pid}-{self.key()}{OWNER_SUFFIX}"
 
-    def describe(self) -> str:
-        return f"host {self.host!r}, pid {self.pid}"
-
 
 _identity: Identity | None = None
 
@@ -300,7 +297,7 @@ def _walk_stats(path: Path) -> Iterator[os.stat_result]:
             continue
 
 
-def _classify(name: str) -> tuple[str, str] | None:
+def classify(name: str) -> tuple[str, str] | None:
     """(checkpoint name, kind) of an entry of a checkpoints' parent; None for others."""
     if STAGING_SUFFIX in name:
         return name[: name.index(STAGING_SUFFIX)], "staging"
@@ -353,7 +350,7 @@ def find(parent: Path, here: Identity | None = None) -> list[Unfinished]:
         return []
     out = []
     for entry in entries:
-        found = _classify(entry.name)
+        found = classify(entry.name)
         try:
             is_dir = entry.is_dir(follow_symlinks=False)
         except OSError:

@@ -61,12 +61,7 @@ class TorchStoreCoordinator(Coordinator):
         multi_get = getattr(self._store, "multi_get", None)
         if multi_get is not None and self._store.check(keys):
             return {str(r): bytes(v).decode() for r, v in enumerate(multi_get(keys))}
-        out = {}
-        for r, k in enumerate(keys):
-            value = self.try_get(k)
-            if value is not None:
-                out[str(r)] = value
-        return out
+        return {str(r): v for r, k in enumerate(keys) if (v := self.try_get(k)) is not None}
 
     def delete(self, prefix: str, keys: Sequence[str] | None = None) -> None:
         """Remove `keys` under `prefix`, else every key a rendezvous under `prefix` may set:

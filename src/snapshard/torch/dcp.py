@@ -25,7 +25,7 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -61,20 +61,17 @@ class _Slot:
 
 
 def _paths(metadata: Any) -> dict[str, Path]:
-    keys = list(metadata.state_dict_metadata)
+    """Each entry's path in the saved tree: DCP's planner data where it is one, else (key,)."""
     mapping = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
-    out: dict[str, Path] = {}
-    for k in keys:
-        p = mapping.get(k)
-        if (
+
+    def valid(p: Any) -> TypeGuard[Path]:
+        return (
             isinstance(p, tuple)
-            and p
+            and bool(p)
             and all(isinstance(c, str | int) and not isinstance(c, bool) for c in p)
-        ):
-            out[k] = p
-        else:
-            out[k] = (k,)
-    return out
+        )
+
+    return {k: p if valid(p := mapping.get(k)) else (k,) for k in metadata.state_dict_metadata}
 
 
 def _nest(entries: dict[Path, Any], where: Path = ()) -> Any:
@@ -185,9 +182,7 @@ class DcpCheckpoint:
                 i for k, m in entries.items() if k not in self._slots for i in _read_items(k, m)
             ]
             _read(self._reader, items, planner)
-        leaves: dict[Path, Any] = {}
-        for k in entries:
-            leaves[paths[k]] = self._slots[k] if k in self._slots else planner.values[k]
+        leaves = {paths[k]: self._slots.get(k) or planner.values[k] for k in entries}
         if len(leaves) != len(entries):
             raise UnsupportedLeafError(f"{location}: two DCP entries have the same path")
         self.tree = flatten(_nest(leaves), lambda x: isinstance(x, _Slot) or is_leaf(x))

@@ -43,7 +43,7 @@ from ..dtypes import dtype_from_name
 from ..errors import CorruptCheckpointError, SnapshardError
 from ..format import ArrayLeaf, Manifest, ValueLeaf
 from ..format.kinds import LeafKind
-from ..format.manifest import PerProcessLeaf
+from ..format.leaves import PerProcessLeaf
 from ..options import ReadOptions, require
 from ..planning.read_once import BoxKey, DcpReadOncePlan, plan_dcp
 from ..read_once_policy import too_small, wanted_here

@@ -27,6 +27,7 @@ snapshard.torch.StorageReader hands it to DCP's planner, which unpickles it as D
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -47,6 +48,7 @@ from torch.futures import Future
 
 from .. import write_tuning
 from ..checksum import crc32c
+from ..chunk_files import FileChunks
 from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import (
@@ -63,11 +65,11 @@ from ..format import (
 from ..format.binding import name_key
 from ..format.layout_table import LayoutTable
 from ..format.layouts import describe_rows
-from ..format.manifest import decode_value, encode_value
-from ..format.records import records_of
+from ..format.values import decode_value, encode_value
 from ..options import SaveOptions, require
 from ..planning.layout import ArrayLayout
-from ..saving import WrittenFile, commit_manifest, rows_by_leaf, staged_files, write_data_files
+from ..saving import ChunkColumns, commit_manifest, staged_files, write_chunk_files
+from ..saving.commit import remove_own
 from ..staging import StagedItem
 from ..storage import Location, Storage, is_object_store_url, storage_for
 from ..tree import Path, flatten, path_str
@@ -411,12 +413,13 @@ class _RankWriter:
             tuner = write_tuning.counts_for(url, is_object_store_url(url))
             count = tuner.choose(sum(s.nbytes for s in staged))
         t0 = time.perf_counter()
-        files = write_data_files(self.storage, self.numbering.rank, self.nonce, staged, count,
-                                 self._codec_of(staged))  # fmt: skip
+        files = write_chunk_files(self.storage, self.numbering.rank, self.nonce, staged, count,
+                                  self._codec_of(staged))  # fmt: skip
         if tuner is not None:
             tuner.record(count, sum(s.nbytes for s in staged), time.perf_counter() - t0)
-        report.data_sizes = [size for size, _ in files]
-        report.codecs = sorted({row.codec for _, rows in files for _, row in rows} - {0})
+        report.data_sizes = [f.size for f in files]
+        flags = [x for f in files for x in f.fixed["flags"].tolist()]
+        report.codecs = sorted({records.codec_of(x) for x in flags} - {0})
         data = self._records(files)
         self.storage.write_bytes(record_file_name(self.numbering.rank, self.nonce), data)
         report.record_size, report.record_crc = len(data), crc32c(data)
@@ -464,24 +467,17 @@ class _RankWriter:
             return None
         return StagedItem(number, fqn, start, stop, host.nbytes, host=host)
 
-    def _records(self, files: list[WrittenFile]) -> bytes:
+    def _records(self, files: list[FileChunks]) -> bytes:
         ndims = self.numbering.ndims
-        segments = {i: records_of(rows, ndims[i]) for i, rows in rows_by_leaf(files).items()}
+        segments = ChunkColumns.of(files, []).segments(ndims)
         digests = np.zeros(len(ndims), records.DIGEST)  # DCP's plan is global: nothing to compare
         salt = name_key(record_file_name(self.numbering.rank, self.nonce))
         return records.encode(self.numbering.rank, ndims, segments, digests, salt=salt)
 
     def discard(self) -> None:
         """This rank's files of a save that failed here (best effort: its error matters)."""
-        mine = f"p{self.numbering.rank:05d}-{self.nonce}"
-        try:
-            names = [
-                n for n in self.storage.list_staging() if n.rpartition("/")[2].startswith(mine)
-            ]
-            self.storage.delete_staging_files(names)
-            self.storage.discard_staging_if_empty()
-        except SnapshardError:
-            pass
+        with contextlib.suppress(SnapshardError):
+            remove_own(self.storage, self.numbering.rank, self.nonce, settled=True)
 
 
 def _all_written(attempt: str, url: str, timeout_s: float, error: BaseException | None) -> None:

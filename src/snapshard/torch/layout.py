@@ -18,6 +18,7 @@ records where its box sits in the rank's local tensor.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -250,13 +251,9 @@ def _boxes_of(
     nd = len(shape)
     # Empty dimension: one empty row, at the offset torch reports (the dimension's size).
     choices = [runs if runs else ((shape[d], shape[d]),) for d, runs in enumerate(per_dim)]
-    origins = []
-    for runs in choices:
-        o, acc = [], 0
-        for a, b in runs:
-            o.append(acc)
-            acc += b - a
-        origins.append(o)
+    origins = [
+        list(itertools.accumulate((b - a for a, b in runs[:-1]), initial=0)) for runs in choices
+    ]
     return [
         (
             [choices[d][j][0] for d, j in enumerate(pick)],

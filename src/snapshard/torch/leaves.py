@@ -17,7 +17,7 @@ import torch
 from ..checksum import crc32c
 from ..errors import UnsupportedLeafError
 from ..format.kinds import LeafKind
-from ..format.manifest import PerProcessLeaf, ValueLeaf
+from ..format.leaves import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess, checked
 from ..planning.layout import host_layout, own_layout
 from ..save_leaves import VALUE_TYPES, SaveArray

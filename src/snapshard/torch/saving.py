@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import saving as _saving
-from ..format.manifest import Leaf
+from ..format.leaves import Leaf
 from ..manager.framework import StartedSave
 from ..options import SaveOptions
 from ..planning import WritePlan

@@ -12,7 +12,7 @@ of the result is computed on the host from one box of the child, read into a scr
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,28 +253,6 @@ def cast(x: VArray, dtype: Any) -> VArray:
             tuple(Piece(p.at, p.lo, p.hi, cast(p.child, dt)) for p in x.pieces),
         )
     return Derived(x.shape, dt, x, "cast")
-
-
-def evaluate(x: VArray, read: Callable[[Stored], np.ndarray]) -> np.ndarray:
-    """The whole array, computed eagerly (a reference for tests; `read` gives stored tensors)."""
-    if isinstance(x, Stored):
-        return read(x).reshape(x.shape)
-    if isinstance(x, Unreadable):
-        raise UnsupportedLeafError(x.error)
-    if isinstance(x, Composite):
-        out = np.zeros(x.shape, x.dtype)
-        for p in x.pieces:
-            child = evaluate(p.child, read)
-            src = tuple(slice(a - o, b - o) for a, b, o in zip(p.lo, p.hi, p.at, strict=True))
-            out[tuple(slice(a, b) for a, b in zip(p.lo, p.hi, strict=True))] = child[src]
-        return out
-    assert isinstance(x, Derived) and x.child is not None
-    child = evaluate(x.child, read)
-    if x.kind == "transpose":
-        return child.transpose(x.perm)
-    if x.kind == "reshape":
-        return child.reshape(x.shape)
-    return child.astype(x.dtype)
 
 
 # ---- the chunk tables the restore executor reads ----------------------------------------
