@@ -36,7 +36,7 @@ from .saving import commit_manifest, refuse_existing, staged_files
 from .storage import FileWriter, Location, Storage, storage_for
 from .tree import JsonNode, Path
 
-DEFAULT_FILE_BYTES = 1 << 30
+FILE_BYTES = 1 << 30  # a new data file is started past this
 
 
 class CheckpointWriter:
@@ -47,13 +47,12 @@ class CheckpointWriter:
         location: Location | Storage,
         *,
         overwrite: bool = False,
-        file_bytes: int = DEFAULT_FILE_BYTES,
         extra: dict[str, Any] | None = None,
     ):
         self.storage = storage_for(location)
         self.url = self.storage.url
         refuse_existing(self.storage, overwrite)
-        self.overwrite, self.file_bytes, self.extra = overwrite, file_bytes, extra or {}
+        self.overwrite, self.extra = overwrite, extra or {}
         self.nonce = uuid.uuid4().hex[:8]
         self.leaves: list[Leaf] = []
         self._rows: dict[int, list[tuple[Any, ...]]] = {}
@@ -91,7 +90,7 @@ class CheckpointWriter:
                 f"{self.url}: box of leaf {a.name!r} is {arr.dtype}{list(arr.shape)}, "
                 f"expected {a.dtype}{list(want)}"
             )
-        if self._file is None or self._offset >= self.file_bytes:
+        if self._file is None or self._offset >= FILE_BYTES:
             self._next_file()
         assert self._file is not None
         row = write_chunk(
@@ -124,7 +123,6 @@ class CheckpointWriter:
             digests = np.zeros(len(self.leaves), records.DIGEST)
             data = records.encode(0, ndims, segments, digests, salt=name_key(record_name))
             self.storage.write_bytes(record_name, data)
-            base = 0
             for i, leaf in enumerate(self.leaves):
                 if isinstance(leaf, ArrayLeaf):
                     leaf.layout = 0
@@ -132,7 +130,7 @@ class CheckpointWriter:
                     leaf.chunk_count = 0 if r is None else len(r)
                     leaf.chunks = ChunkTable.empty(ndims[i]) if r is None else ChunkTable(
                         r["start"].reshape(len(r), ndims[i]), r["stop"].reshape(len(r), ndims[i]),
-                        r["file"].astype(np.int64) + base, r["offset"].astype(np.int64),
+                        r["file"].astype(np.int64), r["offset"].astype(np.int64),
                         r["nbytes"].astype(np.int64), r["block"].astype(np.int64), [],
                         r["crc_offset"].astype(np.int64),
                     )  # fmt: skip

@@ -19,6 +19,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 from .errors import CorruptCheckpointError, UnsupportedLeafError
@@ -303,19 +304,20 @@ def warn_lost_classes(structure: JsonNode, hint: str = JAX_TARGET_HINT) -> None:
         f"restoring without a target: {where} was saved as {name}{more} and comes back as a "
         f"dict; {hint}",
         ClassesLostWarning,
-        stacklevel=caller_stacklevel(),
+        stacklevel=user_frame()[1],
     )
 
 
-def caller_stacklevel() -> int:
-    """The `stacklevel` of the first frame outside snapshard (and the contextlib frames of
-    its decorators), as seen by a function of snapshard that calls warnings.warn."""
+def user_frame() -> tuple[FrameType, int]:
+    """The first frame outside snapshard (and the contextlib frames of its decorators) above
+    the function that calls this, and its `stacklevel` as that function's warnings.warn
+    sees it."""
     package = os.path.dirname(os.path.abspath(__file__)) + os.sep
-    frame = sys._getframe(1)  # the caller of warnings.warn
+    frame = sys._getframe(1)
     level = 1
     while frame.f_back is not None:
         file = os.path.abspath(frame.f_code.co_filename)
         if not file.startswith(package) and file != contextlib.__file__:
             break
         frame, level = frame.f_back, level + 1
-    return level
+    return frame, level

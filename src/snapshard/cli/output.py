@@ -69,11 +69,9 @@ def format_metrics(metrics: Any) -> str:
     """A manager's step metrics, short: 'loss=0.25 acc=0.9' ('' for none)."""
     if not isinstance(metrics, dict) or not metrics:
         return ""
-    parts = []
-    for k, v in metrics.items():
-        text = f"{v:.6g}" if isinstance(v, float) else str(v)
-        parts.append(f"{k}={text}")
-    return " ".join(parts)
+    return " ".join(
+        f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()
+    )
 
 
 def _bar_width() -> int | None:

@@ -3,29 +3,19 @@
 from . import records
 from .chunks import ChunkTable, checksum_block
 from .files import FileEntry, ProcessTable
-from .kinds import LeafKind
 from .leaves import ArrayLeaf, Leaf, ValueLeaf
 from .manifest import Manifest
-from .naming import (
-    DATA_DIR,
-    FORMAT_VERSION,
-    INDEX_DIR,
-    MANIFEST_NAME,
-    data_file_name,
-    record_file_name,
-)
+from .naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME, data_file_name, record_file_name
 from .validate import validate_coverage, validate_structure
 
 __all__ = [
     "DATA_DIR",
-    "FORMAT_VERSION",
     "INDEX_DIR",
     "MANIFEST_NAME",
     "ArrayLeaf",
     "ChunkTable",
     "FileEntry",
     "Leaf",
-    "LeafKind",
     "Manifest",
     "ProcessTable",
     "ValueLeaf",

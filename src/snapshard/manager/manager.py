@@ -22,9 +22,7 @@ snapshard.torch.
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,7 +51,7 @@ from ..saving.writer_process import start_writer_soon
 from ..staging import SavePools, pools_for_saves
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
-from ..tree import FlatTree, flatten
+from ..tree import FlatTree, flatten, user_frame
 from .framework import Framework, StartedSave, tier_of
 from .policies import ManagerPolicies, StepInfo, young_daly_interval
 from .references import References, identical_leaves, is_retained, saved_arrays
@@ -736,10 +734,5 @@ def _steps_text(steps: list[int]) -> str:
 def _created_at() -> str:
     """`file:line` of the code that made the manager: the first frame outside snapshard,
     so that a message about two managers names the user's line, not the package's."""
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame = sys._getframe(1)
-    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(
-        package
-    ):
-        frame = frame.f_back
+    frame = user_frame()[0]
     return f"{frame.f_code.co_filename}:{frame.f_lineno}"

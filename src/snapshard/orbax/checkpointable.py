@@ -30,6 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import SnapshardError
+from ..inspection import metadata
 from ..options import ReadOptions, SaveOptions
 from ..restore import is_target_leaf
 from ..save_leaves import is_save_leaf
@@ -54,14 +55,13 @@ class CheckpointableHandler:
         started = common.start_save(path, checkpointable, type(self).save_options)
         return self._written(started)
 
-    async def _loaded(self, directory: Any, target: Any) -> Any:
-        return await asyncio.to_thread(common.restore, directory, target, type(self).read_options)
-
     async def load(self, directory: Any, abstract_checkpointable: Any = None) -> Awaitable[Any]:
-        return self._loaded(directory, abstract_checkpointable)
+        return asyncio.to_thread(
+            common.restore, directory, abstract_checkpointable, type(self).read_options
+        )
 
     async def metadata(self, directory: Any) -> Any:
-        return common.item_metadata(directory)
+        return metadata(directory)
 
     def is_handleable(self, checkpointable: Any) -> bool:
         """A tree snapshard can save (every leaf an array, a Python value or a PRNG key)."""

@@ -7,7 +7,6 @@ import os
 from typing import Any
 
 from ..errors import SnapshardError
-from ..inspection import metadata
 from ..jax.load import load
 from ..options import ReadOptions, SaveOptions, require
 from ..saving import AsyncSave, SaveTimings, save_async
@@ -57,8 +56,3 @@ def restore(directory: os.PathLike[str] | str, target: Any, options: ReadOptions
     """The item read back: onto the target's shardings, or as NumPy without a target."""
     require(options, ReadOptions, "read_options")
     return load(os.fspath(directory), target, options)
-
-
-def item_metadata(directory: os.PathLike[str] | str) -> Any:
-    """The saved tree with an ArrayMetadata or ValueMetadata at every leaf; no data read."""
-    return metadata(os.fspath(directory))

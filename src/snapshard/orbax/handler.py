@@ -24,6 +24,7 @@ from typing import Any
 import orbax.checkpoint as ocp
 from etils import epath
 
+from ..inspection import metadata
 from ..options import ReadOptions, SaveOptions, require
 from ..saving import AsyncSave
 from . import common
@@ -90,7 +91,7 @@ class Handler(ocp.handlers.AsyncCheckpointHandler):
         return common.restore(directory, target, self.read_options)
 
     def metadata(self, directory: epath.Path) -> Any:
-        return common.item_metadata(directory)
+        return metadata(directory)
 
     def finalize(self, directory: epath.Path) -> None:
         common.check_committed(directory)

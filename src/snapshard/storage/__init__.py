@@ -9,12 +9,7 @@ from typing import TypeVar
 
 from .base import CheckpointRoot, FileWriter, Storage, set_opener
 from .local import LocalRoot, LocalStorage
-from .location import (
-    OBJECT_STORE_SCHEMES,
-    ParsedLocation,
-    parse_location,
-    require_supported,
-)
+from .location import parse_location, require_supported
 
 Location = str | os.PathLike[str]
 
@@ -56,13 +51,11 @@ def _objstore() -> ModuleType:
 
 
 __all__ = [
-    "OBJECT_STORE_SCHEMES",
     "CheckpointRoot",
     "FileWriter",
     "LocalRoot",
     "LocalStorage",
     "Location",
-    "ParsedLocation",
     "Storage",
     "is_object_store_url",
     "parse_location",

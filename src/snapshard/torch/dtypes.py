@@ -35,9 +35,8 @@ _VIEWED: dict[torch.dtype, np.dtype] = {
     torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
     torch.float8_e4m3fnuz: np.dtype(ml_dtypes.float8_e4m3fnuz),
     torch.float8_e5m2fnuz: np.dtype(ml_dtypes.float8_e5m2fnuz),
+    torch.float8_e8m0fnu: np.dtype(ml_dtypes.float8_e8m0fnu),
 }
-if hasattr(torch, "float8_e8m0fnu") and hasattr(ml_dtypes, "float8_e8m0fnu"):
-    _VIEWED[torch.float8_e8m0fnu] = np.dtype(ml_dtypes.float8_e8m0fnu)
 
 TO_NUMPY: dict[torch.dtype, np.dtype] = {**_NATIVE, **_VIEWED}
 FROM_NUMPY: dict[np.dtype, torch.dtype] = {v: k for k, v in TO_NUMPY.items()}

@@ -86,7 +86,6 @@ class TorchAdapter:
     """snapshard.saving.SaveAdapter for torch state dicts."""
 
     def __init__(self, buffers: HostBuffers | None, trees_differ: bool = False) -> None:
-        self.buffers = buffers
         self.borrowed = buffers.borrower() if buffers is not None else None
         self.trees_differ = trees_differ  # SaveOptions.trees_differ
         self.rank = _leaves.this_rank()  # asked once per save, not once per leaf
