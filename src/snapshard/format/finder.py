@@ -538,7 +538,7 @@ class _Fetched:
         codec = None
         if flags.any():  # references or codecs (most records have no flags at all)
             ref = (flags & rec.FLAG_REFERENCE) != 0
-            codec = (flags & rec.CODEC_MASK) >> rec.CODEC_SHIFT
+            codec = rec.codecs_of(flags)
             bits = flags & ~(rec.FLAG_REFERENCE | rec.CODEC_MASK)
             unknown = np.flatnonzero((bits != 0) | (codec > max(rec.CODECS)))
             if len(unknown):  # the first such record, its flag bits named first

@@ -141,6 +141,11 @@ def codec_of(flags: int) -> int:
     return (int(flags) & CODEC_MASK) >> CODEC_SHIFT
 
 
+def codecs_of(flags: np.ndarray) -> np.ndarray:
+    """`codec_of` of a column of records' flags."""
+    return (flags.astype(np.int64) & CODEC_MASK) >> CODEC_SHIFT
+
+
 def packed_tables(nblocks: int) -> int:
     """Bytes of a compressed chunk's tables: nblocks + 1 u64 block offsets, then nblocks
     crc32c values."""

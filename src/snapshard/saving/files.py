@@ -150,7 +150,7 @@ def _packed(fixed: np.ndarray) -> tuple[int, int, tuple[int, ...]]:
     """Of the compressed chunks written (`fixed`: their records' fixed fields): the bytes of
     their block offsets (tables beyond the checksums), the bytes compression saved (the
     commit's size check allows for it), and the codecs used."""
-    codec = (fixed["flags"].astype(np.int64) & records.CODEC_MASK) >> records.CODEC_SHIFT
+    codec = records.codecs_of(fixed["flags"])
     on = fixed[codec != 0]
     offsets = 8 * int((on["nblocks"].astype(np.int64) + 1).sum())
     stored = on["crc_offset"].astype(np.int64) - on["offset"].astype(np.int64)

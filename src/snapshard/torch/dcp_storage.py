@@ -48,7 +48,6 @@ from torch.futures import Future
 
 from .. import write_tuning
 from ..checksum import crc32c
-from ..chunk_files import FileChunks
 from ..coordination.rendezvous import Rendezvous, all_succeeded
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import (
@@ -418,9 +417,10 @@ class _RankWriter:
         if tuner is not None:
             tuner.record(count, sum(s.nbytes for s in staged), time.perf_counter() - t0)
         report.data_sizes = [f.size for f in files]
-        flags = [x for f in files for x in f.fixed["flags"].tolist()]
-        report.codecs = sorted({records.codec_of(x) for x in flags} - {0})
-        data = self._records(files)
+        chunks = ChunkColumns.of(files, [])
+        codec = records.codecs_of(chunks.fixed["flags"])
+        report.codecs = sorted(set(codec[codec != 0].tolist()))
+        data = self._records(chunks)
         self.storage.write_bytes(record_file_name(self.numbering.rank, self.nonce), data)
         report.record_size, report.record_crc = len(data), crc32c(data)
         return report
@@ -467,9 +467,9 @@ class _RankWriter:
             return None
         return StagedItem(number, fqn, start, stop, host.nbytes, host=host)
 
-    def _records(self, files: list[FileChunks]) -> bytes:
+    def _records(self, chunks: ChunkColumns) -> bytes:
         ndims = self.numbering.ndims
-        segments = ChunkColumns.of(files, []).segments(ndims)
+        segments = chunks.segments(ndims)
         digests = np.zeros(len(ndims), records.DIGEST)  # DCP's plan is global: nothing to compare
         salt = name_key(record_file_name(self.numbering.rank, self.nonce))
         return records.encode(self.numbering.rank, ndims, segments, digests, salt=salt)
