@@ -40,7 +40,7 @@ SAMPLES: dict[str, tuple[tuple[Any, ...], dict[str, Any]]] = {
         ("root 'runs/a' is held by another writer",),
         dict(holder={"host": "node-1", "pid": 42, "token": "ab12"}),
     ),
-    "snapshard.manager.manager.BackgroundSaveError": ((7, OSError(28, "no space left")), {}),
+    "snapshard.manager.writer.BackgroundSaveError": ((7, OSError(28, "no space left")), {}),
 }
 OS_FIELDS = ("errno", "strerror", "filename", "filename2")
 

@@ -128,16 +128,16 @@ def test_a_reader_does_not_list_a_step_deleted_while_it_lists(tmp_path, monkeypa
     with snapshard.CheckpointManager(tmp_path, async_save=False) as m:
         for step in (1, 2, 3):
             m.save(step, state(step))
-    from snapshard.manager import manager as manager_module
+    from snapshard.manager import listing
 
-    read_summary = manager_module.read_summary
+    read_summary = listing.read_summary
 
     def deleted_first(storage):  # a writer's retention deletes step 2 after the listing
         if storage.url.endswith(f"{os.sep}2"):
             storage.delete()
         return read_summary(storage)
 
-    monkeypatch.setattr(manager_module, "read_summary", deleted_first)
+    monkeypatch.setattr(listing, "read_summary", deleted_first)
     with snapshard.CheckpointManager(tmp_path, read_only=True) as r:
         assert r.all_steps() == [1, 3]
         with pytest.raises(snapshard.CheckpointNotFoundError, match=r"its steps: 1, 3"):

@@ -202,9 +202,9 @@ def _objects() -> int:
 
 @pytest.mark.parametrize("framework", ["jax", "torch"])
 def test_fifty_saves_leave_no_objects_behind(tmp_path, monkeypatch, framework):
-    import snapshard.manager.manager as manager
+    import snapshard.manager.writer as writer
 
-    monkeypatch.setattr(manager, "REPORTS_KEPT", 5)  # (kept up to 100 saves by default)
+    monkeypatch.setattr(writer, "REPORTS_KEPT", 5)  # (kept up to 100 saves by default)
     if framework == "jax":
         make, cls = CheckpointManager, HostArrays
 
@@ -258,9 +258,9 @@ def test_a_managers_saves_leave_no_coordination_name_per_step(tmp_path, framewor
 
 
 def test_reports_are_kept_for_the_newest_saves(tmp_path, monkeypatch):
-    import snapshard.manager.manager as manager
+    import snapshard.manager.writer as writer
 
-    monkeypatch.setattr(manager, "REPORTS_KEPT", 3)
+    monkeypatch.setattr(writer, "REPORTS_KEPT", 3)
     with CheckpointManager(tmp_path, max_to_keep=1) as m:
         for step in range(6):
             m.save(step, {"x": np.zeros(4)})

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 import snapshard
-from snapshard.jax.local_tier import box_key, build_from_local
+from snapshard.jax.local_copies import box_key, build_from_local
 from snapshard.manager import LocalTier
 from snapshard.planning.layout import slices_to_box
 

@@ -1,7 +1,7 @@
 """Numbered steps with save, retention, preemption and lease policies."""
 
 from .framework import Framework, StartedSave
-from .manager import BackgroundSaveError, CheckpointManager
+from .manager import CheckpointManager
 from .policies import (
     AnyOf,
     AtSteps,
@@ -20,6 +20,7 @@ from .policies import (
     young_daly_interval,
 )
 from .tier_config import LocalTier
+from .writer import BackgroundSaveError
 
 __all__ = [
     "AnyOf",
