@@ -1,9 +1,9 @@
 """Fail the N-th call of one storage operation, at the boundary between snapshard's storage
 layer and the system below it (system calls on local disk, obstore calls on object stores).
 
-`FaultInjector.install(monkeypatch)` routes the calls of snapshard.storage.local,
-snapshard.storage.lease, snapshard.storage.obstore_bucket and snapshard.storage.gcs_bucket
-through counting wrappers:
+`FaultInjector.install(monkeypatch)` routes the calls of snapshard.storage's local,
+local_files, atomic_rename, local_root, obstore_bucket and gcs_bucket through counting
+wrappers:
 
     local   open write fsync read pread mkdir list rename link unlink rmdir read_file rmtree
     object  s3.put s3.get s3.head s3.list s3.delete
@@ -38,7 +38,7 @@ from typing import Any
 import obstore
 from obstore.exceptions import GenericError
 
-from snapshard.storage import lease, local, obstore_bucket
+from snapshard.storage import atomic_rename, local, local_files, local_root, obstore_bucket
 
 try:
     from google.api_core.exceptions import ServiceUnavailable
@@ -287,17 +287,18 @@ class FaultInjector:
     def install(self, monkeypatch: Any) -> FaultInjector:
         self._fd_paths: dict[int, str] = {}
         proxy = self._os_proxy()
-        monkeypatch.setattr(local, "os", proxy)
-        monkeypatch.setattr(lease, "os", proxy)
-        monkeypatch.setattr(local, "shutil", self._shutil_proxy())
-        real_exchange = local._exchange
+        for module in (local, local_files, atomic_rename, local_root):
+            monkeypatch.setattr(module, "os", proxy)
+        for module in (local, atomic_rename, local_root):
+            monkeypatch.setattr(module, "shutil", self._shutil_proxy())
+        real_exchange = atomic_rename._exchange
 
         def exchange(a: pathlib.Path, b: pathlib.Path) -> bool:
             if self._mine(a) and self._hit("rename", f"{a} <-> {b}"):
                 raise self._oserror("rename", a)
             return real_exchange(a, b)
 
-        monkeypatch.setattr(local, "_exchange", exchange)
+        monkeypatch.setattr(atomic_rename, "_exchange", exchange)
         for name, op in (("unlink", "unlink"), ("rmdir", "rmdir"), ("read_bytes", "read_file")):
             monkeypatch.setattr(
                 pathlib.Path, name, self._path_method(op, getattr(pathlib.Path, name))

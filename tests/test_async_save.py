@@ -11,7 +11,7 @@ import pytest
 import snapshard
 from snapshard import SaveOptions
 from snapshard.jax import arrays as jax_arrays
-from snapshard.storage import local
+from snapshard.storage import local, local_files
 
 from conftest import mesh, sharded
 
@@ -26,13 +26,13 @@ def test_donating_arrays_right_after_save_async_returns_keeps_the_saved_values(c
     x = sharded(np.arange(256 * 64, dtype=np.float32).reshape(256, 64), m, None, "model")
     expected = np.asarray(x).copy()
     gate = threading.Event()
-    real_write = local.LocalFileWriter.write
+    real_write = local_files.LocalFileWriter.write
 
     def slow_write(self, data):
         gate.wait(10)  # hold the background phase until the arrays were donated
         real_write(self, data)
 
-    monkeypatch.setattr(local.LocalFileWriter, "write", slow_write)
+    monkeypatch.setattr(local_files.LocalFileWriter, "write", slow_write)
     handle = snapshard.save_async(ckpt, {"x": x})
     assert not handle.done()
     step = jax.jit(lambda a: a * 0 - 1, donate_argnums=0)
@@ -50,9 +50,9 @@ def test_donating_arrays_right_after_save_async_returns_keeps_the_saved_values(c
 
 def test_numpy_leaves_are_copied_so_later_changes_do_not_leak_in(ckpt, monkeypatch):
     gate = threading.Event()
-    real_write = local.LocalFileWriter.write
+    real_write = local_files.LocalFileWriter.write
     monkeypatch.setattr(
-        local.LocalFileWriter, "write", lambda self, d: (gate.wait(10), real_write(self, d))
+        local_files.LocalFileWriter, "write", lambda self, d: (gate.wait(10), real_write(self, d))
     )
     host = np.zeros(1000, np.float32)
     handle = snapshard.save_async(ckpt, {"h": host})
@@ -102,7 +102,7 @@ def test_background_failure_is_raised_by_wait(ckpt, monkeypatch):
 
     # (injected into this process: the background phase runs in its threads)
     monkeypatch.setenv("SNAPSHARD_BACKGROUND", "thread")
-    monkeypatch.setattr(local.LocalFileWriter, "write", boom)
+    monkeypatch.setattr(local_files.LocalFileWriter, "write", boom)
     handle = snapshard.save_async(ckpt, {"x": np.ones(10)})
     with pytest.raises(PermissionError, match="injected"):
         handle.wait(60)

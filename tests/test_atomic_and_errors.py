@@ -9,7 +9,7 @@ import pytest
 
 import snapshard
 from snapshard import ReadOptions, SaveOptions
-from snapshard.storage import local
+from snapshard.storage import local, local_files
 
 from conftest import chunk_of
 
@@ -47,7 +47,7 @@ def test_a_save_failing_midway_leaves_nothing_and_damages_nothing(ckpt, tmp_path
     snapshard.save(older, tree(1))
     before = {p.name: p.read_bytes() for p in older.rglob("*") if p.is_file()}
     calls = {"n": 0}
-    real_write = local.LocalFileWriter.write
+    real_write = local_files.LocalFileWriter.write
 
     def failing_write(self, data):
         calls["n"] += 1
@@ -55,7 +55,7 @@ def test_a_save_failing_midway_leaves_nothing_and_damages_nothing(ckpt, tmp_path
             raise OSError(28, "No space left on device (injected)")
         real_write(self, data)
 
-    monkeypatch.setattr(local.LocalFileWriter, "write", failing_write)
+    monkeypatch.setattr(local_files.LocalFileWriter, "write", failing_write)
     big = {"a": np.ones((512, 1024), np.float32), "b": np.ones((512, 1024), np.float32)}
     with pytest.raises(OSError, match="injected"):
         snapshard.save(ckpt, big, options=SaveOptions(writers=1))
@@ -76,7 +76,7 @@ def test_a_failed_overwrite_keeps_the_old_checkpoint(ckpt, monkeypatch):
     def boom(self, data):
         raise OSError(5, "I/O error (injected)")
 
-    monkeypatch.setattr(local.LocalFileWriter, "write", boom)
+    monkeypatch.setattr(local_files.LocalFileWriter, "write", boom)
     with pytest.raises(OSError, match="injected"):
         snapshard.save(ckpt, tree(2), overwrite=True)
     monkeypatch.undo()

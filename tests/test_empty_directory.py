@@ -15,7 +15,7 @@ import pytest
 
 import snapshard
 from snapshard.errors import CheckpointExistsError, CheckpointNotFoundError
-from snapshard.storage import local
+from snapshard.storage import atomic_rename, local
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
@@ -106,7 +106,7 @@ def test_a_directory_filled_during_the_commit_is_never_replaced(
     # empty: the commit's check (1), or move_into_place's just before the rename (2). The
     # commit then only takes an empty directory, and the kernel's rename(2) refuses a
     # non-empty one, so nothing of theirs is lost, with or without overwrite.
-    looked = local._is_empty_dir
+    looked = atomic_rename.is_empty_dir
     looks = []
 
     def then_filled(path):
@@ -117,7 +117,8 @@ def test_a_directory_filled_during_the_commit_is_never_replaced(
                 f.write("late")
         return empty_now  # stale from now on: the race
 
-    monkeypatch.setattr(local, "_is_empty_dir", then_filled)
+    for module in (local, atomic_rename):  # the commit's look, and move_into_place's
+        monkeypatch.setattr(module, "is_empty_dir", then_filled)
     with pytest.raises(CheckpointExistsError, match="appeared, or was filled, while it was"):
         snapshard.save(empty, {"w": np.ones(3)}, overwrite=overwrite)
     assert os.listdir(empty) == ["late.txt"]

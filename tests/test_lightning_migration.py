@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 import multiproc  # noqa: E402
 import snapshard.lightning as sl  # noqa: E402
 import snapshard.torch as sst  # noqa: E402
-from snapshard.storage import local  # noqa: E402
+from snapshard.storage import atomic_rename  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 SWITCH = Path(__file__).parent / "workers" / "lightning_switch.py"
@@ -154,7 +154,7 @@ def test_a_failed_save_leaves_the_lightning_file_whole(tmp_path):
 
 
 def test_replacing_a_lightning_file_without_the_kernel_exchange(tmp_path, monkeypatch):
-    monkeypatch.setattr(local, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(atomic_rename, "_exchange", lambda a, b: False)
     path = tmp_path / "last.ckpt"
     lightning_file(path)
     sl.CheckpointIO().save_checkpoint({"epoch": 4, "w": torch.ones(2)}, path)

@@ -26,7 +26,7 @@ from snapshard.manager import (
     Retention,
     StepInfo,
 )
-from snapshard.storage import local
+from snapshard.storage import local, local_files
 
 
 def state(step):
@@ -158,14 +158,14 @@ def test_a_committed_step_is_never_overwritten(tmp_path):
 def fail_step(monkeypatch, step):
     # (injected into this process: the background phase runs in its threads)
     monkeypatch.setenv("SNAPSHARD_BACKGROUND", "thread")
-    real = local.LocalFileWriter.write
+    real = local_files.LocalFileWriter.write
 
     def write(self, data):
         if self.path.parent.parent.name.startswith(f"{step}{local.STAGING_SUFFIX}"):
             raise PermissionError(13, f"Permission denied: {self.path} (injected)")
         real(self, data)
 
-    monkeypatch.setattr(local.LocalFileWriter, "write", write)
+    monkeypatch.setattr(local_files.LocalFileWriter, "write", write)
 
 
 def test_background_error_is_raised_by_the_next_save_naming_the_step(tmp_path, monkeypatch, caplog):

@@ -22,6 +22,7 @@ from s3env import bucket_url, fresh_prefix, store_params
 from snapshard.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from snapshard.storage import root_for, storage_for
 from snapshard.storage.object_client import TransferConfig
+from snapshard.storage.object_writer import PartWriter
 from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
 
 from conftest import mesh, sharded
@@ -130,7 +131,7 @@ def test_a_file_sent_in_one_request_keeps_what_was_written_not_what_the_buffer_b
     caller's buffer, which the caller leaves as it is until the file is closed."""
     client = ObjectStorage(f"{base}/w", transfer=ONE_REQUEST).client
     reused, kept = bytearray(b"a" * 1000), np.full(3000, 7, np.uint8)
-    writer = client.writer("f.bin")
+    writer = PartWriter(client, "f.bin")
     writer.write(memoryview(reused))
     reused[:] = b"b" * 1000
     writer.write(memoryview(reused))
@@ -144,7 +145,7 @@ def test_a_file_sent_in_one_request_keeps_what_was_written_not_what_the_buffer_b
 def test_a_file_that_outgrows_one_request_goes_up_in_parts_from_its_first_byte(base):
     client = ObjectStorage(f"{base}/w", transfer=SMALL).client  # one request: up to 5 MiB
     data = np.random.default_rng(1).integers(0, 256, 12 << 20, dtype=np.uint8)
-    writer = client.writer("f.bin")
+    writer = PartWriter(client, "f.bin")
     writer.write_kept(memoryview(data[: 3 << 20]))  # held
     writer.write(memoryview(data[3 << 20 : 4 << 20]))  # held, a copy
     writer.write_kept(memoryview(data[4 << 20 :]))  # beyond one request: parts from here
@@ -153,7 +154,7 @@ def test_a_file_that_outgrows_one_request_goes_up_in_parts_from_its_first_byte(b
     spent = client.stats - before
     assert spent.post >= 1 and spent.put >= 3  # a multipart (or composite) upload
     assert client.get("f.bin") == data.tobytes()
-    aborted = client.writer("g.bin")
+    aborted = PartWriter(client, "g.bin")
     aborted.write_kept(memoryview(data[: 1 << 20]))
     aborted.abort()
     assert set(client.listing()) == {"f.bin"}

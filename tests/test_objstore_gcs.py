@@ -20,6 +20,7 @@ from s3env import fresh_prefix
 from snapshard.errors import CorruptCheckpointError, StorageError
 from snapshard.storage import gcs_bucket
 from snapshard.storage.object_client import ObjectClient, TransferConfig
+from snapshard.storage.object_writer import PartWriter
 from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
 
 from conftest import mesh, sharded
@@ -45,7 +46,7 @@ def payload(parts: float) -> bytes:
 
 def upload(client: ObjectClient, rel: str, data: bytes) -> None:
     """Through the part writer, in pieces that do not line up with the parts."""
-    writer = client.writer(rel)
+    writer = PartWriter(client, rel)
     try:
         view = memoryview(data)
         for i in range(0, len(view), 3 << 20):

@@ -103,7 +103,7 @@ def test_a_long_run_of_small_chunks_is_written_as_it_is(tmp_path, monkeypatch, s
     given (as a system call may), and the rest still lands in order."""
     import os
 
-    from snapshard.storage import local
+    from snapshard.storage import local_files
 
     calls = []
     real = os.writev
@@ -117,7 +117,7 @@ def test_a_long_run_of_small_chunks_is_written_as_it_is(tmp_path, monkeypatch, s
         rest = bufs[len(half)] if len(bufs) > len(half) else b""
         return n + os.write(fd, memoryview(rest)[:3]) if len(rest) >= 3 else n
 
-    monkeypatch.setattr(local.os, "writev", writev)
+    monkeypatch.setattr(local_files.os, "writev", writev)
     rng = np.random.default_rng(3)
     blocks = rng.standard_normal((1500, 16, 16)).astype(np.float32)  # 1 KiB each: 1.5 MiB
 
@@ -133,7 +133,7 @@ def test_a_long_run_of_small_chunks_is_written_as_it_is(tmp_path, monkeypatch, s
     storage.prepare_staging()
     got = chunk_files.write_file(storage, name, items())
     assert storage.read_staging(name) == want and got.size == len(want)
-    assert calls and max(calls) <= local._IOV_MAX
+    assert calls and max(calls) <= local_files._IOV_MAX
 
 
 def test_items_go_to_the_lightest_file_largest_first():

@@ -17,8 +17,8 @@ import pytest
 
 import snapshard
 from snapshard.cli import main
-from snapshard.storage import local, stale_staging
-from snapshard.storage.stale_staging import ALIVE, GONE, UNKNOWN
+from snapshard.storage import local, owner_records, stale_staging
+from snapshard.storage.owner_records import ALIVE, GONE, UNKNOWN
 
 WORKER = Path(__file__).parent / "workers" / "stale_writer.py"
 SRC = Path(__file__).parent.parent / "src"
@@ -83,42 +83,42 @@ def leftovers(parent: Path) -> list[str]:
 
 
 def test_an_owner_is_alive_while_its_process_runs_and_gone_after(tmp_path):
-    me = stale_staging.this_process()
-    assert stale_staging.judge(me).state == ALIVE
+    me = owner_records.this_process()
+    assert owner_records.judge(me).state == ALIVE
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
                              stdin=subprocess.PIPE)  # fmt: skip
     try:
-        start = stale_staging._process_stat(child.pid)
+        start = owner_records._process_stat(child.pid)
         assert start is not None
         theirs = dataclasses.replace(me, pid=child.pid, start=start[1])
-        assert stale_staging.judge(theirs).state == ALIVE
+        assert owner_records.judge(theirs).state == ALIVE
         reused = dataclasses.replace(theirs, start=start[1] + 1)  # the pid, another process
-        verdict = stale_staging.judge(reused)
+        verdict = owner_records.judge(reused)
         assert verdict.state == GONE and "newer process" in verdict.why
     finally:
         child.communicate(b"", timeout=30)
-    assert stale_staging.judge(theirs).state == GONE
+    assert owner_records.judge(theirs).state == GONE
 
 
 def test_owners_on_other_hosts_or_namespaces_are_unknown_and_a_reboot_is_gone():
-    me = stale_staging.this_process()
-    other_host = stale_staging.judge(dataclasses.replace(me, host=me.host + "-elsewhere"))
+    me = owner_records.this_process()
+    other_host = owner_records.judge(dataclasses.replace(me, host=me.host + "-elsewhere"))
     assert other_host.state == UNKNOWN and "another host" in other_host.why
     if me.boot is None:
         pytest.skip("no boot id on this system")
-    rebooted = stale_staging.judge(dataclasses.replace(me, boot="0" * 36))
+    rebooted = owner_records.judge(dataclasses.replace(me, boot="0" * 36))
     assert rebooted.state == GONE and "rebooted" in rebooted.why
-    container = stale_staging.judge(dataclasses.replace(me, pidns="pid:[1]"))
+    container = owner_records.judge(dataclasses.replace(me, pidns="pid:[1]"))
     assert container.state == UNKNOWN and "namespace" in container.why
 
 
 def test_the_record_is_written_once_per_process_and_read_back(tmp_path):
-    stale_staging.ensure_owner_record(tmp_path)
-    stale_staging.ensure_owner_record(tmp_path)
+    owner_records.ensure_owner_record(tmp_path)
+    owner_records.ensure_owner_record(tmp_path)
     (record,) = tmp_path.iterdir()
-    assert stale_staging.is_owner_record(record.name)
+    assert owner_records.is_owner_record(record.name)
     found = stale_staging.inspect(tmp_path, "ckpt", "staging")
-    assert [o.identity for o in found.owners] == [stale_staging.this_process()]
+    assert [o.identity for o in found.owners] == [owner_records.this_process()]
     assert found.state == ALIVE
     record.write_text("{not json")  # a writer killed while writing it: cannot be judged
     assert stale_staging.inspect(tmp_path, "ckpt", "staging").state == UNKNOWN
@@ -132,7 +132,7 @@ def test_the_next_save_into_the_parent_removes_a_killed_saves_staging(tmp_path, 
     if mode != "kill-numpy":
         pytest.importorskip("torch")
     staging = killed_save(mode, tmp_path / "step_2")
-    records = [p for p in staging.iterdir() if stale_staging.is_owner_record(p.name)]
+    records = [p for p in staging.iterdir() if owner_records.is_owner_record(p.name)]
     assert staging.is_dir() and records
     (u,) = stale_staging.find(tmp_path)
     assert u.state == GONE and u.checkpoint == "step_2"
@@ -194,7 +194,7 @@ def test_a_writer_that_records_itself_during_the_removal_gets_its_directory_back
     staging = killed_save("kill-numpy", tmp_path / "ckpt")
     (u,) = stale_staging.find(tmp_path)
     assert u.state == GONE
-    stale_staging.ensure_owner_record(staging)  # a live writer arrives after the judgement
+    owner_records.ensure_owner_record(staging)  # a live writer arrives after the judgement
     assert stale_staging.set_aside(u) is None
     assert staging.is_dir() and leftovers(tmp_path) == [staging.name]
 
@@ -206,7 +206,7 @@ def test_an_interrupted_removal_is_finished_by_the_next_sweep(tmp_path):
     assert trash is not None and trash.is_dir() and local.STAGING_SUFFIX not in trash.name
     (t,) = stale_staging.find(tmp_path)
     assert t.kind == "trash" and t.state == GONE
-    for record in [p for p in trash.iterdir() if stale_staging.is_owner_record(p.name)]:
+    for record in [p for p in trash.iterdir() if owner_records.is_owner_record(p.name)]:
         record.unlink()  # even with its records already deleted
     assert stale_staging.find(tmp_path)[0].state == GONE
     save_beside(tmp_path)

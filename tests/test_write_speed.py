@@ -136,7 +136,7 @@ def test_a_failing_writeback_is_a_storage_error_naming_the_file(tmp_path, monkey
     import errno
 
     from snapshard.errors import StorageError
-    from snapshard.storage.local import LocalFileWriter
+    from snapshard.storage.local_files import LocalFileWriter
 
     def failing(fd, offset, nbytes, flags):
         ctypes.set_errno(errno.EIO)

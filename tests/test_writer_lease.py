@@ -21,7 +21,8 @@ import snapshard
 from s3env import bucket_url, store_params
 from snapshard.errors import WriterLeaseError
 from snapshard.storage import root_for
-from snapshard.storage.lease import LEASE_DIR, LocalLeaseFiles, WriterLease
+from snapshard.storage.lease import LEASE_DIR, WriterLease
+from snapshard.storage.local_root import LocalLeaseFiles
 
 pytestmark = pytest.mark.timeout(180)
 

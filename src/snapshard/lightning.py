@@ -64,7 +64,8 @@ from .dtypes import dtype_from_name
 from .errors import CheckpointNotFoundError
 from .inspection import ArrayMetadata, ValueMetadata
 from .options import ReadOptions, SaveOptions
-from .storage.local import STAGING_SUFFIX, fsync_dir, move_into_place
+from .storage.atomic_rename import fsync_dir, move_into_place
+from .storage.stale_staging import STAGING_SUFFIX
 from .torch.dtypes import torch_dtype
 from .tree import ClassesLostWarning
 

@@ -28,7 +28,7 @@ def main() -> None:
 
     import snapshard
     from snapshard.coordination import default_coordinator
-    from snapshard.storage import local
+    from snapshard.storage import local, local_files
 
     mesh = Mesh(np.array(jax.devices()).reshape(n, -1), ("data", "model"))
     w = jax.device_put(
@@ -45,7 +45,7 @@ def main() -> None:
         report(ok=True, left=sorted(left), pid=pid)
         return
     if pid == victim:
-        real_commit, real_write = local.LocalStorage.commit, local.LocalFileWriter.write
+        real_commit, real_write = local.LocalStorage.commit, local_files.LocalFileWriter.write
 
         def die(*a, **k):
             sys.stdout.flush()
@@ -54,7 +54,7 @@ def main() -> None:
         if victim == 0:
             local.LocalStorage.commit = die
         else:
-            local.LocalFileWriter.write = die
+            local_files.LocalFileWriter.write = die
         del real_commit, real_write
     t0 = time.monotonic()
     try:

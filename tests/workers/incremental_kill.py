@@ -26,11 +26,11 @@ def main() -> None:
     first, last = (int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else (1, 5)
     import snapshard
     from snapshard.manager import references
-    from snapshard.storage import local
+    from snapshard.storage import local, local_files
     from test_incremental import tree
 
     saves = {"n": 0, "removals": 0}
-    real_write, real_commit = local.LocalFileWriter.write, local.LocalStorage.commit
+    real_write, real_commit = local_files.LocalFileWriter.write, local.LocalStorage.commit
     real_delete_files, real_delete = references._delete_files, local.LocalStorage.delete
 
     def write(self, data):
@@ -54,7 +54,7 @@ def main() -> None:
 
         return run
 
-    local.LocalFileWriter.write = write
+    local_files.LocalFileWriter.write = write
     local.LocalStorage.commit = commit
     references._delete_files = removal(real_delete_files)
     local.LocalStorage.delete = removal(real_delete)

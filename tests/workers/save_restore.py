@@ -56,7 +56,7 @@ def save(args) -> None:
     from jax.sharding import PartitionSpec as P
 
     import snapshard
-    from snapshard.storage import local
+    from snapshard.storage import local_files
 
     g = global_arrays()
     devs = np.array(jax.devices())
@@ -83,7 +83,7 @@ def save(args) -> None:
         def write(self, data):
             os.kill(os.getpid(), signal.SIGKILL)
 
-        local.LocalFileWriter.write = write
+        local_files.LocalFileWriter.write = write
     if args.fail_in_write == pid:  # the first data write below the storage layer fails
         import pytest
 

@@ -17,15 +17,15 @@ import sys
 
 import numpy as np
 
-from snapshard.storage import local
+from snapshard.storage import local, local_files
 
 
 def _die_at_first_write() -> None:
-    def write(self: local.LocalFileWriter, data: memoryview) -> None:
+    def write(self: local_files.LocalFileWriter, data: memoryview) -> None:
         os._exit(3)
 
-    local.LocalFileWriter.write = write  # type: ignore[method-assign]
-    local.LocalFileWriter.write_parts = write  # type: ignore[method-assign, assignment]
+    local_files.LocalFileWriter.write = write  # type: ignore[method-assign]
+    local_files.LocalFileWriter.write_parts = write  # type: ignore[method-assign, assignment]
 
 
 def main() -> None:

@@ -27,13 +27,13 @@ def die() -> None:
 
 
 def install_kill(point: str, at: int) -> None:
-    from snapshard.storage import local
+    from snapshard.storage import local, local_files
 
     save_mod = importlib.import_module("snapshard.jax.save_adapter")  # JaxAdapter.stage calls it
 
     calls = {"n": 0}
     real_stage = save_mod.stage
-    real_write, real_commit = local.LocalFileWriter.write, local.LocalStorage.commit
+    real_write, real_commit = local_files.LocalFileWriter.write, local.LocalStorage.commit
 
     def stage(*a, **k):
         calls["n"] += 1
@@ -53,7 +53,7 @@ def install_kill(point: str, at: int) -> None:
         return real_commit(self, manifest, overwrite=overwrite)
 
     save_mod.stage = stage
-    local.LocalFileWriter.write = write
+    local_files.LocalFileWriter.write = write
     local.LocalStorage.commit = commit
     if point == "writer":
         from snapshard.saving import writer_process

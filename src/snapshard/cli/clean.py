@@ -1,7 +1,7 @@
 """`snapshard clean DIR`: remove what killed saves left beside the checkpoints in DIR.
 
 A save that was killed leaves its staging directory (`<checkpoint>.snapshard-tmp-<job>-<n>`)
-full size. Each records the processes that wrote into it (storage/stale_staging.py); the
+full size. Each records the processes that wrote into it (storage/owner_records.py); the
 ones whose writers are all provably gone are removed, after a dry run by default:
 
     snapshard clean DIR                 print what would be removed, and what stays and why
@@ -26,7 +26,8 @@ from ..errors import CheckpointNotFoundError, SnapshardError
 from ..format.naming import MANIFEST_NAME
 from ..storage import stale_staging
 from ..storage.location import local_path
-from ..storage.stale_staging import ALIVE, GONE, Unfinished
+from ..storage.owner_records import ALIVE, GONE
+from ..storage.stale_staging import Unfinished
 from .output import Output, human_bytes, table
 
 

@@ -43,7 +43,8 @@ from ..save_leaves import SaveArray
 from ..saving import finish, prepare
 from ..staging import Snapshot
 from ..storage import LocalRoot, LocalStorage
-from ..storage.local import STAGING_SUFFIX, move_into_place
+from ..storage.atomic_rename import move_into_place
+from ..storage.stale_staging import STAGING_SUFFIX
 from ..tree import FlatTree, path_str
 from ..tree import Path as TreePath
 from .arrays import layout_of

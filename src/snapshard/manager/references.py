@@ -23,7 +23,8 @@ from ..format.reading import read_manifest
 from ..format.refs import referenced_files
 from ..frameworks import is_jax_array
 from ..storage import CheckpointRoot, Storage
-from ..storage.local import LocalStorage, fsync_dir
+from ..storage.atomic_rename import fsync_dir
+from ..storage.local import LocalStorage
 from ..tree import FlatTree, Path
 
 log = logging.getLogger("snapshard")

@@ -32,7 +32,8 @@ from ..planning import plan_writes, run_grid
 from ..save_leaves import SaveArray, classify, is_save_leaf
 from ..staging import stage
 from ..storage import Location, is_object_store_url
-from ..storage.local import STAGING_SUFFIX, fsync_dir, move_into_place
+from ..storage.atomic_rename import fsync_dir, move_into_place
+from ..storage.stale_staging import STAGING_SUFFIX
 from ..tree import flatten, path_str
 from .dtypes import safetensors_name
 from .files import INDEX_NAME, SINGLE_NAME, SUFFIX

@@ -26,7 +26,7 @@ from ..format.naming import values_file_name
 from ..format.records import ProcessReport
 from ..incremental import check_refs_committed, manifest_refs
 from ..storage import Storage
-from ..storage.stale_staging import is_owner_record
+from ..storage.owner_records import is_owner_record
 from . import files
 from .agreement import check_agreement, check_same_options, named_by_us, read_union
 from .leaves import describe_leaves
@@ -111,7 +111,7 @@ def check_staged_files(storage: Storage, expected: dict[str, int]) -> None:
     """Files on storage are exactly those of this save, with the sizes reported.
 
     Files of an earlier attempt that died (other nonces) are removed first, and the
-    writers' owner records (storage/stale_staging.py), which are no part of a checkpoint.
+    writers' owner records (storage/owner_records.py), which are no part of a checkpoint.
     """
     listing = storage.list_staging()
     records = [n for n in listing if is_owner_record(n)]

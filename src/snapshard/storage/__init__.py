@@ -8,7 +8,8 @@ from types import ModuleType
 from typing import TypeVar
 
 from .base import CheckpointRoot, FileWriter, Storage, set_opener
-from .local import LocalRoot, LocalStorage
+from .local import LocalStorage
+from .local_root import LocalRoot
 from .location import parse_location, require_supported
 
 Location = str | os.PathLike[str]

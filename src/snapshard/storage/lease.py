@@ -3,10 +3,11 @@
 The lease is a small JSON document under the root, in `.snapshard-writer/<generation>.json`.
 The holder is the document of the highest generation. Acquiring creates generation 1 if
 there is none, or, to take over a stale lease, generation g + 1; creation is exclusive
-(a hard link on POSIX, a conditional PUT `If-None-Match: *` on object stores), so of two
-writers racing for the same generation exactly one wins. The holder rewrites its own
-document every `timeout_s / 6` seconds (a heartbeat counter); it never touches another
-generation's, so heartbeats cannot undo a take-over.
+(a hard link on POSIX, a conditional PUT `If-None-Match: *` on object stores: the roots'
+LeaseFiles, in local_root.py and objstore.py), so of two writers racing for the same
+generation exactly one wins. The holder rewrites its own document every `timeout_s / 6`
+seconds (a heartbeat counter); it never touches another generation's, so heartbeats cannot
+undo a take-over.
 
 A lease is stale when its holder stopped beating: on the same host, when its process is
 gone or its last beat (by the host's clock) is older than `timeout_s`; from another host,
@@ -42,10 +43,9 @@ import uuid
 import weakref
 from abc import ABC, abstractmethod
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from ..errors import StorageError, WriterLeaseError
+from ..errors import WriterLeaseError
 
 log = logging.getLogger("snapshard")
 
@@ -80,75 +80,6 @@ class LeaseFiles(ABC):
 
     @abstractmethod
     def remove(self, name: str) -> None: ...
-
-
-class LocalLeaseFiles(LeaseFiles):
-    def __init__(self, root: Path):
-        self.dir = root / LEASE_DIR
-        self.where = str(self.dir)
-
-    def names(self) -> list[str]:
-        try:
-            return [e.name for e in os.scandir(self.dir)]
-        except FileNotFoundError:
-            return []
-        except OSError as e:
-            raise StorageError.wrap(e, "listing of the writer lease", self.dir) from e
-
-    def read(self, name: str) -> bytes | None:
-        try:
-            return (self.dir / name).read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise StorageError.wrap(e, "read of the writer lease", self.dir / name) from e
-
-    def _tmp(self, data: bytes) -> Path:
-        tmp = self.dir / f".tmp-{uuid.uuid4().hex}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        for _ in range(5):  # the directory is removed when the last lease goes
-            os.makedirs(self.dir, exist_ok=True)
-            try:
-                fd = os.open(tmp, flags, 0o644)
-                break
-            except FileNotFoundError:
-                continue
-        else:
-            fd = os.open(tmp, flags, 0o644)
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return tmp
-
-    def create(self, name: str, data: bytes) -> bool:
-        try:
-            tmp = self._tmp(data)
-            try:
-                os.link(tmp, self.dir / name)
-            except FileExistsError:
-                return False
-            finally:
-                with contextlib.suppress(OSError):  # a leftover temporary file is harmless
-                    tmp.unlink(missing_ok=True)
-        except OSError as e:
-            raise StorageError.wrap(e, "creation of the writer lease", self.dir / name) from e
-        return True
-
-    def replace(self, name: str, data: bytes) -> None:
-        try:
-            os.replace(self._tmp(data), self.dir / name)
-        except OSError as e:
-            raise StorageError.wrap(e, "heartbeat of the writer lease", self.dir / name) from e
-
-    def remove(self, name: str) -> None:
-        try:
-            (self.dir / name).unlink(missing_ok=True)
-        except OSError as e:
-            raise StorageError.wrap(e, "removal of the writer lease", self.dir / name) from e
-        with contextlib.suppress(OSError):  # not empty: another lease is there
-            self.dir.rmdir()
 
 
 def _this_host() -> str:

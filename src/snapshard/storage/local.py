@@ -5,23 +5,20 @@ or under its manager's directory;
 a failed save removes it, one that was killed leaves it for the manager or the user to
 remove, and readers never see it). Commit writes and fsyncs the manifest,
 fsyncs the staged directories, renames the staging directory to D and fsyncs the parent, so
-D either does not exist or is complete. Overwriting swaps the two directories atomically
-(renameat2 RENAME_EXCHANGE) where the kernel offers it.
+D either does not exist or is complete (atomic_rename.py). Its files are written and read by
+local_files.py; the directory of several checkpoints is local_root.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import os
 import shutil
-import stat
 import threading
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import cpus
 from ..errors import (
@@ -32,118 +29,18 @@ from ..errors import (
 )
 from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME
 from ..format.refs import check_checkpoint_name, split_ref_name
-from . import stale_staging
-from .base import CheckpointRoot, FileWriter, Storage, buffer_bytes, buffer_nbytes, slice_views
-from .lease import LEASE_DIR, LeaseFiles, LocalLeaseFiles
-from .stale_staging import DELETING_SUFFIX, STAGING_SUFFIX
-from .writeback import Writeback
-
-if TYPE_CHECKING:
-    from typing_extensions import Buffer
+from .atomic_rename import fsync_dir, is_empty_dir, move_into_place
+from .base import FileWriter, Storage
+from .local_files import LocalFileWriter, is_regular, open_checkpoint_file, pread_into, read_fd
+from .owner_records import ensure_owner_record, remove_own_record
+from .stale_staging import DELETING_SUFFIX, STAGING_SUFFIX, sweep
 
 DCP_METADATA = ".metadata"  # what PyTorch DCP's FileSystemWriter commits last
-_IOV_MAX = 1024
-_MAX_IO = 1 << 30
-_RENAME_EXCHANGE = 2
-
-
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths; False where the kernel or libc cannot."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
-    if rc == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(a))
-
-
-def move_into_place(staging: Path, final: Path, *, replace: bool) -> None:
-    """Make `staging` (a file or a directory, its contents already synced) appear at
-    `final` in one step: the atomic local commit of checkpoints, exports and local-tier
-    copies. An absent `final`, or an empty directory there (it holds nothing to lose), is
-    taken by one rename(2), which the kernel refuses if the directory was filled or the path
-    taken meanwhile: CheckpointExistsError, nothing replaced. Anything else at `final` is
-    replaced whole when `replace`, else CheckpointExistsError: a file by a file with one
-    rename(2); where either is a directory (a checkpoint, or a directory replacing a file
-    such as Lightning's own `.ckpt`), the two are swapped with renameat2(RENAME_EXCHANGE)
-    where the kernel has it, else the old one is moved aside under DELETING_SUFFIX first, so
-    it is never seen half-deleted; then the old one is deleted."""
-    if not os.path.lexists(final) or (staging.is_dir() and _is_empty_dir(final)):
-        _rename_onto_vacant(staging, final)
-        return
-    if not replace:
-        raise _appeared(final)
-    if not staging.is_dir() and not (final.is_dir() and not final.is_symlink()):
-        os.replace(staging, final)
-        fsync_dir(final.parent)
-        return
-    if _exchange(staging, final):
-        fsync_dir(final.parent)
-        _remove(staging)  # the old one, now at the staging name
-        return
-    old = final.with_name(final.name + DELETING_SUFFIX + uuid.uuid4().hex[:8])
-    os.rename(final, old)
-    os.rename(staging, final)
-    fsync_dir(final.parent)
-    _remove(old)
-
-
-def _remove(path: Path) -> None:
-    """Delete a replaced file or directory (best effort: the new one is in place)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
-
-
-def _rename_onto_vacant(staging: Path, final: Path) -> None:
-    """rename(2) of `staging` onto an absent path or an empty directory: atomic, and it never
-    replaces a directory that holds anything (ENOTEMPTY/EEXIST) or a directory by a file
-    (EISDIR) or a file by a directory (ENOTDIR)."""
-    try:
-        os.rename(staging, final)
-    except OSError as e:
-        if e.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.EISDIR, errno.ENOTDIR):
-            raise _appeared(final) from None
-        raise
-    fsync_dir(final.parent)
-
-
-def _appeared(final: Path) -> CheckpointExistsError:
-    return CheckpointExistsError(
-        f"{final} appeared, or was filled, while it was being written; nothing was replaced"
-    )
-
-
-def _is_empty_dir(path: Path) -> bool:
-    """`path` is a directory itself (not a symbolic link to one) with no entries."""
-    try:
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
-            return False
-        with os.scandir(path) as entries:
-            return next(entries, None) is None
-    except OSError:
-        return False
 
 
 def _is_dcp_checkpoint(path: Path) -> bool:
     """`path` holds PyTorch DCP's own checkpoint: its `.metadata` file, no manifest.json."""
-    return _is_regular(path / DCP_METADATA) and not _is_regular(path / MANIFEST_NAME)
+    return is_regular(path / DCP_METADATA) and not is_regular(path / MANIFEST_NAME)
 
 
 def dcp_checkpoint_advice(url: str) -> str:
@@ -154,82 +51,6 @@ def dcp_checkpoint_advice(url: str) -> str:
         "(dcp.load(state, checkpoint_id=path), or storage_reader=FileSystemReader(path)), or "
         f"convert it once: snapshard convert --trust-pickle {url} NEW_PATH"
     )
-
-
-class LocalFileWriter(FileWriter):
-    def __init__(self, path: Path):
-        self.path = path
-        try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            raise StorageError.wrap(e, "creation of", path) from e
-        self.size = 0
-        self.writeback = Writeback(self.fd)
-
-    def write(self, data: memoryview) -> None:
-        mv = data.cast("B") if data.format != "B" or data.ndim != 1 else data
-        try:
-            while len(mv):
-                n = os.write(self.fd, mv[:_MAX_IO])
-                mv = mv[n:]
-                self.size += n
-            self.writeback.written(self.size)
-        except OSError as e:
-            raise StorageError.wrap(e, f"write (at byte {self.size}) of", self.path) from e
-
-    def write_parts(self, parts: Sequence[Buffer]) -> None:
-        """One system call per _IOV_MAX parts (writev), no copy of them joined."""
-        try:
-            for i in range(0, len(parts), _IOV_MAX):
-                group = parts[i : i + _IOV_MAX]
-                n = os.writev(self.fd, group)
-                self.size += n
-                for p in group:  # a short write (rare): the rest one by one
-                    size = buffer_nbytes(p)
-                    if n >= size:
-                        n -= size
-                        continue
-                    self.write(buffer_bytes(p)[n:])
-                    n = 0
-            self.writeback.written(self.size)
-        except OSError as e:
-            raise StorageError.wrap(e, f"write (at byte {self.size}) of", self.path) from e
-
-    def close(self) -> int:
-        try:
-            os.fsync(self.fd)
-        except OSError as e:
-            raise StorageError.wrap(e, "sync of", self.path) from e
-        finally:
-            os.close(self.fd)
-        return self.size
-
-    def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
-
-
-def _is_regular(path: Path) -> bool:
-    """`path` is a regular file itself (a symlink to one is not)."""
-    try:
-        return stat.S_ISREG(os.lstat(path).st_mode)
-    except OSError:
-        return False
-
-
-def _read_fd(fd: int, path: Path) -> bytes:
-    """All of the open file `fd` (closed after), a StorageError naming `path` if it fails."""
-    try:
-        parts: list[bytes] = []
-        while True:
-            b = os.read(fd, 1 << 20)
-            if not b:
-                return b"".join(parts)
-            parts.append(b)
-    except OSError as e:
-        raise StorageError.wrap(e, "read of", path) from e
-    finally:
-        os.close(fd)
 
 
 _FADV_SEQUENTIAL = getattr(os, "POSIX_FADV_SEQUENTIAL", None)
@@ -293,14 +114,14 @@ class LocalStorage(Storage):
     # ---- save side --------------------------------------------------------------------
     def prepare_staging(self) -> None:
         """Create the staging directory (every process of a save may call it) and record
-        this process as one of its writers (stale_staging.py), so that a later save can tell
+        this process as one of its writers (owner_records.py), so that a later save can tell
         it from a killed save's; the commit removes those (see `_commit`)."""
         try:
             for sub in (DATA_DIR, INDEX_DIR):
                 os.makedirs(self.staging / sub, exist_ok=True)
         except OSError as e:
             raise StorageError.wrap(e, "creation of the staging directory", self.staging) from e
-        stale_staging.ensure_owner_record(self.staging)
+        ensure_owner_record(self.staging)
 
     def open_writer(self, name: str) -> FileWriter:
         return LocalFileWriter(self.staging / name)
@@ -352,7 +173,7 @@ class LocalStorage(Storage):
         move_into_place(self.staging, self.final, replace=overwrite and not vacant)
         # What killed saves left beside it goes now, whichever wing saved: in the background
         # phase (never the blocking one), once per save, and never failing the commit.
-        stale_staging.sweep(self.final.parent, keep=self.staging)
+        sweep(self.final.parent, keep=self.staging)
 
     def _occupied(self) -> str:
         """Why a save without overwrite cannot take the path: what is there."""
@@ -380,7 +201,7 @@ class LocalStorage(Storage):
             raise CheckpointExistsError(
                 f"{self.url} is the working directory or holds it; refusing to replace it"
             )
-        if _is_empty_dir(self.final):
+        if is_empty_dir(self.final):
             return True
         if not overwrite:
             raise CheckpointExistsError(self._occupied())
@@ -393,7 +214,7 @@ class LocalStorage(Storage):
                 f"{self.url} holds a PyTorch DCP checkpoint (a {DCP_METADATA} file, no "
                 f"{MANIFEST_NAME}); refusing to replace it: save to another path, or remove it"
             )
-        if any(self.final.iterdir()) and not _is_regular(self.final / MANIFEST_NAME):
+        if any(self.final.iterdir()) and not is_regular(self.final / MANIFEST_NAME):
             raise CheckpointExistsError(
                 f"{self.url} is a non-empty directory that is not a snapshard checkpoint; refusing to replace it"
             )
@@ -405,7 +226,7 @@ class LocalStorage(Storage):
     def discard_staging_if_empty(self) -> None:
         """Remove the staging directory if no other process's files or records remain in
         it (this process's owner record goes first: it writes no more there)."""
-        stale_staging.remove_own_record(self.staging)
+        remove_own_record(self.staging)
         for d in (self.staging / DATA_DIR, self.staging / INDEX_DIR, self.staging):
             with contextlib.suppress(OSError):  # not empty: another process's files remain
                 os.rmdir(d)
@@ -422,97 +243,20 @@ class LocalStorage(Storage):
 
     # ---- read side: only regular files inside the checkpoint ---------------------------
     def is_committed(self) -> bool:
-        return _is_regular(self.final / MANIFEST_NAME)
-
-    def _open(self, base: Path, name: str) -> int:
-        """Open the checkpoint file `name` (`manifest.json`, `data/x`, `index/x`) for
-        reading: no symlink followed below `base`, nothing but a regular file opened, never
-        blocking (O_NONBLOCK, so a FIFO or device cannot hang the open)."""
-        parts = name.split("/")
-        if (
-            len(parts) > 2
-            or any(p in ("", ".", "..") for p in parts)
-            or (len(parts) == 2 and parts[0] not in (DATA_DIR, INDEX_DIR))
-        ):
-            raise CorruptCheckpointError(
-                f"{self.url}: file name {name!r} does not name a file of the checkpoint"
-            )
-        dir_fd = self._open_base(base, name)
-        try:
-            if len(parts) == 2:
-                sub = self._open_subdirectory(dir_fd, parts[0], name)
-                os.close(dir_fd)
-                dir_fd = sub
-            fd = self._open_regular(dir_fd, parts[-1], name)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CorruptCheckpointError(
-                    f"{self.url}: {name!r} is a symbolic link; refusing to follow it"
-                ) from None
-            if isinstance(e, FileNotFoundError | NotADirectoryError):
-                raise
-            raise StorageError.wrap(e, "open of", base / name) from e
-        finally:
-            os.close(dir_fd)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):  # replaced between the check and the open
-            os.close(fd)
-            raise CorruptCheckpointError(
-                f"{self.url}: {name!r} is not a regular file ({_kind(st.st_mode)}); refusing to read it"
-            )
-        return fd
-
-    def _open_base(self, base: Path, name: str) -> int:
-        """The checkpoint directory `base` opened (not through a symbolic link where it is a
-        referenced checkpoint), to open `name` in."""
-        nofollow = os.O_NOFOLLOW if self.referenced else 0
-        try:
-            return os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
-        except OSError as e:
-            if self.referenced and e.errno in (errno.ELOOP, errno.ENOTDIR) and base.is_symlink():
-                raise CorruptCheckpointError(
-                    f"{self.url}: the referenced checkpoint is a symbolic link; refusing to "
-                    f"follow it to read {name!r}"
-                ) from None
-            if isinstance(e, FileNotFoundError | NotADirectoryError):
-                raise
-            raise StorageError.wrap(e, "open of", base) from e
-
-    def _open_subdirectory(self, dir_fd: int, sub: str, name: str) -> int:
-        """The checkpoint's directory `sub` (data/, index/), never a symbolic link."""
-        try:
-            return os.open(
-                sub, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd
-            )
-        except OSError as e:
-            if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                raise CorruptCheckpointError(
-                    f"{self.url}: {sub}/ is not a directory of the checkpoint "
-                    f"(a symbolic link or another file); refusing to read {name!r}"
-                ) from None
-            raise
-
-    def _open_regular(self, dir_fd: int, file: str, name: str) -> int:
-        """The regular file `file` in `dir_fd`, opened without following a link or blocking."""
-        st = os.stat(file, dir_fd=dir_fd, follow_symlinks=False)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(
-                f"{self.url}: {name!r} is not a regular file ({_kind(st.st_mode)}); refusing to read it"
-            )
-        return os.open(
-            file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
-        )
+        return is_regular(self.final / MANIFEST_NAME)
 
     def _read_whole(self, base: Path, name: str) -> bytes:
         try:
-            fd = self._open(base, name)
+            fd = open_checkpoint_file(base, name, self.url, referenced=self.referenced)
         except FileNotFoundError:
             raise CorruptCheckpointError(f"{self.url}: file {name!r} is missing") from None
-        return _read_fd(fd, base / name)
+        return read_fd(fd, base / name)
 
     def read_manifest(self) -> bytes:
         try:
-            fd = self._open(self.final, MANIFEST_NAME)
+            fd = open_checkpoint_file(
+                self.final, MANIFEST_NAME, self.url, referenced=self.referenced
+            )
         except FileNotFoundError:
             staged = self.staging_dirs()
             if _is_dcp_checkpoint(self.final):
@@ -530,14 +274,16 @@ class LocalStorage(Storage):
             raise CheckpointNotFoundError(f"no checkpoint at {self.url}: {why}") from None
         except NotADirectoryError:
             raise CheckpointNotFoundError(f"no checkpoint at {self.url}: it is a file") from None
-        return _read_fd(fd, self.final / MANIFEST_NAME)
+        return read_fd(fd, self.final / MANIFEST_NAME)
 
     def _fd(self, name: str) -> int:
         with self._lock:
             fd = self._fds.get(name)
             if fd is None:
                 try:
-                    fd = self._open(self.final, name)
+                    fd = open_checkpoint_file(
+                        self.final, name, self.url, referenced=self.referenced
+                    )
                 except (FileNotFoundError, NotADirectoryError):
                     raise CorruptCheckpointError(
                         f"{self.url}: data file {name!r} is missing"
@@ -584,30 +330,7 @@ class LocalStorage(Storage):
         if ref is not None:  # a file of a referenced checkpoint beside this one
             self._sibling(ref[0]).read_into(ref[1], offset, buffers)
             return
-        fd = self._fd(name)
-        bufs = [b.cast("B") if b.format != "B" or b.ndim != 1 else b for b in buffers]
-        i = 0
-        while i < len(bufs):
-            batch = bufs[i : i + _IOV_MAX]
-            want = sum(len(b) for b in batch)
-            if want > _MAX_IO and len(batch) > 1:
-                batch = bufs[i : i + 1]
-                want = len(batch[0])
-            done = 0
-            while done < want:
-                try:
-                    n = os.preadv(fd, slice_views(batch, done, want - done), offset + done)
-                except OSError as e:
-                    raise StorageError.wrap(
-                        e, f"read (at byte {offset + done}) of", self.final / name
-                    ) from e
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"{self.url}: file {name!r} is truncated (wanted bytes up to {offset + want})"
-                    )
-                done += n
-            offset += want
-            i += len(batch)
+        pread_into(self._fd(name), offset, buffers, self.url, name)
 
     def delete(self) -> None:
         if not self.final.exists():
@@ -643,59 +366,3 @@ class LocalStorage(Storage):
             siblings, self._siblings = list(self._siblings.values()), {}
         for sib in siblings:
             sib.close()
-
-
-def _kind(mode: int) -> str:
-    for test, what in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISLNK, "a symbolic link"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return what
-    return "not a regular file"
-
-
-class LocalRoot(CheckpointRoot):
-    def __init__(self, path: str | os.PathLike[str]):
-        self.path = Path(os.path.abspath(os.fspath(path)))
-        self.url = str(self.path)
-
-    def list(self) -> dict[str, bool]:
-        out: dict[str, bool] = {}
-        for entry in self._entries():
-            if not entry.is_dir() or entry.name == LEASE_DIR:
-                continue
-            found = stale_staging.classify(entry.name)
-            if found is not None:
-                out.setdefault(found[0], False)
-            else:
-                out[entry.name] = _is_regular(Path(entry.path) / MANIFEST_NAME)
-        return out
-
-    def _entries(self) -> Sequence[os.DirEntry[str]]:
-        try:
-            return list(os.scandir(self.path)) if self.path.is_dir() else []
-        except OSError as e:
-            raise StorageError.wrap(e, "listing of", self.path) from e
-
-    def child(self, name: str) -> Storage:
-        return LocalStorage(self.path / name)
-
-    def lease_files(self) -> LeaseFiles:
-        return LocalLeaseFiles(self.path)
-
-    def remove_incomplete(self, name: str) -> None:
-        if name == LEASE_DIR:
-            return
-        for entry in self._entries():
-            if entry.name.startswith(name) and entry.name[len(name) :].startswith(
-                (STAGING_SUFFIX, DELETING_SUFFIX)
-            ):
-                shutil.rmtree(entry.path, ignore_errors=True)
-        target = self.path / name
-        if target.is_dir() and not _is_regular(target / MANIFEST_NAME):
-            shutil.rmtree(target, ignore_errors=True)

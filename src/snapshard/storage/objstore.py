@@ -30,6 +30,7 @@ from ..format.refs import split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
 from .lease import LEASE_DIR, LeaseFiles
 from .object_client import ObjectClient, RequestStats, TransferConfig
+from .object_writer import PartWriter
 
 log = logging.getLogger("snapshard")
 
@@ -108,7 +109,7 @@ class ObjectStorage(Storage):
         return None  # nothing to create: objects need no directories
 
     def open_writer(self, name: str) -> FileWriter:
-        return self.client.writer(name)
+        return PartWriter(self.client, name)
 
     def list_staging(self) -> dict[str, int]:
         """The files of saves in progress here; never those of the committed checkpoint."""
