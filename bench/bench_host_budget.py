@@ -1,7 +1,7 @@
 """save_async with a host budget, in the writer process beside threads: the whole save
 (blocking call to `wait`) of JAX arrays on the default device with `host_budget` None and a
 quarter of the state, each round both backgrounds, every save checked against the state,
-and how many items the writer asked the training process to stage (`WriterProcess._stage`:
+and how many items the writer asked the training process to stage (`Exposure.stage`:
 the items beyond the budget, copied from the device when they are written).
 
 On a CPU device the arrays are staged as views, so nothing is left to the background
@@ -33,16 +33,16 @@ def main() -> None:
 
     import snapshard
     from snapshard import SaveOptions
-    from snapshard.saving import writer_process as wp
+    from snapshard.saving import writer_exposure as we
 
     calls: list[int] = []
-    real = wp.WriterProcess._stage
+    real = we.Exposure.stage
 
-    def counted(self: wp.WriterProcess, j: int) -> int:
+    def counted(self: we.Exposure, j: int) -> int:
         calls.append(j)
         return real(self, j)
 
-    wp.WriterProcess._stage = counted  # type: ignore[method-assign]
+    we.Exposure.stage = counted  # type: ignore[method-assign]
     print("backend", jax.default_backend(), jax.devices())
     root = tempfile.mkdtemp()
     print(

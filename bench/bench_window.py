@@ -35,11 +35,12 @@ def main() -> None:
     args = ap.parse_args()
 
     import snapshard
+    from snapshard.saving import writer_exposure as we
     from snapshard.saving import writer_process as wp
 
     wp._WINDOW_ONLY = True
     spent = {"copy": 0.0, "call": 0.0, "where": 0.0}
-    copy, call, where = wp.WriterProcess._copy, wp._pwritev, wp._where
+    copy, call, where = we.Exposure.copy, we._pwritev, wp.addresses_of
 
     def timed(key: str, fn):  # type: ignore[no-untyped-def]
         def run(*a, **k):  # type: ignore[no-untyped-def]
@@ -51,9 +52,9 @@ def main() -> None:
 
         return run
 
-    wp.WriterProcess._copy = timed("copy", copy)  # type: ignore[method-assign]
-    wp._pwritev = timed("call", call)
-    wp._where = timed("where", where)
+    we.Exposure.copy = timed("copy", copy)  # type: ignore[method-assign]
+    we._pwritev = timed("call", call)
+    wp.addresses_of = timed("where", where)  # (where it is called)
 
     rng = np.random.default_rng(0)
     tree = {

@@ -18,7 +18,7 @@ import snapshard
 from snapshard import SaveOptions
 from snapshard.coordination.base import SingleProcessCoordinator
 from snapshard.errors import CheckpointExistsError, SnapshardError
-from snapshard.saving import writer_process
+from snapshard.saving import writer_exposure, writer_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -74,7 +74,7 @@ def test_jax_cpu_shards_are_read_from_their_own_buffers(tmp_path, writer_runs):
 
 
 def test_without_the_data_offset_each_arrays_address_is_sent(tmp_path, writer_runs, monkeypatch):
-    monkeypatch.setattr(writer_process, "_DATA_OFFSET", None)
+    monkeypatch.setattr(writer_exposure, "_DATA_OFFSET", None)
     a = np.arange(100.0)
     snapshard.save_async(tmp_path / "x", {"a": a}, PROCESS).wait()
     np.testing.assert_array_equal(snapshard.load(tmp_path / "x")["a"], a)
@@ -261,7 +261,7 @@ def through_the_window(monkeypatch):
     one of 64 KiB: several requests per save, a large item in pieces."""
     writer_process.stop_writer()
     monkeypatch.setattr(writer_process, "_WINDOW_ONLY", True)
-    monkeypatch.setattr(writer_process, "_WINDOW_BYTES", 1 << 16)
+    monkeypatch.setattr(writer_exposure, "_WINDOW_BYTES", 1 << 16)
     yield
     writer_process.stop_writer()
 
@@ -271,7 +271,7 @@ def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
     tmp_path, writer_runs, caplog, through_the_window, monkeypatch, pwritev
 ):
     if pwritev == "refused":  # a file system that refuses it: copied through the mapping
-        monkeypatch.setattr(writer_process, "_pwritev", lambda *args: -1)
+        monkeypatch.setattr(writer_exposure, "_pwritev", lambda *args: -1)
     tree = {f"s{i}": np.arange(i, i + 300, dtype=np.float32) for i in range(300)}
     tree |= {
         "big": np.arange(100_000.0),  # 800 KB: in window-sized pieces
@@ -283,7 +283,7 @@ def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
         for name in ("0", "1"):
             snapshard.save_async(tmp_path / name, tree, PROCESS).wait()
     assert any("through a shared window: asked to" in r.getMessage() for r in caplog.records)
-    assert writer_process._writer is not None and writer_process._writer.window is not None
+    assert writer_process._writer is not None and writer_process._writer.exposure.window is not None
     assert len(writer_runs) == 2
     for name in ("0", "1"):
         out = snapshard.load(tmp_path / name)
@@ -296,17 +296,17 @@ def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
 def test_a_writer_killed_while_reading_through_the_window_leaves_nothing(
     tmp_path, monkeypatch, through_the_window
 ):
-    real = writer_process.WriterProcess._copy
+    real = writer_exposure.Exposure.copy
     copies = []
 
     def kills_on_the_second(self, rows):
         copies.append(len(rows))
         if len(copies) == 2:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            os.kill(_writer_pid(), signal.SIGKILL)
+            writer_process._writer.proc.wait()  # type: ignore[union-attr]
         return real(self, rows)
 
-    monkeypatch.setattr(writer_process.WriterProcess, "_copy", kills_on_the_second)
+    monkeypatch.setattr(writer_exposure.Exposure, "copy", kills_on_the_second)
     tree = {"a": np.arange(50_000.0), "b": np.ones((64, 64), np.float32)}
     with pytest.raises(SnapshardError, match="the writer process was killed by SIGKILL"):
         snapshard.save_async(tmp_path / "x", tree, PROCESS).wait()
@@ -317,16 +317,17 @@ def test_a_writer_killed_while_reading_through_the_window_leaves_nothing(
 
 def test_the_window_serves_only_the_bytes_of_the_save_s_items(tmp_path, through_the_window):
     snapshard.save_async(tmp_path / "x", {"a": np.ones(8)}, PROCESS).wait()
-    w = writer_process._writer
-    assert w is not None and w.window is not None
+    assert writer_process._writer is not None
+    ex = writer_process._writer.exposure
+    assert ex.window is not None
     host = np.arange(8, dtype=np.uint8)
-    w._expose([host], np.array([host.ctypes.data]))
-    w._copy(np.array([[0, 2, 4, 10], [0, 0, 1, 14], [0, 7, 1, 20]]))
-    assert w.window[10:15].tolist() == [2, 3, 4, 5, 0] and w.window[20] == 7
-    for bad in ([0, 6, 4, 0], [0, -1, 2, 0], [0, 0, 2, len(w.window) - 1], [1, 0, 1, 0]):
+    ex.expose([], [host], np.array([host.ctypes.data]))
+    ex.copy(np.array([[0, 2, 4, 10], [0, 0, 1, 14], [0, 7, 1, 20]]))
+    assert ex.window[10:15].tolist() == [2, 3, 4, 5, 0] and ex.window[20] == 7
+    for bad in ([0, 6, 4, 0], [0, -1, 2, 0], [0, 0, 2, len(ex.window) - 1], [1, 0, 1, 0]):
         with pytest.raises(SnapshardError, match=re.escape(f"out of range: {tuple(bad)}")):
-            w._copy(np.array([[0, 0, 1, 0], bad]))
-    w._expose([], np.zeros(0, np.int64))
+            ex.copy(np.array([[0, 0, 1, 0], bad]))
+    ex.expose([], [], np.zeros(0, np.int64))
 
 
 def test_a_writer_that_cannot_be_started_sends_saves_to_threads_and_keeps_no_files(
@@ -370,10 +371,7 @@ def test_items_beyond_the_host_budget_are_copied_when_the_writer_asks(
         request.getfixturevalue("through_the_window")
     held: list[int] = []
     most = [0]
-    real_stage, real_unstage = (
-        writer_process.WriterProcess._stage,
-        writer_process.WriterProcess._unstage,
-    )
+    real_stage, real_unstage = writer_exposure.Exposure.stage, writer_exposure.Exposure.unstage
 
     def stage(self, j):
         held.append(j)
@@ -384,8 +382,8 @@ def test_items_beyond_the_host_budget_are_copied_when_the_writer_asks(
         held.remove(j)
         real_unstage(self, j)
 
-    monkeypatch.setattr(writer_process.WriterProcess, "_stage", stage)
-    monkeypatch.setattr(writer_process.WriterProcess, "_unstage", unstage)
+    monkeypatch.setattr(writer_exposure.Exposure, "stage", stage)
+    monkeypatch.setattr(writer_exposure.Exposure, "unstage", unstage)
     m = mesh(2, 4)
     values = {f"w{i}": np.arange(64 * 64, dtype=np.float32).reshape(64, 64) + i for i in range(4)}
     tree = {k: sharded(v, m, None, "model") for k, v in values.items()}
@@ -416,13 +414,13 @@ def test_an_array_deleted_before_the_writer_asks_for_its_copy_fails_naming_it(
     if read == "window":
         request.getfixturevalue("through_the_window")
     gate = threading.Event()
-    real_stage = writer_process.WriterProcess._stage
+    real_stage = writer_exposure.Exposure.stage
 
     def stage(self, j):  # answered in this process: held until the arrays are gone
         gate.wait(30)
         return real_stage(self, j)
 
-    monkeypatch.setattr(writer_process.WriterProcess, "_stage", stage)
+    monkeypatch.setattr(writer_exposure.Exposure, "stage", stage)
     m = mesh(2, 4)
     a = sharded(np.ones((64, 64), np.float32), m, None, "model")
     b = sharded(np.ones((64, 64), np.float32), m, None, "model")
@@ -445,7 +443,7 @@ def test_a_run_of_items_is_read_in_one_call_and_a_bad_address_is_read_alone(tmp_
     # each at a multiple of 64 bytes); what that call leaves unread, from the first item it
     # could not read on, is read item by item, and the item that cannot be read fails
     # alone, naming the failure. (Read here from this very process.)
-    from snapshard.saving.writer_main import RemoteBytes
+    from snapshard.saving.writer_reads import RemoteBytes
 
     pid = os.getpid()
     arrays = [np.arange(n, dtype=dt) for n, dt in ((5, np.float32), (7, np.int8), (0, np.int64))]
