@@ -120,12 +120,12 @@ def test_a_small_memory_budget_reads_in_batches_and_holds_one_batch_of_staging(
 ):
     import weakref
 
-    import snapshard.torch.loading as loading
+    import snapshard.torch.target_fills as target_fills
 
     state = {f"w{i}": torch.randn(16, 16) for i in range(5)}  # 1 KiB each
     st.save(tmp_path / "c", state)
     live, peak, made = [0], [0], [0]
-    real = loading.aligned_empty
+    real = target_fills.aligned_empty
 
     def counted(nbytes):  # the staging buffers alive at once
         buf = real(nbytes)
@@ -135,7 +135,7 @@ def test_a_small_memory_budget_reads_in_batches_and_holds_one_batch_of_staging(
         weakref.finalize(buf.base, lambda: live.__setitem__(0, live[0] - nbytes))
         return buf
 
-    monkeypatch.setattr(loading, "aligned_empty", counted)
+    monkeypatch.setattr(target_fills, "aligned_empty", counted)
     target = {k: torch.zeros(16, 16, dtype=torch.float64) for k in state}  # cast: buffered
     st.load(tmp_path / "c", target, options=ReadOptions(memory_budget=2048))
     for k, v in state.items():
@@ -148,7 +148,7 @@ def test_many_small_tensors_are_read_a_bounded_number_at_a_time(tmp_path, monkey
     """However many tensors a state has, a batch reads at most BATCH_ITEMS regions (what
     each holds besides its bytes stays bounded), also without a memory budget."""
     import snapshard.reading.fills as fills
-    import snapshard.torch.loading as loading
+    import snapshard.torch.load_reads as load_reads
 
     state = {f"w{i}": torch.randn(4, 4) for i in range(11)}
     st.save(tmp_path / "c", state)
@@ -160,7 +160,7 @@ def test_many_small_tensors_are_read_a_bounded_number_at_a_time(tmp_path, monkey
         sizes.extend(len(b) for b in out)
         return out
 
-    monkeypatch.setattr(loading, "BATCH_ITEMS", 3)
+    monkeypatch.setattr(load_reads, "BATCH_ITEMS", 3)
     monkeypatch.setattr(fills, "batches", recorded)
     target = {k: torch.zeros(4, 4) for k in state}
     st.load(tmp_path / "c", target)

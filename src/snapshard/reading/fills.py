@@ -1,7 +1,7 @@
 """The restore's seam toward a target: `Fill`, and the one batch loop over fills.
 
 A `Fill` is one target's part of a restore, whoever made it: a JAX or NumPy leaf
-(requests.py), a region of a torch tensor (torch/loading.py), a DCP read item
+(requests.py), a region of a torch tensor (torch/target_fills.py), a DCP read item
 (torch/dcp_reading.py). The twin of the save's `SaveAdapter`: what a target needs, where its
 bytes go, how it is finished.
 

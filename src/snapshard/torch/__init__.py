@@ -28,8 +28,9 @@ from .saving import AsyncSave, HostBuffers, save, save_async
 
 if TYPE_CHECKING:
     from .dcp import convert_dcp
+    from .dcp_manifest import DcpStorageError
     from .dcp_reading import StorageReader, load_pickled
-    from .dcp_storage import DcpStorageError, StorageWriter
+    from .dcp_storage import StorageWriter
 
 # What needs torch.distributed.checkpoint is imported on first use (it takes about as long
 # to import as the rest of snapshard.torch).
@@ -37,7 +38,7 @@ _LAZY = {
     "convert_dcp": "dcp",
     "StorageReader": "dcp_reading",
     "load_pickled": "dcp_reading",
-    "DcpStorageError": "dcp_storage",
+    "DcpStorageError": "dcp_manifest",
     "StorageWriter": "dcp_storage",
 }
 

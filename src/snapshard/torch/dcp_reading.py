@@ -52,7 +52,7 @@ from ..reading.sources import open_checkpoint
 from ..storage import Location, storage_for
 from ..tree import JsonNode, Path, unflatten
 from .coordination import default_coordinator
-from .dcp_storage import PICKLED_KEY, DcpStorageError
+from .dcp_manifest import PICKLED_KEY, DcpStorageError
 from .dtypes import from_numpy, host_view, torch_dtype
 from .read_once import backend_devices, broadcast_device, share_dcp
 

@@ -1,25 +1,19 @@
 """Restoring into torch state dicts: each rank reads exactly the boxes its tensors hold.
 
-With a target state dict, every tensor leaf is filled in place: a DTensor's local shard
-(its boxes computed from its own mesh and placements, whatever mesh the checkpoint was
-saved from), a plain tensor or NumPy array whole. Where a target region is one contiguous
-CPU block of the saved dtype, the reads land in the tensor's memory directly; otherwise
-they go through a host buffer, are cast if the dtypes differ, and are copied in. Python
-values of the target are replaced by the saved ones. Entries the target omits are not read.
+With a target state dict, every tensor leaf is filled in place: this rank's regions of it
+(torch/target_fills.py), read in batches, with read-once among the ranks
+(torch/load_reads.py). Python values of the target are replaced by the saved ones.
+Entries the target omits are not read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..checksum import crc32c
-from ..coordination.rendezvous import Rendezvous, namespace
 from ..dtypes import dtype_from_name
 from ..errors import TargetMismatchError
 from ..format import ArrayLeaf, Manifest, ValueLeaf
@@ -28,18 +22,7 @@ from ..format.leaves import PerProcessLeaf
 from ..gc_pause import collection_paused
 from ..options import ReadOptions
 from ..per_process import PerProcess, Resplit
-from ..planning.layout import Box
-from ..planning.read_once import as_box
-from ..read_once_policy import too_small, wanted_alike
-from ..reading import (
-    BATCH_ITEMS,
-    Dest,
-    ReadDests,
-    ReadStats,
-    SavedBoxes,
-    aligned_empty,
-    fill,
-)
+from ..reading import ReadDests, ReadStats
 from ..reading.sources import TreeSource, open_for_load
 from ..restore import missing_target_leaf, per_process_values, refuse_empty_containers
 from ..storage import Location, Storage
@@ -47,121 +30,11 @@ from ..transforms.surgery import Transform
 from ..transforms.virtual import Derived, Stored, VArray
 from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
-from .dtypes import from_numpy, host_view, numpy_dtype, torch_dtype
-from .exchange import BandLeaf, Cuts, Exchange, Scratch, SharedBands, batches_of
-from .exchange import plan as plan_bands
-from .leaves import dtensor_layout, is_leaf, this_rank
-from .read_once import ReadOncePlan, any_shared, backend_devices
-from .read_once import plan as plan_read_once
+from .dtypes import torch_dtype
+from .leaves import is_leaf, this_rank
+from .load_reads import TargetArray, read_targets
+from .target_fills import fills_of
 from .values import into_target, is_dtensor, local_tensor
-
-
-class _Fill:
-    """One region of a target leaf, a `Fill` (reading/fills.py): read into the region's own
-    memory (`direct`, a uint8 view of it), or into a staging buffer made for the batch that
-    reads it and dropped once `finish` has cast (and transposed) it into the region. Staging is
-    made per batch so that `ReadOptions.memory_budget` bounds the host bytes held at once.
-    `start`, `stop`: the region's box in the target's coordinates; `saved_start`,
-    `saved_stop`: the box of the saved array it is read from."""
-
-    def __init__(
-        self,
-        leaf: ArrayLeaf,
-        saved: tuple[np.ndarray, np.ndarray],
-        start: np.ndarray,
-        stop: np.ndarray,
-        region: Any,
-        direct: np.ndarray | None,
-        perm: tuple[int, ...] | None,
-    ):
-        self.leaf, (self.saved_start, self.saved_stop) = leaf, saved
-        self.start, self.stop, self.region = start, stop, region
-        self.direct, self.perm = direct, perm
-        self._staged: np.ndarray | None = None
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The saved box's shape."""
-        return tuple(int(b - a) for a, b in zip(self.saved_start, self.saved_stop, strict=True))
-
-    @property
-    def buffered(self) -> int:
-        """The staging bytes this fill needs while its batch is read."""
-        if self.direct is not None:
-            return 0
-        return math.prod(self.shape) * dtype_from_name(self.leaf.dtype).itemsize
-
-    def dests(self) -> list[Dest]:
-        """Where the read lands: the region itself, or a staging buffer made now."""
-        buf = self.direct
-        if buf is None:
-            buf = self._staged = aligned_empty(self.buffered)
-        return [Dest(self.leaf, self.saved_start, self.saved_stop, buf)]
-
-    def finish(self) -> None:
-        """Move a staged read into the region, cast to its dtype, and drop the staging."""
-        if self._staged is None:
-            return
-        data = self._staged.view(dtype_from_name(self.leaf.dtype)).reshape(self.shape)
-        _store(self.region, data if self.perm is None else data.transpose(self.perm))
-        self._staged = None
-
-
-def _regions(target: Any, rank: int) -> list[tuple[np.ndarray, np.ndarray, Any]]:
-    """(global start, stop, view of the target) of every region of some elements rank
-    `rank` holds."""
-    if isinstance(target, torch.Tensor) and is_dtensor(target):
-        local = local_tensor(target)
-        return [
-            (s, e, local if slc is None else local[slc])
-            for s, e, slc in dtensor_layout(target, 1).boxes_of(rank)
-        ]
-    if 0 in target.shape:
-        return []
-    nd = len(target.shape)
-    return [(np.zeros(nd, np.int64), np.asarray(target.shape, dtype=np.int64), target)]
-
-
-def _fills(
-    leaf: ArrayLeaf, target: Any, rank: int, perm: tuple[int, ...] | None = None
-) -> list[_Fill]:
-    """The reads that fill rank `rank`'s part of `target` from `leaf`; with `perm`, the
-    target is the saved array transposed by it (target axis i is saved axis perm[i])."""
-    saved_dt = dtype_from_name(leaf.dtype)
-    out = []
-    for target_start, target_stop, region in _regions(target, rank):
-        start, stop = target_start, target_stop
-        if perm is not None:  # the box of the saved array that holds this region
-            inv = np.argsort(perm)
-            start, stop = start[inv], stop[inv]
-        if isinstance(region, torch.Tensor):
-            want = numpy_dtype(region.dtype, leaf=leaf.name)
-            direct = region.device.type == "cpu" and region.is_contiguous() and want == saved_dt
-        else:
-            want = region.dtype
-            direct = region.flags.c_contiguous and want == saved_dt and region.flags.writeable
-        flat = None
-        if direct and perm is None:
-            flat = host_view(region) if isinstance(region, torch.Tensor) else region
-            flat = flat.reshape(-1).view(np.uint8)
-        out.append(_Fill(leaf, (start, stop), target_start, target_stop, region, flat, perm))
-    return out
-
-
-def _store(region: Any, data: np.ndarray) -> None:
-    """Copy `data` (NumPy) into a target region (a tensor view or a NumPy array), cast to
-    the region's dtype."""
-    want = region.dtype if isinstance(region, np.ndarray) else numpy_dtype(region.dtype)
-    if data.dtype != want:
-        data = data.astype(want)
-    if isinstance(region, np.ndarray):
-        np.copyto(region, data)
-    elif region.device.type == "cpu":
-        np.copyto(host_view(region), data)
-    else:
-        t = from_numpy(np.require(data, requirements=["C", "W"]))  # (peers' memory is read-only)
-        assert t is not None
-        region.copy_(t)
 
 
 def _resolve(x: VArray, name: str, url: str) -> tuple[str, tuple[int, ...] | None]:
@@ -199,143 +72,6 @@ def _transformed(
         source, perm = _resolve(x, name, url)
         out[name] = (by_name[source], perm)
     return out
-
-
-# A target leaf, its fills (this rank's), its saved leaf, and that leaf again where the
-# target may be read from it as bands (None: not, a transposed one).
-_Array = tuple[Any, list[_Fill], ArrayLeaf, ArrayLeaf | None]
-
-
-def _read_once(
-    arrays: list[_Array], options: ReadOptions, url: str, boxes: SavedBoxes
-) -> tuple[ReadOncePlan | None, list[BandLeaf], Rendezvous | None]:
-    """The read-once plans of a load, broadcasts (torch/read_once.py) and bands
-    (torch/exchange.py), and their rendezvous; nothing where read-once is off."""
-    coord = default_coordinator()
-    if coord.process_count == 1 or options.read_once is False:
-        return None, [], None
-    devices = backend_devices()
-    world = coord.process_count
-    # Whether the plans below would be empty, told first and cheaply: the policy is asked
-    # only where they are not (on a filesystem that is an agreement of the ranks), and on a
-    # local disk it says no, so a restore there never pays for the plans themselves.
-    cuts = Cuts(boxes)
-    targets = [t for t, *_ in arrays]
-    if not any_shared(targets, world, devices) and not (
-        "cpu" in devices and any(cuts.banded(t, s) for t, _, _, s in arrays)
-    ):
-        return None, [], None
-    # The ranks' targets may differ (pipeline stages): each rank plans from its own.
-    if not wanted_alike(url, options.read_once, coord, options.timeout_s, _digest(arrays)):
-        return None, [], None
-    banded = plan_bands(
-        targets, [s for *_, s in arrays], world, devices, boxes, options.memory_budget
-    )
-    skip = {b.leaf for b in banded}
-    skip |= {  # (from what every rank knows alike: the saved leaf, not this rank's fills)
-        i for i, (t, _, leaf, _) in enumerate(arrays)
-        if isinstance(t, torch.Tensor) and too_small(leaf.nbytes, options.read_once)
-    }  # fmt: skip
-    once = plan_read_once(
-        [None if i in skip else t for i, t in enumerate(targets)],
-        coord.process_index, world, devices,
-    )  # fmt: skip
-    if once is None and not banded:
-        return None, [], None
-    # Taken here, in program order, the same on every rank.
-    rv = Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
-    return once, banded, rv
-
-
-def _digest(arrays: list[_Array]) -> str:
-    """What a rank's read-once plans depend on: its target leaves' names, shapes, dtypes
-    and placements over their meshes' ranks."""
-    meshes: dict[int, str] = {}
-    parts = []
-    for t, _, leaf, _ in arrays:
-        where = type(t).__name__
-        if isinstance(t, torch.Tensor) and is_dtensor(t):
-            mesh = t.device_mesh  # type: ignore[attr-defined]
-            if id(mesh) not in meshes:
-                meshes[id(mesh)] = str(mesh.mesh.tolist())
-            where = f"{t.placements}{meshes[id(mesh)]}"  # type: ignore[attr-defined]
-        parts.append(f"{leaf.name}{tuple(t.shape)}{t.dtype}{where}")
-    return f"{crc32c('|'.join(parts).encode()):08x}"
-
-
-def _read_targets(
-    arrays: list[_Array],
-    read: ReadDests,
-    options: ReadOptions,
-    stats: ReadStats,
-    url: str,
-    boxes: SavedBoxes,
-) -> None:
-    """Read every fill of the target leaves, in batches under the memory budget; with
-    read-once, only this rank's share, then the rest from its peers."""
-    once, banded, rv = _read_once(arrays, options, url, boxes)
-    banded_leaves = {b.leaf for b in banded}
-    fills = [
-        f
-        for i, (_, fs, _, _) in enumerate(arrays)
-        if i not in banded_leaves
-        for f in (once.bind(i, fs) if once is not None else fs)
-    ]
-    error: BaseException | None = None
-
-    def timed_read(dests: list[Dest]) -> None:
-        t = time.perf_counter()
-        read(dests)
-        stats.read_s += time.perf_counter() - t
-
-    with torch.no_grad():
-        try:
-            fill(fills, read, stats, budget=options.memory_budget, most=BATCH_ITEMS)
-        except Exception as e:
-            if rv is None:
-                raise
-            error = e  # every rank must learn of it before any collective
-        if rv is None:
-            return
-        t0 = time.perf_counter()
-        read_s = stats.read_s
-        regions = {
-            (i, as_box(f.start, f.stop)): f.region for i in banded_leaves for f in arrays[i][1]
-        }
-        error = _exchange_bands(banded, regions, timed_read, rv, options, stats, error)
-        if once is not None:
-            stats.bytes_from_peers += once.share(rv, error)
-        elif error is not None:  # a failure after the last collective: this rank's alone
-            raise error
-        stats.reshard_s += time.perf_counter() - t0 - (stats.read_s - read_s)
-
-
-def _exchange_bands(
-    banded: list[BandLeaf],
-    regions: dict[tuple[int, Box], Any],
-    read: ReadDests,
-    rv: Rendezvous,
-    options: ReadOptions,
-    stats: ReadStats,
-    error: BaseException | None,
-) -> BaseException | None:
-    """Read this rank's bands of the banded leaves and exchange them with its peers, in
-    batches under the memory budget (in shared memory where the ranks share a host);
-    returns the first failure of any rank (raised on every rank at the collectives)."""
-    groups = batches_of(banded, options.memory_budget, shared=True)
-    shared = SharedBands.open(rv, groups) if groups else None
-    if shared is None:
-        groups = batches_of(banded, options.memory_budget)
-    bands = Exchange(regions, read, _store, rv, Scratch(), shared)
-    try:
-        for k, group in enumerate(groups):
-            # (a failure anywhere raises on every rank here, before the collective)
-            received, error = bands.run(k, group, error)
-            stats.bytes_from_peers += received
-    finally:
-        if shared is not None:
-            shared.close()
-    return error
 
 
 def _put_back(node: Any, path: Path, values: dict[Path, Any]) -> Any:
@@ -458,7 +194,7 @@ def _load_into(
     saved = manifest.leaf_by_path()
     flat = flatten(target, is_leaf)
     values: dict[Path, Any] = {}
-    arrays: list[_Array] = []
+    arrays: list[TargetArray] = []
     own: list[tuple[Path, PerProcessLeaf, Any]] = []
     mapped = _transformed(saved, transform, url) if transform is not None else None
     names = list(mapped) if mapped is not None else [leaf.name for leaf in manifest.leaves]
@@ -497,9 +233,9 @@ def _load_into(
                 + (" (transposed)" if perm is not None else "")
                 + f", the target asks for {tuple(t.shape)}"
             )
-        arrays.append((t, _fills(leaf, t, rank, perm), leaf, leaf if perm is None else None))
+        arrays.append((t, fills_of(leaf, t, rank, perm), leaf, leaf if perm is None else None))
     values.update(_own_values(storage, manifest, own, resplit))
-    _read_targets(arrays, read, options, stats, url, source.saved_boxes)
+    read_targets(arrays, read, options, stats, url, source.saved_boxes)
     return _put_back(target, (), values)
 
 

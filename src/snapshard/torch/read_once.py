@@ -57,7 +57,7 @@ from .values import is_dtensor
 
 
 class Region(Protocol):
-    """A region of a target leaf (torch/loading.py's fills): its box in the target's
+    """A region of a target leaf (torch/target_fills.py): its box in the target's
     coordinates and its view of the target."""
 
     start: Any
