@@ -125,10 +125,12 @@ def test_fsdp_sharded_state_through_snapshards_fsdp_functions(tmp_path):
 def test_the_fsdp_switch_is_installed_once_and_leaves_other_accelerators_alone(monkeypatch):
     import accelerate.accelerator as module
 
+    from snapshard.accelerate import fsdp
+
     first = sa.fsdp_functions()
     assert first == sa.fsdp_functions() and module.save_fsdp_model is sa.save_fsdp_model
     calls = []
-    monkeypatch.setitem(sa._ORIGINALS, "save_fsdp_model", lambda *a: calls.append(a))
+    monkeypatch.setitem(fsdp._ORIGINALS, "save_fsdp_model", lambda *a: calls.append(a))
     plugin, other = object(), Accelerator(cpu=True)  # never given to use_snapshard
     module.save_fsdp_model(plugin, other, None, "dir", 0)
     assert calls == [(plugin, other, None, "dir", 0, False, True)]

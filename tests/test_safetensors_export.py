@@ -17,7 +17,7 @@ from safetensors.numpy import load_file
 
 import snapshard
 import snapshard.safetensors as sst
-from snapshard.safetensors import export
+from snapshard.safetensors import export, writing
 
 from conftest import mesh
 
@@ -89,7 +89,7 @@ def test_a_failing_export_leaves_the_existing_file_untouched(tmp_path, monkeypat
     p = tmp_path / "m.safetensors"
     p.write_bytes(b"precious")
     calls = {"n": 0}
-    real = export._pwrite_all
+    real = writing.pwrite_all
 
     def failing(fd, data, offset):
         calls["n"] += 1
@@ -97,7 +97,7 @@ def test_a_failing_export_leaves_the_existing_file_untouched(tmp_path, monkeypat
             raise OSError(28, "No space left on device (injected)")
         real(fd, data, offset)
 
-    monkeypatch.setattr(export, "_pwrite_all", failing)
+    monkeypatch.setattr(writing, "pwrite_all", failing)
     with pytest.raises(OSError, match="injected"):
         sst.save(p, t, overwrite=True)
     assert p.read_bytes() == b"precious"

@@ -164,10 +164,11 @@ def row_slabs(
 def to_safetensors(
     reader: CheckpointReader, out: Output, args: argparse.Namespace
 ) -> dict[str, Any]:
-    from ..safetensors import export as st  # (imported by this command only)
+    from ..safetensors.names import export_names, leaf_name  # (imported by this command only)
+    from ..safetensors.streamed import StreamedTensor, save_streamed
 
-    names = st.export_names(args.select, args.rename, args.transpose, args.prng_keys)
-    chosen, skipped = _chosen_leaves(reader.manifest, names, st.leaf_name)
+    names = export_names(args.select, args.rename, args.transpose, args.prng_keys)
+    chosen, skipped = _chosen_leaves(reader.manifest, names, leaf_name)
     tensors = []
     renamed: dict[str, str] = {}
     for (_, leaf), (_, new, transpose) in zip(
@@ -175,11 +176,11 @@ def to_safetensors(
     ):
         shape = tuple(reversed(leaf.shape)) if transpose else leaf.shape
         slabs = _slabs_of(reader, leaf, args.chunk_bytes, transpose)
-        tensors.append(st.StreamedTensor(new, dtype_from_name(leaf.dtype), shape, slabs))
+        tensors.append(StreamedTensor(new, dtype_from_name(leaf.dtype), shape, slabs))
         renamed[new] = leaf.name
     with out.progress(sum(leaf.nbytes for _, leaf in chosen), "convert") as bar:
-        result = st.save_streamed(args.dst, tensors, overwrite=args.overwrite,
-                                  progress=bar.update, max_file_bytes=args.max_file_bytes)  # fmt: skip
+        result = save_streamed(args.dst, tensors, overwrite=args.overwrite,
+                               progress=bar.update, max_file_bytes=args.max_file_bytes)  # fmt: skip
     return {
         "destination": os.path.abspath(args.dst),
         "skipped": skipped,

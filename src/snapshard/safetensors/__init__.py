@@ -11,8 +11,11 @@ computed from just the source bytes it needs.
 """
 
 from ..transforms import surgery
-from .export import ExportNames, ExportResult, StreamedTensor, export_names, save, save_streamed
+from .export import save
 from .loader import Transform, arrays, load
+from .names import ExportNames, export_names
+from .streamed import StreamedTensor, save_streamed
+from .writing import ExportResult
 
 __all__ = [
     "ExportNames",
