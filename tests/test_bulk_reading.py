@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 import snapshard
 from snapshard.errors import ChecksumMismatchError, CorruptCheckpointError
-from snapshard.format import finder
+from snapshard.format import record_reads
 from snapshard.format.binding import chunk_key, chunk_keys
-from snapshard.format.finder import span_heads
+from snapshard.format.record_reads import span_heads
 from snapshard.reading.plan import JOB_BYTES, run_starts
 
 
@@ -140,7 +140,7 @@ def test_record_spans_read_little_beyond_their_ranges(gaps: list[tuple[int, int]
         at += n
     heads = span_heads(np.asarray(lo, np.int64), np.asarray(hi, np.int64)).tolist()
     assert heads[0] == 0 and heads == sorted(set(heads))
-    touch = finder._TOUCH_GAP
+    touch = record_reads._TOUCH_GAP
     for a, b in zip(heads, [*heads[1:], len(lo)], strict=True):
         need = sum(hi[i] - lo[i] for i in range(a, b))
         assert hi[b - 1] - lo[a] <= 1.25 * need + touch * (b - a)

@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapshard.errors import CorruptCheckpointError
-from snapshard.format import ArrayLeaf, ChunkTable, validate
-from snapshard.format.validate import check_array_rows, check_chunks
+from snapshard.format import ArrayLeaf, ChunkTable, chunk_checks
+from snapshard.format.chunk_checks import check_array_rows, check_chunks
 
 FIELDS = ("starts", "stops", "file", "offset", "nbytes", "block", "crc_offset", "flags")
 
@@ -110,7 +110,7 @@ def test_all_at_once_finds_what_one_by_one_finds(
     args = ([(leaf, t) for leaf, t, _ in tables], name, [i for *_, i in tables])
     if want is None:  # and the arrays were not checked one by one
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(validate, "check_chunks", _one_by_one)
+            mp.setattr(chunk_checks, "check_chunks", _one_by_one)
             check_chunk_tables(*args, np.asarray(sizes, np.int64))
     else:
         with pytest.raises(CorruptCheckpointError) as got:
@@ -129,7 +129,7 @@ def test_two_arrays_may_start_their_chunks_at_the_same_place() -> None:
         )  # fmt: skip
         tables.append((ArrayLeaf((f"b{k}",), "array", "uint8", shape), t))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(validate, "check_chunks", _one_by_one)
+        mp.setattr(chunk_checks, "check_chunks", _one_by_one)
         check_chunk_tables(tables, lambda leaf: leaf.name, [1, 1], np.asarray([16], np.int64))
     tables[1][1].nbytes[0] = 5
     with pytest.raises(CorruptCheckpointError, match=r"^b1: chunk 0 has 5 bytes, its box needs 4"):

@@ -14,7 +14,7 @@ import pytest
 import snapshard
 from snapshard import ReadOptions, SaveOptions
 from snapshard.errors import CorruptCheckpointError
-from snapshard.format import compression, encoding
+from snapshard.format import compressed_reads, compression
 from snapshard.storage import LocalStorage
 
 pytestmark = pytest.mark.skipif(not compression.available(), reason="zstd is not installed")
@@ -143,20 +143,20 @@ def small_groups(monkeypatch):
     monkeypatch.setattr(compression, "_threads", lambda: 2)
     threads = set()
     for name in ("_unpack_block", "_unpack_whole"):  # where blocks are decompressed
-        real = getattr(encoding, name)
+        real = getattr(compressed_reads, name)
 
         def unpack(*a, real=real, **kw):
             threads.add(threading.current_thread().name)
             return real(*a, **kw)
 
-        monkeypatch.setattr(encoding, name, unpack)
+        monkeypatch.setattr(compressed_reads, name, unpack)
     return threads
 
 
 @pytest.mark.parametrize("option", ["zstd", "zstd+shuffle"])
 @pytest.mark.parametrize("window", [1 << 30, 20_000])
 def test_large_chunk_paths_are_bit_exact(tmp_path, monkeypatch, small_groups, option, window):
-    monkeypatch.setattr(encoding, "WINDOW", window)
+    monkeypatch.setattr(compressed_reads, "WINDOW", window)
     s = state()
     s["big"] = (np.random.default_rng(3).standard_normal((700, 1000)) * 0.02).astype(np.float32)
     snapshard.save(tmp_path / "c", s, options=SaveOptions(compression=option))
@@ -193,7 +193,7 @@ def test_a_whole_chunk_is_one_read(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("window", [1 << 30, 20_000])
 def test_damage_is_found_in_the_codec_threads(tmp_path, monkeypatch, small_groups, window):
-    monkeypatch.setattr(encoding, "WINDOW", window)
+    monkeypatch.setattr(compressed_reads, "WINDOW", window)
     x = (np.arange(1 << 19, dtype=np.float32) % 101).reshape(1024, 512)
     snapshard.save(tmp_path / "c", {"x": x}, options=SaveOptions(compression="zstd"))
     f = next((tmp_path / "c" / "data").iterdir())

@@ -14,6 +14,7 @@ CORE = [
     "snapshard.staging",
     "snapshard.background",
     "snapshard.format.encoding",
+    "snapshard.format.compressed_reads",
     "snapshard.format.compression",
     "snapshard.format.records",
     "snapshard.jax.save_adapter",

@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from snapshard.format import ArrayLeaf, Manifest, ProcessTable
-from snapshard.format.finder import ChunkFinder
-from snapshard.format.layouts import Mesh, mesh_layout
+from snapshard.format.layouts import Holders, Mesh, mesh_layout
 
 
 @st.composite
@@ -50,6 +49,5 @@ def test_holders_of_a_box_from_the_mesh_grid_equal_those_of_the_device_rows(case
         meshes=[mesh.to_json()], layouts=[{"kind": "mesh", "mesh": 0, "spec": spec}],
         processes=ProcessTable(["0" * 8] * nproc, [[]] * nproc, [0] * nproc, [0] * nproc),
     )  # fmt: skip
-    finder = ChunkFinder(storage=type("S", (), {"url": "test"})(), manifest=m)  # type: ignore[arg-type]
     box = (np.asarray(start, np.int64), np.asarray(stop, np.int64))
-    assert finder.candidates(leaf, [box]).tolist() == want.tolist()
+    assert Holders(m, "test").candidates(leaf, [box]).tolist() == want.tolist()

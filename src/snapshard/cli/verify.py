@@ -19,7 +19,7 @@ from ..errors import (
     SnapshardError,
 )
 from ..format import MANIFEST_NAME, ArrayLeaf, Manifest, validate_coverage
-from ..format.finder import check_record_files
+from ..format.record_reads import check_record_files
 from ..planning.layout import Box
 from ..storage import LocalStorage, Storage
 from .ls import open_for_command

@@ -1,4 +1,4 @@
-"""zstd and the codec threads: what format/encoding.py compresses and decompresses with.
+"""zstd and the codec threads: what encoding.py compresses, compressed_reads.py decompresses.
 
 zstd comes from the `zstandard` package (the `compress` extra) or Python's own
 `compression.zstd` (3.14+). zstd and crc32c release the GIL, so a large range's groups of

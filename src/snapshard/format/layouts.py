@@ -1,8 +1,9 @@
 """Format v2: compact descriptions of where an array's saved boxes lived, and who held them.
 
-A reader uses them to know which processes may have written the chunks its boxes overlap,
-so that it fetches those processes' records and nobody else's. One description per
-distinct layout, never one row per device of every array:
+A reader uses them to know which processes may have written the chunks its boxes overlap
+(`Holders`, narrowed by the leaf's `writers` where listed), so that it fetches those
+processes' records and nobody else's. One description per distinct layout, never one row
+per device of every array:
 
 - ``{"kind": "mesh", "mesh": m, "spec": [[axis, ...] | [], ...]}``: a named sharding over
   mesh `m` of the manifest's ``meshes`` (axis names, axis sizes and the process of every
@@ -20,7 +21,8 @@ from __future__ import annotations
 import base64
 import math
 import zlib
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -28,6 +30,9 @@ import numpy as np
 
 from ..errors import CorruptCheckpointError
 from ..planning.layout import ArrayLayout, ShardGroups
+from ..planning.overlaps import ChunkIndex
+from .leaves import ArrayLeaf
+from .manifest import Manifest
 
 # Bounds a reader enforces before allocating anything a description implies.
 MAX_DEVICES = 1 << 22
@@ -160,3 +165,115 @@ def same_holders(a: ShardGroups, b: ShardGroups) -> bool:
         return np.unique(pairs, axis=0)
 
     return np.array_equal(held(a), held(b))
+
+
+BoundsArrays = tuple[np.ndarray, np.ndarray]  # a box as (start, stop) arrays
+
+
+@dataclass
+class Holders:
+    """Who held the saved boxes of a manifest's arrays, from their layout descriptions, worked
+    out once per layout and shape (`url`: the checkpoint's, for errors)."""
+
+    manifest: Manifest
+    url: str
+    _cache: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    _meshes: dict[int, Mesh] = field(default_factory=dict)
+
+    def _layout(self, leaf: ArrayLeaf) -> ArrayLayout:
+        m = self.manifest
+        where = f"{self.url}, leaf {leaf.name!r}"
+        if leaf.layout is None or not 0 <= leaf.layout < len(m.layouts):
+            raise CorruptCheckpointError(f"{where}: layout {leaf.layout} is not in the manifest")
+        d = m.layouts[leaf.layout]
+        kind = d.get("kind")
+        if kind == "host":
+            return host_holders(leaf.shape, 1, m.process_count)
+        if kind == "rows":
+            lay = rows_layout(d.get("rows"), leaf.shape, 1, d.get("devices"), where)
+        elif kind == "mesh":
+            mid = d.get("mesh")
+            if not isinstance(mid, int) or not 0 <= mid < len(m.meshes):
+                raise CorruptCheckpointError(
+                    f"{where}: layout names mesh {mid!r}, not in the manifest"
+                )
+            if mid not in self._meshes:
+                self._meshes[mid] = Mesh.from_json(m.meshes[mid], where)
+            spec = d.get("spec")
+            if not isinstance(spec, list) or not all(
+                isinstance(s, list) and all(isinstance(a, str) for a in s) for s in spec
+            ):
+                raise CorruptCheckpointError(f"{where}: malformed layout spec")
+            lay = mesh_layout(self._meshes[mid], spec, leaf.shape, 1, where)
+        else:
+            raise CorruptCheckpointError(f"{where}: unknown layout kind {str(kind)[:50]!r}")
+        if int(lay.process_ids.max()) >= m.process_count:
+            raise CorruptCheckpointError(
+                f"{where}: layout names a process beyond {m.process_count}"
+            )
+        return lay
+
+    def groups(self, leaf: ArrayLeaf) -> ShardGroups:
+        """The saved boxes of the array and the processes that held each."""
+        return self._indexed(leaf)[0]
+
+    def _indexed(self, leaf: ArrayLeaf) -> tuple[ShardGroups, ChunkIndex]:
+        key = (leaf.layout, leaf.shape)
+        h = self._cache.get(key)
+        if h is None:
+            groups = self._layout(leaf).shards
+            h = self._cache[key] = (groups, ChunkIndex(groups.starts, groups.stops))
+        return h
+
+    def _mesh_grid(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
+        """For a mesh layout: the process of every mesh position arranged as (pieces of array
+        axis 0, pieces of axis 1, …, the other mesh axes), and each axis's piece length;
+        None for other layouts. Holders of a box are then one block of it, with no per-device
+        rows built."""
+        key = ("grid", leaf.layout, leaf.shape)
+        if key in self._cache:
+            return self._cache[key]
+        d = self.manifest.layouts[leaf.layout] if leaf.layout is not None else {}
+        grid = None
+        if d.get("kind") == "mesh":
+            self._layout(leaf)  # validates the description (and is cheap to build)
+            mesh = self._meshes[d["mesh"]]
+            spec: list[list[str]] = d["spec"]
+            used = [mesh.axes.index(a) for axes in spec for a in axes]
+            rest = [i for i in range(len(mesh.shape)) if i not in used]
+            pieces = [math.prod(mesh.shape[mesh.axes.index(a)] for a in axes) for axes in spec]
+            t = mesh.processes.reshape(mesh.shape).transpose(used + rest)
+            t = t.reshape([*pieces, -1])
+            steps = np.asarray([n // k for n, k in zip(leaf.shape, pieces, strict=True)], np.int64)
+            grid = (t, np.maximum(steps, 1))
+        self._cache[key] = grid
+        return grid
+
+    def candidates(self, leaf: ArrayLeaf, boxes: Sequence[BoundsArrays]) -> np.ndarray:
+        """The processes that may have written chunks overlapping `boxes`."""
+        if leaf.writers is not None and len(leaf.writers) <= 64:
+            return np.asarray(leaf.writers, np.int64)
+        grid = self._mesh_grid(leaf)
+        if grid is not None:
+            t, steps = grid
+            blocks = [
+                t[tuple(slice(a, b) for a, b in zip((s // steps).tolist(), (-(-e // steps)).tolist(), strict=True))]
+                for s, e in boxes
+            ]  # fmt: skip
+            procs = np.unique(np.concatenate([b.reshape(-1) for b in blocks]))
+            if leaf.writers is not None:
+                procs = np.intersect1d(procs, np.asarray(leaf.writers, np.int64))
+            return procs
+        g, index = self._indexed(leaf)
+        parts = []
+        for start, stop in boxes:
+            u = index.overlapping(start, stop)
+            if len(u) == g.count:
+                parts = [g.cand_process]
+                break
+            lo, hi = g.cand_ptr[u], g.cand_ptr[u + 1]
+            parts.extend(g.cand_process[a:b] for a, b in zip(lo.tolist(), hi.tolist(), strict=True))
+        procs = np.unique(np.concatenate(parts)) if parts else np.zeros(0, np.int64)
+        if leaf.writers is not None:
+            procs = np.intersect1d(procs, np.asarray(leaf.writers, np.int64))
+        return procs

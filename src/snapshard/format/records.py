@@ -163,54 +163,6 @@ def records_of(rows: Sequence[tuple[Any, ...]], ndim: int) -> np.ndarray:
     return out
 
 
-@dataclass(frozen=True)
-class ProcessReport:
-    """What one process of a save tells process 0 once it has written (the coordinator
-    carries it as JSON, `to_json`): its attempt's nonce, the sizes of its data files, the
-    size and crc32c of its record and values files, the digest of the tree as it saw it,
-    what an incremental save referenced, and what compression saved."""
-
-    nonce: str
-    sizes: tuple[int, ...]
-    record_size: int
-    record_crc: int
-    values_size: int
-    values_crc: int
-    digest: int
-    refs_used: tuple[int, ...] = ()  # indexes into the base's reference candidates
-    referenced_bytes: int = 0  # chunk bytes recorded as references, not written
-    ref_codecs: tuple[int, ...] = ()  # codecs of the referenced chunks
-    packed_saved: int = 0  # bytes compression saved
-    codecs: tuple[int, ...] = ()  # codecs of the chunks written
-    # SaveOptions.trees_differ: the digest naming its tree file (format.naming.tree_file_name)
-    # and the bytes its own plan gives it; "" and 0 otherwise
-    tree: str = ""
-    planned_bytes: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        """The report as the coordinator carries it."""
-        return {
-            **({"tree": self.tree, "planned_bytes": self.planned_bytes} if self.tree else {}),
-            "nonce": self.nonce, "sizes": list(self.sizes), "record_size": self.record_size,
-            "record_crc": self.record_crc, "values_size": self.values_size,
-            "values_crc": self.values_crc, "digest": self.digest,
-            "refs_used": list(self.refs_used), "referenced_bytes": self.referenced_bytes,
-            "ref_codecs": list(self.ref_codecs), "packed_saved": self.packed_saved,
-            "codecs": list(self.codecs),
-        }  # fmt: skip
-
-    @classmethod
-    def from_json(cls, doc: dict[str, Any]) -> ProcessReport:
-        ints = lambda key: tuple(int(x) for x in doc.get(key, ()))  # noqa: E731
-        return cls(
-            str(doc["nonce"]), ints("sizes"), int(doc["record_size"]), int(doc["record_crc"]),
-            int(doc.get("values_size", 0)), int(doc.get("values_crc", 0)), int(doc["digest"]),
-            ints("refs_used"), int(doc.get("referenced_bytes", 0)), ints("ref_codecs"),
-            int(doc.get("packed_saved", 0)), ints("codecs"), str(doc.get("tree", "")),
-            int(doc.get("planned_bytes", 0)),
-        )  # fmt: skip
-
-
 DIGEST = np.dtype([("description", "<u4"), ("value", "<u4")])
 
 

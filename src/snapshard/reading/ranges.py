@@ -242,7 +242,7 @@ def release_scratch() -> None:
 def read_compressed(storage: Storage, task: ReadTask, bufs: list[memoryview], verify: bool) -> None:
     """Read a range of a compressed chunk (blocks of format/encoding.py) into `bufs`,
     decompressing only the blocks it touches."""
-    from ..format.encoding import PackedChunk, read_packed
+    from ..format.compressed_reads import PackedChunk, read_packed
     from ..format.records import codec_of
 
     runs, r = task.runs, task.rng

@@ -34,7 +34,7 @@ def saved_boxes(
     if manifest.version >= 2 and leaf.layout is not None:
         if finder is None:
             return None
-        groups = finder.holders(leaf).groups
+        groups = finder.holders.groups(leaf)
         return groups.starts, groups.stops
     return chunk_boxes(leaf)
 
@@ -62,9 +62,9 @@ def chunk_tables(
             wants.setdefault(id(d.leaf), (d.leaf, []))[1].append((d.start, d.stop))
     if wants:
         assert finder is not None
-        before = finder.metadata_bytes
+        before = finder.records.metadata_bytes
         tables.update(finder.tables(list(wants.values())))
-        stats.metadata_bytes += finder.metadata_bytes - before
+        stats.metadata_bytes += finder.records.metadata_bytes - before
     return tables
 
 

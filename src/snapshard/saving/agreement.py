@@ -20,9 +20,9 @@ from ..format import (
     record_file_name,
     records,
 )
+from ..format.files import ProcessReport
 from ..format.leaves import leaf_from_json
 from ..format.naming import tree_file_name
-from ..format.records import ProcessReport
 from .state import PreparedSave
 
 

@@ -21,9 +21,9 @@ from ..format import (
     records,
     validate_structure,
 )
+from ..format.files import ProcessReport
 from ..format.leaves import PerProcessLeaf
 from ..format.naming import values_file_name
-from ..format.records import ProcessReport
 from ..incremental import check_refs_committed, manifest_refs
 from ..storage import Storage
 from ..storage.owner_records import is_owner_record

@@ -24,9 +24,10 @@ from ..format import (
     records,
 )
 from ..format.binding import name_key
+from ..format.files import ProcessReport
 from ..format.leaves import PerProcessLeaf, leaf_to_json
 from ..format.naming import tree_file_name, values_file_name
-from ..format.records import RECORD_FIXED, ProcessReport
+from ..format.records import RECORD_FIXED
 from ..save_leaves import SaveArray
 from ..staging import StagedItem
 from ..storage import Storage, is_object_store_url
