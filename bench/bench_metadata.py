@@ -125,7 +125,7 @@ def job(n: int, n_arrays: int, dp: int, stages: int = 1,
     from snapshard.dtypes import NAME_TO_DTYPE
     from snapshard.format.layouts import Mesh, describe_rows, mesh_layout, same_holders
     from snapshard.planning import ArrayLayout
-    from snapshard.save_leaves import SaveArray
+    from snapshard.saving.save_array import SaveArray
     from snapshard.tree import flatten
 
     first, m = stage_processes(n, stages, stage)

@@ -35,7 +35,7 @@ def plain_copy(tree) -> dict:
     """Copy every owned slice (the plan's items of this process) into fresh host memory."""
     import snapshard.jax  # noqa: F401  (the JAX wing classifies jax.Arrays)
     from snapshard.planning import plan_writes
-    from snapshard.save_leaves import classify
+    from snapshard.saving.save_array import classify
     from snapshard.tree import flatten
 
     flat = flatten(tree, lambda x: isinstance(x, jax.Array))

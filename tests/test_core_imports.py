@@ -11,7 +11,7 @@ import pytest
 
 CORE = [
     "snapshard.saving",
-    "snapshard.staging",
+    "snapshard.saving.staging",
     "snapshard.background",
     "snapshard.format.encoding",
     "snapshard.format.compressed_reads",

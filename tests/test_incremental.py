@@ -17,10 +17,11 @@ import pytest
 
 import snapshard
 from s3env import fresh_prefix, store_params
-from snapshard import CheckpointManager, SaveOptions, incremental
+from snapshard import CheckpointManager, SaveOptions
 from snapshard.cli import main as cli_main
 from snapshard.errors import SnapshardError
 from snapshard.format import records as rec
+from snapshard.saving import incremental
 
 WORKERS = Path(__file__).parent / "workers"
 
@@ -95,7 +96,7 @@ def test_changed_bytes_are_written_and_partial_restores_cross_references(tmp_pat
 
 
 def test_base_without_hashes_refers_to_nothing_and_says_so(tmp_path):
-    from snapshard.incremental import UnprovableBaseWarning
+    from snapshard.saving.incremental import UnprovableBaseWarning
 
     snapshard.save(tmp_path / "a", tree(1))
     with pytest.warns(UnprovableBaseWarning, match=r"no xxh3-128 content hashes for \d+ bytes"):

@@ -118,7 +118,7 @@ def test_records_of_other_states():
 # ---- bytes leaves ----------------------------------------------------------------------
 #
 # The manifest stores a bytes value as {"type": "bytes", "value": <base64>}
-# (format.values.encode_value / decode_value; save_leaves.VALUE_TYPES has bytes).
+# (format.values.encode_value / decode_value; saving.save_array.VALUE_TYPES has bytes).
 
 
 def test_bytes_leaves(ckpt):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from snapshard.coordination import SingleProcessCoordinator
-from snapshard.read_once_policy import wanted
+from snapshard.reading.read_once_policy import wanted
 from snapshard.storage.mounts import filesystem_type, is_network_filesystem
 
 # Fields: id, parent, dev, root, mount point, options, optional tags, "-", fstype, source, super

@@ -222,8 +222,8 @@ def test_by_default_arrays_under_the_minimum_are_read_by_every_holder(monkeypatc
     more than reading it again); read_once=True takes every array a read sharding fits."""
     from snapshard.format import ArrayLeaf
     from snapshard.jax import read_once
-    from snapshard.read_once_policy import READ_ONCE_MIN_BYTES
     from snapshard.reading import Request
+    from snapshard.reading.read_once_policy import READ_ONCE_MIN_BYTES
 
     m = mesh(2, 4)
     target = NamedSharding(m, P())

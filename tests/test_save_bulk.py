@@ -12,13 +12,12 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from snapshard import chunk_files
 from snapshard.format import records
 from snapshard.format.binding import name_key
 from snapshard.format.encoding import ZSTD, chunk_span, write_chunk
 from snapshard.planning import plan_writes
-from snapshard.saving import path_json
-from snapshard.staging import StagedItem
+from snapshard.saving import chunk_files, path_json
+from snapshard.saving.staging import StagedItem
 from snapshard.storage import storage_for
 from test_write_plan import layouts
 

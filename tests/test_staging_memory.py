@@ -18,10 +18,10 @@ import torch
 
 import snapshard
 import snapshard.gc_pause as gc_pause
-import snapshard.staging as staging
+import snapshard.saving.staging as staging
 import snapshard.torch as st
 from snapshard import CheckpointManager, SaveOptions
-from snapshard.staging import HostArrays, HostPool
+from snapshard.saving.staging import HostArrays, HostPool
 from snapshard.torch.saving import HostBuffers
 
 

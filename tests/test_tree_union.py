@@ -1,4 +1,4 @@
-"""The union of differing trees at the commit (tree_union.py) and the leaf map it leaves in
+"""The union of differing trees at the commit (saving/tree_union.py) and the leaf map it leaves in
 the manifest (format/leaf_map.py): pure, no processes."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from snapshard.errors import CoordinationError, CorruptCheckpointError
 from snapshard.format import ArrayLeaf, ChunkTable, ValueLeaf, records
 from snapshard.format.leaf_map import LeafMap
+from snapshard.saving.tree_union import SavedTree, union
 from snapshard.tree import flatten
-from snapshard.tree_union import SavedTree, union
 
 
 def _tree(processes, entries, values=None, plans=None):

@@ -357,7 +357,7 @@ def test_an_incremental_save_on_a_2_0_base_writes_its_chunks_anew(tmp_path) -> N
 
     shutil.copytree(Path(__file__).parent / "golden" / "v2_0" / "single", tmp_path / "old")
     full = values.single_tree(values.mesh())
-    from snapshard.incremental import UnprovableBaseWarning
+    from snapshard.saving.incremental import UnprovableBaseWarning
 
     with pytest.warns(UnprovableBaseWarning, match="2.0"):
         snapshard.save(tmp_path / "new", full, base=tmp_path / "old")

@@ -69,7 +69,7 @@ def test_targets_rebuild_the_same_with_and_without_jax():
     import numpy as np
 
     from snapshard import tree
-    from snapshard.restore import is_target_leaf
+    from snapshard.reading.restore import is_target_leaf
 
     class Pair(NamedTuple):
         a: np.ndarray

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 
 import snapshard
-from snapshard import SaveOptions, write_tuning
+from snapshard import SaveOptions
 from snapshard.jax.arrays import cpu_donation_keeps_memory
+from snapshard.saving import write_tuning
+from snapshard.saving.write_tuning import WriterCounts
 from snapshard.storage import writeback
-from snapshard.write_tuning import WriterCounts
 
 from conftest import mesh, sharded
 

@@ -18,7 +18,7 @@ import snapshard
 from snapshard import SaveOptions
 from snapshard.coordination.base import SingleProcessCoordinator
 from snapshard.errors import CheckpointExistsError, SnapshardError
-from snapshard.saving import writer_exposure, writer_process
+from snapshard.saving import entry, writer_exposure, writer_process
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -161,7 +161,7 @@ def test_a_writer_killed_at_the_commit_guard_commits_nothing(tmp_path):
 
 
 def test_incremental_saves_refer_to_their_base_from_the_writer(tmp_path, writer_runs):
-    from snapshard.incremental import UnprovableBaseWarning
+    from snapshard.saving.incremental import UnprovableBaseWarning
 
     frozen = {"emb": np.arange(4096.0).reshape(64, 64), "w": np.ones((100, 7), np.float32)}
     snapshard.save(tmp_path / "1", {**frozen, "x": np.zeros(8)}, SaveOptions(hashes=True))
@@ -192,8 +192,13 @@ def test_a_save_started_while_the_writer_is_busy_runs_in_threads(tmp_path, write
 
 
 def test_synchronous_saves_stay_in_the_calling_thread(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer_process, "finish_in_writer", lambda prep: pytest.fail("used"))
+    used = []
+    monkeypatch.setattr(entry, "finish_in_writer", lambda prep: used.append(prep) or None)
     snapshard.save(tmp_path / "x", {"a": np.ones(3)}, PROCESS)
+    assert used == []
+    # the same patch sees an asynchronous save ask for the writer (None: it runs in threads)
+    snapshard.save_async(tmp_path / "y", {"a": np.ones(3)}, PROCESS).wait()
+    assert len(used) == 1
 
 
 @pytest.mark.parametrize(

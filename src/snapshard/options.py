@@ -57,7 +57,7 @@ class SaveOptions:
         store a process's data is cut into more files, each sent in one request
         (TransferConfig.file_bytes), and each writer has several in flight (see
         docs/objstore.md). None (default): chosen per process from the write throughput
-        that earlier saves to the same parent location reached (see write_tuning.py).
+        that earlier saves to the same parent location reached (see saving/write_tuning.py).
     compression: None (default), 'zstd', 'zstd+shuffle' or 'zstd-noshuffle'; each checksum
         block is compressed on its own, so reads stay random-access (see format/encoding.py).
     hashes: record each chunk's content hash, so that a later save may use this checkpoint
@@ -65,7 +65,7 @@ class SaveOptions:
     host_budget: the host bytes of device-to-host copies made in the blocking phase; the
         slices beyond it are copied by the background phase just before they are written,
         so the caller must not donate or delete those arrays until the save has finished
-        (staging.py). None (default): every owned byte is on the host before the blocking
+        (saving/staging.py). None (default): every owned byte is on the host before the blocking
         phase returns. snapshard.torch always copies every byte in the blocking phase.
     timeout_s: how long process 0 waits for every process to report its files written,
         and every process for the outcome of the commit.

@@ -38,7 +38,7 @@ def main() -> None:
 
     import snapshard
     import snapshard.torch as st
-    from snapshard import read_once_policy
+    from snapshard.reading import read_once_policy
 
     # Where the default reads once (object stores), for tensors as small as these; the
     # size floor is tested with --size-floor.

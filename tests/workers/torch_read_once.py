@@ -79,7 +79,7 @@ def main() -> None:
 
     import snapshard
     import snapshard.torch as st
-    from snapshard import read_once_policy
+    from snapshard.reading import read_once_policy
 
     # Where the default reads once (object stores, network filesystems), for tensors as
     # small as these; the size floor is tested with --network R,.../floor.

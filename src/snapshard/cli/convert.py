@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from ..box_writer import CheckpointWriter
 from ..dtypes import dtype_from_name
 from ..errors import CheckpointExistsError, SnapshardError
 from ..format import MANIFEST_NAME, ArrayLeaf, Manifest
 from ..format.kinds import LeafKind
+from ..saving.box_writer import CheckpointWriter
 from ..storage import storage_for
 from ..storage.location import local_path
 from .ls import open_for_command

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import TargetMismatchError
 from ..planning.layout import ArrayLayout, slices_to_box
-from ..save_leaves import MeshSpec
+from ..saving.save_array import MeshSpec
 
 Index = tuple[slice, ...]
 
@@ -103,7 +103,7 @@ _cpu_donation_lock = threading.Lock()
 
 def cpu_donation_keeps_memory() -> bool:
     """Whether donating a CPU array leaves alone the memory that others see: a NumPy view of
-    its buffer (zero-copy staging of a save, staging.py) and a host buffer that arrays on
+    its buffer (zero-copy staging of a save, saving/staging.py) and a host buffer that arrays on
     several devices alias (replicas of a restore, `assemble.array_from_host_boxes`). XLA's CPU client does not
     reuse a buffer that something else still references: the output gets a fresh one.
     Checked once per process, on two devices of our own, outside any context mesh; JAX

@@ -16,13 +16,13 @@ from ..iterators import is_data_iterator, restore_iterator
 from ..options import ReadOptions
 from ..per_process import Resplit
 from ..reading import ReadStats, Request, make_request
-from ..reading.sources import open_for_load
-from ..restore import (
+from ..reading.restore import (
     is_target_leaf,
     missing_target_leaf,
     per_process_values,
     refuse_empty_containers,
 )
+from ..reading.sources import open_for_load
 from ..storage import Location, Storage
 from ..tree import Path, TargetTree, flatten_target, path_str, unflatten, warn_lost_classes
 from .read_once import execute as execute_read_once

@@ -38,10 +38,10 @@ from ..manager.tier_config import LocalTier
 from ..options import SaveOptions
 from ..planning.layout import Box
 from ..reading import ReadStats
-from ..restore import build_from_host
-from ..save_leaves import SaveArray
+from ..reading.restore import build_from_host
 from ..saving import finish, prepare
-from ..staging import Snapshot
+from ..saving.save_array import SaveArray
+from ..saving.staging import Snapshot
 from ..storage import LocalRoot, LocalStorage
 from ..storage.atomic_rename import move_into_place
 from ..storage.stale_staging import STAGING_SUFFIX

@@ -30,10 +30,10 @@ from ..errors import CorruptCheckpointError, StorageError
 from ..manager.tier_config import RestoreReport, TierReport
 from ..planning.layout import Box
 from ..reading import aligned_empty
-from ..restore import is_target_leaf
-from ..save_leaves import SaveArray
+from ..reading.restore import is_target_leaf
 from ..saving import classify_leaves
-from ..staging import Snapshot, host_snapshot
+from ..saving.save_array import SaveArray
+from ..saving.staging import Snapshot, host_snapshot
 from ..tree import FlatTree, keypath_to_path, path_str
 from ..tree import Path as TreePath
 from .local_copies import (

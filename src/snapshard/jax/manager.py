@@ -11,8 +11,8 @@ from ..coordination import default_coordinator
 from ..frameworks import jax_loaded
 from ..manager.framework import Framework, StartedSave
 from ..options import SaveOptions
-from ..save_leaves import is_save_leaf
 from ..saving import finish, prepare
+from ..saving.save_array import is_save_leaf
 from ..storage import Storage
 from ..tree import FlatTree
 from .distributed import preemption_sync_point

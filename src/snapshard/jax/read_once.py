@@ -47,7 +47,6 @@ from ..dtypes import dtype_from_name
 from ..options import ReadOptions
 from ..planning.exchange import cuts_rows
 from ..planning.layout import Box, slices_to_box
-from ..read_once_policy import too_small, wanted
 from ..reading import (
     Dest,
     Expand,
@@ -59,6 +58,7 @@ from ..reading import (
     request_boxes,
 )
 from ..reading import execute as execute_all
+from ..reading.read_once_policy import too_small, wanted
 
 if TYPE_CHECKING:
     import jax

@@ -15,8 +15,8 @@ from ..errors import DeletedArrayError
 from ..format.kinds import LeafKind
 from ..frameworks import is_jax_array
 from ..planning import WritePlan
-from ..save_leaves import MeshSpec, SaveArray, checked_dtype, classify, is_save_leaf
-from ..staging import HostArrays, Snapshot, StagedItem, current_pool, stage
+from ..saving.save_array import MeshSpec, SaveArray, checked_dtype, classify, is_save_leaf
+from ..saving.staging import HostArrays, Snapshot, StagedItem, current_pool, stage
 from ..tree import Path
 
 
@@ -24,7 +24,7 @@ class JaxAdapter:
     """snapshard.saving.SaveAdapter for JAX trees.
 
     `budget`: the host bytes the blocking phase may copy (SaveOptions.host_budget; the rest
-    is copied by the background phase, see staging.py); `snapshot`: the host copy of the
+    is copied by the background phase, see saving/staging.py); `snapshot`: the host copy of the
     tree's device arrays when one was already made (the local tier's), staged from instead
     of the devices. The copies made on the host go into buffers of the pool of the save's
     owner (a CheckpointManager's, staging.current_pool), given back when the save ends;

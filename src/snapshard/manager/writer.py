@@ -9,7 +9,7 @@ first waits for that one. After a commit the retention policies run and old step
 deleted in the background by process 0 (never the newest committed step). A background
 failure is logged when it happens and raised, naming the step, by the next `save`,
 `wait_until_finished` or `close` (once). The host buffers its saves stage into are the
-manager's own, reused from one save to the next and released by `close` (staging.py); it
+manager's own, reused from one save to the next and released by `close` (saving/staging.py); it
 keeps the reports of its last `REPORTS_KEPT` saves, and names its saves' rendezvous under its
 directory rather than each step's (saving/blocking.py), so that nothing it or the process
 holds grows with the saves it makes.
@@ -30,8 +30,8 @@ from ..gc_pause import Frozen
 from ..options import SaveOptions, background_of
 from ..saving import SaveTimings
 from ..saving.blocking import saves_counted_under
+from ..saving.staging import SavePools, pools_for_saves
 from ..saving.writer_process import start_writer_soon
-from ..staging import SavePools, pools_for_saves
 from ..storage import CheckpointRoot, Location, root_for
 from ..storage.lease import WriterLease
 from ..tree import FlatTree, flatten, user_frame
@@ -95,7 +95,7 @@ class StepWriter(StepListing):
         self._error: BaseException | None = None
         self._timings: dict[int, SaveTimings] = {}
         self._tier_reports: dict[int, TierReport] = {}
-        self._pools = SavePools()  # the host buffers of this manager's saves (staging.py)
+        self._pools = SavePools()  # the host buffers of this manager's saves (saving/staging.py)
         self._lease: WriterLease | None = None  # held by process 0 of a writer
         self._writing = False  # every process: the writer's start-up has run
         self._references = References(self._root)  # (references.py)

@@ -32,9 +32,9 @@ from typing import Any
 from ..errors import SnapshardError
 from ..inspection import metadata
 from ..options import ReadOptions, SaveOptions
-from ..restore import is_target_leaf
-from ..save_leaves import is_save_leaf
+from ..reading.restore import is_target_leaf
 from ..saving import AsyncSave
+from ..saving.save_array import is_save_leaf
 from ..tree import flatten
 from . import common
 

@@ -19,7 +19,8 @@ values (`requests.py`, JAX only for jax targets), the restore's seam and its bat
 (`fills.py`), the pure read plan (`plan.py`), the reads
 of one range (`ranges.py`, `windows.py`), where the bytes are and the prefetch
 (`prefetch.py`), one batch's reads on the read threads (`reads.py`), the chunk tables and
-the readers of a checkpoint (`tables.py`).
+the readers of a checkpoint (`tables.py`); what every wing's restore shares (`restore.py`) and
+when a restore reads once (`read_once_policy.py`).
 """
 
 from .buffers import BATCH_ITEMS, Dest, ReadDests, ReadStats, aligned_empty, batches

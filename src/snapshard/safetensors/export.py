@@ -24,8 +24,8 @@ from ..errors import UnsupportedLeafError
 from ..format.kinds import LeafKind
 from ..options import SaveOptions, require
 from ..planning import plan_writes, run_grid
-from ..save_leaves import SaveArray, classify, is_save_leaf
-from ..staging import stage
+from ..saving.save_array import SaveArray, classify, is_save_leaf
+from ..saving.staging import stage
 from ..storage import Location
 from ..storage.stale_staging import STAGING_SUFFIX
 from ..tree import flatten, path_str

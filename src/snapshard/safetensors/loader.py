@@ -14,7 +14,7 @@ from ..gc_pause import collection_paused
 from ..jax.read_once import execute as read_once_execute
 from ..options import ReadOptions, require
 from ..reading import ReadStats, Request, make_request
-from ..restore import is_target_leaf
+from ..reading.restore import is_target_leaf
 from ..storage import Location, Storage
 from ..transforms.surgery import Transform
 from ..transforms.virtual import Stored, Unreadable, VArray

@@ -1,12 +1,14 @@
 """The save executor: plan, stage the owned slices on the host, write, then commit; one for
 both wings, which reach it through their `SaveAdapter`.
 
-Blocking phase (the caller waits; `blocking.py`): flatten the tree, plan (cached, zero-RPC),
-bring every owned slice to host memory through the adapter. Nothing else.
+Blocking phase (the caller waits; `blocking.py`): flatten the tree, classify its leaves
+(`save_array.py`), plan (cached, zero-RPC), bring every owned slice to host memory through
+the adapter (`staging.py`). Nothing else.
 
-Background phase: every process writes its own data files, record file and report with no
-coordination (`files.py`); process 0 gathers the reports, checks that the trees fit together
-(`agreement.py`), builds the manifest from the leaves' descriptions (`leaves.py`), validates
+Background phase, in threads or in a writer process (`writer_*.py`): every process writes
+its own data files (`chunk_files.py`; incremental saves' references, `incremental.py`),
+record file and report with no coordination (`files.py`); process 0 gathers the reports,
+checks that the trees fit together (`agreement.py`, `tree_union.py`), builds the manifest from the leaves' descriptions (`leaves.py`), validates
 it, removes stale files and commits; every process learns the outcome (`commit.py`).
 Synchronisation points per save: one rendezvous after writing (process 0 waits for every
 process's report) and one outcome broadcast. `state.py` holds what a save carries from one

@@ -11,7 +11,6 @@ from typing import Any
 
 import numpy as np
 
-from .. import tree_union
 from ..errors import (
     CoordinationError,
     SnapshardError,
@@ -23,6 +22,7 @@ from ..format import (
 from ..format.files import ProcessReport
 from ..format.leaves import leaf_from_json
 from ..format.naming import tree_file_name
+from . import tree_union
 from .state import PreparedSave
 
 

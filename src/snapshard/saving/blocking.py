@@ -24,15 +24,15 @@ from ..format import (
 )
 from ..frameworks import default_save_adapter
 from ..gc_pause import collection_paused
-from ..incremental import Increment
 from ..options import SaveOptions, background_of, require
 from ..planning import WritePlan, plan_writes
 from ..planning.write_plan import plan_by_holders
-from ..save_leaves import SaveArray
-from ..staging import Snapshot
 from ..storage import Location, Storage, storage_for
 from ..tree import FlatTree, flatten
+from .incremental import Increment
 from .leaves import classify_leaves, leaf_digests, path_json
+from .save_array import SaveArray
+from .staging import Snapshot
 from .state import PreparedSave, SaveAdapter, SaveTimings
 
 # Where the saves started in this context are counted for their rendezvous' name, in place of

@@ -24,11 +24,11 @@ from ..format import (
 from ..format.files import ProcessReport
 from ..format.leaves import PerProcessLeaf
 from ..format.naming import values_file_name
-from ..incremental import check_refs_committed, manifest_refs
 from ..storage import Storage
 from ..storage.owner_records import is_owner_record
 from . import files
 from .agreement import check_agreement, check_same_options, named_by_us, read_union
+from .incremental import check_refs_committed, manifest_refs
 from .leaves import describe_leaves
 from .state import PreparedSave, SaveTimings
 

@@ -49,7 +49,7 @@ def save(
 
     With `base` (a committed checkpoint beside this one), chunks whose bytes equal the
     base's chunk of the same box are recorded as references to the file holding them
-    instead of being written (see snapshard.incremental); such a save records the chunks'
+    instead of being written (see snapshard.saving.incremental); such a save records the chunks'
     content hashes, so that a later save may use it as base in turn.
     """
     return save_through(

@@ -10,9 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import per_process, write_tuning
+from .. import per_process
 from ..checksum import crc32c
-from ..chunk_files import FileChunks, cut_files, files_at_once, write_files
 from ..errors import (
     CoordinationError,
 )
@@ -28,10 +27,12 @@ from ..format.files import ProcessReport
 from ..format.leaves import PerProcessLeaf, leaf_to_json
 from ..format.naming import tree_file_name, values_file_name
 from ..format.records import RECORD_FIXED
-from ..save_leaves import SaveArray
-from ..staging import StagedItem
 from ..storage import Storage, is_object_store_url
+from . import write_tuning
+from .chunk_files import FileChunks, cut_files, files_at_once, write_files
 from .leaves import describe_leaves
+from .save_array import SaveArray
+from .staging import StagedItem
 from .state import PreparedSave
 
 

@@ -25,8 +25,8 @@ from ..format.layouts import Mesh, describe_rows, mesh_layout, same_holders
 from ..format.leaves import PerProcessLeaf
 from ..format.values import encode_value
 from ..frameworks import default_save_adapter
-from ..save_leaves import MeshSpec, SaveArray, checked_dtype
 from ..tree import FlatTree, Path
+from .save_array import MeshSpec, SaveArray, checked_dtype
 from .state import PreparedSave, ReplicatedSource, SaveAdapter
 
 

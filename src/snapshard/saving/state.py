@@ -16,13 +16,13 @@ from ..format import (
     Leaf,
 )
 from ..frameworks import default_save_adapter
-from ..incremental import Increment
 from ..options import SaveOptions
 from ..planning import WritePlan
-from ..save_leaves import MeshSpec, SaveArray
-from ..staging import StagedItem
 from ..storage import Storage
 from ..tree import Path
+from .incremental import Increment
+from .save_array import MeshSpec, SaveArray
+from .staging import StagedItem
 
 
 @dataclass

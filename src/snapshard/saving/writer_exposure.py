@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import SnapshardError
-from ..staging import StagedItem
+from .staging import StagedItem
 from .state import PreparedSave
 from .writer_reads import IOV_MAX, IOVEC
 

@@ -24,8 +24,8 @@ import numpy as np
 
 from ..coordination.base import Coordinator
 from ..coordination.rendezvous import Rendezvous
-from ..save_leaves import SaveArray
-from ..staging import StagedItem
+from .save_array import SaveArray
+from .staging import StagedItem
 from .state import PreparedSave
 from .writer_protocol import Link, Message, Template, portable_error, portable_warnings
 from .writer_reads import RemoteBytes, StagedLater, Window, WindowBytes, read_remote, read_words

@@ -36,9 +36,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import SnapshardError
-from ..save_leaves import SaveArray
 from ..storage import Storage
 from .leaves import describe_layouts
+from .save_array import SaveArray
 from .state import PreparedSave, SaveTimings
 from .writer_exposure import Exposure, addresses_of, window_file
 from .writer_failure import Seen, finish_protocol

@@ -52,10 +52,10 @@ import numpy as np
 
 from ..errors import SnapshardError
 from ..format import Leaf
-from ..incremental import Increment
 from ..options import SaveOptions
-from ..save_leaves import SaveArray
 from ..storage import Storage
+from .incremental import Increment
+from .save_array import SaveArray
 from .state import SaveTimings
 
 

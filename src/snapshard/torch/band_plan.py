@@ -37,7 +37,7 @@ from ..planning.exchange import (
 )
 from ..planning.read_once import as_box
 from ..reading import SavedBoxes, batches
-from ..staging import Box
+from ..saving.staging import Box
 from .leaves import dtensor_layout
 from .values import is_dtensor
 

@@ -30,10 +30,10 @@ from typing import Any, TypeGuard
 import numpy as np
 import torch
 
-from ..box_writer import CheckpointWriter
 from ..dtypes import dtype_name
 from ..errors import SnapshardError, UnsupportedLeafError
 from ..format import Manifest
+from ..saving.box_writer import CheckpointWriter
 from ..tree import FlatTree, Path, flatten, path_str
 from .dtypes import host_view, numpy_dtype
 from .leaves import is_leaf

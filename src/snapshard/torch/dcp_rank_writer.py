@@ -16,16 +16,15 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
-from .. import write_tuning
 from ..checksum import crc32c
 from ..errors import SnapshardError
 from ..format import compression, encoding, record_file_name, records
 from ..format.binding import name_key
 from ..format.values import encode_value
 from ..options import SaveOptions
-from ..saving import ChunkColumns, write_chunk_files
+from ..saving import ChunkColumns, write_chunk_files, write_tuning
 from ..saving.commit import remove_own
-from ..staging import StagedItem
+from ..saving.staging import StagedItem
 from ..storage import Storage, is_object_store_url
 from .dcp_manifest import DcpStorageError, RankReport
 from .dtypes import host_view

@@ -46,8 +46,8 @@ from ..format.kinds import LeafKind
 from ..format.leaves import PerProcessLeaf
 from ..options import ReadOptions, require
 from ..planning.read_once import BoxKey, DcpReadOncePlan, plan_dcp
-from ..read_once_policy import too_small, wanted_here
 from ..reading import Dest, ReadDests, ReadStats, SavedBoxes, aligned_empty, fill
+from ..reading.read_once_policy import too_small, wanted_here
 from ..reading.sources import open_checkpoint
 from ..storage import Location, storage_for
 from ..tree import JsonNode, Path, unflatten

@@ -20,8 +20,8 @@ from ..format.kinds import LeafKind
 from ..format.leaves import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess, checked
 from ..planning.layout import host_layout, own_layout
-from ..save_leaves import VALUE_TYPES, SaveArray
 from ..saving import ReplicatedSource
+from ..saving.save_array import VALUE_TYPES, SaveArray
 from ..tree import Path, path_str
 from .dtypes import TO_NUMPY, host_view, numpy_dtype
 from .layout import PlacementSpec, ShardSpec, TensorLayout, expand_submesh, tensor_layout
@@ -210,7 +210,7 @@ def classify(
         return PerProcessLeaf(path, checked(host_values(value.value, name), name))
     if isinstance(value, NOT_STATE):
         raise not_state(value, name)
-    from ..save_leaves import classify as classify_numpy
+    from ..saving.save_array import classify as classify_numpy
 
     if isinstance(value, np.ndarray | np.generic):
         arr = classify_numpy(path, value, process_count)

@@ -18,8 +18,8 @@ from ..format import ArrayLeaf
 from ..options import ReadOptions
 from ..planning.layout import Box
 from ..planning.read_once import as_box
-from ..read_once_policy import too_small, wanted_alike
 from ..reading import BATCH_ITEMS, Dest, ReadDests, ReadStats, SavedBoxes, fill
+from ..reading.read_once_policy import too_small, wanted_alike
 from .band_plan import BandLeaf, Cuts, batches_of
 from .band_plan import plan as plan_bands
 from .coordination import default_coordinator

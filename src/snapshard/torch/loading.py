@@ -23,8 +23,8 @@ from ..gc_pause import collection_paused
 from ..options import ReadOptions
 from ..per_process import PerProcess, Resplit
 from ..reading import ReadDests, ReadStats
+from ..reading.restore import missing_target_leaf, per_process_values, refuse_empty_containers
 from ..reading.sources import TreeSource, open_for_load
-from ..restore import missing_target_leaf, per_process_values, refuse_empty_containers
 from ..storage import Location, Storage
 from ..transforms.surgery import Transform
 from ..transforms.virtual import Derived, Stored, VArray

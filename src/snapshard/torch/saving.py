@@ -32,8 +32,8 @@ from ..manager.framework import StartedSave
 from ..options import SaveOptions
 from ..planning import WritePlan
 from ..reading import aligned_empty
-from ..save_leaves import SaveArray
-from ..staging import Borrower, HostPool, StagedItem, current_pool, planned_items
+from ..saving.save_array import SaveArray
+from ..saving.staging import Borrower, HostPool, StagedItem, current_pool, planned_items
 from ..storage import Location, Storage
 from ..tree import Path
 from . import leaves as _leaves

@@ -3,15 +3,10 @@ read-once paths, and free of either framework)."""
 
 from __future__ import annotations
 
-from .coordination.base import Coordinator
-from .coordination.rendezvous import (
-    Rendezvous,
-    namespace,
-    on_every_process,
-    same_on_every_process,
-)
-from .storage import is_object_store_url
-from .storage.mounts import is_network_filesystem
+from ..coordination.base import Coordinator
+from ..coordination.rendezvous import Rendezvous, namespace, on_every_process, same_on_every_process
+from ..storage import is_object_store_url
+from ..storage.mounts import is_network_filesystem
 
 # By default (read_once=None) an array smaller than this is read by every process that
 # holds it: moving it costs a collective (and for JAX its part of the resharding program's

@@ -11,15 +11,15 @@ from typing import Any
 
 import numpy as np
 
-from .dtypes import dtype_name, little_endian
-from .errors import UnsupportedLeafError
-from .format.kinds import LeafKind
-from .format.leaves import PerProcessLeaf, ValueLeaf
-from .frameworks import is_jax_array, jax_wing
-from .iterators import is_data_iterator, iterator_record
-from .per_process import PerProcess, checked
-from .planning.layout import ArrayLayout, host_layout
-from .tree import Path, path_str
+from ..dtypes import dtype_name, little_endian
+from ..errors import UnsupportedLeafError
+from ..format.kinds import LeafKind
+from ..format.leaves import PerProcessLeaf, ValueLeaf
+from ..frameworks import is_jax_array, jax_wing
+from ..iterators import is_data_iterator, iterator_record
+from ..per_process import PerProcess, checked
+from ..planning.layout import ArrayLayout, host_layout
+from ..tree import Path, path_str
 
 VALUE_TYPES = (bool, int, float, str, bytes, type(None))
 

@@ -9,20 +9,20 @@ from typing import Any
 
 import numpy as np
 
-from . import per_process
-from .checksum import crc32c
-from .coordination import Coordinator, default_coordinator
-from .dtypes import dtype_from_name
-from .errors import CorruptCheckpointError, TargetMismatchError
-from .format import Manifest
-from .format.leaves import ArrayLeaf, PerProcessLeaf
-from .format.naming import values_file_name
-from .frameworks import is_jax_array, is_shape_dtype_struct
-from .iterators import is_data_iterator
-from .per_process import PerProcess, Resplit
-from .reading import make_request
-from .storage import Storage
-from .tree import Path, empty_containers, path_str
+from .. import per_process
+from ..checksum import crc32c
+from ..coordination import Coordinator, default_coordinator
+from ..dtypes import dtype_from_name
+from ..errors import CorruptCheckpointError, TargetMismatchError
+from ..format import Manifest
+from ..format.leaves import ArrayLeaf, PerProcessLeaf
+from ..format.naming import values_file_name
+from ..frameworks import is_jax_array, is_shape_dtype_struct
+from ..iterators import is_data_iterator
+from ..per_process import PerProcess, Resplit
+from ..storage import Storage
+from ..tree import Path, empty_containers, path_str
+from . import make_request
 
 
 def is_target_leaf(x: Any) -> bool:

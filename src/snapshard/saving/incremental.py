@@ -30,16 +30,16 @@ from typing import Any
 
 import numpy as np
 
-from .errors import SnapshardError
-from .format import records as rec
-from .format.files import FileEntry
-from .format.finder import ChunkFinder
-from .format.leaves import ArrayLeaf
-from .format.manifest import Manifest
-from .format.reading import read_checkpoint
-from .format.refs import check_checkpoint_name, ref_files, split_ref_name
+from ..errors import SnapshardError
+from ..format import records as rec
+from ..format.files import FileEntry
+from ..format.finder import ChunkFinder
+from ..format.leaves import ArrayLeaf
+from ..format.manifest import Manifest
+from ..format.reading import read_checkpoint
+from ..format.refs import check_checkpoint_name, ref_files, split_ref_name
+from ..storage import Location, Storage, parse_location, storage_for
 from .staging import StagedItem
-from .storage import Location, Storage, parse_location, storage_for
 
 _xxhash: Any
 try:  # a maintained binding, 30x faster than blake2b here; optional

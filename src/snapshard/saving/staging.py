@@ -38,12 +38,12 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import numpy as np
 
-from .errors import SnapshardError
-from .frameworks import jax_wing
-from .planning import WritePlan
-from .planning.layout import Box
-from .reading.buffers import aligned_empty
-from .save_leaves import SaveArray
+from ..errors import SnapshardError
+from ..frameworks import jax_wing
+from ..planning import WritePlan
+from ..planning.layout import Box
+from ..reading.buffers import aligned_empty
+from .save_array import SaveArray
 
 E = TypeVar("E")  # what a pool holds per buffer (torch: the array and its pinned tensor)
 A = ParamSpec("A")  # what a pool's `take` asks for a buffer (the byte size, ...)

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from .checksum import crc32c
-from .dtypes import dtype_from_name, little_endian
-from .errors import SnapshardError
-from .format import (
+from ..checksum import crc32c
+from ..dtypes import dtype_from_name, little_endian
+from ..errors import SnapshardError
+from ..format import (
     ArrayLeaf,
     ChunkTable,
     FileEntry,
@@ -29,12 +29,12 @@ from .format import (
     records,
     validate_coverage,
 )
-from .format.binding import name_key
-from .format.encoding import chunk_span, write_chunk
-from .format.records import records_of
-from .saving import commit_manifest, refuse_existing, staged_files
-from .storage import FileWriter, Location, Storage, storage_for
-from .tree import JsonNode, Path
+from ..format.binding import name_key
+from ..format.encoding import chunk_span, write_chunk
+from ..format.records import records_of
+from ..storage import FileWriter, Location, Storage, storage_for
+from ..tree import JsonNode, Path
+from . import commit_manifest, refuse_existing, staged_files
 
 FILE_BYTES = 1 << 30  # a new data file is started past this
 

@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING, Any, cast
 import crc32c as _crc32c
 import numpy as np
 
-from .format.binding import name_key
-from .format.chunks import checksum_block
-from .format.encoding import chunk_span, write_chunk
-from .format.records import RECORD_FIXED
+from ..format.binding import name_key
+from ..format.chunks import checksum_block
+from ..format.encoding import chunk_span, write_chunk
+from ..format.records import RECORD_FIXED
+from ..storage import FileWriter, Storage
+from ..storage.base import buffer_bytes, buffer_nbytes
 from .staging import StagedItem
-from .storage import FileWriter, Storage
-from .storage.base import buffer_bytes, buffer_nbytes
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer

@@ -30,14 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from .errors import CoordinationError
-from .format import ArrayLeaf, Leaf, ValueLeaf
-from .format.layout_table import LayoutTable
-from .format.layouts import describe_rows
-from .format.leaf_map import LeafMap
-from .format.leaves import PerProcessLeaf
-from .planning.layout import own_layout
-from .tree import JsonNode, Path, path_str
+from ..errors import CoordinationError
+from ..format import ArrayLeaf, Leaf, ValueLeaf
+from ..format.layout_table import LayoutTable
+from ..format.layouts import describe_rows
+from ..format.leaf_map import LeafMap
+from ..format.leaves import PerProcessLeaf
+from ..planning.layout import own_layout
+from ..tree import JsonNode, Path, path_str
 
 
 @dataclass
