@@ -9,8 +9,10 @@ it started are killed (with their process groups) when it ends, however it ends.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,9 +27,31 @@ GLOO_EXIT_ABORT = "terminate called without an active exception"
 
 
 def free_port() -> int:
+    """A port free now, chosen below the kernel's ephemeral range: a port the kernel handed
+    out (bind to port 0) may be given again to any outgoing connection, a client of the
+    object-store servers say, before the coordinator binds it ("Failed to add port")."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    pick = random.SystemRandom()  # not the tests' seeded `random`: workers pick at once
+    for _ in range(200):
+        port = pick.randrange(20000, max(low, 20001))
+        if _bindable(socket.AF_INET, "127.0.0.1", port) and _bindable(socket.AF_INET6, "::", port):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(family: socket.AddressFamily, host: str, port: int) -> bool:
+    """Nothing holds `port` (where the family exists at all: some sandboxes have no IPv6)."""
+    try:
+        with socket.socket(family) as s:
+            s.bind((host, port))
+    except OSError as e:
+        return e.errno not in (errno.EADDRINUSE, errno.EACCES)
+    return True
 
 
 @dataclass

@@ -9,6 +9,7 @@ is visible before its marker.
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import numpy as np
@@ -143,6 +144,40 @@ def test_a_failure_at_any_call_of_an_upload_leaves_no_part(prefix, monkeypatch, 
     assert parts_left(client) == []
     if op != "s3.delete":  # a failed clean-up after the last compose: the file is whole
         assert client.listing() == {}
+
+
+def test_a_failed_compose_is_cleaned_up_after_the_composes_beside_it(prefix, monkeypatch):
+    """An intermediate compose fails while the others of its level still run: the clean-up
+    deletes the upload's objects only once they have ended (else an object made after its
+    name was deleted would be left behind)."""
+    from google.api_core.exceptions import ServiceUnavailable
+
+    monkeypatch.setattr(gcs_bucket, "MAX_COMPOSE", 3)
+    compose, delete = gcs_bucket.GcsBucket.compose, gcs_bucket.GcsBucket.delete
+    running, at_delete = [0], []
+
+    def slow_compose(self: gcs_bucket.GcsBucket, key: str, sources: list[str]) -> None:
+        if key.endswith("-1-00000"):
+            raise ServiceUnavailable(f"{INJECTED}: compose of {key}")
+        running[0] += 1
+        try:
+            time.sleep(0.3)
+            compose(self, key, sources)
+        finally:
+            running[0] -= 1
+
+    def counted_delete(self: gcs_bucket.GcsBucket, keys: list[str]) -> None:
+        at_delete.append(running[0])
+        delete(self, keys)
+
+    monkeypatch.setattr(gcs_bucket.GcsBucket, "compose", slow_compose)
+    monkeypatch.setattr(gcs_bucket.GcsBucket, "delete", counted_delete)
+    client = ObjectClient(prefix, transfer=SMALL)
+    with pytest.raises(StorageError, match=INJECTED):
+        upload(client, "f.bin", payload(7.4))
+    assert at_delete and max(at_delete) == 0, at_delete  # no compose ran beside a delete
+    assert parts_left(client) == []
+    assert client.listing() == {}
 
 
 def big_tree() -> tuple[np.ndarray, dict]:

@@ -21,7 +21,7 @@ import urllib.parse
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from ..errors import StorageError
@@ -327,7 +327,11 @@ class GcsUpload(Upload):
         self._delete_made()
 
     def _in_parallel(self, fn: Callable[..., None], calls: list[tuple[Any, ...]]) -> None:
-        for future in [self._executor().submit(fn, *args) for args in calls]:
+        """Every call ends before the first error is raised: a compose still in flight
+        would otherwise make its object after the clean-up had deleted the name."""
+        futures = [self._executor().submit(fn, *args) for args in calls]
+        wait(futures)
+        for future in futures:
             future.result()
 
     def _delete_made(self) -> None:
