@@ -45,6 +45,8 @@ from .local_copies import (
 )
 from .ppermute import PendingExchange, exchange, start_exchange
 
+# The tier's interface to the manager (manager/framework.py, `Framework.local_tier`).
+__all__ = ["LocalStore", "TierRestore", "restore_from_tiers", "stage_local"]
 log = logging.getLogger("snapshard")
 
 

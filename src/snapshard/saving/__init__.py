@@ -8,8 +8,8 @@ the adapter (`staging.py`). Nothing else.
 Background phase, in threads or in a writer process (`writer_*.py`): every process writes
 its own data files (`chunk_files.py`; incremental saves' references, `incremental.py`),
 record file and report with no coordination (`files.py`); process 0 gathers the reports,
-checks that the trees fit together (`agreement.py`, `tree_union.py`), builds the manifest from the leaves' descriptions (`leaves.py`), validates
-it, removes stale files and commits; every process learns the outcome (`commit.py`).
+checks that the trees fit together (`agreement.py`, `tree_union.py`), builds the manifest
+from the leaves' descriptions (`leaves.py`), validates it, removes stale files and commits; every process learns the outcome (`commit.py`).
 Synchronisation points per save: one rendezvous after writing (process 0 waits for every
 process's report) and one outcome broadcast. `state.py` holds what a save carries from one
 phase to the next; `entry.py` the entry points. See docs/design.md.

@@ -35,7 +35,7 @@ tuple:
    the error pickled with its type (errors.py: every snapshard error crosses processes by
    pickle), `made` what the writer's copy of the storage counted of its requests (an
    object store's), which the training process's copy adds to its own, and `warned` the
-   warnings the save raised here (category, text), which the training process raises
+   warnings the save raised in the writer (category, text), which the training process raises
    again (an incremental save's base that cannot prove its chunks equal says so).
 """
 

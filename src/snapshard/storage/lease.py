@@ -22,7 +22,7 @@ writer by its `owner` text (where it was made), never as another job, and never 
 advice to take it over.
 
 Only writers take the lease: loading, listing and evaluation jobs read beside a holder
-without one (the manager takes it at its first save, see manager/manager.py).
+without one (the manager takes it at its first save, see manager/writer.py).
 
 The holder checks before each commit and each deletion that its generation is still the
 highest (`verify`), so a writer that lost the lease (it was paused for longer than the

@@ -35,9 +35,9 @@ from ..planning.exchange import (
     row_bands,
     slabs,
 )
+from ..planning.layout import Box
 from ..planning.read_once import as_box
 from ..reading import SavedBoxes, batches
-from ..saving.staging import Box
 from .leaves import dtensor_layout
 from .values import is_dtensor
 

@@ -4,7 +4,7 @@ two steps of torch/dcp_storage.py's protocol).
 
 Non-tensor state (DCP's `BYTE_IO` items, which DCP pickles): a Python `int`, `float`,
 `bool`, `str` or `None` is stored as a value in the manifest, no pickle involved (taken
-from the default planner's `lookup_object`); anything else is stored as the bytes DCP's
+from the default planner's `lookup_object` by the rank that writes it, dcp_rank_writer.py); anything else is stored as the bytes DCP's
 planner made of it (`torch.save`), an opaque `uint8` array leaf listed in the manifest's
 `extra["dcp"]["pickled"]`. snapshard's own loaders never unpickle it; `dcp.load` through
 snapshard.torch.StorageReader hands it to DCP's planner, which unpickles it as DCP does.

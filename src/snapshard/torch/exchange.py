@@ -34,8 +34,8 @@ import torch
 
 from ..coordination.peer_memory import PeerMemory
 from ..coordination.rendezvous import Rendezvous, all_succeeded
+from ..planning.layout import Box
 from ..reading import Dest, ReadDests, aligned_empty
-from ..saving.staging import Box
 from .band_plan import BandLeaf
 
 # Stores a piece (NumPy, the saved dtype) into a view of a target region.
