@@ -332,7 +332,7 @@ def test_the_window_serves_only_the_bytes_of_the_save_s_items(tmp_path, through_
     for bad in ([0, 6, 4, 0], [0, -1, 2, 0], [0, 0, 2, len(ex.window) - 1], [1, 0, 1, 0]):
         with pytest.raises(SnapshardError, match=re.escape(f"out of range: {tuple(bad)}")):
             ex.copy(np.array([[0, 0, 1, 0], bad]))
-    ex.expose([], [], np.zeros(0, np.int64))
+    ex.release()
 
 
 def test_a_writer_that_cannot_be_started_sends_saves_to_threads_and_keeps_no_files(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import mmap
 import os
 from itertools import pairwise
 from typing import Any
@@ -38,6 +39,14 @@ class Exposure:
     def __init__(self, window_fd: int) -> None:
         self.window_fd = window_fd  # the window's file, kept where the writer reads through it
         self.window: np.ndarray | None = None
+        self.release()
+
+    def map_window(self) -> None:
+        """The writer reads through the window (its probe said so): map it for the copies."""
+        self.window = np.frombuffer(mmap.mmap(self.window_fd, 0), np.uint8)
+
+    def release(self) -> None:
+        """Nothing is exposed: the save's items are let go (between saves)."""
         self.expose([], [], np.zeros(0, np.int64))
 
     def close(self) -> None:

@@ -21,7 +21,6 @@ import atexit
 import contextlib
 import ctypes
 import logging
-import mmap
 import os
 import signal
 import socket
@@ -130,7 +129,7 @@ class WriterProcess:
         except _LinkDown as e:
             return f"the writer process did not start: {e}"
         if kind == "window":
-            self.exposure.window = np.frombuffer(mmap.mmap(self.exposure.window_fd, 0), np.uint8)
+            self.exposure.map_window()
             log.info("the writer process reads staged bytes through a shared window: %s", why)
             return None
         return None if kind == "ready" else f"it cannot read this process's memory: {why}"
@@ -157,7 +156,7 @@ class WriterProcess:
         try:
             return self._run(prep)
         finally:
-            self.exposure.expose([], [], np.zeros(0, np.int64))
+            self.exposure.release()
             self._lock.release()
 
     def _run(self, prep: PreparedSave) -> SaveTimings:
