@@ -177,7 +177,10 @@ class Holders:
 
     manifest: Manifest
     url: str
-    _cache: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    _indexes: dict[tuple[Any, ...], tuple[ShardGroups, ChunkIndex]] = field(default_factory=dict)
+    _grids: dict[tuple[Any, ...], tuple[np.ndarray, np.ndarray] | None] = field(
+        default_factory=dict
+    )
     _meshes: dict[int, Mesh] = field(default_factory=dict)
 
     def _layout(self, leaf: ArrayLeaf) -> ArrayLayout:
@@ -219,10 +222,10 @@ class Holders:
 
     def _indexed(self, leaf: ArrayLeaf) -> tuple[ShardGroups, ChunkIndex]:
         key = (leaf.layout, leaf.shape)
-        h = self._cache.get(key)
+        h = self._indexes.get(key)
         if h is None:
             groups = self._layout(leaf).shards
-            h = self._cache[key] = (groups, ChunkIndex(groups.starts, groups.stops))
+            h = self._indexes[key] = (groups, ChunkIndex(groups.starts, groups.stops))
         return h
 
     def _mesh_grid(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
@@ -230,9 +233,9 @@ class Holders:
         axis 0, pieces of axis 1, …, the other mesh axes), and each axis's piece length;
         None for other layouts. Holders of a box are then one block of it, with no per-device
         rows built."""
-        key = ("grid", leaf.layout, leaf.shape)
-        if key in self._cache:
-            return self._cache[key]
+        key = (leaf.layout, leaf.shape)
+        if key in self._grids:
+            return self._grids[key]
         d = self.manifest.layouts[leaf.layout] if leaf.layout is not None else {}
         grid = None
         if d.get("kind") == "mesh":
@@ -246,7 +249,7 @@ class Holders:
             t = t.reshape([*pieces, -1])
             steps = np.asarray([n // k for n, k in zip(leaf.shape, pieces, strict=True)], np.int64)
             grid = (t, np.maximum(steps, 1))
-        self._cache[key] = grid
+        self._grids[key] = grid
         return grid
 
     def candidates(self, leaf: ArrayLeaf, boxes: Sequence[BoundsArrays]) -> np.ndarray:
