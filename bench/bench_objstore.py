@@ -415,7 +415,7 @@ def upload_pattern(sizes: list[int]) -> tuple[int, int]:
     files in flight as part_size * (upload_concurrency + 1) bytes hold at the size of the
     largest). Versions before one-request files: files of less than a part went in one
     request, every file written at once."""
-    from snapshard.storage.object_client import TransferConfig
+    from snapshard.storage.bucket import TransferConfig
 
     t = TransferConfig()
     single = getattr(t, "single_request_bytes", t.part_size - 1)

@@ -9,7 +9,8 @@ import pytest
 
 import snapshard
 from snapshard import ReadOptions, SaveOptions
-from snapshard.storage import local, local_files
+from snapshard.storage import local_files
+from snapshard.storage.stale_staging import STAGING_SUFFIX
 
 from conftest import chunk_of
 
@@ -131,7 +132,7 @@ def test_file_names_from_a_manifest_never_leave_the_checkpoint(ckpt):
 
 def test_incomplete_save_is_invisible(ckpt):
     # A staging directory left by a crash is not a checkpoint.
-    (ckpt.parent / (ckpt.name + local.STAGING_SUFFIX) / "data").mkdir(parents=True)
+    (ckpt.parent / (ckpt.name + STAGING_SUFFIX) / "data").mkdir(parents=True)
     with pytest.raises(snapshard.CheckpointNotFoundError, match="incomplete"):
         snapshard.load(ckpt)
     snapshard.save(ckpt, tree(4))

@@ -26,7 +26,8 @@ from snapshard.manager import (
     Retention,
     StepInfo,
 )
-from snapshard.storage import local, local_files
+from snapshard.storage import local_files
+from snapshard.storage.stale_staging import STAGING_SUFFIX
 
 
 def state(step):
@@ -136,8 +137,8 @@ def test_retention_policies_compose():
 def test_incomplete_steps_are_never_listed_and_are_cleaned_at_start(tmp_path):
     with CheckpointManager(tmp_path) as m:
         run(m, [1, 2])
-    (tmp_path / ("3" + local.STAGING_SUFFIX) / "data").mkdir(parents=True)
-    (tmp_path / ("3" + local.STAGING_SUFFIX) / "data" / "p00000-x-0.bin").write_bytes(b"partial")
+    (tmp_path / ("3" + STAGING_SUFFIX) / "data").mkdir(parents=True)
+    (tmp_path / ("3" + STAGING_SUFFIX) / "data" / "p00000-x-0.bin").write_bytes(b"partial")
     (tmp_path / "4").mkdir()  # a directory without a manifest is not a step either
     eager = ManagerPolicies(lease=LeasePolicy(at_start=True))  # cleans when made
     with CheckpointManager(tmp_path, policies=eager) as m:
@@ -161,7 +162,7 @@ def fail_step(monkeypatch, step):
     real = local_files.LocalFileWriter.write
 
     def write(self, data):
-        if self.path.parent.parent.name.startswith(f"{step}{local.STAGING_SUFFIX}"):
+        if self.path.parent.parent.name.startswith(f"{step}{STAGING_SUFFIX}"):
             raise PermissionError(13, f"Permission denied: {self.path} (injected)")
         real(self, data)
 

@@ -21,7 +21,7 @@ import snapshard
 from s3env import bucket_url, fresh_prefix, store_params
 from snapshard.errors import CheckpointExistsError, CheckpointNotFoundError, StorageError
 from snapshard.storage import root_for, storage_for
-from snapshard.storage.object_client import TransferConfig
+from snapshard.storage.bucket import TransferConfig
 from snapshard.storage.object_writer import PartWriter
 from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
 

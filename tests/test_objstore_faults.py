@@ -19,7 +19,7 @@ import snapshard
 from faultproxy import FaultProxy
 from s3env import ENDPOINT_VAR
 from snapshard.errors import StorageError
-from snapshard.storage.object_client import TransferConfig
+from snapshard.storage.bucket import TransferConfig
 from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
 
 from conftest import mesh, sharded

@@ -20,7 +20,8 @@ from faultinject import INJECTED, FaultInjector
 from s3env import fresh_prefix
 from snapshard.errors import CorruptCheckpointError, StorageError
 from snapshard.storage import gcs_bucket
-from snapshard.storage.object_client import ObjectClient, TransferConfig
+from snapshard.storage.bucket import TransferConfig
+from snapshard.storage.object_client import ObjectClient
 from snapshard.storage.object_writer import PartWriter
 from snapshard.storage.objstore import COMMIT_MARKER, ObjectRoot, ObjectStorage
 

@@ -18,8 +18,9 @@ import multiproc
 import snapshard
 from snapshard.errors import WriterLeaseError
 from snapshard.manager import LeasePolicy, ManagerPolicies
-from snapshard.storage import local, root_for
+from snapshard.storage import root_for
 from snapshard.storage.lease import LEASE_DIR, WriterLease
+from snapshard.storage.stale_staging import STAGING_SUFFIX
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -104,7 +105,7 @@ def _line_of(text: str) -> int:
 
 
 def test_at_start_takes_the_lease_when_the_manager_is_made(tmp_path):
-    staged = tmp_path / ("3" + local.STAGING_SUFFIX)
+    staged = tmp_path / ("3" + STAGING_SUFFIX)
     (staged / "data").mkdir(parents=True)  # what a crashed save (or a live one) left
     reader = snapshard.CheckpointManager(tmp_path)
     assert staged.is_dir() and not (tmp_path / LEASE_DIR).exists()  # a reader removes nothing

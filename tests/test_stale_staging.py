@@ -183,7 +183,7 @@ def test_the_job_owns_the_directory_every_process_must_be_gone(tmp_path, holders
 
 
 def test_a_staging_directory_without_owner_record_stays(tmp_path):
-    old = tmp_path / ("7" + local.STAGING_SUFFIX) / "data"  # an older version's save
+    old = tmp_path / ("7" + stale_staging.STAGING_SUFFIX) / "data"  # an older version's save
     old.mkdir(parents=True)
     save_beside(tmp_path)
     (u,) = stale_staging.find(tmp_path)
@@ -203,7 +203,7 @@ def test_an_interrupted_removal_is_finished_by_the_next_sweep(tmp_path):
     killed_save("kill-numpy", tmp_path / "ckpt")
     (u,) = stale_staging.find(tmp_path)
     trash = stale_staging.set_aside(u)  # renamed aside, then the sweeper died
-    assert trash is not None and trash.is_dir() and local.STAGING_SUFFIX not in trash.name
+    assert trash is not None and trash.is_dir() and stale_staging.STAGING_SUFFIX not in trash.name
     (t,) = stale_staging.find(tmp_path)
     assert t.kind == "trash" and t.state == GONE
     for record in [p for p in trash.iterdir() if owner_records.is_owner_record(p.name)]:
@@ -249,7 +249,7 @@ def test_ls_shows_unfinished_saves_with_writers_state_and_size(tmp_path, capsys,
 def test_clean_is_a_dry_run_unless_told_and_never_touches_a_live_writer(tmp_path, capsys, holders):
     holders(tmp_path / "3", "live-1")
     gone = killed_save("kill-numpy", tmp_path / "2")
-    unknown = tmp_path / ("4" + local.STAGING_SUFFIX)
+    unknown = tmp_path / ("4" + stale_staging.STAGING_SUFFIX)
     unknown.mkdir()
     before = leftovers(tmp_path)
     code, out = run(capsys, "clean", tmp_path)

@@ -21,7 +21,7 @@ from snapshard import SaveOptions
 from snapshard.coordination.base import SingleProcessCoordinator
 from snapshard.errors import SnapshardError
 from snapshard.saving import entry, writer_process
-from snapshard.storage.object_client import TransferConfig
+from snapshard.storage.bucket import TransferConfig
 from snapshard.storage.objstore import ObjectStorage
 
 pytestmark = pytest.mark.timeout(180)

@@ -177,6 +177,8 @@ class Rendezvous:
         found set while a report is still missing (which the protocol never leaves) makes
         the listings a second apart rather than a spin on the store. They are deleted once
         read."""
+        # its count and signal outlive the outcome: they are cleaned by that list
+        assert key in _GATHERED, f"gather({key!r}): add {key!r} to _GATHERED"
         me, n = self.coord.process_index, self.coord.process_count
         want = set(range(n)) - {me}
         signal = f"{self.prefix}/{key}/complete"

@@ -112,17 +112,8 @@ class RecordReader:
         whole = np.frombuffer(raw, rec.DIR_ENTRY)
         entries = whole[pos // rec.DIR_ENTRY_SIZE]
         ndim = self.ndims[a]
-        count = entries["count"].astype(np.int64)
-        offset = entries["offset"].astype(np.int64)
-        length = count * (rec.RECORD_FIXED.itemsize + 16 * ndim)
-        bad = (count > 0) & ((offset < rec.HEADER_SIZE) | (offset + length > size))
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise CorruptCheckpointError(
-                f"{where}: directory entry points outside the record file "
-                f"({int(count[i])} records at {int(offset[i])})"
-            )
-        has = np.flatnonzero(count > 0)
+        offset, length = rec.check_entries(entries, ndim, size, where)
+        has = np.flatnonzero(length > 0)
         order = has[np.argsort(offset[has], kind="stable")]
         raw, pos = self._read_spans(name, offset[order], offset[order] + length[order])
         salt = name_key(name) if m.bound else 0
@@ -173,10 +164,12 @@ class RecordReader:
         hashed = bool(flags & rec.FILE_HASHES) and (flags >> rec.HASH_SHIFT) & 0xFF == hash_fn
         wanted: list[tuple[int, np.void, int, int, tuple[int, int]]] = []
         own = dict(zip(leaves, local, strict=True))
-        for a, raw in zip(leaves, entries, strict=True):
-            e = rec.decode_entries(raw)[0]
-            ndim = len(m.leaves[a].shape)  # type: ignore[union-attr]
-            off, length = rec.check_entry(e, ndim, size, where)
+        found = rec.decode_entries(b"".join(entries))
+        ndims = self.ndims[np.asarray(leaves, np.int64)]
+        offsets, lengths = rec.check_entries(found, ndims, size, where)
+        for a, e, ndim, off, length in zip(
+            leaves, found, ndims.tolist(), offsets.tolist(), lengths.tolist(), strict=True
+        ):
             if length:
                 extra = rec.HASH_SIZE * int(e["count"]) + 4 if hashed else 0
                 wanted.append((a, e, ndim, length, (off, min(off + length + extra, size))))

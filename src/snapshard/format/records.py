@@ -303,13 +303,20 @@ def decode_entries(data: bytes) -> np.ndarray:
     return np.frombuffer(data, DIR_ENTRY)
 
 
-def check_entry(entry: np.void, ndim: int, file_size: int, where: str) -> tuple[int, int]:
-    """(offset, byte length) of the segment a directory entry points to, bounded by the file."""
-    offset, count = int(entry["offset"]), int(entry["count"])
-    length = count * record_dtype(ndim).itemsize
-    if count and (offset < HEADER_SIZE or offset + length > file_size):
+def check_entries(
+    entries: np.ndarray, ndim: np.ndarray, file_size: int, where: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, byte lengths) of the segments directory `entries` point to (leaves of
+    `ndim` axes each), every one bounded by the file."""
+    count = entries["count"].astype(np.int64)
+    offset = entries["offset"].astype(np.int64)
+    length = count * (RECORD_FIXED.itemsize + 16 * ndim)
+    bad = (count > 0) & ((offset < HEADER_SIZE) | (offset + length > file_size))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
         raise CorruptCheckpointError(
-            f"{where}: directory entry points outside the record file ({count} records at {offset})"
+            f"{where}: directory entry points outside the record file "
+            f"({int(count[i])} records at {int(offset[i])})"
         )
     return offset, length
 

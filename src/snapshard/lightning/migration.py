@@ -12,14 +12,11 @@ step: the old file stays whole and readable until the new checkpoint commits.
 
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..storage.stale_staging import STAGING_SUFFIX
-from .pickled import UntrustedPickleError
+from .pickled import torch_load_dict
 
 
 def local_file(text: str) -> bool:
@@ -41,13 +38,6 @@ def remote_file(text: str) -> bool:
         return False
 
 
-def _unpickler_reason(error: Exception) -> str:
-    """The line of torch.load's weights_only refusal that names the refused object."""
-    lines = str(error).splitlines()
-    named = [line for line in lines if "Unsupported global" in line or "Unpickler error" in line]
-    return (named or lines or [type(error).__name__])[0].strip()
-
-
 def load_lightning_file(
     path: str, map_location: Any, weights_only: bool | None, trust_pickle: bool, owner: str
 ) -> dict[str, Any]:
@@ -57,22 +47,16 @@ def load_lightning_file(
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(path)
-    restricted = bool(weights_only) or not trust_pickle
-    try:
-        with fs.open(root, "rb") as f:
-            checkpoint = torch.load(f, map_location=map_location, weights_only=restricted)
-    except pickle.UnpicklingError as e:
-        raise UntrustedPickleError(
-            f"{path}: this Lightning checkpoint file holds objects torch.load's weights_only "
-            f"unpickler refuses ({_unpickler_reason(e)}); use snapshard.lightning.{owner}"
-            "(trust_pickle=True) for a file from a source you trust"
-        ) from e
-    if not isinstance(checkpoint, dict):
-        raise ValueError(
-            f"{path}: not a Lightning checkpoint (torch.load gave a {type(checkpoint).__name__}, "
-            "not Lightning's dict)"
+    with fs.open(root, "rb") as f:
+        return torch_load_dict(
+            f,
+            path,
+            "this Lightning checkpoint file",
+            map_location,
+            trust_pickle,
+            weights_only,
+            f"snapshard.lightning.{owner}",
         )
-    return checkpoint
 
 
 def save_target(path: str) -> str:

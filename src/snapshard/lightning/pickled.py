@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pickle
 from collections import OrderedDict
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import torch
@@ -71,3 +71,38 @@ def refuse_untrusted(
             f"use snapshard.lightning.{owner}(trust_pickle=True) for a checkpoint "
             "from a source you trust"
         )
+
+
+def torch_load_dict(
+    source: IO[bytes],
+    path: str,
+    what: str,
+    map_location: Any,
+    trust_pickle: bool,
+    weights_only: bool | None,
+    owner: str,
+) -> dict[str, Any]:
+    """Lightning's dict from `torch.save` bytes (`what` of `path`), read with torch.load's
+    weights_only unpickler (tensors, containers, plain values and the types Lightning
+    registers as safe) unless `trust_pickle` is set; `weights_only=True` keeps it even then.
+    `owner` is what takes `trust_pickle`."""
+    restricted = bool(weights_only) or not trust_pickle
+    try:
+        loaded = torch.load(source, map_location=map_location, weights_only=restricted)
+    except pickle.UnpicklingError as e:
+        lines = str(e).splitlines()
+        named = [
+            line for line in lines if "Unsupported global" in line or "Unpickler error" in line
+        ]
+        reason = (named or lines or [type(e).__name__])[0].strip()
+        raise UntrustedPickleError(
+            f"{path}: {what} holds objects torch.load's weights_only unpickler refuses "
+            f"({reason}); pass trust_pickle=True to {owner} for a checkpoint from a source "
+            "you trust"
+        ) from e
+    if not isinstance(loaded, dict):
+        raise ValueError(
+            f"{path}: {what} is not Lightning's checkpoint dict (torch.load gave a "
+            f"{type(loaded).__name__})"
+        )
+    return loaded

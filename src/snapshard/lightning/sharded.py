@@ -6,7 +6,6 @@ and read through DCP with snapshard's storage: its entries, `save_sharded` /
 from __future__ import annotations
 
 import io
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from .. import torch as sst
 from ..options import ReadOptions, SaveOptions
 from ..storage.atomic_rename import move_into_place
 from .migration import lightning_layout, save_target
-from .pickled import UntrustedPickleError
+from .pickled import torch_load_dict
 
 # The entries of a sharded checkpoint: the model's state dict, one per optimizer, and the
 # rest of Lightning's dict (loops, callbacks, hyper-parameters) as the bytes of torch.save.
@@ -93,20 +92,10 @@ def unpickle_rest(
     path: str, data: torch.Tensor, trust_pickle: bool, weights_only: bool | None, owner: str
 ) -> dict[str, Any]:
     """The rest of Lightning's dict from its `torch.save` bytes (the `lightning` entry of a
-    sharded checkpoint): torch.load's weights_only unpickler unless `trust_pickle` is set,
-    and `weights_only=True` keeps it even then. `owner` is what takes `trust_pickle`."""
-    restricted = bool(weights_only) or not trust_pickle
-    try:
-        rest = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=restricted)
-    except pickle.UnpicklingError as e:
-        raise UntrustedPickleError(
-            f"{path}: Lightning's entries ({OTHER!r}) hold objects torch.load's weights_only "
-            f"unpickler refuses; pass trust_pickle=True to {owner} for a checkpoint from "
-            f"a source you trust ({e})"
-        ) from e
-    if not isinstance(rest, dict):
-        raise ValueError(f"{path}: entry {OTHER!r} is not Lightning's checkpoint dict")
-    return rest
+    sharded checkpoint), read as `torch_load_dict` reads it."""
+    what = f"Lightning's entries ({OTHER!r})"
+    source = io.BytesIO(data.numpy().tobytes())
+    return torch_load_dict(source, path, what, None, trust_pickle, weights_only, owner)
 
 
 def sharded_layout(saved: Any) -> bool:

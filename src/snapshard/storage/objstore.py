@@ -28,8 +28,9 @@ from ..format.manifest import Manifest
 from ..format.naming import MANIFEST_NAME
 from ..format.refs import split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage
+from .bucket import TransferConfig
 from .lease import LEASE_DIR, LeaseFiles
-from .object_client import ObjectClient, RequestStats, TransferConfig
+from .object_client import ObjectClient, RequestStats
 from .object_writer import PartWriter
 
 log = logging.getLogger("snapshard")
