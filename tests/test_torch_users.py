@@ -3,6 +3,7 @@ and what each error says, on 2 gloo ranks where several ranks are concerned."""
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import threading
 import warnings
@@ -98,6 +99,31 @@ def test_a_failing_save_async_raises_the_same_type_on_every_rank_logged_once(two
         assert len(got["logged"]) == 1, got["logged"]
 
 
+def test_an_existing_checkpoint_refused_by_one_rank_fails_every_rank_and_the_next_save_works(
+    two_ranks,
+):
+    _, saved, _ = two_ranks
+    for r in saved:
+        got = r["overwrite"]
+        assert got["type"] == "CheckpointExistsError", got
+        assert "a checkpoint already exists at" in got["message"]
+        assert got["seconds"] < 10, got  # learnt through the rendezvous, not the timeout
+        assert got["then"] == [[3.0, 3.0]] * 6
+
+
+def test_a_manager_step_that_fails_on_one_rank_fails_on_both_and_the_next_commits(two_ranks):
+    """The tree of rank 1 holds an object no save takes: rank 1 refuses it before the save's
+    blocking phase, rank 0's save of that step fails naming it (not the next step's
+    save, paired with it); steps that differ between the ranks are named as such."""
+    _, saved, _ = two_ranks
+    for r in saved:
+        got = r["manager"]
+        assert "UnsupportedLeafError" in got["kinds"] or got["type"] == "BackgroundSaveError"
+        assert "leaf 'b'" in got["message"], got
+        assert "saved to another location at the same time" in got["steps"], got
+        assert got["listed"] == [4], got
+
+
 def test_a_plain_non_empty_directory_is_not_called_a_checkpoint(two_ranks):
     root, saved, _ = two_ranks
     for r in saved:
@@ -139,6 +165,33 @@ def test_a_target_on_the_meta_device_is_refused_naming_the_leaf(tmp_path):
     sst.save(tmp_path / "c", {"w": torch.ones(2, 3)})
     with pytest.raises(TargetMismatchError, match=r"target leaf 'w' is on the meta device"):
         sst.load(tmp_path / "c", {"w": torch.empty(2, 3, device="meta")})
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        (lambda: torch.eye(3).to_sparse(), r"leaf 'w' is a torch.sparse_coo tensor"),
+        (lambda: torch.eye(3).to_sparse_csr(), r"leaf 'w' is a torch.sparse_csr tensor"),
+        (lambda: torch.ones(3, dtype=torch.complex64).conj(), r"leaf 'w' is a conjugate"),
+    ],
+)
+def test_tensors_whose_bytes_are_not_their_values_are_refused_naming_the_leaf(
+    tmp_path, make, says
+):
+    with pytest.warns() if "csr" in says else contextlib.nullcontext():
+        odd = make()
+    with pytest.raises(UnsupportedLeafError, match=says):
+        sst.save(tmp_path / "c", {"w": odd})
+    assert not (tmp_path / "c").exists()
+    sst.save(tmp_path / "c", {"w": torch.zeros(odd.shape, dtype=odd.dtype)})
+    with pytest.raises(TargetMismatchError, match="target " + says):
+        sst.load(tmp_path / "c", {"w": odd})
+
+
+def test_an_expanded_target_is_refused_rather_than_filled_with_its_last_row(tmp_path):
+    sst.save(tmp_path / "c", {"pos": torch.arange(12.0).reshape(3, 4)})
+    with pytest.raises(TargetMismatchError, match=r"target leaf 'pos' is an expanded tensor"):
+        sst.load(tmp_path / "c", {"pos": torch.zeros(4).expand(3, 4)})
 
 
 def test_an_empty_container_where_the_checkpoint_has_leaves_names_the_path(tmp_path):

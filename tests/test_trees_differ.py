@@ -103,6 +103,24 @@ def test_a_key_given_with_two_shapes_fails_every_rank_naming_it(tmp_path):
         # without trees_differ the trees differ, and the message says what trees_differ is for
         assert "the trees differ" in whole["error"]
         assert "SaveOptions(trees_differ=True)" in whole["error"]
+        # A DTensor copy on each stage's own mesh (and a plain tensor beside a DTensor): no
+        # process holds both values, so keeping one would silently drop the other's.
+        for name in ("dtensors", "plain-dtensor"):
+            assert not r[name]["exists"], name
+            assert "leaf 'x' is saved as two copies, on process 0" in r[name]["error"], name
+            assert "whose values cannot be compared" in r[name]["error"], name
+
+
+def test_a_rank_without_state_or_per_process_values_takes_part(tmp_path):
+    """Rank 0 alone holds a tensor and a PerProcess value, rank 1 nothing: the save commits
+    (rank 1 has no values file), and both ranks load what they saved, with read-once asked
+    for (rank 1's empty plan must not leave rank 0 waiting) and by default."""
+    first, second = _run(2, "uneven", tmp_path / "ck", timeout=120)
+    for once in ("True", "None"):
+        assert first["loaded"][once] == {"w": [0.0, 1.0, 2.0, 3.0], "loader": {"seen": 17}}
+        assert second["loaded"][once] == {}
+    index = tmp_path / "ck" / "index"
+    assert [p.name[:7] for p in index.glob("*.values*")] == ["p00000-"]
 
 
 def test_experts_and_their_optimizer_state_reshard_over_expert_degrees(tmp_path):

@@ -94,6 +94,27 @@ def save(root: str, rank: int, world: int) -> dict[str, Any]:
         # the ranks still agree on the saves to that location: the next one succeeds
         sst.save(where, {"w": torch.zeros(6, 2)}, opts)
 
+    # A synchronous save onto an existing checkpoint that only rank 0 may overwrite: rank 1
+    # refuses at once, rank 0 learns it from the rendezvous; the next save is theirs alike.
+    where = f"{root}/overwrite"
+    sst.save(where, {"w": torch.zeros(6, 2)}, opts)
+    ones = {"w": torch.ones(6, 2)}
+    out["overwrite"] = attempt(lambda: sst.save(where, ones, opts, overwrite=rank == 0))
+    sst.save(where, {"w": torch.full((6, 2), 3.0)}, opts, overwrite=True)
+    out["overwrite"]["then"] = sst.load(where)["w"].tolist()
+
+    # A manager whose tree does not flatten on one rank (an object no save takes): the step
+    # fails on both, naming the leaf; then ranks that give different steps are told so; the
+    # next good step commits and nothing of the failed ones is listed.
+    with sst.CheckpointManager(f"{root}/managed", save_options=opts) as mgr:
+        bad = {"w": torch.zeros(6, 2), "b": object() if rank == 1 else 1}
+        out["manager"] = attempt(lambda: (mgr.save(1, bad), mgr.wait_until_finished()))
+        steps = attempt(lambda: (mgr.save(2 + rank, ones), mgr.wait_until_finished()))
+        out["manager"]["steps"] = steps["message"]
+        mgr.save(4, ones)
+        mgr.wait_until_finished()
+        out["manager"]["listed"] = mgr.all_steps()
+
     # An async save onto an existing checkpoint: the same error type on every rank, logged
     # once per rank.
     errors = Errors()

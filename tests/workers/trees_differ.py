@@ -12,6 +12,7 @@
         (dcp.load with snapshard.torch.StorageReader), manager (snapshard.torch.
         CheckpointManager of the directory above) or whole (no target: every entry as CPU
         tensors); HOW may list several, comma-separated
+    trees_differ.py uneven DIR  rank 0 alone holds state, a per-process value among it
     trees_differ.py clash DIR   every rank gives "shared" with another shape and a key of its
                             own: the save fails on every rank, with trees_differ and without
     trees_differ.py titan-save DIR / titan-load DIR
@@ -116,7 +117,8 @@ def put_back(model: nn.Module, optim: torch.optim.Optimizer, state: dict) -> Non
 
 
 def hashes(state: dict) -> dict[str, str]:
-    return {k: digest(v) for k, v in flat(state).items()}
+    # (in one order on every rank: a DTensor's digest gathers it, a collective of its mesh)
+    return {k: digest(v) for k, v in sorted(flat(state).items())}
 
 
 def save(path: str, stages: int, how: str) -> None:
@@ -124,6 +126,8 @@ def save(path: str, stages: int, how: str) -> None:
 
     model, optim = stage_model(stages, seed=0)
     state = state_of(model, optim)
+    if dist.get_rank() % 2:  # the ranks' own leaf orders then differ from the union's
+        state = {k: state[k] for k in reversed(state)}
     options = SaveOptions(trees_differ=True)
     if how == "sync":
         snapshard.torch.save(path, state, options)
@@ -165,22 +169,57 @@ def load(path: str, stages: int, hows: str) -> None:
 
 
 def clash(path: str) -> None:
-    """Rank r gives "shared" with r + 2 elements and "own<r>": refused, naming the leaf
-    (trees_differ), or saying what trees_differ is for (without it)."""
+    """Saves of 2 ranks whose trees clash, each reported as its error and whether a
+    checkpoint exists after it: "True" / "False", rank r gives "shared" with r + 2 elements
+    and "own<r>" (with trees_differ and without); "dtensors", rank r gives "x" (valued r)
+    as a DTensor on its own stage's sub-mesh; "plain-dtensor", rank 0 a plain tensor and
+    rank 1 a DTensor of the same shape."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
     import snapshard.torch
 
     rank = dist.get_rank()
-    state = {"shared": torch.zeros(2 + rank), f"own{rank}": torch.ones(3)}
+    stage = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))["dp"]
+    x = torch.full((4,), float(rank))
+    shared = {"shared": torch.zeros(2 + rank), f"own{rank}": torch.ones(3)}
+    saves = {
+        "True": (shared, True),
+        "False": (shared, False),
+        "dtensors": ({"x": distribute_tensor(x, stage, [Replicate()])}, True),
+        "plain-dtensor": ({"x": x if rank == 0 else distribute_tensor(x, stage, [Replicate()])}, True),
+    }  # fmt: skip
     out = {}
-    for trees_differ in (True, False):
-        where = f"{path}/{trees_differ}"
+    for name, (state, trees_differ) in saves.items():
+        where = f"{path}/{name}"
         try:
             snapshard.torch.save(where, state, SaveOptions(trees_differ=trees_differ))
-            out[str(trees_differ)] = {"error": None, "exists": os.path.exists(where)}
+            out[name] = {"error": None, "exists": os.path.exists(where)}
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
-            out[str(trees_differ)] = {"error": error, "exists": os.path.exists(where)}
+            out[name] = {"error": error, "exists": os.path.exists(where)}
     report(**out)
+
+
+def uneven(path: str) -> None:
+    """Rank 0 alone holds state (a tensor and its data loader's position as a
+    snapshard.PerProcess); rank 1 holds none. Saved, then loaded by both as they saved it,
+    with read-once asked for and by default."""
+    import snapshard
+    import snapshard.torch
+
+    rank = dist.get_rank()
+    w = torch.arange(4.0)
+    state = {"w": w, "loader": snapshard.PerProcess({"seen": 17})} if rank == 0 else {}
+    snapshard.torch.save(path, state, SaveOptions(trees_differ=True))
+    out = {}
+    for once in (True, None):
+        target = {"w": torch.zeros(4), "loader": snapshard.PerProcess(None)} if rank == 0 else {}
+        got = snapshard.torch.load(path, target, snapshard.ReadOptions(read_once=once))
+        out[str(once)] = {
+            k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in got.items()
+        }
+    report(loaded=out)
 
 
 # --- expert parallelism --------------------------------------------------------------
@@ -334,6 +373,8 @@ def main() -> None:
         load(path, int(rest[0]), rest[1])
     elif cmd == "clash":
         clash(path)
+    elif cmd == "uneven":
+        uneven(path)
     elif cmd == "moe-save":
         moe_save(path, int(rest[0]))
     elif cmd == "moe-load":

@@ -158,6 +158,7 @@ class ProcessReport:
     # and the bytes its own plan gives it; "" and 0 otherwise
     tree: str = ""
     planned_bytes: int = 0
+    location: int = 0  # crc32c of the URL it saved to (a manager's step: every process's one)
 
     def to_json(self) -> dict[str, Any]:
         """The report as the coordinator carries it."""
@@ -168,7 +169,7 @@ class ProcessReport:
             "values_crc": self.values_crc, "digest": self.digest,
             "refs_used": list(self.refs_used), "referenced_bytes": self.referenced_bytes,
             "ref_codecs": list(self.ref_codecs), "packed_saved": self.packed_saved,
-            "codecs": list(self.codecs),
+            "codecs": list(self.codecs), "location": self.location,
         }  # fmt: skip
 
     @classmethod
@@ -179,5 +180,5 @@ class ProcessReport:
             int(doc.get("values_size", 0)), int(doc.get("values_crc", 0)), int(doc["digest"]),
             ints("refs_used"), int(doc.get("referenced_bytes", 0)), ints("ref_codecs"),
             int(doc.get("packed_saved", 0)), ints("codecs"), str(doc.get("tree", "")),
-            int(doc.get("planned_bytes", 0)),
+            int(doc.get("planned_bytes", 0)), int(doc.get("location", 0)),
         )  # fmt: skip

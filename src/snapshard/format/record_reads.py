@@ -74,11 +74,14 @@ class RecordReader:
         return [out[r] for r in ranges]
 
     def _read_spans(self, name: str, lo: np.ndarray, hi: np.ndarray) -> tuple[bytes, np.ndarray]:
-        """Byte ranges [lo, hi) of one committed file (sorted by lo), read in spans
-        (`span_heads`): the bytes of every range back to back, and where each starts in
-        them."""
+        """Byte ranges [lo, hi) of one committed file, read in spans (`span_heads`): the
+        bytes of every range back to back in file order, and where each starts in them
+        (in the order of `lo`: a process's own leaves of a 2.2 manifest need not follow the
+        manifest's order)."""
         if not len(lo):
             return b"", np.zeros(0, np.int64)
+        order = np.argsort(lo, kind="stable")
+        lo, hi = lo[order], hi[order]
         first = span_heads(lo, hi)
         last = np.append(first[1:], len(lo)) - 1
         parts, pos, at = [], np.empty(len(lo), np.int64), 0
@@ -92,7 +95,9 @@ class RecordReader:
             pos[i : j + 1] = at + lo[i : j + 1] - a
             parts.append(buf)
             at += b - a
-        return b"".join(parts), pos
+        out = np.empty_like(pos)
+        out[order] = pos
+        return b"".join(parts), out
 
     def fetch(self, q: int, leaves: list[int]) -> dict[int, ProcessRecords]:
         """Process q's records of `leaves` (manifest leaf indices, ascending), read and

@@ -63,7 +63,11 @@ def _own_files(storage: Storage) -> set[str]:
     if t.values_sizes:
         from ..format.naming import values_file_name
 
-        out |= {values_file_name(q, n) for q, n in enumerate(t.nonces)}
+        out |= {
+            values_file_name(q, n)
+            for q, (n, size) in enumerate(zip(t.nonces, t.values_sizes, strict=True))
+            if size
+        }
     return out
 
 

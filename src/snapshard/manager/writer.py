@@ -29,7 +29,7 @@ from ..errors import CheckpointExistsError, SnapshardError, WriterLeaseError
 from ..gc_pause import Frozen
 from ..options import SaveOptions, background_of
 from ..saving import SaveTimings
-from ..saving.blocking import saves_counted_under
+from ..saving.blocking import failed_before, saves_counted_under
 from ..saving.staging import SavePools, pools_for_saves
 from ..saving.writer_process import start_writer_soon
 from ..storage import CheckpointRoot, Location, root_for
@@ -200,7 +200,15 @@ class StepWriter(StepListing):
             self._check_unsaved(step)  # against the steps as the writer sees them
         t0 = time.perf_counter()
         info_metrics = dict(metrics) if metrics is not None else None
-        flat = flatten(tree, self._framework.is_leaf)
+        try:
+            flat = flatten(tree, self._framework.is_leaf)
+        except Exception as e:
+            if persistent:  # the other processes are in this step's save: they fail too
+                with saves_counted_under(self._root.url):
+                    failed_before(
+                        self._root.child(str(step)), e, self._coord, self._save_options.timeout_s
+                    )
+            raise
         report = TierReport()
         local_work = None
         snapshot = None

@@ -37,6 +37,8 @@ def is_target_leaf(x: Any) -> bool:
 def _read_values_file(storage: Storage, manifest: Manifest, q: int) -> dict[int, Any]:
     table = manifest.processes
     assert table is not None and table.values_sizes
+    if not table.values_sizes[q]:  # saved none (trees that differ by process): no file
+        return {}
     name = values_file_name(q, table.nonces[q])
     buf = bytearray(table.values_sizes[q])
     storage.read_into(name, 0, [memoryview(buf)])
@@ -77,6 +79,11 @@ def per_process_values(
         got = []
         for q in wanted:
             own = int(manifest.local_leaves(q, np.asarray([i]))[0])  # (format.leaf_map)
+            if own < 0:
+                raise TargetMismatchError(
+                    f"{url}: leaf {leaf.name!r} holds one value per process, and process {q} "
+                    "saved none (its tree had no such leaf): load it where it was saved"
+                )
             if own not in files[q]:
                 raise CorruptCheckpointError(
                     f"{url}: process {q} has no value for leaf {leaf.name!r}"

@@ -15,9 +15,9 @@ process's report) and one outcome broadcast. `state.py` holds what a save carrie
 phase to the next; `entry.py` the entry points. See docs/design.md.
 """
 
-from .blocking import prepare
+from .blocking import prepare, refuse_existing
 from .commit import commit_manifest, staged_files
-from .entry import AsyncSave, finish, refuse_existing, save, save_async, save_through
+from .entry import AsyncSave, finish, save, save_async, save_through
 from .files import ChunkColumns, write_chunk_files
 from .leaves import classify_leaves, leaf_digests, path_json
 from .state import ReplicatedSource, SaveAdapter, SaveTimings

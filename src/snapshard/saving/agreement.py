@@ -121,8 +121,17 @@ def named_by_us(prep: PreparedSave, error: CoordinationError) -> CoordinationErr
 
 
 def check_same_options(prep: PreparedSave, reports: list[ProcessReport]) -> None:
-    """Every process saved with the same SaveOptions.trees_differ as process 0."""
+    """Every process saved to process 0's location (the saves of a location are paired by
+    their number there, or under a manager's directory), with the same
+    SaveOptions.trees_differ as process 0."""
+    here = reports[0].location
     for q, r in enumerate(reports):
+        if r.location != here:
+            raise CoordinationError(
+                f"{prep.rendezvous.what}: process {q} saved to another location at the same "
+                "time (a manager's other step?): every process saves each step, with the "
+                "same step number"
+            )
         if bool(r.tree) != prep.options.trees_differ:
             raise CoordinationError(
                 f"{prep.rendezvous.what}: process {q} saved with SaveOptions(trees_differ="

@@ -17,6 +17,7 @@ from ..coordination.rendezvous import (
     report_failure,
 )
 from ..errors import (
+    CheckpointExistsError,
     SnapshardError,
 )
 from ..format import (
@@ -65,6 +66,15 @@ def plan_save(arrays: list[SaveArray], options: SaveOptions, process_count: int)
     return plan_writes(layouts, options.mode, num_processes=process_count)
 
 
+def refuse_existing(storage: Storage, overwrite: bool) -> None:
+    """A synchronous save's early refusal of an existing checkpoint, before any work (the
+    commit checks again, atomically)."""
+    if not overwrite and storage.is_committed():
+        raise CheckpointExistsError(
+            f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
+        )
+
+
 @collection_paused(transient=True)  # what it leaves alive is the save's, freed when it ends
 def prepare(
     location: Location | Storage,
@@ -95,20 +105,40 @@ def prepare(
         raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
-    # The namespace is taken here, in program order, the same on every process.
-    name = namespace("save", _counted_under.get() or storage.url)
-    rv = Rendezvous(coord, name, f"save to {storage.url}", options.timeout_s)
+    rv = _rendezvous(storage, coord, options.timeout_s)
     try:
         return _prepare(
             rv, storage, tree, options, overwrite=overwrite, asynchronous=asynchronous,
             extra=extra, flat=flat, adapter=adapter, base=base, identical=identical, t0=t0,
         )  # fmt: skip
     except BaseException as e:
-        cause = report_failure(rv, e)  # the others fail at once, naming this error
-        if cause is not None:  # process 0 failed the save first: its error is the cause
-            storage.discard_staging_if_empty()
-            raise cause from e
+        _reported(rv, storage, e)
         raise
+
+
+def _rendezvous(storage: Storage, coord: Coordinator, timeout_s: float) -> Rendezvous:
+    """The save's rendezvous. Its namespace is taken in program order, the same on every
+    process: a save that fails on one process must still take it (`failed_before`), or
+    every later save of that location pairs with another process's next one."""
+    name = namespace("save", _counted_under.get() or storage.url)
+    return Rendezvous(coord, name, f"save to {storage.url}", timeout_s)
+
+
+def _reported(rv: Rendezvous, storage: Storage, error: BaseException) -> None:
+    """This process's blocking phase failed: the others fail at once, naming `error`;
+    where process 0 failed the save first, its error (the cause) is raised instead."""
+    cause = report_failure(rv, error)
+    if cause is not None:
+        storage.discard_staging_if_empty()
+        raise cause from error
+
+
+def failed_before(
+    location: Storage, error: BaseException, coordinator: Coordinator, timeout_s: float
+) -> None:
+    """A save of `location` that failed on this process before `prepare` (a manager's tree
+    that does not flatten): reported as `prepare` reports its own failures."""
+    _reported(_rendezvous(location, coordinator, timeout_s), location, error)
 
 
 def _prepare(
@@ -130,6 +160,8 @@ def _prepare(
     # Staging named after the job and the save's number: saves of two jobs to one location
     # never share it, and a failed save's clean-up never meets the files of the next one.
     storage.set_attempt(f"{coord.job_token()}-{rv.prefix.rpartition('/')[2]}")
+    if not asynchronous:  # (an asynchronous save is not held up by asking: the commit tells)
+        refuse_existing(storage, overwrite)
     if options.compression is not None and not compression.available():
         raise SnapshardError("compression needs zstd: install snapshard[compress]")
     if options.trees_differ != adapter.trees_differ:

@@ -92,6 +92,7 @@ def staged_files(table: ProcessTable) -> dict[str, int]:
         {
             values_file_name(q, n): size
             for q, (n, size) in enumerate(zip(table.nonces, table.values_sizes, strict=False))
+            if size  # (0: where trees differ, a process that saved no per-process values)
         }
     )
     return expected

@@ -8,25 +8,13 @@ from typing import Any
 
 from ..background import BackgroundTask
 from ..coordination import Coordinator
-from ..errors import (
-    CheckpointExistsError,
-)
 from ..gc_pause import Frozen, collection_paused
 from ..options import SaveOptions, background_of
-from ..storage import Location, Storage, storage_for
+from ..storage import Location, Storage
 from .blocking import prepare
 from .commit import finish_here
 from .state import PreparedSave, SaveAdapter, SaveTimings
 from .writer_process import finish_in_writer
-
-
-def refuse_existing(storage: Storage, overwrite: bool) -> None:
-    """A synchronous save's early refusal of an existing checkpoint, before any work (the
-    commit checks again, atomically)."""
-    if not overwrite and storage.is_committed():
-        raise CheckpointExistsError(
-            f"a checkpoint already exists at {storage.url} (pass overwrite=True to replace it)"
-        )
 
 
 def save(
@@ -69,10 +57,8 @@ def save_through(
     base: Location | Storage | None,
 ) -> SaveTimings:
     """A synchronous save through a framework's adapter (every wing's `save`; None: JAX's)."""
-    storage = storage_for(directory)
-    refuse_existing(storage, overwrite)
     prep = prepare(
-        storage, tree, options, overwrite=overwrite, coordinator=coordinator, base=base,
+        directory, tree, options, overwrite=overwrite, coordinator=coordinator, base=base,
         adapter=adapter,
     )  # fmt: skip
     return finish(prep)

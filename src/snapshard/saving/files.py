@@ -95,6 +95,7 @@ def write_own(prep: PreparedSave) -> dict[str, Any]:
         referenced_bytes=int(increment.get("referenced_bytes", 0)),
         ref_codecs=tuple(increment.get("ref_codecs", ())),
         packed_saved=packed[1], codecs=packed[2], tree=tree, planned_bytes=planned,
+        location=crc32c(prep.storage.url.encode()),
     ).to_json()  # fmt: skip
 
 

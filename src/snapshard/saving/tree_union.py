@@ -15,8 +15,10 @@ reads 8 of each. Then, pure:
 3. a leaf several trees hold must agree: the same kind, dtype and shape (refused naming the
    leaf and one process of each side), the same value where it is a value or a plain
    array (each holder wrote a copy), and where two trees hold one copy (the same layout:
-   a DTensor on a mesh spanning both), the same write plan. The first tree's copy is the
-   one the manifest describes; the chunks of other copies stay unread.
+   a DTensor on a mesh spanning both), the same write plan. Two copies of which one is
+   sharded over a mesh of its own tree are refused: no process holds such a copy whole, so
+   nothing says the copies are equal. The first tree's copy is the one the manifest
+   describes; the chunks of other copies stay unread.
 
 No I/O here: saving/agreement.py reads the files, saving/commit.py writes the manifest.
 """
@@ -174,15 +176,36 @@ def _check_alike(a: SavedTree, i: int, b: SavedTree, j: int, what: str) -> None:
             "values that differ by rank their own keys, or wrap them in snapshard.PerProcess"
         )
     if isinstance(la, ArrayLeaf) and isinstance(lb, ArrayLeaf):
-        doc = _layout_doc(a, la)  # (a value each process holds as its own is its own copy)
-        same_copy = doc == _layout_doc(b, lb) and '"kind": "own"' not in doc
-        if same_copy and a.plans[i] != b.plans[j]:
+        doc_a, doc_b = _layout_doc(a, la), _layout_doc(b, lb)
+        own = _OWN in doc_a, _OWN in doc_b  # a value each process holds whole: its own copy
+        if doc_a == doc_b and not any(own):  # one copy, on a mesh spanning both trees
+            if a.plans[i] != b.plans[j]:
+                raise CoordinationError(
+                    f"{what}: leaf {name!r} was planned differently on process {a.first} and "
+                    f"on process {b.first}: the ranks of its mesh passed different sets of "
+                    "tensors of that mesh (every rank of a DTensor's mesh must pass every "
+                    "DTensor of it)"
+                )
+        elif not all(own):
+            # Two copies, one of them sharded over its own mesh (a stage's sub-mesh): no
+            # process holds its whole value, so no digest says the copies are equal, and
+            # keeping the first would silently drop the other's values where they differ.
             raise CoordinationError(
-                f"{what}: leaf {name!r} was planned differently on process {a.first} and on "
-                f"process {b.first}: the ranks of its mesh passed different sets of tensors "
-                "of that mesh (every rank of a DTensor's mesh must pass every DTensor of it)"
+                f"{what}: leaf {name!r} is saved as two copies, on process {a.first} "
+                f"({_copy(own[0])}) and on process {b.first} ({_copy(own[1])}), whose values "
+                "cannot be compared: give each copy its own key (e.g. "
+                "optimizer.state_dict() numbers parameters from 0 on every stage; "
+                "get_state_dict(..., StateDictOptions(flatten_optimizer_state_dict=True)) "
+                "keys them by name), or place one DTensor on a mesh spanning both"
             )
     assert isinstance(la, ArrayLeaf | ValueLeaf)
+
+
+_OWN = '"kind": "own"'
+
+
+def _copy(own: bool) -> str:
+    return "a plain tensor or array" if own else "sharded over that process's mesh"
 
 
 def _layout_doc(tree: SavedTree, leaf: ArrayLeaf) -> str:

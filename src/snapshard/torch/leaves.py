@@ -25,7 +25,7 @@ from ..saving.save_array import VALUE_TYPES, SaveArray
 from ..tree import Path, path_str
 from .dtypes import TO_NUMPY, host_view, numpy_dtype
 from .layout import PlacementSpec, ShardSpec, TensorLayout, expand_submesh, tensor_layout
-from .values import host_values, is_dtensor, local_tensor, refuse_meta
+from .values import host_values, is_dtensor, local_tensor, refuse_meta, unstorable
 
 # torch objects that are not state: taken as leaves so that the save names them and says
 # what to save instead (flattening would only say that it cannot take them apart).
@@ -234,6 +234,9 @@ def _tensor_leaf(
     if dt is None:
         dt = numpy_dtype(value.dtype, leaf=path_str(path))  # raises, naming the leaf
     shape = tuple(value.shape)
+    why = unstorable(local_tensor(value) if is_dtensor(value) else value)
+    if why is not None:
+        raise UnsupportedLeafError(f"leaf {path_str(path)!r} is {why}")
     if not is_dtensor(value):
         if value.is_meta:
             refuse_meta(value, path_str(path))

@@ -35,10 +35,11 @@ TargetArray = tuple[Any, list[TargetFill], ArrayLeaf, ArrayLeaf | None]
 
 
 def _read_once(
-    arrays: list[TargetArray], options: ReadOptions, url: str, boxes: SavedBoxes
+    arrays: list[TargetArray], options: ReadOptions, url: str, boxes: SavedBoxes, differ: bool
 ) -> tuple[ReadOncePlan | None, list[BandLeaf], Rendezvous | None]:
     """The read-once plans of a load, broadcasts (torch/read_once.py) and bands
-    (torch/band_plan.py), and their rendezvous; nothing where read-once is off."""
+    (torch/band_plan.py), and their rendezvous; nothing where read-once is off. `differ`:
+    the ranks' targets may differ (a checkpoint whose trees differ by rank)."""
     coord = default_coordinator()
     if coord.process_count == 1 or options.read_once is False:
         return None, [], None
@@ -46,11 +47,15 @@ def _read_once(
     world = coord.process_count
     # Whether the plans below would be empty, told first and cheaply: the policy is asked
     # only where they are not (on a filesystem that is an agreement of the ranks), and on a
-    # local disk it says no, so a restore there never pays for the plans themselves.
+    # local disk it says no, so a restore there never pays for the plans themselves. Where
+    # the ranks' targets may differ, one rank's plans may be empty and another's not: every
+    # rank then asks, or the others would wait for it.
     cuts = Cuts(boxes)
     targets = [t for t, *_ in arrays]
-    if not any_shared(targets, world, devices) and not (
-        "cpu" in devices and any(cuts.banded(t, s) for t, _, _, s in arrays)
+    if (
+        not differ
+        and not any_shared(targets, world, devices)
+        and not ("cpu" in devices and any(cuts.banded(t, s) for t, _, _, s in arrays))
     ):
         return None, [], None
     # The ranks' targets may differ (pipeline stages): each rank plans from its own.
@@ -98,10 +103,12 @@ def read_targets(
     stats: ReadStats,
     url: str,
     boxes: SavedBoxes,
+    differ: bool,
 ) -> None:
     """Read every fill of the target leaves, in batches under the memory budget; with
-    read-once, only this rank's share, then the rest from its peers."""
-    once, banded, rv = _read_once(arrays, options, url, boxes)
+    read-once, only this rank's share, then the rest from its peers (`differ`: as in
+    `_read_once`)."""
+    once, banded, rv = _read_once(arrays, options, url, boxes, differ)
     banded_leaves = {b.leaf for b in banded}
     fills = [
         f

@@ -34,7 +34,7 @@ from .dtypes import torch_dtype
 from .leaves import is_leaf, this_rank
 from .load_reads import TargetArray, read_targets
 from .target_fills import fills_of
-from .values import into_target, is_dtensor, local_tensor
+from .values import into_target, is_dtensor, local_tensor, unstorable
 
 
 def _resolve(x: VArray, name: str, url: str) -> tuple[str, tuple[int, ...] | None]:
@@ -121,13 +121,16 @@ def _whole_target(manifest: Manifest) -> tuple[Any, dict[Path, Any]]:
     return unflatten(manifest.structure, leaf_target), scalars
 
 
-def _refuse_meta_target(t: torch.Tensor, leaf: str, url: str) -> None:
+def _refuse_unfillable_target(t: torch.Tensor, leaf: str, url: str) -> None:
     if t.is_meta or (is_dtensor(t) and local_tensor(t).is_meta):
         raise TargetMismatchError(
             f"{url}: target leaf {leaf!r} is on the meta device (a shape without memory), so "
             "nothing can be loaded into it; materialise it first (model.to_empty(device=...)), "
             "then load"
         )
+    why = unstorable(local_tensor(t) if is_dtensor(t) else t, target=True)
+    if why is not None:
+        raise TargetMismatchError(f"{url}: target leaf {leaf!r} is {why}")
 
 
 @collection_paused()
@@ -198,7 +201,12 @@ def _load_into(
     own: list[tuple[Path, PerProcessLeaf, Any]] = []
     mapped = _transformed(saved, transform, url) if transform is not None else None
     names = list(mapped) if mapped is not None else [leaf.name for leaf in manifest.leaves]
-    refuse_empty_containers(url, target, names)
+    table = manifest.processes
+    # A rank that holds none of a state whose trees differ by rank (its target has no
+    # leaves) takes part in the load with nothing to fill; elsewhere that is a mistake.
+    nothing_here = not flat.paths and table is not None and table.leaf_map is not None
+    if not (nothing_here and default_coordinator().process_count > 1):
+        refuse_empty_containers(url, target, names)
     rank = this_rank()
     for path, t in zip(flat.paths, flat.leaves, strict=True):
         perm = None
@@ -225,7 +233,7 @@ def _load_into(
                 f"{url}: leaf {leaf.name!r} is a saved array, the target has {type(t).__name__}"
             )
         if isinstance(t, torch.Tensor):
-            _refuse_meta_target(t, leaf.name, url)
+            _refuse_unfillable_target(t, leaf.name, url)
         shape = leaf.shape if perm is None else tuple(leaf.shape[p] for p in perm)
         if tuple(t.shape) != shape:
             raise TargetMismatchError(
@@ -235,7 +243,8 @@ def _load_into(
             )
         arrays.append((t, fills_of(leaf, t, rank, perm), leaf, leaf if perm is None else None))
     values.update(_own_values(storage, manifest, own, resplit))
-    read_targets(arrays, read, options, stats, url, source.saved_boxes)
+    differ = table is not None and table.leaf_map is not None
+    read_targets(arrays, read, options, stats, url, source.saved_boxes, differ)
     return _put_back(target, (), values)
 
 

@@ -47,6 +47,19 @@ def refuse_meta(value: torch.Tensor, leaf: str) -> None:
         )
 
 
+def unstorable(t: torch.Tensor, target: bool = False) -> str | None:
+    """Why the bytes of tensor `t` (a DTensor's local tensor) are not its values in
+    row-major order, so that it can be neither saved nor loaded into as it is (None: they
+    are). `target`: it is to be written, where elements sharing memory would be lost."""
+    if t.layout is not torch.strided:
+        return f"a {t.layout} tensor (save or load its .to_dense())"
+    if t.is_conj() or t.is_neg():
+        return "a conjugate or negative view (call .resolve_conj() or .resolve_neg() first)"
+    if target and any(s == 0 and n > 1 for s, n in zip(t.stride(), t.shape, strict=True)):
+        return "an expanded tensor, whose elements share memory (load into a tensor of its own)"
+    return None
+
+
 def host_values(value: Any, leaf: str) -> Any:
     """`value` with every tensor in it copied to a NumPy array (the save stores those)."""
     if isinstance(value, torch.Tensor):
