@@ -175,9 +175,7 @@ def test_a_target_on_the_meta_device_is_refused_naming_the_leaf(tmp_path):
         (lambda: torch.ones(3, dtype=torch.complex64).conj(), r"leaf 'w' is a conjugate"),
     ],
 )
-def test_tensors_whose_bytes_are_not_their_values_are_refused_naming_the_leaf(
-    tmp_path, make, says
-):
+def test_tensors_whose_bytes_are_not_their_values_are_refused_naming_the_leaf(tmp_path, make, says):
     with pytest.warns() if "csr" in says else contextlib.nullcontext():
         odd = make()
     with pytest.raises(UnsupportedLeafError, match=says):
