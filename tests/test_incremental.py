@@ -174,6 +174,27 @@ def test_manager_chain_of_5_under_max_to_keep_2(tmp_path):
     assert steps_on_disk(tmp_path) == ["1", "6", "7"]
 
 
+def test_a_resumed_run_revisits_retained_steps_whose_own_bases_are_gone(tmp_path):
+    """Steps held only for references may refer to steps deleted since: a new manager
+    (a resumed job) revisits them at its first retention without reading those bases."""
+
+    def state(step: int) -> dict:  # "big" changes every 3rd step, "c" every 4th
+        big = np.arange(1 << 14, dtype=np.float32) + step // 3
+        return {"big": big, "c": np.full((64, 64), step // 4, np.float32)}
+
+    with CheckpointManager(tmp_path, max_to_keep=3, incremental=True, async_save=False) as m:
+        for step in range(1, 13):
+            m.save(step, state(step))
+    retained = [s for s in steps_on_disk(tmp_path) if (tmp_path / s / "RETAINED").is_file()]
+    assert retained  # (what the resumed job revisits)
+    with CheckpointManager(tmp_path, max_to_keep=3, incremental=True, async_save=False) as m:
+        for step in range(13, 16):
+            m.save(step, state(step))
+        assert m.all_steps() == [13, 14, 15]
+        for step in m.all_steps():
+            assert_same(m.restore(step), state(step))
+
+
 def test_retained_step_is_deleted_once_nothing_refers_to_it(tmp_path):
     with CheckpointManager(tmp_path, max_to_keep=1, incremental=True) as m:
         m.save(1, {"a": np.ones(1000, np.float32)})

@@ -169,6 +169,61 @@ def _finish(procs, watchdog) -> dict:
     return done[0].result()
 
 
+def test_a_step_deleted_while_it_is_read_is_not_found_not_damaged(tmp_path, monkeypatch, capsys):
+    """A writer's retention deletes step 1 after a reader read its manifest: the reader's
+    restore, `verify` and `ls` say the step is gone (not found: verify exits 2), never
+    that it is damaged (exit 1, or "unreadable")."""
+    from snapshard.cli import main
+    from snapshard.errors import CheckpointNotFoundError
+    from snapshard.storage.local import LocalStorage
+
+    real = LocalStorage.read_manifest
+    armed: list[str] = []
+
+    def read_then_deleted(self: LocalStorage) -> bytes:
+        when = armed.pop() if armed and self.final.name == "1" else None
+        if when == "before":  # deleted once listed (what `ls` meets)
+            LocalStorage(self.final).delete()
+        data = real(self)
+        if when == "after":  # what retention does, beside this reader
+            LocalStorage(self.final).delete()
+        return data
+
+    monkeypatch.setattr(LocalStorage, "read_manifest", read_then_deleted)
+    for how in ("restore", "verify", "ls"):
+        root = tmp_path / how
+        with snapshard.CheckpointManager(root, async_save=False) as writer:
+            for step in (1, 2):
+                writer.save(step, {"w": np.arange(1 << 16, dtype=np.float32)})
+        reader = snapshard.CheckpointManager(root, read_only=True)  # (its listing reads)
+        armed.append("before" if how == "ls" else "after")
+        if how == "restore":
+            with pytest.raises(CheckpointNotFoundError, match="deleted while it was read"):
+                reader.restore(1)
+            assert reader.restore(2)["w"][-1] == (1 << 16) - 1
+        elif how == "verify":
+            assert main(["verify", str(root / "1")]) == 2
+            assert "deleted while it was read" in capsys.readouterr().err
+        else:
+            assert main(["ls", str(root)]) == 0
+            rows = [line.split()[:2] for line in capsys.readouterr().out.splitlines()[1:]]
+            assert rows == [["2", "complete"]], rows
+
+
+def test_a_readers_restore_of_the_newest_step_lists_again(tmp_path):
+    """A reader's listing ([1, 2]) whose every step the writer's retention deleted since:
+    restore() restores the newest step there is now."""
+    with snapshard.CheckpointManager(tmp_path, max_to_keep=2, async_save=False) as writer:
+        for step in (1, 2):
+            writer.save(step, {"step": np.full(4, step)})
+        reader = snapshard.CheckpointManager(tmp_path, read_only=True)
+        assert reader.all_steps() == [1, 2]
+        for step in (3, 4, 5):
+            writer.save(step, {"step": np.full(4, step)})
+    assert reader.restore()["step"].tolist() == [5] * 4
+    assert reader.all_steps() == [4, 5]
+
+
 def test_readers_list_and_restore_beside_a_live_writer(tmp_path):
     pytest.importorskip("torchtitan.components.checkpointer")
     from workers.titan_beside import build, manager

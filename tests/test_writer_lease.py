@@ -98,6 +98,48 @@ def test_a_dead_holder_on_this_host_is_taken_over_at_once(tmp_path, caplog):
     lease.release()
 
 
+def test_a_killed_holder_not_yet_reaped_is_taken_over_at_once(tmp_path):
+    """A holder killed whose parent has not waited for it yet (a zombie: a supervisor that
+    restarts the job before it reaps the old one) holds nothing."""
+    import socket
+
+    files = LocalLeaseFiles(tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(holder.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the kernel has made it a zombie
+            with open(f"/proc/{holder.pid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] == "Z":
+                    break
+            time.sleep(0.01)
+        _fake_holder(files, 1, socket.gethostname(), holder.pid, time.time(), 30)
+        lease = WriterLease(files, timeout_s=30)
+        t0 = time.monotonic()
+        lease.acquire()
+        assert lease.generation == 2 and time.monotonic() - t0 < 5
+        lease.release()
+    finally:
+        holder.wait()
+
+
+def test_a_temporary_file_left_by_a_killed_heartbeat_goes_with_the_next_release(tmp_path):
+    files = LocalLeaseFiles(tmp_path)
+    lease = WriterLease(files, timeout_s=30)
+    lease.acquire()
+    left = files.dir / ".tmp-0123"  # a heartbeat killed between its write and its rename
+    left.write_bytes(b"{}")
+    os.utime(left, (time.time() - 60, time.time() - 60))
+    fresh = files.dir / ".tmp-4567"  # another process's creation, in flight
+    fresh.write_bytes(b"{}")
+    lease.release()
+    assert not left.exists() and fresh.exists()
+    fresh.unlink()
+    lease.acquire()
+    lease.release()
+    assert not files.dir.exists()
+
+
 def test_a_lease_this_process_gave_up_but_could_not_remove_is_stale(tmp_path, monkeypatch):
     files = LocalLeaseFiles(tmp_path)
     first = WriterLease(files, timeout_s=30)

@@ -52,12 +52,15 @@ def _orbax_entry(location: str) -> dict[str, Any] | None:
     return {"format": "orbax", "state": state, "time_unix": when, "bytes": size}
 
 
-def _entry(root: CheckpointRoot, name: str, committed: bool) -> dict[str, Any]:
+def _entry(root: CheckpointRoot, name: str, committed: bool) -> dict[str, Any] | None:
+    """The row of entry `name` (None: a checkpoint deleted since it was listed)."""
     entry: dict[str, Any] = {"name": name, "step": int(name) if name.isdigit() else None}
     if committed:
         child = root.child(name)
         try:
             m = read_summary(child)
+        except CheckpointNotFoundError:  # (a writer's retention, beside this listing)
+            return None
         except SnapshardError as e:
             return {**entry, "format": "snapshard", "state": "unreadable", "error": str(e)}
         finally:
@@ -117,7 +120,8 @@ def list_checkpoints(location: str) -> dict[str, Any]:
         raise CheckpointNotFoundError(f"no directory at {location}")
     root = root_for(location)
     found = root.list()
-    entries = [_entry(root, name, found[name]) for name in sorted(found, key=step_order)]
+    rows = (_entry(root, name, found[name]) for name in sorted(found, key=step_order))
+    entries = [e for e in rows if e is not None]
     unfinished = _unfinished(local)
     for e in entries:
         e["time"] = iso_time(e.get("time_unix"))

@@ -250,8 +250,10 @@ class CheckpointManager(StepWriter):
             options = self._read_options
         require(options, ReadOptions)
         self._wait_inflight()
-        if step is not None and not self._writing and step not in self.all_steps():
-            self.reload()  # a reader: the step may have been committed since its listing
+        if not self._writing and (step is None or step not in self.all_steps()):
+            # A reader: the step may have been committed since its listing, and the newest
+            # of its listing deleted by the writer's retention.
+            self.reload()
         t0 = time.perf_counter()
         skipped: tuple[str, ...] = ()
         if self._local is not None and target is not None:

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Iterable
 from typing import Any
 
+from ..format.manifest import Manifest
 from ..format.reading import read_manifest
 from ..format.refs import referenced_files
 from ..frameworks import is_jax_array
@@ -53,8 +54,10 @@ def _mark_retained(storage: Storage) -> None:
 
 
 def _own_files(storage: Storage) -> set[str]:
-    """The data, record and values files a checkpoint itself holds."""
-    m = read_manifest(storage)
+    """The data, record and values files a checkpoint itself holds. Its manifest is read
+    without checking its own bases: a retained step only holds files, and the checkpoints
+    it referred to may be gone (a new process revisits every retained step)."""
+    m = Manifest.from_json(storage.read_manifest(), storage.url)
     t = m.processes
     if t is None:
         return set()

@@ -146,14 +146,17 @@ def serve(conn: Connection, parent: int, window_fd: int = -1) -> None:
         if kind == "probe":
             _, address, n, expected, window_only = msg
             why = "asked to" if window_only else _unreadable(parent, address, n, expected)
-            if why is None:
-                link.send("ready", None)
-            elif window_fd < 0:
-                link.send("unable", why)
-            else:
+            answer: tuple[str, Any] = ("ready", None)
+            if why is not None and window_fd < 0:
+                answer = ("unable", why)
+            elif why is not None:
                 view = np.frombuffer(mmap.mmap(window_fd, 0), np.uint8)
                 window = Window(link, view)
-                link.send("window", why)
+                answer = ("window", why)
+            try:
+                link.send(*answer)
+            except OSError:  # the training process is gone (killed as its writer started)
+                return
         elif kind == "template":
             template = msg[1]
             templates = {template.number: template}  # one state at a time: the newest

@@ -87,13 +87,20 @@ def _this_host() -> str:
 
 
 def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host runs: a zombie (killed, its parent has not reaped
+    it yet: a supervisor that restarts the job first) holds nothing."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # the state follows the command's last ')'
+            state = f.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):  # no /proc: the signal's answer stands
         return True
-    return True
+    return state not in ("Z", "X")
 
 
 def describe_holder(doc: dict[str, Any]) -> str:

@@ -285,9 +285,7 @@ class LocalStorage(Storage):
                         self.final, name, self.url, referenced=self.referenced
                     )
                 except (FileNotFoundError, NotADirectoryError):
-                    raise CorruptCheckpointError(
-                        f"{self.url}: data file {name!r} is missing"
-                    ) from None
+                    raise self._missing(name) from None
                 if _FADV_SEQUENTIAL is not None:
                     # Restores read data files in long ranges, front to back: a larger
                     # readahead window. Evicted 2 GiB restores: 1.21 s against 1.39 s
@@ -295,6 +293,17 @@ class LocalStorage(Storage):
                     os.posix_fadvise(fd, 0, 0, _FADV_SEQUENTIAL)
                 self._fds[name] = fd
             return fd
+
+    def _missing(self, name: str) -> CheckpointNotFoundError | CorruptCheckpointError:
+        """A committed file that is not there: the checkpoint was deleted while it was read
+        (its manifest gone too: a manager's retention, beside an evaluation job), or it is
+        damaged."""
+        if not is_regular(self.final / MANIFEST_NAME):
+            return CheckpointNotFoundError(
+                f"{self.url}: the checkpoint was deleted while it was read (file {name!r} is "
+                "gone); a CheckpointManager's retention deletes old steps: read a kept one"
+            )
+        return CorruptCheckpointError(f"{self.url}: file {name!r} is missing")
 
     def file_size(self, name: str) -> int:
         """The size of the committed file `name` (a referenced checkpoint's too), opened as

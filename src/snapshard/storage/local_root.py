@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -127,5 +128,16 @@ class LocalLeaseFiles(LeaseFiles):
             (self.dir / name).unlink(missing_ok=True)
         except OSError as e:
             raise StorageError.wrap(e, "removal of the writer lease", self.dir / name) from e
+        with contextlib.suppress(OSError):
+            now = time.time()
+            for entry in os.scandir(self.dir):
+                # A heartbeat's or a creation's temporary file, left by a writer killed
+                # between its write and its rename (a live one's lasts milliseconds).
+                old = now - entry.stat().st_mtime > _TMP_STALE_S
+                if entry.name.startswith(".tmp-") and old:
+                    os.unlink(entry.path)
         with contextlib.suppress(OSError):  # not empty: another lease is there
             self.dir.rmdir()
+
+
+_TMP_STALE_S = 30.0
