@@ -210,6 +210,27 @@ def test_a_step_deleted_while_it_is_read_is_not_found_not_damaged(tmp_path, monk
             assert rows == [["2", "complete"]], rows
 
 
+def test_an_object_store_step_deleted_while_it_is_read_is_not_found(monkeypatch):
+    """The same on an object store: the commit marker goes first when a step is deleted."""
+    import uuid
+
+    from snapshard.errors import CheckpointNotFoundError
+    from snapshard.storage.objstore import ObjectStorage
+
+    url = f"memory://beside-{uuid.uuid4().hex[:8]}/run/1"
+    snapshard.save(url, {"w": np.arange(1 << 16, dtype=np.float32)})
+    real = ObjectStorage.read_manifest
+
+    def read_then_deleted(self: ObjectStorage) -> bytes:
+        data = real(self)
+        self.delete()  # what retention does, beside this reader
+        return data
+
+    monkeypatch.setattr(ObjectStorage, "read_manifest", read_then_deleted)
+    with pytest.raises(CheckpointNotFoundError, match="deleted while it was read"):
+        snapshard.load(url)
+
+
 def test_a_readers_restore_of_the_newest_step_lists_again(tmp_path):
     """A reader's listing ([1, 2]) whose every step the writer's retention deleted since:
     restore() restores the newest step there is now."""

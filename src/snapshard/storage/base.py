@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..errors import CheckpointNotFoundError
 from .location import parse_location
 
 # The package's `storage_for`, which knows every backend: the backends import this module,
@@ -30,6 +31,15 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer  # (typing's own from Python 3.12)
 
     from .lease import LeaseFiles
+
+
+def deleted_while_read(url: str, name: str) -> CheckpointNotFoundError:
+    """The error of a committed file gone with its checkpoint's commit (its manifest, its
+    marker): deleted by a writer's retention while this reader read it, not damage."""
+    return CheckpointNotFoundError(
+        f"{url}: the checkpoint was deleted while it was read (file {name!r} is gone); a "
+        "CheckpointManager's retention deletes old steps: read a kept one"
+    )
 
 
 def buffer_nbytes(p: Buffer) -> int:

@@ -30,7 +30,7 @@ from ..errors import (
 from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME
 from ..format.refs import check_checkpoint_name, split_ref_name
 from .atomic_rename import fsync_dir, is_empty_dir, move_into_place
-from .base import FileWriter, Storage
+from .base import FileWriter, Storage, deleted_while_read
 from .local_files import LocalFileWriter, is_regular, open_checkpoint_file, pread_into, read_fd
 from .owner_records import ensure_owner_record, remove_own_record
 from .stale_staging import DELETING_SUFFIX, STAGING_SUFFIX, sweep
@@ -299,10 +299,7 @@ class LocalStorage(Storage):
         (its manifest gone too: a manager's retention, beside an evaluation job), or it is
         damaged."""
         if not is_regular(self.final / MANIFEST_NAME):
-            return CheckpointNotFoundError(
-                f"{self.url}: the checkpoint was deleted while it was read (file {name!r} is "
-                "gone); a CheckpointManager's retention deletes old steps: read a kept one"
-            )
+            return deleted_while_read(self.url, name)
         return CorruptCheckpointError(f"{self.url}: file {name!r} is missing")
 
     def file_size(self, name: str) -> int:

@@ -27,7 +27,7 @@ from ..errors import (
 from ..format.manifest import Manifest
 from ..format.naming import MANIFEST_NAME
 from ..format.refs import split_ref_name
-from .base import CheckpointRoot, FileWriter, Storage
+from .base import CheckpointRoot, FileWriter, Storage, deleted_while_read
 from .bucket import TransferConfig
 from .lease import LEASE_DIR, LeaseFiles
 from .object_client import ObjectClient, RequestStats
@@ -176,7 +176,12 @@ class ObjectStorage(Storage):
         if ref is not None:  # a file of a referenced checkpoint beside this one
             self.client.sibling(ref[0]).read_into(ref[1], offset, buffers)
             return
-        self.client.read_into(name, offset, buffers)
+        try:
+            self.client.read_into(name, offset, buffers)
+        except CorruptCheckpointError:
+            if not self.is_committed():  # (its marker goes first when it is deleted)
+                raise deleted_while_read(self.url, name) from None
+            raise
 
     def delete(self) -> None:
         """Remove the marker first: from then on the checkpoint does not exist, and a
