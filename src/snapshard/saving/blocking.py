@@ -4,7 +4,6 @@ differ), stage this process's items on the host through the wing's adapter. Noth
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -101,8 +100,6 @@ def prepare(
     background_of(options)  # a bad SNAPSHARD_BACKGROUND fails here, before any work
     if adapter is None:
         adapter = default_save_adapter(options.host_budget, snapshot)
-    if not isinstance(location, Storage) and not os.fspath(location):
-        raise ValueError("the checkpoint location is empty")
     coord = coordinator or default_coordinator()
     storage = storage_for(location)
     rv = _rendezvous(storage, coord, options.timeout_s)
