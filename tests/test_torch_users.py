@@ -60,6 +60,17 @@ def test_each_rank_gets_its_own_per_rank_tensor_and_values_back(two_ranks):
     assert loaded[1]["alone_s"] < 10  # a load without target never waits for other ranks
 
 
+def test_a_target_refused_on_one_rank_fails_every_rank_at_once_naming_the_leaf(two_ranks):
+    _, _, loaded = two_ranks
+    for r in loaded:
+        got = r["refused"]
+        assert got["type"] == "TargetMismatchError", got
+        assert "leaf 'w' has shape (6, 2) in the checkpoint" in got["message"], got
+        assert got["seconds"] < 10, got  # not the other rank's timeout
+        assert got["then"] == [[3.0, 3.0]] * 6
+    assert "process 1 failed" in loaded[0]["refused"]["message"]
+
+
 def test_per_rank_values_resplit_onto_one_rank(two_ranks):
     root, _, _ = two_ranks
     with pytest.raises(TargetMismatchError, match=r"leaf '(rng|loader)' .* saved by 2 processes"):

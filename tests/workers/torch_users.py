@@ -170,9 +170,16 @@ def load(root: str, rank: int, world: int) -> dict[str, Any]:
         sst.load(f"{root}/per_rank", options=ReadOptions(read_once=True, timeout_s=20))
         alone = time.perf_counter() - t0
     dist.barrier()
+    # Rank 1's target has another shape: both ranks fail at once, naming the leaf, and the
+    # next load of the location is theirs alike.
+    opts = ReadOptions(timeout_s=TIMEOUT)
+    bad = {"w": torch.zeros(2, 6) if rank == 1 else torch.zeros(6, 2)}
+    refused = attempt(lambda: sst.load(f"{root}/overwrite", bad, opts))
+    refused["then"] = sst.load(f"{root}/overwrite", {"w": torch.zeros(6, 2)}, opts)["w"].tolist()
     torch.manual_seed(100 + rank)
     want = torch.get_rng_state()
     return {
+        "refused": refused,
         "rng_in_place": target["rng"] is filled,
         "rng": bool(torch.equal(target["rng"], want)),
         "loader": target["loader"],

@@ -363,27 +363,46 @@ def on_every_process(rv: Rendezvous, value: bool) -> bool:
     return _decided(rv, value, lambda mine, others: mine and all(others))
 
 
-def same_on_every_process(rv: Rendezvous, value: str | None) -> bool:
+def same_on_every_process(
+    rv: Rendezvous, value: str | None, error: BaseException | None = None
+) -> bool:
     """Whether every process holds the same `value`, and it is not None: e.g. the name of
-    what one earlier collective made, which every process must still hold to use it."""
+    what one earlier collective made, which every process must still hold to use it.
+    `error`: this process failed before it could say (every process raises it)."""
 
     def same(mine: str | None, others: list[Any]) -> bool:
         return mine is not None and all(v == mine for v in others)
 
-    return _decided(rv, value, same)
+    return _decided(rv, value, same, error)
 
 
-def _decided(rv: Rendezvous, value: Any, decide: Callable[[Any, list[Any]], bool]) -> bool:
+def _decided(
+    rv: Rendezvous,
+    value: Any,
+    decide: Callable[[Any, list[Any]], bool],
+    error: BaseException | None = None,
+) -> bool:
     """One report each; process 0 gathers them, decides from its value and the others'
-    (in process order) and publishes the answer (or, if a process did not report in time,
-    the error naming it, raised on every process)."""
+    (in process order) and publishes the answer (or, if a process failed, `error` where it
+    reported one, or did not report in time, the error naming it, raised on every
+    process; a process that failed raises its own `error`)."""
     coord = rv.coord
     if coord.process_count == 1:
+        if error is not None:
+            raise error
         return decide(value, [])
     rv.start_clock()
     if coord.process_index != 0:
+        if error is not None:
+            rv.report_own("v", error)
+            with contextlib.suppress(CoordinationError):
+                rv.await_outcome()  # (its keys are cleaned by the last to read them)
+            raise error
         rv.report_own("v", value=value)
         return bool(rv.await_outcome()["value"])
+    if error is not None:  # (the others' reports are not waited for)
+        rv.publish_outcome(error)
+        raise error
     try:
         answer = decide(value, [doc["value"] for doc in rv.gather("v").values()])
     except CoordinationError as e:

@@ -45,15 +45,23 @@ def wanted(location: str, enabled: bool | None, coord: Coordinator, timeout_s: f
 
 
 def wanted_alike(
-    location: str, enabled: bool | None, coord: Coordinator, timeout_s: float, target: str
+    location: str,
+    enabled: bool | None,
+    coord: Coordinator,
+    timeout_s: float,
+    target: str | None,
+    error: BaseException | None = None,
 ) -> bool:
     """`wanted`, for a restore whose processes' targets may differ (torch state dicts of a
     job whose ranks hold different keys: pipeline stages, expert groups): read-once only
     where every process wants it and every process's target has the same digest
     (`target`), since the read-once plans are made by each process from its own target
-    alone. One report each, on object stores too."""
+    alone. One report each, on object stores too. `error`: this process's target was
+    refused (raised on every process, naming it, rather than left for the others to wait
+    for until their timeout)."""
     rv = Rendezvous(coord, namespace("read-once", location), f"load of {location}", timeout_s)
-    return same_on_every_process(rv, target if wanted_here(location, enabled) else None)
+    mine = target if target is not None and wanted_here(location, enabled) else None
+    return same_on_every_process(rv, mine, error)
 
 
 def wanted_here(location: str, enabled: bool | None) -> bool:

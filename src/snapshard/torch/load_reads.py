@@ -8,7 +8,7 @@ torch/exchange.py).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -35,31 +35,26 @@ TargetArray = tuple[Any, list[TargetFill], ArrayLeaf, ArrayLeaf | None]
 
 
 def _read_once(
-    arrays: list[TargetArray], options: ReadOptions, url: str, boxes: SavedBoxes, differ: bool
+    arrays: list[TargetArray], options: ReadOptions, url: str, boxes: SavedBoxes
 ) -> tuple[ReadOncePlan | None, list[BandLeaf], Rendezvous | None]:
     """The read-once plans of a load, broadcasts (torch/read_once.py) and bands
-    (torch/band_plan.py), and their rendezvous; nothing where read-once is off. `differ`:
-    the ranks' targets may differ (a checkpoint whose trees differ by rank)."""
+    (torch/band_plan.py), and their rendezvous; nothing where read-once is off."""
     coord = default_coordinator()
     if coord.process_count == 1 or options.read_once is False:
         return None, [], None
+    # Every rank asks, whatever its own target holds: the ranks' targets may differ
+    # (pipeline stages: one rank's plans empty, another's not), and a rank whose target was
+    # refused says so in the same exchange (`refuse_target`). The plans are made only where
+    # the policy says yes (on a local disk it says no).
+    if not wanted_alike(url, options.read_once, coord, options.timeout_s, _digest(arrays)):
+        return None, [], None
     devices = backend_devices()
     world = coord.process_count
-    # Whether the plans below would be empty, told first and cheaply: the policy is asked
-    # only where they are not (on a filesystem that is an agreement of the ranks), and on a
-    # local disk it says no, so a restore there never pays for the plans themselves. Where
-    # the ranks' targets may differ, one rank's plans may be empty and another's not: every
-    # rank then asks, or the others would wait for it.
     cuts = Cuts(boxes)
     targets = [t for t, *_ in arrays]
-    if (
-        not differ
-        and not any_shared(targets, world, devices)
-        and not ("cpu" in devices and any(cuts.banded(t, s) for t, _, _, s in arrays))
+    if not any_shared(targets, world, devices) and not (
+        "cpu" in devices and any(cuts.banded(t, s) for t, _, _, s in arrays)
     ):
-        return None, [], None
-    # The ranks' targets may differ (pipeline stages): each rank plans from its own.
-    if not wanted_alike(url, options.read_once, coord, options.timeout_s, _digest(arrays)):
         return None, [], None
     banded = plan_bands(
         targets, [s for *_, s in arrays], world, devices, boxes, options.memory_budget
@@ -78,6 +73,16 @@ def _read_once(
     # Taken here, in program order, the same on every rank.
     rv = Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
     return once, banded, rv
+
+
+def refuse_target(url: str, options: ReadOptions, error: BaseException) -> NoReturn:
+    """This rank's target was refused (`error`, raised here): where the load's ranks
+    exchange their read-once choice, the others learn it there and raise it too, naming
+    this rank, instead of waiting for its report until their timeout."""
+    coord = default_coordinator()
+    if coord.process_count > 1 and options.read_once is not False:
+        wanted_alike(url, options.read_once, coord, options.timeout_s, None, error)
+    raise error
 
 
 def _digest(arrays: list[TargetArray]) -> str:
@@ -103,12 +108,10 @@ def read_targets(
     stats: ReadStats,
     url: str,
     boxes: SavedBoxes,
-    differ: bool,
 ) -> None:
     """Read every fill of the target leaves, in batches under the memory budget; with
-    read-once, only this rank's share, then the rest from its peers (`differ`: as in
-    `_read_once`)."""
-    once, banded, rv = _read_once(arrays, options, url, boxes, differ)
+    read-once, only this rank's share, then the rest from its peers."""
+    once, banded, rv = _read_once(arrays, options, url, boxes)
     banded_leaves = {b.leaf for b in banded}
     fills = [
         f

@@ -32,7 +32,7 @@ from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
 from .dtypes import torch_dtype
 from .leaves import is_leaf, this_rank
-from .load_reads import TargetArray, read_targets
+from .load_reads import TargetArray, read_targets, refuse_target
 from .target_fills import fills_of
 from .values import into_target, is_dtensor, local_tensor, unstorable
 
@@ -193,6 +193,23 @@ def _load_into(
     resplit: Resplit | None,
 ) -> Any:
     """`load` with the checkpoint open: fill `target`, return it."""
+    try:
+        arrays, values = _checked_targets(storage, source, target, transform, resplit)
+    except Exception as e:  # the other ranks learn it rather than wait for this one
+        refuse_target(storage.url, options, e)
+    read_targets(arrays, read, options, stats, storage.url, source.saved_boxes)
+    return _put_back(target, (), values)
+
+
+def _checked_targets(
+    storage: Storage,
+    source: TreeSource,
+    target: Any,
+    transform: Transform | None,
+    resplit: Resplit | None,
+) -> tuple[list[TargetArray], dict[Path, Any]]:
+    """The target's arrays to read, each checked against its saved leaf, and its values
+    (Python values, this rank's per-process values) by path."""
     url, manifest = storage.url, source.manifest
     saved = manifest.leaf_by_path()
     flat = flatten(target, is_leaf)
@@ -243,9 +260,7 @@ def _load_into(
             )
         arrays.append((t, fills_of(leaf, t, rank, perm), leaf, leaf if perm is None else None))
     values.update(_own_values(storage, manifest, own, resplit))
-    differ = table is not None and table.leaf_map is not None
-    read_targets(arrays, read, options, stats, url, source.saved_boxes, differ)
-    return _put_back(target, (), values)
+    return arrays, values
 
 
 def _own_values(
