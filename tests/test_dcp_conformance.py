@@ -260,3 +260,19 @@ def test_two_ranks_save_every_way_then_load_onto_other_placements_and_one_rank(t
     for name in saved:
         assert cli(["verify", str(tmp_path / name)]) == 0, name
     assert sorted(os.listdir(tmp_path)) == sorted(saved)  # no staging directory left
+
+
+def test_dcp_over_less_than_the_whole_job(tmp_path):
+    """3 ranks: `no_dist=True` on rank 0 alone, and a process group of ranks 1 and 2, save
+    without waiting for the ranks outside them (they waited until their timeout), and the
+    pair's read-once load fills both targets (its readers were numbered by job rank: the
+    pair's second rank read nothing and was sent nothing, its target left zeros)."""
+    results = [
+        p.result() for p in multiproc.run("dcp_groups.py", 3, 1, tmp_path, timeout=240, env=ENV)
+    ]
+    assert results[0]["alone"] == [7.0] * 4
+    n = 1 << 19
+    for r in results[1:]:
+        assert r["pair"] == [float(n * (n - 1) // 2), [0.0, 1.0, 2.0]], r
+    # the pair's checkpoint holds rank 1's value (the pair's first rank), as DCP's keeps
+    assert sst.load(tmp_path / "pair")["w"].tolist() == [1.0] * 4

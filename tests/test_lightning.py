@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("lightning")
 
+import multiproc  # noqa: E402
 import snapshard.lightning as sl  # noqa: E402
 import snapshard.torch as sst  # noqa: E402
 
@@ -165,3 +166,26 @@ def test_trainer_killed_after_a_checkpoint_resumes_bit_exactly(tmp_path):
         assert len(names) == 2 and names[1] == "last.ckpt" and names[0].startswith("epoch="), names
     last = sl.CheckpointIO().load_checkpoint(tmp_path / "run" / "last.ckpt")
     assert last["epoch"] == 2 and last["global_step"] == 24
+
+
+def test_ddp_on_two_ranks_saves_through_rank_0_alone_and_resumes(tmp_path):
+    """Lightning saves on global rank 0 alone: the plugin's save is one process's, whatever
+    the job's process group (it waited for rank 1 and failed)."""
+
+    def torchrun(mode: str, out: Path, epochs: int = 3) -> None:
+        args = [
+            sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+            "--master-addr", "127.0.0.1", "--master-port", str(multiproc.free_port()),
+            str(WORKER), mode, str(tmp_path / "run"), str(out),
+        ]  # fmt: skip
+        env = {**ENV, "LIGHTNING_TEST_EPOCHS": str(epochs)}
+        done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+
+    torchrun("full", tmp_path / "full.pt")
+    names = sorted(p.name for p in (tmp_path / "run").iterdir())
+    assert names[-1] == "last.ckpt" and names[0].startswith("epoch="), names
+    assert (tmp_path / "run" / "last.ckpt" / "manifest.json").is_file()  # snapshard's
+    torchrun("resume", tmp_path / "resumed.pt", epochs=4)  # one epoch more
+    steps, epoch = torch.load(tmp_path / "resumed.pt")["start"]
+    assert epoch == 3 and steps > 0  # restored at the end of the saved fit, not from scratch

@@ -6,6 +6,7 @@ usage: lightning_train.py MODE DIR OUT
    MODE 'kill':   fit; once the first epoch's checkpoint is committed, write OUT (a marker)
                   and keep training slowly until the parent SIGKILLs this process.
    MODE 'resume': fit from DIR/last.ckpt to EPOCHS epochs, write the final weights to OUT.
+Under torchrun, the fit is DDP over its ranks (Lightning saves on rank 0 alone).
 Checkpoints go through snapshard.lightning's AsyncCheckpointIO(CheckpointIO()) with ModelCheckpoint
 (save_top_k=1 by train_loss, save_last=True) into DIR.
 """
@@ -23,7 +24,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import snapshard.lightning
 
-EPOCHS = 3
+EPOCHS = int(os.environ.get("LIGHTNING_TEST_EPOCHS", "3"))
 
 
 class Model(L.LightningModule):
@@ -95,8 +96,10 @@ def main() -> None:
     callbacks.append(started)
     if mode == "kill":
         callbacks.append(KillPoint(directory, out))
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: DDP over its ranks
     trainer = L.Trainer(
-        max_epochs=EPOCHS if mode != "kill" else 100, accelerator="cpu", devices=1,
+        max_epochs=EPOCHS if mode != "kill" else 100, accelerator="cpu", devices=ranks,
+        strategy="ddp" if ranks > 1 else "auto",
         plugins=[snapshard.lightning.AsyncCheckpointIO(snapshard.lightning.CheckpointIO())],
         callbacks=callbacks, logger=False, enable_progress_bar=False,
         enable_model_summary=False, deterministic=True,
@@ -104,7 +107,7 @@ def main() -> None:
     model = Model()
     ckpt = str(directory / "last.ckpt") if mode == "resume" else None
     trainer.fit(model, data(), ckpt_path=ckpt)
-    if mode != "kill":
+    if mode != "kill" and trainer.global_rank == 0:
         weights = {k: v.clone() for k, v in model.state_dict().items()}
         torch.save({"weights": weights, "start": started.start}, out)
     sys.stdout.flush()

@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.io import CheckpointIO as _LightningCheckpointIO
 from typing_extensions import override
 
 from .. import torch as sst
+from ..coordination.base import SingleProcessCoordinator
 from ..errors import CheckpointNotFoundError
 from ..options import ReadOptions, SaveOptions
 from ..storage.atomic_rename import move_into_place
@@ -46,6 +47,9 @@ def mapped(checkpoint: Any, map_location: Any) -> Any:
     return move(checkpoint)
 
 
+_ALONE = SingleProcessCoordinator()
+
+
 class CheckpointIO(_LightningCheckpointIO):
     """Lightning's whole-state checkpoint IO, writing snapshard checkpoints (atomic, with
     checksums; a directory or an object-store URL). Saving the same path again (Lightning's
@@ -75,7 +79,9 @@ class CheckpointIO(_LightningCheckpointIO):
             )
         state = encode(checkpoint, "")
         target = save_target(str(path))
-        sst.save(target, state, self.options, overwrite=True)
+        # Lightning calls this on global rank 0 alone (its whole state, gathered there): a
+        # save of one process, whatever the job's process group.
+        sst.save(target, state, self.options, overwrite=True, coordinator=_ALONE)
         if target != str(path):
             move_into_place(Path(target), Path(path), replace=True)
 

@@ -38,9 +38,10 @@ class SaveNumbering:
     (which its record file uses); travels to each rank in its plan's `storage_data`."""
 
     attempt: str
-    rank: int
+    rank: int  # in DCP's process group
     numbers: dict[str, int]  # fqn -> leaf number
     ndims: list[int]
+    ranks: int  # of DCP's process group (1 with no_dist)
 
 
 class RankWriter:

@@ -196,6 +196,7 @@ class StorageReader(_DcpStorageReader):
         self.options = options
         self.stats = ReadStats()
         self.is_coordinator = False
+        self._rank: int | None = None
         self._opened: tuple[_Entries, ReadDests] | None = None
 
     @property
@@ -238,20 +239,26 @@ class StorageReader(_DcpStorageReader):
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
         self.is_coordinator = is_coordinator
+        self._rank = kwargs.get("rank")  # in DCP's process group (torch passes it from 2.6)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Tells the coordinator whether this rank would read once (see torch/read_once.py):
         the ranks agree through DCP's own gather of the plans, with no rendezvous of
-        their own."""
-        if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        their own. Read-once moves boxes between the ranks of the default group, so a load
+        over another `process_group` (a subgroup, `no_dist`) reads without it."""
+        dist = torch.distributed
+        if not dist.is_initialized() or dist.get_world_size() == 1:
             return plan
-        able = broadcast_device(backend_devices()) is not None
+        able = broadcast_device(backend_devices()) is not None and self._rank == dist.get_rank()
         once = able and wanted_here(self._open()[0].url, self.options.read_once)
         return dataclasses.replace(plan, storage_data=once)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """The coordinator's read-once plan, the same in every rank's plan (or none)."""
-        if len(plans) < 2 or not all(p.storage_data is True for p in plans):
+        whole = (
+            torch.distributed.is_initialized() and len(plans) == torch.distributed.get_world_size()
+        )
+        if not whole or not all(p.storage_data is True for p in plans):
             return [dataclasses.replace(p, storage_data=None) for p in plans]
         entries = self._open()[0]
 

@@ -40,7 +40,7 @@ from ..errors import CheckpointExistsError, SnapshardError
 from ..options import SaveOptions, require
 from ..saving import commit_manifest, staged_files
 from ..storage import Location, Storage, storage_for
-from .coordination import default_coordinator
+from .coordination import TorchStoreCoordinator
 from .dcp_manifest import DcpLeaf, DcpStorageError, RankReport, manifest_of, numbered_leaves
 from .dcp_rank_writer import RankWriter, SaveNumbering
 
@@ -141,7 +141,9 @@ class StorageWriter(_DcpStorageWriter):
         numbers = {fqn: i for i, fqn in enumerate(self._leaves)}
         ndims = [len(leaf.shape) if leaf.is_tensor else 1 for leaf in self._leaves.values()]
         return [
-            dataclasses.replace(plan, storage_data=SaveNumbering(self._attempt, r, numbers, ndims))
+            dataclasses.replace(
+                plan, storage_data=SaveNumbering(self._attempt, r, numbers, ndims, len(plans))
+            )
             for r, plan in enumerate(plans)
         ]
 
@@ -163,7 +165,7 @@ class StorageWriter(_DcpStorageWriter):
             except Exception as e:  # told to every rank below, then raised
                 error = e
             try:
-                _all_written(numbering.attempt, storage.url, self.options.timeout_s, error)
+                _all_written(numbering, storage.url, self.options.timeout_s, error)
             except BaseException:
                 writer.discard()  # every rank removes its files: DCP calls nothing after
                 raise
@@ -240,20 +242,20 @@ def filesystem_writer_options(options: SaveOptions, args: dict[str, Any]) -> Sav
     return options
 
 
-def _all_written(attempt: str, url: str, timeout_s: float, error: BaseException | None) -> None:
-    """Every rank learns whether every rank wrote its share (one rendezvous through the
-    process group's store, under the save's attempt); raises on all of them, naming the
-    rank, when one did not: DCP calls nothing after a failed write, so each rank removes
-    its own staged files then."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def _all_written(
+    numbering: SaveNumbering, url: str, timeout_s: float, error: BaseException | None
+) -> None:
+    """Every rank of the save (DCP's process group: a subgroup, or this rank alone with
+    `no_dist`) learns whether every rank wrote its share (one rendezvous through the default
+    group's store, under the save's attempt); raises on all of them, naming the rank, when
+    one did not: DCP calls nothing after a failed write, so each rank removes its own
+    staged files then."""
+    if numbering.ranks == 1:
         if error is not None:
             raise error
         return
-    rv = Rendezvous(
-        default_coordinator(), f"snapshard/dcp-save/{attempt}", f"save to {url}", timeout_s
-    )
+    coord = TorchStoreCoordinator(rank=numbering.rank, world_size=numbering.ranks)
+    rv = Rendezvous(coord, f"snapshard/dcp-save/{numbering.attempt}", f"save to {url}", timeout_s)
     try:
         all_succeeded(rv, "write", error)
     except BaseException:
