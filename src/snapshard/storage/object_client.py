@@ -329,7 +329,7 @@ class ObjectClient:
             try:
                 got = self.call("read of", rel, lambda: self.api.read_range_into(key, start, views))
             except FileNotFoundError:
-                raise CorruptCheckpointError(f"{self.url}: data file {rel!r} is missing") from None
+                raise CorruptCheckpointError(f"{self.url}: file {rel!r} is missing") from None
             self.counter.add(bytes_received=got)
             if got < n:
                 raise CorruptCheckpointError(
