@@ -3,11 +3,13 @@ read executor (reading/) over the checkpoint's source (reading/sources.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from ..coordination import default_coordinator
 from ..errors import TargetMismatchError
 from ..format import Manifest, ValueLeaf
 from ..format.leaves import PerProcessLeaf
@@ -16,6 +18,7 @@ from ..iterators import is_data_iterator, restore_iterator
 from ..options import ReadOptions
 from ..per_process import Resplit
 from ..reading import ReadStats, Request, make_request
+from ..reading.read_once_policy import refuse_target
 from ..reading.restore import (
     is_target_leaf,
     missing_target_leaf,
@@ -26,6 +29,16 @@ from ..reading.sources import open_for_load
 from ..storage import Location, Storage
 from ..tree import Path, TargetTree, flatten_target, path_str, unflatten, warn_lost_classes
 from .read_once import execute as execute_read_once
+
+
+def _own_load(target: Any) -> bool:
+    """A load of this process's own: no target (the saved tree as NumPy) or one that asks
+    for no jax.Array (global: every process loads those together). One process may look
+    into a checkpoint by itself."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(target)
+    return all(getattr(x, "sharding", None) is None for x in leaves)
 
 
 def _is_python_value(x: Any) -> bool:
@@ -70,15 +83,21 @@ def load(
     given, is filled with what the restore read and how long it took.
     """
     stats = stats if stats is not None else ReadStats()
+    if _own_load(target):  # nothing to wait for the other processes for
+        options = dataclasses.replace(options, read_once=False)
     with open_for_load(directory, options, stats) as (storage, source, _):
         manifest, url = source.manifest, storage.url
-        if target is None:
-            pairs = [(leaf.path, None) for leaf in manifest.leaves]
-            matched = None
-        else:
-            matched = _match_target(manifest, target, url)
-            pairs = list(zip(matched.paths, matched.leaves, strict=True))
-        results, reqs = _values_and_requests(storage, manifest, pairs, resplit, mesh)
+        try:
+            if target is None:
+                pairs = [(leaf.path, None) for leaf in manifest.leaves]
+                matched = None
+            else:
+                matched = _match_target(manifest, target, url)
+                pairs = list(zip(matched.paths, matched.leaves, strict=True))
+            results, reqs = _values_and_requests(storage, manifest, pairs, resplit, mesh)
+        except Exception as e:  # the other processes learn it rather than wait for this one
+            coord = default_coordinator()
+            refuse_target(url, options.read_once, coord, options.timeout_s, e)
         built = execute_read_once([r for _, r in reqs], source, options, stats, location=url)
         results.update(zip([p for p, _ in reqs], built, strict=True))
     if matched is None:

@@ -78,7 +78,20 @@ def start_exchange(
 
     JAX dispatches the ppermutes asynchronously, in program order on every process, so the
     caller may go on (even run other collectives) while the bytes travel. `sizes` (bytes each
-    process sends) saves a collective when every process can compute them."""
+    process sends) saves a collective when every process can compute them. Its programs are
+    on the processes' own mesh, whatever mesh the caller has in context (`jax.set_mesh`)."""
+    from .arrays import outside_context_mesh
+
+    with outside_context_mesh():
+        return _start_exchange(send, perm, sizes, chunk_bytes)
+
+
+def _start_exchange(
+    send: np.ndarray | None,
+    perm: Sequence[tuple[int, int]],
+    sizes: Sequence[int] | None,
+    chunk_bytes: int,
+) -> PendingExchange:
     import jax
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec

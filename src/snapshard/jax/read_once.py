@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..checksum import crc32c
 from ..coordination import default_coordinator
 from ..coordination.base import Coordinator
 from ..coordination.rendezvous import (
@@ -58,7 +59,7 @@ from ..reading import (
     request_boxes,
 )
 from ..reading import execute as execute_all
-from ..reading.read_once_policy import too_small, wanted
+from ..reading.read_once_policy import too_small, wanted_alike
 
 if TYPE_CHECKING:
     import jax
@@ -349,12 +350,15 @@ def execute(
     def read(dests: list[Dest]) -> None:
         source.read_dests(dests, stats)
 
-    once = (
-        plan(reqs, coord.process_index, coord.process_count, source.saved_boxes, options.read_once)
-        if options.read_once is not False and coord.process_count > 1
-        else {}
+    if options.read_once is False or coord.process_count == 1:
+        return execute_all(reqs, read, memory_budget=budget, stats=stats, expand=expand)
+    once = plan(
+        reqs, coord.process_index, coord.process_count, source.saved_boxes, options.read_once
     )
-    if not once or not wanted(location, options.read_once, coord, options.timeout_s):
+    # Every process asks, with what its plan depends on: one whose targets differ from the
+    # others' (or were refused, `refuse_target`) must not leave them in a collective.
+    digest = _digest(reqs, once)
+    if not wanted_alike(location, options.read_once, coord, options.timeout_s, digest) or not once:
         return execute_all(reqs, read, memory_budget=budget, stats=stats, expand=expand)
     rv = Rendezvous(coord, namespace("load", location), f"load of {location}", options.timeout_s)
     results: dict[int, Any] = {}
@@ -369,6 +373,15 @@ def execute(
         error = e
     results.update(_read_and_share(once, read, budget, stats, expand, rv, error))
     return [results[i] for i in range(len(reqs))]
+
+
+def _digest(reqs: list[Request], once: dict[int, _Once]) -> str:
+    """What this process's read-once plan depends on, alike on every process whose targets
+    are the others': the leaves asked for, and the targets and read shardings of those
+    read once."""
+    parts = [f"{r.saved.name}{r.dtype}" for r in reqs]
+    parts += [f"{i}{once[i].request.sharding!r}{once[i].read_sharding!r}" for i in sorted(once)]
+    return f"{crc32c('|'.join(parts).encode()):08x}"
 
 
 def _read_and_share(

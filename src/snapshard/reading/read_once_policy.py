@@ -3,6 +3,8 @@ read-once paths, and free of either framework)."""
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 from ..coordination.base import Coordinator
 from ..coordination.rendezvous import Rendezvous, namespace, on_every_process, same_on_every_process
 from ..storage import is_object_store_url
@@ -76,3 +78,16 @@ def wanted_here(location: str, enabled: bool | None) -> bool:
         return is_network_filesystem(location)
     except Exception:  # this process must still report, or the others wait for it
         return False
+
+
+def refuse_target(
+    location: str, enabled: bool | None, coord: Coordinator, timeout_s: float, error: BaseException
+) -> NoReturn:
+    """This process's target was refused (`error`, raised here) before its load's read-once
+    exchange (`wanted_alike`), which every process of a multi-process load enters unless
+    read-once is off (`enabled` False): the others learn it there and raise it too, naming
+    this process, instead of waiting for its report until their timeout (and every later
+    load of the location staying paired with the next one of this process)."""
+    if coord.process_count > 1 and enabled is not False:
+        wanted_alike(location, enabled, coord, timeout_s, None, error)
+    raise error

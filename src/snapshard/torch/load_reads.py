@@ -18,7 +18,7 @@ from ..format import ArrayLeaf
 from ..options import ReadOptions
 from ..planning.layout import Box
 from ..planning.read_once import as_box
-from ..reading import BATCH_ITEMS, Dest, ReadDests, ReadStats, SavedBoxes, fill
+from ..reading import BATCH_ITEMS, Dest, ReadDests, ReadStats, SavedBoxes, fill, read_once_policy
 from ..reading.read_once_policy import too_small, wanted_alike
 from .band_plan import BandLeaf, Cuts, batches_of
 from .band_plan import plan as plan_bands
@@ -76,13 +76,10 @@ def _read_once(
 
 
 def refuse_target(url: str, options: ReadOptions, error: BaseException) -> NoReturn:
-    """This rank's target was refused (`error`, raised here): where the load's ranks
-    exchange their read-once choice, the others learn it there and raise it too, naming
-    this rank, instead of waiting for its report until their timeout."""
-    coord = default_coordinator()
-    if coord.process_count > 1 and options.read_once is not False:
-        wanted_alike(url, options.read_once, coord, options.timeout_s, None, error)
-    raise error
+    """This rank's target was refused: every rank raises it (read_once_policy)."""
+    read_once_policy.refuse_target(
+        url, options.read_once, default_coordinator(), options.timeout_s, error
+    )
 
 
 def _digest(arrays: list[TargetArray]) -> str:
