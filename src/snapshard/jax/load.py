@@ -4,6 +4,7 @@ read executor (reading/) over the checkpoint's source (reading/sources.py)."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -15,7 +16,7 @@ from ..format import Manifest, ValueLeaf
 from ..format.leaves import PerProcessLeaf
 from ..gc_pause import collection_paused
 from ..iterators import is_data_iterator, restore_iterator
-from ..options import ReadOptions
+from ..options import ReadOptions, require
 from ..per_process import Resplit
 from ..reading import ReadStats, Request, make_request
 from ..reading.read_once_policy import refuse_target
@@ -35,10 +36,10 @@ def _own_load(target: Any) -> bool:
     """A load of this process's own: no target (the saved tree as NumPy) or one that asks
     for no jax.Array (global: every process loads those together). One process may look
     into a checkpoint by itself."""
-    import jax
-
-    leaves = jax.tree_util.tree_leaves(target)
-    return all(getattr(x, "sharding", None) is None for x in leaves)
+    jax = sys.modules.get("jax")  # (not imported: the target holds no jax.Array)
+    if jax is None or target is None:
+        return True
+    return all(getattr(x, "sharding", None) is None for x in jax.tree_util.tree_leaves(target))
 
 
 def _is_python_value(x: Any) -> bool:
@@ -83,6 +84,7 @@ def load(
     given, is filled with what the restore read and how long it took.
     """
     stats = stats if stats is not None else ReadStats()
+    require(options, ReadOptions)
     if _own_load(target):  # nothing to wait for the other processes for
         options = dataclasses.replace(options, read_once=False)
     with open_for_load(directory, options, stats) as (storage, source, _):
