@@ -32,6 +32,7 @@ def test_bench_mlperf_smoke_pairs_raw_beside(tmp_path):
     rows = {row["method"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert set(rows) == {"raw", "snapshard"}, r.stdout
     snap, raw = rows["snapshard"], rows["raw"]
+    assert "error" not in snap and "error" not in raw, (snap.get("error"), raw.get("error"))
     assert "raw_save_s" not in raw
     for op in ("save", "restore"):
         assert len(snap[f"{op}_s"]) == len(snap[f"raw_{op}_s"]) == 2
