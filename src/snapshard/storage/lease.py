@@ -86,6 +86,28 @@ def _this_host() -> str:
     return socket.gethostname()
 
 
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _process_stat(pid: int) -> tuple[str, int] | None:
+    """(state letter, start time in clock ticks after boot) of process `pid` from
+    /proc/<pid>/stat; None when no such process runs."""
+    text = _read_text(f"/proc/{pid}/stat")
+    if text is None:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: fields follow the last ')'.
+    fields = text.rpartition(")")[2].split()
+    try:
+        return fields[0], int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
 def _pid_alive(pid: int) -> bool:
     """Whether process `pid` of this host runs: a zombie (killed, its parent has not reaped
     it yet: a supervisor that restarts the job first) holds nothing."""
@@ -95,12 +117,8 @@ def _pid_alive(pid: int) -> bool:
         return False
     except PermissionError:
         pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:  # the state follows the command's last ')'
-            state = f.read().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):  # no /proc: the signal's answer stands
-        return True
-    return state not in ("Z", "X")
+    stat = _process_stat(pid)  # (None without /proc: the signal's answer stands)
+    return stat is None or stat[0] not in ("Z", "X")
 
 
 def describe_holder(doc: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .lease import _pid_alive, _this_host
+from .lease import _pid_alive, _process_stat, _read_text, _this_host
 
 log = logging.getLogger("snapshard")
 
@@ -45,14 +45,6 @@ def is_owner_record(name: str) -> bool:
 
 
 # ---- who this process is ----------------------------------------------------------------
-def _read_text(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return None
-
-
 def _boot_id() -> str | None:
     """The kernel's id of this boot (Linux); None elsewhere."""
     text = _read_text("/proc/sys/kernel/random/boot_id")
@@ -65,20 +57,6 @@ def _pid_namespace() -> str | None:
     try:
         return os.readlink("/proc/self/ns/pid")
     except OSError:
-        return None
-
-
-def _process_stat(pid: int) -> tuple[str, int] | None:
-    """(state letter, start time in clock ticks after boot) of process `pid` from
-    /proc/<pid>/stat; None when no such process runs."""
-    text = _read_text(f"/proc/{pid}/stat")
-    if text is None:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: fields follow the last ')'.
-    fields = text.rpartition(")")[2].split()
-    try:
-        return fields[0], int(fields[19])
-    except (IndexError, ValueError):
         return None
 
 
