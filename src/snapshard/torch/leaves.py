@@ -234,10 +234,12 @@ def _tensor_leaf(
     if dt is None:
         dt = numpy_dtype(value.dtype, leaf=path_str(path))  # raises, naming the leaf
     shape = tuple(value.shape)
-    why = unstorable(local_tensor(value) if is_dtensor(value) else value)
+    dtensor = is_dtensor(value)
+    local = local_tensor(value) if dtensor else value
+    why = unstorable(local)
     if why is not None:
         raise UnsupportedLeafError(f"leaf {path_str(path)!r} is {why}")
-    if not is_dtensor(value):
+    if not dtensor:
         if value.is_meta:
             refuse_meta(value, path_str(path))
         if trees_differ:
@@ -246,7 +248,6 @@ def _tensor_leaf(
             layout = host_layout(shape, dt.itemsize, process_count)
         source = TorchSource(value, None)
         return SaveArray(path, LeafKind.ARRAY, dt, shape, layout, None, source, describe(value))
-    local = local_tensor(value)
     if value.is_meta or local.is_meta:
         refuse_meta(value, path_str(path))
     _, tl, desc = _dtensor_entry(value, dt.itemsize, path, widen=not trees_differ)

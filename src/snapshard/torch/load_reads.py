@@ -8,7 +8,7 @@ torch/exchange.py).
 from __future__ import annotations
 
 import time
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -18,7 +18,7 @@ from ..format import ArrayLeaf
 from ..options import ReadOptions
 from ..planning.layout import Box
 from ..planning.read_once import as_box
-from ..reading import BATCH_ITEMS, Dest, ReadDests, ReadStats, SavedBoxes, fill, read_once_policy
+from ..reading import BATCH_ITEMS, Dest, ReadDests, ReadStats, SavedBoxes, fill
 from ..reading.read_once_policy import too_small, wanted_alike
 from .band_plan import BandLeaf, Cuts, batches_of
 from .band_plan import plan as plan_bands
@@ -44,7 +44,7 @@ def _read_once(
         return None, [], None
     # Every rank asks, whatever its own target holds: the ranks' targets may differ
     # (pipeline stages: one rank's plans empty, another's not), and a rank whose target was
-    # refused says so in the same exchange (`refuse_target`). The plans are made only where
+    # refused says so in the same exchange (read_once_policy.refuse_target). The plans are made only where
     # the policy says yes (on a local disk it says no).
     if not wanted_alike(url, options.read_once, coord, options.timeout_s, _digest(arrays)):
         return None, [], None
@@ -73,13 +73,6 @@ def _read_once(
     # Taken here, in program order, the same on every rank.
     rv = Rendezvous(coord, namespace("load", url), f"load of {url}", options.timeout_s)
     return once, banded, rv
-
-
-def refuse_target(url: str, options: ReadOptions, error: BaseException) -> NoReturn:
-    """This rank's target was refused: every rank raises it (read_once_policy)."""
-    read_once_policy.refuse_target(
-        url, options.read_once, default_coordinator(), options.timeout_s, error
-    )
 
 
 def _digest(arrays: list[TargetArray]) -> str:

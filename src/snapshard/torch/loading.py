@@ -23,6 +23,7 @@ from ..gc_pause import collection_paused
 from ..options import ReadOptions
 from ..per_process import PerProcess, Resplit
 from ..reading import ReadDests, ReadStats
+from ..reading.read_once_policy import refuse_target
 from ..reading.restore import missing_target_leaf, per_process_values, refuse_empty_containers
 from ..reading.sources import TreeSource, open_for_load
 from ..storage import Location, Storage
@@ -32,7 +33,7 @@ from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
 from .dtypes import torch_dtype
 from .leaves import is_leaf, this_rank
-from .load_reads import TargetArray, read_targets, refuse_target
+from .load_reads import TargetArray, read_targets
 from .target_fills import fills_of
 from .values import into_target, is_dtensor, local_tensor, unstorable
 
@@ -122,13 +123,14 @@ def _whole_target(manifest: Manifest) -> tuple[Any, dict[Path, Any]]:
 
 
 def _refuse_unfillable_target(t: torch.Tensor, leaf: str, url: str) -> None:
-    if t.is_meta or (is_dtensor(t) and local_tensor(t).is_meta):
+    local = local_tensor(t) if is_dtensor(t) else t
+    if t.is_meta or local.is_meta:
         raise TargetMismatchError(
             f"{url}: target leaf {leaf!r} is on the meta device (a shape without memory), so "
             "nothing can be loaded into it; materialise it first (model.to_empty(device=...)), "
             "then load"
         )
-    why = unstorable(local_tensor(t) if is_dtensor(t) else t, target=True)
+    why = unstorable(local, target=True)
     if why is not None:
         raise TargetMismatchError(f"{url}: target leaf {leaf!r} is {why}")
 
@@ -196,7 +198,8 @@ def _load_into(
     try:
         arrays, values = _checked_targets(storage, source, target, transform, resplit)
     except Exception as e:  # the other ranks learn it rather than wait for this one
-        refuse_target(storage.url, options, e)
+        coord = default_coordinator()
+        refuse_target(storage.url, options.read_once, coord, options.timeout_s, e)
     read_targets(arrays, read, options, stats, storage.url, source.saved_boxes)
     return _put_back(target, (), values)
 
