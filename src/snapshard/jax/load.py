@@ -16,7 +16,7 @@ from ..format import Manifest, ValueLeaf
 from ..format.leaves import PerProcessLeaf
 from ..gc_pause import collection_paused
 from ..iterators import is_data_iterator, restore_iterator
-from ..options import ReadOptions, require
+from ..options import ReadOptions
 from ..per_process import Resplit
 from ..reading import ReadStats, Request, make_request
 from ..reading.read_once_policy import refuse_target
@@ -35,7 +35,8 @@ from .read_once import execute as execute_read_once
 def _own_load(target: Any) -> bool:
     """A load of this process's own: no target (the saved tree as NumPy) or one that asks
     for no jax.Array (global: every process loads those together). One process may look
-    into a checkpoint by itself."""
+    into a checkpoint by itself. (Asked of a target refused before its requests were made;
+    the requests' shardings say the same of one that was not.)"""
     jax = sys.modules.get("jax")  # (not imported: the target holds no jax.Array)
     if jax is None or target is None:
         return True
@@ -84,9 +85,6 @@ def load(
     given, is filled with what the restore read and how long it took.
     """
     stats = stats if stats is not None else ReadStats()
-    require(options, ReadOptions)
-    if _own_load(target):  # nothing to wait for the other processes for
-        options = dataclasses.replace(options, read_once=False)
     with open_for_load(directory, options, stats) as (storage, source, _):
         manifest, url = source.manifest, storage.url
         try:
@@ -98,8 +96,12 @@ def load(
                 pairs = list(zip(matched.paths, matched.leaves, strict=True))
             results, reqs = _values_and_requests(storage, manifest, pairs, resplit, mesh)
         except Exception as e:  # the other processes learn it rather than wait for this one
+            if _own_load(target):
+                raise
             coord = default_coordinator()
             refuse_target(url, options.read_once, coord, options.timeout_s, e)
+        if all(r.sharding is None for _, r in reqs):  # NumPy only: nothing to wait for
+            options = dataclasses.replace(options, read_once=False)
         built = execute_read_once([r for _, r in reqs], source, options, stats, location=url)
         results.update(zip([p for p, _ in reqs], built, strict=True))
     if matched is None:

@@ -250,9 +250,10 @@ class CheckpointManager(StepWriter):
             options = self._read_options
         require(options, ReadOptions)
         self._wait_inflight()
-        if not self._writing and (step is None or step not in self.all_steps()):
-            # A reader: the step may have been committed since its listing, and the newest
-            # of its listing deleted by the writer's retention.
+        # A reader: the step may have been committed since its listing, and (read_only,
+        # beside a writer) the newest of its listing deleted by the writer's retention.
+        stale = step is None and self._read_only
+        if not self._writing and (stale or (step is not None and step not in self.all_steps())):
             self.reload()
         t0 = time.perf_counter()
         skipped: tuple[str, ...] = ()
