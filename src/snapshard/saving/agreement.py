@@ -120,7 +120,7 @@ def named_by_us(prep: PreparedSave, error: CoordinationError) -> CoordinationErr
     return type(error)(f"{error}; this process's leaves that process 0 has not: {shown}")
 
 
-def check_same_options(prep: PreparedSave, reports: list[ProcessReport]) -> None:
+def check_same_save(prep: PreparedSave, reports: list[ProcessReport]) -> None:
     """Every process saved to process 0's location (the saves of a location are paired by
     their number there, or under a manager's directory), with the same
     SaveOptions.trees_differ as process 0."""

@@ -27,7 +27,7 @@ from ..format.naming import values_file_name
 from ..storage import Storage
 from ..storage.owner_records import is_owner_record
 from . import files
-from .agreement import check_agreement, check_same_options, named_by_us, read_union
+from .agreement import check_agreement, check_same_save, named_by_us, read_union
 from .incremental import check_refs_committed, manifest_refs
 from .leaves import describe_leaves
 from .state import PreparedSave, SaveTimings
@@ -41,7 +41,7 @@ def commit_save(prep: PreparedSave, docs: list[dict[str, Any]]) -> None:
     are read."""
     url = prep.storage.url
     reports = [ProcessReport.from_json(d) for d in docs]
-    check_same_options(prep, reports)
+    check_same_save(prep, reports)
     union = read_union(prep, reports) if prep.options.trees_differ else None
     if union is None:
         check_agreement(prep, reports)
