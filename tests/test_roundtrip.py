@@ -277,17 +277,20 @@ def test_metadata_reads_no_data(ckpt):
 
 
 def test_target_mismatches_are_clear(ckpt):
-    snapshard.save(ckpt, {"a": {"w": np.zeros((4, 4), np.float32)}, "n": 3})
-    with pytest.raises(snapshard.TargetMismatchError, match=r"'a/w' has shape \(4, 4\).*\(5, 4\)"):
-        snapshard.load(ckpt, {"a": {"w": np.zeros((5, 4), np.float32)}})
+    snapshard.save(ckpt, {"a": {"w": np.zeros((5, 4), np.float32)}, "n": 3})
+    with pytest.raises(snapshard.TargetMismatchError, match=r"'a/w' has shape \(5, 4\).*\(4, 4\)"):
+        snapshard.load(ckpt, {"a": {"w": np.zeros((4, 4), np.float32)}})
     with pytest.raises(
         snapshard.TargetMismatchError, match=r"'a/v' of the target is not in the checkpoint.*a/w"
     ):
-        snapshard.load(ckpt, {"a": {"v": np.zeros((4, 4), np.float32)}})
+        snapshard.load(ckpt, {"a": {"v": np.zeros((5, 4), np.float32)}})
     with pytest.raises(snapshard.TargetMismatchError, match=r"subtree"):
-        snapshard.load(ckpt, {"a": np.zeros((4, 4), np.float32)})
+        snapshard.load(ckpt, {"a": np.zeros((5, 4), np.float32)})
     with pytest.raises(snapshard.TargetMismatchError, match=r"'n' is a saved int value"):
         snapshard.load(ckpt, {"n": np.zeros(())})
+    cut = NamedSharding(mesh(2), P("data"))  # 2 devices do not cut 5 rows
+    with pytest.raises(snapshard.TargetMismatchError, match=r"leaf 'a/w': .*dimension size is 5"):
+        snapshard.load(ckpt, {"a": {"w": jax.ShapeDtypeStruct((5, 4), np.float32, sharding=cut)}})
 
 
 def test_unsupported_leaves_are_refused_before_anything_is_written(ckpt):

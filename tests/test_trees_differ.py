@@ -114,11 +114,20 @@ def test_a_key_given_with_two_shapes_fails_every_rank_naming_it(tmp_path):
 def test_a_rank_without_state_or_per_process_values_takes_part(tmp_path):
     """Rank 0 alone holds a tensor and a PerProcess value, rank 1 nothing: the save commits
     (rank 1 has no values file), and both ranks load what they saved, with read-once asked
-    for (rank 1's empty plan must not leave rank 0 waiting) and by default."""
+    for (rank 1's empty plan must not leave rank 0 waiting) and by default; with no target,
+    rank 1 gets the tensor and no value of rank 0's."""
     first, second = _run(2, "uneven", tmp_path / "ck", timeout=120)
     for once in ("True", "None"):
         assert first["loaded"][once] == {"w": [0.0, 1.0, 2.0, 3.0], "loader": {"seen": 17}}
         assert second["loaded"][once] == {}
+    # With no target each rank gets what the job saved, its own per-process values among it
+    assert first["loaded"]["all"] == {"w": [0.0, 1.0, 2.0, 3.0], "loader": {"seen": 17}}
+    assert second["loaded"]["all"] == {"w": [0.0, 1.0, 2.0, 3.0]}
+    jax_first, jax_second = (  # and so with JAX's load, 2 processes
+        p.result()["loaded"]
+        for p in multiproc.run("per_process.py", 2, 2, "uneven", tmp_path / "ck", timeout=120)
+    )
+    assert jax_first == first["loaded"]["all"] and jax_second == second["loaded"]["all"]
     index = tmp_path / "ck" / "index"
     assert [p.name[:7] for p in index.glob("*.values*")] == ["p00000-"]
 

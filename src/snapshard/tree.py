@@ -245,8 +245,13 @@ def empty_containers(node: Any, path: Path = ()) -> list[Path]:
     return [p for k, child in items for p in empty_containers(child, (*path, k))]
 
 
+ABSENT: Any = object()
+"""What `unflatten`'s leaf_values gives for a leaf to leave out (None in a list or tuple)."""
+
+
 def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:
-    """Rebuild plain containers from a stored structure; leaf i becomes `leaf_values(i)`."""
+    """Rebuild plain containers from a stored structure; leaf i becomes `leaf_values(i)`,
+    left out of its dict where that is ABSENT."""
 
     def build(node: Any) -> Any:
         if not isinstance(node, dict) or "t" not in node:
@@ -256,7 +261,8 @@ def unflatten(structure: JsonNode, leaf_values: Callable[[int], Any]) -> Any:
             return leaf_values(int(node["i"]))
         children = [build(c) for c in node.get("c", [])]
         if t == "dict" or t in ("namedtuple", "node"):
-            return dict(zip(node["k"], children, strict=True))
+            return {k: c for k, c in zip(node["k"], children, strict=True) if c is not ABSENT}
+        children = [None if c is ABSENT else c for c in children]
         if t == "list":
             return children
         if t == "tuple":

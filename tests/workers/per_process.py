@@ -8,6 +8,8 @@ usage: per_process.py MODE CKPT
    key      a process-local PRNG key on each process (not the same value)
    extra    process 1's tree has a key more ('extra', before 'lr' in its tree)
    missing  process 1's tree lacks 'lr'
+   uneven   loads with no target a checkpoint that only process 0 saved a PerProcess value in
+            (torch, trees_differ: tests/workers/trees_differ.py uneven)
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ def main() -> None:
             tag=tag.decode() if tag else None,
             shared=out["shared"].tolist(),
         )
+        return
+    if mode == "uneven":
+        got = snapshard.load(ckpt)
+        report(loaded={k: v.tolist() if isinstance(v, np.ndarray) else v for k, v in got.items()})
         return
     tree = {"shared": np.arange(4), "lr": 0.1}
     if mode == "save":

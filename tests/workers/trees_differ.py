@@ -204,7 +204,7 @@ def clash(path: str) -> None:
 def uneven(path: str) -> None:
     """Rank 0 alone holds state (a tensor and its data loader's position as a
     snapshard.PerProcess); rank 1 holds none. Saved, then loaded by both as they saved it,
-    with read-once asked for and by default."""
+    with read-once asked for and by default, and with no target."""
     import snapshard
     import snapshard.torch
 
@@ -219,6 +219,11 @@ def uneven(path: str) -> None:
         out[str(once)] = {
             k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in got.items()
         }
+    try:  # no target: what was saved, the per-process values this rank saved among it
+        got = snapshard.torch.load(path)
+        out["all"] = {k: v.tolist() if isinstance(v, torch.Tensor) else v for k, v in got.items()}
+    except Exception as e:
+        out["all"] = f"{type(e).__name__}: {e}"
     report(loaded=out)
 
 

@@ -25,10 +25,11 @@ from ..reading.restore import (
     missing_target_leaf,
     per_process_values,
     refuse_empty_containers,
+    values_saved_elsewhere,
 )
 from ..reading.sources import open_for_load
 from ..storage import Location, Storage
-from ..tree import Path, TargetTree, flatten_target, path_str, unflatten, warn_lost_classes
+from ..tree import ABSENT, Path, TargetTree, flatten_target, path_str, unflatten, warn_lost_classes
 from .read_once import execute as execute_read_once
 
 
@@ -89,7 +90,9 @@ def load(
         manifest, url = source.manifest, storage.url
         try:
             if target is None:
-                pairs = [(leaf.path, None) for leaf in manifest.leaves]
+                coord = default_coordinator()
+                absent = values_saved_elsewhere(manifest, coord.process_index, coord.process_count)
+                pairs = [(x.path, None) for i, x in enumerate(manifest.leaves) if i not in absent]
                 matched = None
             else:
                 matched = _match_target(manifest, target, url)
@@ -105,7 +108,7 @@ def load(
         built = execute_read_once([r for _, r in reqs], source, options, stats, location=url)
         results.update(zip([p for p, _ in reqs], built, strict=True))
     if matched is None:
-        by_index: Callable[[int], Any] = lambda i: results[manifest.leaves[i].path]  # noqa: E731
+        by_index: Callable[[int], Any] = lambda i: results.get(manifest.leaves[i].path, ABSENT)  # noqa: E731
         warn_lost_classes(manifest.structure)
         return unflatten(manifest.structure, by_index)
     return matched.rebuild(results)

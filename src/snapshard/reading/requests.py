@@ -111,7 +111,10 @@ def make_request(saved: ArrayLeaf, target: Any, url: str, mesh: Any = None) -> R
         kind, dtype, resolved, plan = hit[2]
     else:
         kind, dtype, resolved = _resolve(saved, target, url, mesh)
-        plan = _plan_of(saved, resolved if kind == "jax" else None)
+        try:
+            plan = _plan_of(saved, resolved if kind == "jax" else None)
+        except ValueError as e:  # (JAX's IndivisibleError: the sharding does not cut the shape)
+            raise TargetMismatchError(f"{url}: leaf {saved.name!r}: {e}") from e
         if t_shape is not None and not _on_abstract_mesh(
             sharding
         ):  # placed on the mesh in context: asked each time

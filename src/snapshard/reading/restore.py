@@ -49,6 +49,18 @@ def _read_values_file(storage: Storage, manifest: Manifest, q: int) -> dict[int,
     return per_process.decode_file(bytes(buf), f"{storage.url}/{name}")
 
 
+def values_saved_elsewhere(manifest: Manifest, process: int, processes: int) -> set[int]:
+    """Indices of the per-process leaves `process` saved no value of (its tree had no such
+    leaf: trees that differ by process), which a load without a target leaves out of what
+    it gives that process; none where the job's process count is not the saved one (all
+    values are then re-split)."""
+    index = [i for i, leaf in enumerate(manifest.leaves) if isinstance(leaf, PerProcessLeaf)]
+    if not index or processes != manifest.process_count:
+        return set()
+    own = manifest.local_leaves(process, np.asarray(index))
+    return {i for i, k in zip(index, own.tolist(), strict=True) if k < 0}
+
+
 def per_process_values(
     storage: Storage,
     manifest: Manifest,

@@ -24,12 +24,17 @@ from ..options import ReadOptions
 from ..per_process import PerProcess, Resplit
 from ..reading import ReadDests, ReadStats
 from ..reading.read_once_policy import refuse_target
-from ..reading.restore import missing_target_leaf, per_process_values, refuse_empty_containers
+from ..reading.restore import (
+    missing_target_leaf,
+    per_process_values,
+    refuse_empty_containers,
+    values_saved_elsewhere,
+)
 from ..reading.sources import TreeSource, open_for_load
 from ..storage import Location, Storage
 from ..transforms.surgery import Transform
 from ..transforms.virtual import Derived, Stored, VArray
-from ..tree import Path, flatten, path_str, unflatten, warn_lost_classes
+from ..tree import ABSENT, Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
 from .dtypes import torch_dtype
 from .leaves import is_leaf, this_rank
@@ -105,11 +110,13 @@ def _whole_target(manifest: Manifest) -> tuple[Any, dict[Path, Any]]:
     NumPy array for dtypes torch lacks), the saved value per Python value, in plain
     containers; and the NumPy scalars' paths, which come back as NumPy scalars."""
     scalars: dict[Path, Any] = {}
+    coord = default_coordinator()
+    absent = values_saved_elsewhere(manifest, coord.process_index, coord.process_count)
 
     def leaf_target(i: int) -> Any:
         leaf = manifest.leaves[i]
         if isinstance(leaf, PerProcessLeaf):
-            return PerProcess(None)
+            return ABSENT if i in absent else PerProcess(None)
         if isinstance(leaf, ValueLeaf):
             return leaf.value
         dtype = dtype_from_name(leaf.dtype)
