@@ -126,6 +126,32 @@ def test_nnx_rngs_alone(ckpt):
     )
 
 
+def test_keys_asked_for_as_key_data_by_orbax_recipe_come_back_typed(ckpt):
+    """Orbax's recipe of a target (`to_shape_dtype_struct`) asks for a typed key as its
+    uint32 key data; typed keys come back, as Orbax restores them, so that the next save
+    saves keys again. A NumPy target gets the key data."""
+    rngs = nnx.Rngs(0, dropout=5)
+    rngs.dropout()
+    snapshard.save(ckpt, nnx.state(rngs))
+
+    def as_data(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = jax.random.key_data(x)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+    out = snapshard.load(ckpt, jax.tree.map(as_data, nnx.state(nnx.Rngs(0, dropout=5))))
+    key = out["dropout"]["key"][...]
+    assert jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key) and key.shape == ()
+    np.testing.assert_array_equal(
+        jax.random.key_data(key), jax.random.key_data(rngs.dropout.key[...])
+    )
+    data = snapshard.load(ckpt, {"dropout": {"key": {"value": np.zeros(2, np.uint32)}}})
+    np.testing.assert_array_equal(
+        data["dropout"]["key"]["value"], jax.random.key_data(rngs.dropout.key[...])
+    )
+
+
 class Dense(nn.Module):
     @nn.compact
     def __call__(self, x):

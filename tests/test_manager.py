@@ -268,3 +268,22 @@ def test_a_process_that_exits_right_after_making_a_manager_exits_cleanly(tmp_pat
             env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_orbax_args_are_refused_saying_what_to_pass(tmp_path):
+    """An Orbax user's habit (`args=ocp.args.StandardSave(...)`, `Composite`) meets a
+    TypeError that says what snapshard's manager takes, before anything is written."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    state = {"w": np.ones(3, np.float32)}
+    with CheckpointManager(tmp_path, async_save=False) as m:
+        m.save(2, state)
+        for call in (
+            lambda: m.save(4, ocp.args.Composite(state=ocp.args.StandardSave(state))),
+            lambda: m.save(4, ocp.args.StandardSave(state)),
+            lambda: m.restore(2, ocp.args.StandardRestore(state)),
+            lambda: m.restore(2, args=ocp.args.Composite(state=ocp.args.StandardRestore(state))),
+        ):
+            with pytest.raises(TypeError, match=r"Orbax's \w+: snapshard's manager takes the tree"):
+                call()
+        assert m.all_steps() == [2]
+        assert np.array_equal(m.restore(2, state)["w"], state["w"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 
 import jax
@@ -14,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 import snapshard
 from orbax_writer import LAYOUTS, save_manager, save_pytree, state_tree
 
-from conftest import mesh
+from conftest import mesh, sharded
 
 pytest.importorskip("orbax.checkpoint")
 pytest.importorskip("tensorstore")
@@ -105,9 +106,9 @@ def test_partial_restore_reads_only_the_target(orbax_dirs, tmp_path):
     out = snapshard.load(ckpt, target, stats=stats)
     assert same_bits(out["params"]["emb"], tree["params"]["emb"]) and out["step"] == 1000
     assert stats.bytes_read == tree["params"]["emb"].nbytes
-    # Reading everything meets the missing chunks: zarr fills them, so values change.
-    full = snapshard.load(ckpt)
-    assert not same_bits(full["params"]["w"], tree["params"]["w"])
+    # Reading everything meets the missing chunks: refused, as Orbax refuses them.
+    with pytest.raises(snapshard.CorruptCheckpointError, match=r"leaf 'params/w'.*missing"):
+        snapshard.load(ckpt)
 
 
 def test_dtype_cast_and_numpy_target(orbax_dirs):
@@ -205,3 +206,35 @@ def test_unreadable_orbax_checkpoints_say_why(orbax_dirs, tmp_path, monkeypatch)
         snapshard.SnapshardError, match=r"Orbax checkpoint; reading it needs TensorStore"
     ):
         snapshard.metadata(dirs["zarr"])
+
+
+@pytest.mark.parametrize("layout", ["zarr", "zarr3"])
+def test_a_missing_chunk_is_refused_not_read_as_zeros(tmp_path, layout):
+    """Orbax reads a chunk missing from storage as an error; so do load, convert and verify."""
+    w = np.arange(64, dtype=np.float32).reshape(8, 8) + 1
+    saved = save_pytree(tmp_path / "o", {"w": sharded(w, mesh(8), "data")}, layout)
+    (saved / "w" / ("3.0" if layout == "zarr" else "c/3/0")).unlink()  # rows 3 of 8 chunks
+    with pytest.raises(snapshard.CorruptCheckpointError, match=r"leaf 'w'.*missing"):
+        snapshard.load(saved)
+    for command in (["convert", str(saved), str(tmp_path / "c")], ["verify", str(saved)]):
+        run = subprocess.run(
+            [sys.executable, "-m", "snapshard", *command], capture_output=True, text=True
+        )
+        assert run.returncode != 0 and "leaf 'w'" in run.stdout + run.stderr, run
+    assert not (tmp_path / "c").exists()
+
+
+def test_int_dict_keys_match_as_orbax_matches_them(tmp_path):
+    """Orbax saves every dict key as text ("0"); a target's int keys (an optax state's, an
+    nnx.List's) find them, as in Orbax's own restore."""
+    import orbax.checkpoint as ocp
+
+    tree = {"opt": {0: np.ones(2, np.float32), 1: np.zeros(3, np.int32)}, "l": [np.ones(1)]}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((tmp_path / "o").absolute(), tree)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    got = snapshard.load(tmp_path / "o", target)
+    assert list(got["opt"]) == [0, 1]
+    assert all(same_bits(got["opt"][k], tree["opt"][k]) for k in (0, 1))
+    with pytest.raises(snapshard.TargetMismatchError, match=r"'opt/2' of the target"):
+        snapshard.load(tmp_path / "o", {"opt": {2: target["opt"][0]}})

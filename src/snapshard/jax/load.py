@@ -49,14 +49,31 @@ def _is_python_value(x: Any) -> bool:
 
 
 def _match_target(manifest: Manifest, target: Any, url: str) -> TargetTree:
-    """The target's leaves by path, each checked to be in the checkpoint."""
+    """The target's leaves by their paths in the checkpoint, each checked to be there. A
+    target's int dict key matches a saved key of its text where nothing else does, as Orbax
+    matches them (it saves every dict key as text: an optax state's, an nnx.List's)."""
     refuse_empty_containers(url, target, (leaf.name for leaf in manifest.leaves))
     tree = flatten_target(target, is_target_leaf)
     saved = manifest.leaf_by_path()
+    as_text: dict[Path, Path] | None = None
+    paths = []
     for path in tree.paths:
         if path not in saved:
-            raise missing_target_leaf(url, path, saved)
-    return tree
+            if as_text is None:
+                as_text = {_text(p): p for p in saved}
+            found = as_text.get(_text(path))
+            if found is None:
+                raise missing_target_leaf(url, path, saved)
+            path = found
+        paths.append(path)
+    if as_text is None:
+        return tree
+    rebuild, pairs = tree.rebuild, list(zip(tree.paths, paths, strict=True))
+    return TargetTree(paths, tree.leaves, lambda values: rebuild({o: values[p] for o, p in pairs}))
+
+
+def _text(path: Path) -> Path:
+    return tuple(str(k) for k in path)
 
 
 @collection_paused()

@@ -30,7 +30,7 @@ from .framework import Framework, tier_of
 from .listing import steps_text
 from .policies import ManagerPolicies, StepInfo, young_daly_interval
 from .tier_config import LocalTier, RestoreReport, TierReport
-from .writer import StepWriter
+from .writer import StepWriter, refuse_orbax_args
 
 log = logging.getLogger("snapshard")
 DEFAULT_POLICIES = ManagerPolicies()
@@ -246,6 +246,9 @@ class CheckpointManager(StepWriter):
         it read. Of `options`, the local tier uses `timeout_s` alone (its copies are read
         whole, verified, from node-local files), and `stats` is filled by persistent
         restores only."""
+        refuse_orbax_args(target, "restore")
+        if "args" in load_args:
+            refuse_orbax_args(load_args["args"], "restore")
         if options is None:
             options = self._read_options
         require(options, ReadOptions)

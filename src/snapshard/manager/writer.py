@@ -55,6 +55,17 @@ class BackgroundSaveError(SnapshardError):
         )
 
 
+def refuse_orbax_args(value: Any, call: str) -> None:
+    """Orbax's args objects (`ocp.args.StandardSave`, `Composite`, ...) where a tree or a
+    target belongs: an error saying what to pass, before anything reads them as a tree."""
+    if (type(value).__module__ or "").startswith("orbax."):
+        raise TypeError(
+            f"CheckpointManager.{call} got Orbax's {type(value).__name__}: snapshard's manager "
+            "takes the tree itself (save(step, state), restore(step, target)); to keep "
+            "Orbax's CheckpointManager, give it snapshard.orbax.Handler (docs/integrations.md)"
+        )
+
+
 class StepWriter(StepListing):
     """The saving part of a CheckpointManager (manager.py; see the module docstring)."""
 
@@ -188,6 +199,7 @@ class StepWriter(StepListing):
                 f"{self._root.url}: this CheckpointManager is read_only: it restores and lists, "
                 "and saves nothing (make one without read_only=True to save)"
             )
+        refuse_orbax_args(tree, "save")
         self._check_new_step(step)
         persistent = force or self._save_policy.should_save(step)
         local = self._local is not None and (force or self._local.tier.should_save(step))

@@ -202,7 +202,11 @@ def _open_arrays(
     driver = "zarr3" if use_zarr3 else "zarr"
     futures = {
         e: ts.open(
-            {"driver": driver, "kvstore": kvstores[e]}, context=item.context, open=True, read=True
+            # A chunk missing from storage is an error, as Orbax reads it, not zeros
+            {"driver": driver, "kvstore": kvstores[e], "fill_missing_data_reads": False},
+            context=item.context,
+            open=True,
+            read=True,
         )
         for e in wanted
     }

@@ -137,7 +137,8 @@ def _resolve(saved: ArrayLeaf, target: Any, url: str, mesh: Any) -> tuple[str, n
     """(kind, dtype, sharding) of the request for `saved` given its target leaf, checked."""
     name = saved.name
     saved_dtype = dtype_from_name(saved.dtype)
-    if is_jax_array(target) or is_shape_dtype_struct(target):
+    jax_target = is_jax_array(target) or is_shape_dtype_struct(target)
+    if jax_target:
         shape, dtype = tuple(target.shape), target.dtype
         sharding = jax_wing().resolve_target_sharding(
             getattr(target, "sharding", None), mesh, leaf=name
@@ -159,7 +160,10 @@ def _resolve(saved: ArrayLeaf, target: Any, url: str, mesh: Any) -> tuple[str, n
         raise TargetMismatchError(
             f"{url}: leaf {name!r} has shape {expected} in the checkpoint, the target asks for {shape}"
         )
-    if wants_key:
+    # Typed keys that a JAX target asks for as their key data (Orbax's recipe of a target,
+    # `to_shape_dtype_struct`, makes them so) come back typed, as Orbax restores them
+    as_data = saved.kind == LeafKind.PRNG_KEY and jax_target and dtype == saved_dtype
+    if wants_key or as_data:
         return "key", saved_dtype, sharding
     if sharding is None:
         return ("scalar" if isinstance(target, np.generic) else "numpy"), np.dtype(dtype), None
