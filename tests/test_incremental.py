@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -195,6 +196,34 @@ def test_a_resumed_run_revisits_retained_steps_whose_own_bases_are_gone(tmp_path
             assert_same(m.restore(step), state(step))
 
 
+@pytest.mark.parametrize("gone", ["base", "its base"])
+def test_a_base_deleted_by_hand_fails_one_save_and_the_next_writes_whole(tmp_path, gone):
+    """The newest step (the next save's base) deleted by hand, or the step it refers to (a
+    resumed run): the save that met it fails naming it, and the one after writes whole,
+    then refers to itself again, instead of failing at every save from then on."""
+    import shutil
+
+    first = CheckpointManager(tmp_path, incremental=True)
+    for step in (1, 2):
+        first.save(step, tree(step))
+    first.wait_until_finished()
+    if gone == "its base":  # a resumed run: the newest step refers to step 1
+        first.close()
+        shutil.rmtree(tmp_path / "1")
+    else:  # the running manager's newest step
+        shutil.rmtree(tmp_path / "2")
+    with first if gone == "base" else CheckpointManager(tmp_path, incremental=True) as m:
+        m.save(3, tree(3))
+        with pytest.raises(snapshard.BackgroundSaveError, match=r"step 3.*(no checkpoint|'1')"):
+            m.wait_until_finished()
+        for step in (4, 5):
+            m.save(step, tree(step))
+        m.wait_until_finished()
+        assert m.tier_reports()[4].persistent_bytes > m.tier_reports()[5].persistent_bytes
+        for step in (4, 5):
+            assert_same(m.restore(step), tree(step))
+
+
 def test_retained_step_is_deleted_once_nothing_refers_to_it(tmp_path):
     with CheckpointManager(tmp_path, max_to_keep=1, incremental=True) as m:
         m.save(1, {"a": np.ones(1000, np.float32)})
@@ -343,7 +372,7 @@ def test_a_plain_manager_never_deletes_what_kept_steps_refer_to(tmp_path):
     assert steps_on_disk(tmp_path) == ["3", "4"]
 
 
-def test_ls_shows_retained_steps_and_verify_skips_unused_slots(tmp_path):
+def test_ls_shows_retained_steps_and_verify_skips_unused_slots(tmp_path, capsys):
     from snapshard.cli.ls import list_checkpoints
 
     with CheckpointManager(tmp_path, max_to_keep=1, incremental=True) as m:
@@ -352,6 +381,15 @@ def test_ls_shows_retained_steps_and_verify_skips_unused_slots(tmp_path):
     states = {e["name"]: e["state"] for e in list_checkpoints(str(tmp_path))["checkpoints"]}
     assert states == {"1": "retained", "3": "complete"}
     assert cli_main(["verify", str(tmp_path / "3")]) == 0
+    # a retained step is said to be one, not read as a damaged checkpoint
+    kept_only = r"kept only for the files later steps refer to"
+    with pytest.raises(snapshard.CheckpointNotFoundError, match=kept_only):
+        snapshard.load(tmp_path / "1")
+    capsys.readouterr()
+    assert cli_main(["verify", str(tmp_path / "1")]) == 2
+    assert re.search(kept_only, capsys.readouterr().err)
+    assert cli_main(["info", str(tmp_path / "1")]) == 0
+    assert "retained for later steps' references, not restorable" in capsys.readouterr().out
     # a slot no chunk uses is null: w (file 0 of 4, alone) changes, emb (file 1) does not
     t = tree(5)
     t["frozen"]["w"] = t["frozen"]["w"] + 1

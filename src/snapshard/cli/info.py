@@ -10,6 +10,7 @@ from typing import Any
 from ..format import ArrayLeaf, Leaf, Manifest
 from ..format.kinds import LeafKind
 from ..format.leaves import PerProcessLeaf
+from ..manager.references import is_retained
 from .ls import open_for_command
 from .options import add_listing_options, name_selector, shown_count
 from .output import (
@@ -79,6 +80,8 @@ def checkpoint_doc(
         doc.update(version=m.version_text, write_mode=m.write_mode)  # "2.1": as the manifest says
         if "step" in m.extra:
             doc["step"] = m.extra["step"]
+        if reader.storage is not None and is_retained(reader.storage):
+            doc["retained"] = True  # its files kept for later steps' references: no step
         if m.extra.get("metrics") is not None:
             doc["metrics"] = m.extra["metrics"]
     elif "layout" in m.extra:
@@ -127,6 +130,8 @@ def render(doc: dict[str, Any]) -> str:
     head.append(f"{human_bytes(doc['bytes'])} in {doc['leaf_count']} leaves")
     if doc.get("step") is not None:
         head.append(f"step {doc['step']}")
+    if doc.get("retained"):
+        head.append("retained for later steps' references, not restorable")
     if doc.get("metrics"):
         head.append(f"metrics {format_metrics(doc['metrics'])}")
     rows = []

@@ -18,6 +18,9 @@ FORMAT_MINOR = 1
 LEAF_MAP_MINOR = 2
 READ_VERSIONS: tuple[int | str, ...] = (1, 2, "2.1", "2.2")
 MANIFEST_NAME = "manifest.json"
+# Beside the manifest of a step kept only for the files later steps refer to (its other
+# files trimmed: manager/references.py): no checkpoint to read
+RETAINED_MARKER = "RETAINED"
 DATA_DIR = "data"
 INDEX_DIR = "index"
 _SAFE_NAME = re.compile(r"(data|index)/[A-Za-z0-9][A-Za-z0-9._-]{0,200}")

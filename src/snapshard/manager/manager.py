@@ -91,7 +91,9 @@ class CheckpointManager(StepWriter):
         fails there with WriterLeaseError naming the holder: another job by its host and
         pid, another manager of this process by where it was made.
         `incremental`: every step records its chunks' content hashes and refers to the
-        newest kept step for chunks that did not change (see references.py).
+        newest kept step for chunks that did not change (see references.py); a save after
+        one that failed writes whole, since the failure may have been its base's (a step
+        deleted by hand).
         `framework`: whose arrays the trees hold (see framework.py); `snapshard.torch`'s
         CheckpointManager passes PyTorch's (None: JAX's)."""
         # None: JAX's (the face `snapshard.CheckpointManager` imports the JAX wing)

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ..format.manifest import Manifest
+from ..format.naming import RETAINED_MARKER
 from ..format.reading import read_manifest
 from ..format.refs import referenced_files
 from ..frameworks import is_jax_array
@@ -29,8 +30,6 @@ from ..storage.local import LocalStorage
 from ..tree import FlatTree, Path
 
 log = logging.getLogger("snapshard")
-
-RETAINED_MARKER = "RETAINED"
 
 
 def is_retained(storage: Storage) -> bool:

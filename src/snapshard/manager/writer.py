@@ -111,6 +111,10 @@ class StepWriter(StepListing):
         self._writing = False  # every process: the writer's start-up has run
         self._references = References(self._root)  # (references.py)
         self._saved_arrays: tuple[int, dict[Any, Any]] | None = None
+        # An incremental save refers to the newest step only after a save committed: a
+        # save that failed may have failed for its base (deleted by hand, or a step it
+        # refers to), so the next one writes whole, alike on every process
+        self._base_ok = True
         self._local = self._local_store(local_tier)
 
     def _local_store(self, tier: LocalTier | None) -> Any:
@@ -305,7 +309,9 @@ class StepWriter(StepListing):
         incremental: dict[str, Any] = {}
         if self._incremental:
             options = replace(options, hashes=True)
-            incremental = self._increment_from(flat)
+            if self._base_ok:
+                incremental = self._increment_from(flat)
+            self._base_ok = False  # (until _after_commit)
         storage = self._root.child(str(step))
         if self._lease is not None:
             storage.commit_guard = self._lease.verify
@@ -328,6 +334,7 @@ class StepWriter(StepListing):
         `based`: the step's save had a base (see _start_persistent)."""
         if not based and self._coord.is_leader:  # retention need not read its manifest back
             self._references.saved_whole(str(step))
+        self._base_ok = True
         with self._lock:
             self._steps[step] = StepInfo(step, metrics, time.time())
             doomed = self._retention.to_delete(self._steps.values())

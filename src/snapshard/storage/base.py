@@ -42,6 +42,15 @@ def deleted_while_read(url: str, name: str) -> CheckpointNotFoundError:
     )
 
 
+def retained_step(url: str) -> CheckpointNotFoundError:
+    """The error of a read of a step kept only for the files later steps refer to."""
+    return CheckpointNotFoundError(
+        f"{url}: this step is kept only for the files later steps refer to (a "
+        "CheckpointManager's retention dropped it, an incremental run's later steps use its "
+        "data); it is no checkpoint to read: read a kept step"
+    )
+
+
 def buffer_nbytes(p: Buffer) -> int:
     """How many bytes a buffer holds (bytes, memoryviews, NumPy arrays and scalars)."""
     n = getattr(p, "nbytes", None)

@@ -27,10 +27,10 @@ from ..errors import (
     CorruptCheckpointError,
     StorageError,
 )
-from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME
+from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME, RETAINED_MARKER
 from ..format.refs import check_checkpoint_name, split_ref_name
 from .atomic_rename import fsync_dir, is_empty_dir, move_into_place
-from .base import FileWriter, Storage, deleted_while_read
+from .base import FileWriter, Storage, deleted_while_read, retained_step
 from .local_files import LocalFileWriter, is_regular, open_checkpoint_file, pread_into, read_fd
 from .owner_records import ensure_owner_record, remove_own_record
 from .stale_staging import DELETING_SUFFIX, STAGING_SUFFIX, sweep
@@ -300,6 +300,8 @@ class LocalStorage(Storage):
         damaged."""
         if not is_regular(self.final / MANIFEST_NAME):
             return deleted_while_read(self.url, name)
+        if is_regular(self.final / RETAINED_MARKER):
+            return retained_step(self.url)
         return CorruptCheckpointError(f"{self.url}: file {name!r} is missing")
 
     def file_size(self, name: str) -> int:

@@ -25,9 +25,9 @@ from ..errors import (
     StorageError,
 )
 from ..format.manifest import Manifest
-from ..format.naming import MANIFEST_NAME
+from ..format.naming import MANIFEST_NAME, RETAINED_MARKER
 from ..format.refs import split_ref_name
-from .base import CheckpointRoot, FileWriter, Storage, deleted_while_read
+from .base import CheckpointRoot, FileWriter, Storage, deleted_while_read, retained_step
 from .bucket import TransferConfig
 from .lease import LEASE_DIR, LeaseFiles
 from .object_client import ObjectClient, RequestStats
@@ -181,6 +181,8 @@ class ObjectStorage(Storage):
         except CorruptCheckpointError:
             if not self.is_committed():  # (its marker goes first when it is deleted)
                 raise deleted_while_read(self.url, name) from None
+            if self.client.exists(RETAINED_MARKER):
+                raise retained_step(self.url) from None
             raise
 
     def delete(self) -> None:
