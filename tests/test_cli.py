@@ -316,6 +316,30 @@ def test_convert_to_safetensors_loads_bit_exact(saved, tmp_path, capsys):
     assert not doc["added"] and not doc["values"]
 
 
+def test_safetensors_written_by_convert_are_read_back_by_every_command(saved, tmp_path, capsys):
+    """A selection counts what it wrote and refuses a pattern matching nothing; the files
+    convert writes (one, several with an index, or any file name) are read by the CLI."""
+    pytest.importorskip("snapshard.safetensors")
+    one = tmp_path / "w.safetensors"
+    code, doc = run_json(capsys, "convert", saved, one, "--to", "safetensors", "--select", "w")
+    w = snapshard.load(saved)["w"]
+    assert code == 0 and (doc["arrays"], doc["bytes"]) == (1, w.nbytes)
+    code, _, err = run(capsys, "convert", saved, tmp_path / "x.safetensors", "--to",
+                       "safetensors", "--select", "typo")  # fmt: skip
+    assert code == 2 and "select pattern 'typo' matches no leaf" in err
+    assert not (tmp_path / "x.safetensors").exists()
+    several = tmp_path / "sharded"
+    argv = ["--to", "safetensors", "--select", "w", "--select", "odd", "--max-file-mb", "0.001"]
+    assert run(capsys, "convert", saved, several, *argv)[0] == 0
+    renamed = tmp_path / "w.bin"
+    renamed.write_bytes(one.read_bytes())
+    for where in (several, several / "model.safetensors.index.json", renamed):
+        code, doc = run_json(capsys, "info", where)
+        assert code == 0 and doc["format"] == "safetensors", where
+    code, doc = run_json(capsys, "diff", renamed, one, "--values")
+    assert code == 0 and doc["identical"]
+
+
 # ---- for every command ------------------------------------------------------------------
 
 

@@ -173,6 +173,9 @@ def test_names_clash_and_bad_options(tmp_path):
         sst.save(tmp_path / "x.safetensors", s, prng_keys="maybe")
     with pytest.raises(snapshard.UnsupportedLeafError, match="select="):
         sst.save(tmp_path / "x.safetensors", s)  # 'step' is a Python value
+    with pytest.raises(ValueError, match=r"select pattern 'modle' matches no leaf"):
+        sst.save(tmp_path / "x.safetensors", s, select=["model", "modle"])
+    assert not (tmp_path / "x.safetensors").exists()
     names = sst.export_names(select=["opt.mu", "model.blocks.*.norm*"])
     assert names.selects("opt.mu") and not names.selects("opt.count")
     assert names.selects("model.blocks.1.norm.value") and not names.selects("model.rng")

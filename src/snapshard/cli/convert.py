@@ -183,6 +183,8 @@ def to_safetensors(
                                progress=bar.update, max_file_bytes=args.max_file_bytes)  # fmt: skip
     return {
         "destination": os.path.abspath(args.dst),
+        "arrays": len(chosen),  # (what was written, where a selection leaves leaves out)
+        "bytes": sum(leaf.nbytes for _, leaf in chosen),
         "skipped": skipped,
         "files": result.files,
         "names": renamed,
@@ -194,6 +196,7 @@ def _chosen_leaves(
 ) -> tuple[list[tuple[str, ArrayLeaf]], list[str]]:
     """The arrays `names` selects, with their default tensor names, and the leaves left
     out: values (safetensors holds arrays only) and PRNG keys under prng_keys='skip'."""
+    names.check_selected([leaf_name(leaf.path) for leaf in m.leaves])
     skipped = [
         leaf.name
         for leaf in m.leaves
@@ -326,7 +329,8 @@ def _run(args: argparse.Namespace, out: Output) -> int:
             f"{doc['arrays']} arrays, {human_bytes(doc['bytes'])}"
         )
         if doc["skipped"]:
-            line += f"; skipped {len(doc['skipped'])} leaves: {', '.join(doc['skipped'])}"
+            n = len(doc["skipped"])
+            line += f"; skipped {n} {'leaf' if n == 1 else 'leaves'}: {', '.join(doc['skipped'])}"
         return line
 
     out.result(doc, text)

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..dtypes import dtype_from_name
 from ..format import ArrayLeaf, Leaf, Manifest
+from ..format.naming import MANIFEST_NAME
 
 # The restore path's own request and buffer types: reads here run exactly the code (and the
 # checksum verification) of a restore.
@@ -86,11 +87,16 @@ def _view(d: Dest) -> np.ndarray:
 
 
 def is_safetensors(location: Location) -> bool:
-    """A `.safetensors` name, or a local file that starts like one (a header length, then '{')."""
+    """A `.safetensors` name or index (`….safetensors.index.json`), a local directory of
+    safetensors files with no manifest (what `convert --to safetensors` writes), or a local
+    file that starts like one (a header length, then '{')."""
     text = os.fspath(location)
-    if text.endswith(SAFETENSORS_SUFFIX):
+    if text.endswith((SAFETENSORS_SUFFIX, SAFETENSORS_SUFFIX + ".index.json")):
         return True
     path = local_path(text)
+    if path is not None and os.path.isdir(path):
+        names = os.listdir(path)
+        return MANIFEST_NAME not in names and any(n.endswith(SAFETENSORS_SUFFIX) for n in names)
     if path is None or not os.path.isfile(path):
         return False
     with open(path, "rb") as f:

@@ -64,6 +64,7 @@ class _File:
 def _tensors(tree: Any, process_count: int, names: ExportNames) -> tuple[list[_Tensor], list[str]]:
     """The tensors to write (in the file order) and the leaves skipped."""
     flat = flatten(tree, is_save_leaf)
+    names.check_selected([leaf_name(path) for path in flat.paths])
     chosen: list[tuple[str, SaveArray]] = []
     skipped: list[str] = []
     for path, value in zip(flat.paths, flat.leaves, strict=True):

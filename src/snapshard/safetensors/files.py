@@ -43,7 +43,10 @@ class FileSet:
 def _split(location: str) -> tuple[str, str | None]:
     """(directory, file name or None) of a location naming a directory, a file or an index."""
     loc = parse_location(location)
-    if location.endswith("/") or not loc.path.endswith((SUFFIX, ".json")):
+    named = loc.path.endswith((SUFFIX, ".json"))
+    if not named and loc.local_path is not None and os.path.isfile(loc.local_path):
+        named = True  # a local file of any name (`model.bin`): recognised by its header
+    if location.endswith("/") or not named:
         return location, None
     if loc.scheme:
         return loc.parent_and_name()

@@ -56,6 +56,16 @@ class ExportNames:
             for p in self.select
         )
 
+    def check_selected(self, names: list[str]) -> None:
+        """Refuse a select pattern that matches none of `names` (a typo would otherwise
+        write a file without the tensors it was meant for)."""
+        for p in self.select:
+            if not any(ExportNames((p,)).selects(n) for n in names):
+                shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+                raise ValueError(
+                    f"select pattern {p!r} matches no leaf (leaves: {shown or 'none'})"
+                )
+
     def renamed(self, name: str) -> str:
         for pattern, replacement in self.rename:
             name = re.sub(pattern, replacement, name)
