@@ -127,6 +127,11 @@ def test_base_must_be_a_sibling(tmp_path):
     snapshard.save(tmp_path / "x" / "a", tree(1), options=SaveOptions(hashes=True))
     with pytest.raises(ValueError, match="beside it"):
         snapshard.save(tmp_path / "b", tree(1), base=tmp_path / "x" / "a")
+    with pytest.raises(ValueError, match=r"x/a/ is itself"):
+        snapshard.save(tmp_path / "x" / "a", tree(1), base=f"{tmp_path}/x/a/", overwrite=True)
+    snapshard.save(tmp_path / "x" / "a+b", tree(1), options=SaveOptions(hashes=True))
+    with pytest.raises(ValueError, match=r"a\+b: .* letters, digits"):  # not "corrupt"
+        snapshard.save(tmp_path / "x" / "c", tree(1), base=tmp_path / "x" / "a+b")
 
 
 def test_sharded_jax_arrays_refer_box_by_box(tmp_path):

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import SnapshardError
+from ..errors import CorruptCheckpointError, SnapshardError
 from ..format import records as rec
 from ..format.files import FileEntry
 from ..format.finder import ChunkFinder
@@ -181,12 +181,20 @@ def check_base_location(base: Location | Storage, target: Storage) -> str:
     parent, name = checkpoint_parent_and_name(base)
     tparent, tname = checkpoint_parent_and_name(target)
     url = base.url if isinstance(base, Storage) else os.fspath(base)
-    if parent != tparent or name == tname:
+    if parent != tparent:
         raise ValueError(
             f"the base of an incremental save must be another checkpoint beside it: "
             f"{url} is not under {tparent}"
         )
-    return check_checkpoint_name(name, url)
+    if name == tname:
+        raise ValueError(f"the base of an incremental save is another checkpoint: {url} is itself")
+    try:
+        return check_checkpoint_name(name, url)
+    except CorruptCheckpointError:  # (a reader's error, where a manifest names it)
+        raise ValueError(
+            f"{url}: the base of an incremental save is named in the new checkpoint's "
+            "manifest, so its name has letters, digits, '.', '_' and '-' only, and no '..'"
+        ) from None
 
 
 def box_key(start: Any, stop: Any) -> bytes:
