@@ -33,6 +33,8 @@ def global_arrays():
         "b": rng.standard_normal((64,), dtype=np.float32),
         "i": rng.integers(0, 1 << 30, (32, 8, 4), dtype=np.int32),
         "odd": rng.standard_normal((7, 5), dtype=np.float32),  # fits no read sharding
+        # layers alike: read once stacked (jax/read_once.py)
+        **{f"l{k}": rng.standard_normal((64, 32), dtype=np.float32) for k in range(3)},
     }
 
 
@@ -58,6 +60,7 @@ def save(args) -> None:
         "b": put(g["b"]),
         "i": put(g["i"], "data"),
         "odd": put(g["odd"]),
+        "layers": [put(g[f"l{k}"], "data", "model") for k in range(3)],
     }
     if args.safetensors:
         import snapshard.safetensors
@@ -111,6 +114,7 @@ def restored(args, pid: int, n: int, **tag: str) -> dict:
         "b": sds(g["b"], P()),
         "i": sds(g["i"], cols),
         "odd": sds(g["odd"], P()),
+        "layers": [sds(g[f"l{k}"], cols) for k in range(3)],
     }
     target = dict(arrays)
     if not args.safetensors:
@@ -156,12 +160,16 @@ def restored(args, pid: int, n: int, **tag: str) -> dict:
     seconds = time.perf_counter() - t0
     ok = True
     unique = 0
-    for name, x in [("w", out["params"]["w"]), ("e", out["params"]["e"])] + [
-        (k, out[k]) for k in ("b", "i", "odd")
+    layers = [(f"l{k}", out["layers"][k], arrays["layers"][k]) for k in range(3)]
+    for name, x, want in [
+        ("w", out["params"]["w"], arrays["params"]["w"]),
+        ("e", out["params"]["e"], arrays["params"]["e"]),
+        *[(k, out[k], arrays[k]) for k in ("b", "i", "odd")],
+        *layers,
     ]:
         ref = g[name]
         unique += ref.nbytes
-        ok &= x.sharding == (arrays["params"][name] if name in "we" else arrays[name]).sharding
+        ok &= x.sharding == want.sharding
         for s in x.addressable_shards:
             ok &= np.asarray(s.data).tobytes() == ref[s.index].tobytes()
     if not args.safetensors:

@@ -7,7 +7,8 @@ device: the mesh axes the target leaves unused are appended to the spec of one a
 (the first, in axis order, whose length they divide), after the axes already cutting it,
 so that each device reads a piece of its own target box. Each process reads its boxes of
 the read sharding through the ordinary restore executor, and one jitted identity with the
-target as output sharding moves the bytes (an all-gather over the job's collectives).
+target as output sharding moves the bytes (an all-gather over the job's collectives);
+arrays of one kind move stacked (`_stacks`), one collective a stack.
 
 Collectives must be entered by every process, so before them the processes agree, through
 the coordinator, that every read of the batch succeeded: a process whose read failed
@@ -323,10 +324,109 @@ def plan(
     return out
 
 
-def _once_request(o: _Once) -> Request:
-    """The request that reads `o`'s array on its read sharding."""
+def _once_request(o: _Once, stacked: bool) -> Request:
+    """The request that reads `o`'s array on its read sharding (`stacked`: as the host
+    arrays of this process's boxes, which `_stacked` stacks with others of its kind)."""
     r = o.request
-    return request_boxes(Request(r.saved, "jax", r.dtype, o.read_sharding), o.read_sharding)
+    kind = "boxes" if stacked else "jax"
+    return request_boxes(Request(r.saved, kind, r.dtype, o.read_sharding), o.read_sharding)
+
+
+# Read-once arrays of one kind (shape, dtype, read and target sharding) move stacked on a
+# new first axis, up to this many bytes a stack: one collective and two small programs a
+# stack, where a program moving each array costs a collective per array and compiles for a
+# time that grows faster than its arrays (minutes for 10,000 arrays on a CPU).
+STACK_BYTES = 64 << 20
+
+
+def _stacks(batch: list[int], once: dict[int, _Once]) -> list[list[int]]:
+    """The batch cut into stacks of one kind within STACK_BYTES (an array of no other's
+    kind, or not on NamedShardings, alone), in the order each stack's first array comes:
+    the same on every process, whose plans are alike."""
+    from jax.sharding import NamedSharding
+
+    open_stacks: dict[tuple[Any, ...], list[int]] = {}
+    out: list[list[int]] = []
+    for i in batch:
+        o = once[i]
+        r = o.request
+        if not isinstance(o.read_sharding, NamedSharding) or not isinstance(
+            r.sharding, NamedSharding
+        ):
+            out.append([i])
+            continue
+        key = (tuple(r.saved.shape), r.dtype, o.read_sharding, r.sharding)
+        stack = open_stacks.get(key)
+        size = math.prod(r.saved.shape) * r.dtype.itemsize
+        if stack is None or (len(stack) + 1) * size > STACK_BYTES:
+            stack = open_stacks[key] = []
+            out.append(stack)
+        stack.append(i)
+    return out
+
+
+def _with_stack_axis(sharding: jax.sharding.Sharding) -> NamedSharding:
+    """A NamedSharding (what `_stacks` stacks) with a whole stack axis first."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    assert isinstance(sharding, NamedSharding)
+    return NamedSharding(sharding.mesh, P(None, *sharding.spec), memory_kind=sharding.memory_kind)
+
+
+def _stacked(pieces: list[list[np.ndarray]], o: _Once, plan_boxes: tuple[Any, ...]) -> Any:
+    """The arrays of one stack as one array on their read sharding with a stack axis first:
+    `pieces` are each array's host boxes, in the order of `plan_boxes` (its box plan)."""
+    from .arrays import local_device_boxes
+    from .assemble import array_from_host_boxes
+
+    r = o.request
+    shape = (len(pieces), *r.saved.shape)
+    sharding = _with_stack_axis(o.read_sharding)
+    boxes = local_device_boxes(sharding, shape)
+    at = {(tuple(s), tuple(e)): j for j, (s, e, _) in enumerate(plan_boxes)}
+    blocks = [np.stack([p[at[(tuple(s[1:]), tuple(e[1:]))]] for p in pieces]) for s, e, _ in boxes]
+    return array_from_host_boxes(shape, sharding, boxes, blocks, r.dtype)
+
+
+@lru_cache(maxsize=64)
+def _unstack(sharding: jax.sharding.Sharding) -> Any:
+    """One program taking the k-th array of a stack onto `sharding` (k an argument: one
+    compilation for every k; each device slices its own shard, no collective)."""
+    import jax
+    from jax import lax
+
+    return jax.jit(
+        lambda a, k: lax.dynamic_index_in_dim(a, k, 0, keepdims=False), out_shardings=sharding
+    )
+
+
+def _move(
+    stacks: list[list[int]], once: dict[int, _Once], reqs: dict[int, Request], built: dict[int, Any]
+) -> dict[int, Any]:
+    """The arrays read on their read shardings (`built`), moved onto their targets: those
+    alone in one program, then each stack, waited for before the next (programs whose
+    collectives could run at once on a process would not meet the others' in order)."""
+    import jax
+
+    from .arrays import outside_context_mesh
+
+    alone = [s[0] for s in stacks if len(s) == 1]
+    moved = _reshard_batch([once[i].request.sharding for i in alone], [built[i] for i in alone])
+    out = dict(zip(alone, moved, strict=True))
+    with outside_context_mesh():
+        for stack in (s for s in stacks if len(s) > 1):
+            o = once[stack[0]]
+            plan = reqs[stack[0]].box_plan
+            assert plan is not None
+            target = o.request.sharding
+            whole = _stacked([built[i] for i in stack], o, plan.boxes)
+            (there,) = _reshard((_with_stack_axis(target),))(whole)
+            jax.block_until_ready(there)
+            take = _unstack(target)
+            for k, i in enumerate(stack):
+                out[i] = take(there, np.int32(k))
+    return out
 
 
 def execute(
@@ -401,22 +501,25 @@ def _read_and_share(
     results: dict[int, Any] = {}
     costs = {i: o.cost for i, o in once.items()}
     for k, batch in enumerate(batches(sorted(once), costs.__getitem__, budget)):
-        arrays: list[Any] = []
+        stacks = _stacks(batch, once)
+        order = [i for s in stacks for i in s]
+        reqs = {i: _once_request(once[i], len(s) > 1) for s in stacks for i in s}
+        built: dict[int, Any] = {}
         if error is None:
             try:
-                arrays = execute_all(
-                    [_once_request(once[i]) for i in batch], read, memory_budget=None, stats=stats,
-                    expand=expand,
-                )  # fmt: skip
+                values = execute_all(
+                    [reqs[i] for i in order], read, memory_budget=None, stats=stats, expand=expand
+                )
+                built = dict(zip(order, values, strict=True))
             except Exception as e:
                 error = e
         all_succeeded(rv, f"read/{k}", error)
         t0 = time.perf_counter()
-        outs = _reshard_batch([once[i].request.sharding for i in batch], arrays)
-        del arrays
-        jax.block_until_ready(outs)
+        moved = _move(stacks, once, reqs, built)
+        del built
+        jax.block_until_ready(list(moved.values()))
         stats.reshard_s += time.perf_counter() - t0
-        for i, out in zip(batch, outs, strict=True):
-            results[i] = out
+        for i in batch:
+            results[i] = moved[i]
             stats.bytes_from_peers += once[i].from_peers
     return results

@@ -45,7 +45,8 @@ class _BoxPlan:
 @dataclass
 class Request:
     """One leaf to produce, a `Fill` (fills.py). kind: 'numpy', 'scalar', 'jax', 'key'
-    (typed PRNG key).
+    (typed PRNG key), 'boxes' (the host arrays of this process's boxes of `sharding`, in
+    the order of its box plan: what the JAX wing's read-once stacks, jax/read_once.py).
 
     Its buffers are made when its batch is read (`dests`) and dropped once `finish` has
     built `value` from them."""
@@ -253,6 +254,8 @@ def _build(req: Request, dests: list[Dest]) -> Any:
     assert plan is not None  # (every request is planned when made)
     dtype = req.dtype
     hosts = [host(d, dtype) for d in dests]
+    if req.kind == "boxes":
+        return hosts
     return wing.array_from_host_boxes(req.saved.shape, req.sharding, plan.boxes, hosts, dtype)
 
 
