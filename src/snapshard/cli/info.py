@@ -29,7 +29,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "info", parents=[common], help="leaves of a checkpoint: shape, dtype, bytes, sharding"
     )
-    p.add_argument("path", help="a snapshard or Orbax checkpoint, or a safetensors file")
+    p.add_argument("path", help="a snapshard or Orbax checkpoint, or safetensors")
     add_listing_options(p, "leaves")
     p.set_defaults(run=run)
 

@@ -62,7 +62,10 @@ def _entry(root: CheckpointRoot, name: str, committed: bool) -> dict[str, Any] |
         except CheckpointNotFoundError:  # (a writer's retention, beside this listing)
             return None
         except SnapshardError as e:
-            return {**entry, "format": "snapshard", "state": "unreadable", "error": str(e)}
+            return {
+                **entry, "format": "snapshard", "state": "unreadable", "time_unix": None,
+                "bytes": None, "error": str(e),
+            }  # fmt: skip
         finally:
             child.close()
         from ..manager.references import is_retained

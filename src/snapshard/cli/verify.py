@@ -31,7 +31,7 @@ from .tables import load_all_tables
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("verify", parents=[common], help="read every chunk and check every checksum")
-    p.add_argument("path", help="a snapshard or Orbax checkpoint")
+    p.add_argument("path", help="a snapshard or Orbax checkpoint, or safetensors")
     add_memory_option(p)
     p.set_defaults(run=run)
 

@@ -156,7 +156,8 @@ def _values_and_requests(
         if isinstance(leaf, ValueLeaf):
             if t is not None and not _is_python_value(t):
                 raise TargetMismatchError(
-                    f"{url}: leaf {leaf.name!r} is a saved {type(leaf.value).__name__} value, not an array"
+                    f"{url}: leaf {leaf.name!r} is a saved {type(leaf.value).__name__} value, not "
+                    "an array: give a Python value there in the target (or leave the leaf out)"
                 )
             results[path] = leaf.value
         else:
