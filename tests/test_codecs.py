@@ -233,3 +233,23 @@ def test_frames_without_their_size_in_the_header_read_back(tmp_path, monkeypatch
     reader = open_reader(tmp_path / "c")
     box = reader.read_box(reader.manifest.arrays[0], (7, 3), (300, 500))
     assert np.array_equal(box, x[7:300, 3:500])
+
+
+def test_verify_names_a_block_that_does_not_decompress_once(tmp_path, capsys):
+    """verify --json names the damaged chunk's file as a checksum mismatch names it (the
+    whole path), and its message names the chunk once."""
+    from snapshard.cli import main
+
+    snapshard.save(
+        tmp_path / "c", {"sparse": np.zeros(1 << 16, np.float32)},
+        options=SaveOptions(compression="zstd"),
+    )  # fmt: skip
+    (data,) = (tmp_path / "c" / "data").iterdir()
+    raw = bytearray(data.read_bytes())
+    raw[20] ^= 0xFF  # inside the first compressed block
+    data.write_bytes(bytes(raw))
+    capsys.readouterr()
+    assert main(["verify", str(tmp_path / "c"), "--json"]) == 1
+    problem = json.loads(capsys.readouterr().out)["problem"]
+    assert problem["file"] == str(data) and problem["leaf"] == "sparse"
+    assert problem["message"].count("chunk 0") == 1, problem["message"]

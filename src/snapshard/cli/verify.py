@@ -198,7 +198,7 @@ def check_batch(
             except ChecksumMismatchError as e:
                 return _mismatch(e), checked
             except (SnapshardError, OSError, ValueError) as e:
-                return _read_problem(reader.manifest, leaf, chunk, e), checked
+                return _read_problem(reader, leaf, chunk, e), checked
             checked += int(got.nbytes)
     return None, checked  # the batch failed once, but every chunk of it reads: no damage
 
@@ -207,10 +207,15 @@ def _mismatch(e: ChecksumMismatchError) -> dict[str, Any]:
     return {"message": str(e), "file": e.file, "leaf": e.leaf, "chunk": e.chunk, "block": e.block}
 
 
-def _read_problem(m: Manifest, leaf: ArrayLeaf, c: int, e: Exception) -> dict[str, Any]:
-    file = m.files[int(leaf.chunks.file[c])].name if m.files else None
+def _read_problem(
+    reader: CheckpointReader, leaf: ArrayLeaf, c: int, e: Exception
+) -> dict[str, Any]:
+    """The problem of chunk `c` of `leaf` that failed to read with `e` (a message that
+    names the chunk already is kept as it is; the file as a checksum mismatch names it)."""
+    m, where = reader.manifest, f"leaf {leaf.name!r}, chunk {c}"
+    file = f"{reader.url}/{m.files[int(leaf.chunks.file[c])].name}" if m.files else None
     return {
-        "message": f"leaf {leaf.name!r}, chunk {c}: {e}",
+        "message": str(e) if where in str(e) else f"{where}: {e}",
         "file": file,
         "leaf": leaf.name,
         "chunk": c,
