@@ -19,9 +19,12 @@ def test_targets_that_differ_by_process_and_the_local_tier_under_set_mesh(tmp_pa
     refused = "leaf 'cols' has shape (4, 8) in the checkpoint, the target asks for (4, 4)"
     assert refused in second["shape"]["error"]
     assert "process 1 failed" in first["shape"]["error"] and refused in first["shape"]["error"]
+    for r in (first, second):  # a checkpoint process 1 cannot open: both fail, naming it
+        assert "StorageError" in r["unopened"]["error"], r["unopened"]
+        assert "access denied (injected on process 1)" in r["unopened"]["error"]
     for r in (first, second):
         for case in ("missing", "dtype"):
             assert r[case]["error"] is None, r[case]
-        for case in ("shape", "missing", "dtype"):
+        for case in ("shape", "missing", "dtype", "unopened"):
             assert r[case]["then"], case  # later loads and saves paired, and equal
         assert r["local_tier"] == {"tier": "local", "equal": True}

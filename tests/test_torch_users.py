@@ -71,6 +71,18 @@ def test_a_target_refused_on_one_rank_fails_every_rank_at_once_naming_the_leaf(t
     assert "process 1 failed" in loaded[0]["refused"]["message"]
 
 
+def test_a_checkpoint_one_rank_cannot_open_fails_every_rank_at_once(two_ranks):
+    """Access refused on one rank (or the step deleted between the ranks' reads of its
+    manifest): every rank raises at once, naming it, and the next load pairs."""
+    _, _, loaded = two_ranks
+    for r in loaded:
+        got = r["unopened"]
+        assert "StorageError" in got["kinds"] and "access denied" in got["message"], got
+        assert got["seconds"] < 10, got  # not the other rank's timeout
+        assert got["then"] == [[3.0, 3.0]] * 6
+    assert "process 1 failed" in loaded[0]["unopened"]["message"]
+
+
 def test_per_rank_values_resplit_onto_one_rank(two_ranks):
     root, _, _ = two_ranks
     with pytest.raises(TargetMismatchError, match=r"leaf '(rng|loader)' .* saved by 2 processes"):

@@ -5,7 +5,8 @@ usage: jax_targets_differ.py DIR
    Saves three global arrays, then, for each case, process 1 loads with its own target
    while process 0 loads with the right one (read_once=True), then both load and save
    again: "shape" (process 1 asks for another shape: refused), "missing" (process 1 leaves
-   a leaf out), "dtype" (process 1 asks for bfloat16). Then a CheckpointManager with a
+   a leaf out), "dtype" (process 1 asks for bfloat16), "unopened" (process 1 cannot open
+   the checkpoint: refused). Then a CheckpointManager with a
    LocalTier saves and restores inside `with jax.set_mesh(mesh)` (Explicit axes).
    Reports, per case, the error (or None) and whether the loads after it came back equal.
 """
@@ -56,7 +57,15 @@ def main() -> None:
     path = f"{root}/ck"
     snapshard.save(path, {k: put(k) for k in data})
     out = {}
-    for case in ("shape", "missing", "dtype"):
+    from snapshard.errors import StorageError
+    from snapshard.reading import sources
+
+    opened = sources.open_checkpoint
+
+    def refused(*args):
+        raise StorageError(f"{path}: access denied (injected on process {pid})")
+
+    for case in ("shape", "missing", "dtype", "unopened"):
         mine = target()
         if pid == 1 and case == "shape":
             mine["cols"] = jax.ShapeDtypeStruct(
@@ -64,6 +73,8 @@ def main() -> None:
             )
         elif pid == 1 and case == "missing":
             del mine["cols"]
+        elif pid == 1 and case == "unopened":  # its credentials refused, or the step deleted
+            sources.open_checkpoint = refused
         elif pid == 1:
             mine = target(ml_dtypes.bfloat16)
         error = None
@@ -71,6 +82,7 @@ def main() -> None:
             snapshard.load(path, mine, opts)
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
+        sources.open_checkpoint = opened
         then = equal(snapshard.load(path, target(), opts))
         snapshard.save(path, {k: put(k) for k in data}, overwrite=True)
         out[case] = {"error": error, "then": then and equal(snapshard.load(path, target(), opts))}

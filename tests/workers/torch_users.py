@@ -176,10 +176,15 @@ def load(root: str, rank: int, world: int) -> dict[str, Any]:
     bad = {"w": torch.zeros(2, 6) if rank == 1 else torch.zeros(6, 2)}
     refused = attempt(lambda: sst.load(f"{root}/overwrite", bad, opts))
     refused["then"] = sst.load(f"{root}/overwrite", {"w": torch.zeros(6, 2)}, opts)["w"].tolist()
+    # Rank 1 cannot open the checkpoint (its credentials refused, or retention deleted the
+    # step between the ranks' reads of the manifest): both fail at once, naming it.
+    unopened = attempt(lambda: _load_unopened(sst, f"{root}/overwrite", rank, opts))
+    unopened["then"] = sst.load(f"{root}/overwrite", {"w": torch.zeros(6, 2)}, opts)["w"].tolist()
     torch.manual_seed(100 + rank)
     want = torch.get_rng_state()
     return {
         "refused": refused,
+        "unopened": unopened,
         "rng_in_place": target["rng"] is filled,
         "rng": bool(torch.equal(target["rng"], want)),
         "loader": target["loader"],
@@ -188,6 +193,24 @@ def load(root: str, rank: int, world: int) -> dict[str, Any]:
         "w": whole["model"]["w"].tolist(),
         "alone_s": alone,
     }
+
+
+def _load_unopened(sst: Any, path: str, rank: int, opts: Any) -> Any:
+    """A load into a target whose checkpoint rank 1 cannot open."""
+    from snapshard.errors import StorageError
+    from snapshard.reading import sources
+
+    opened = sources.open_checkpoint
+
+    def refused(*args: Any) -> Any:
+        raise StorageError(f"{path}: access denied (injected on rank {rank})")
+
+    if rank == 1:
+        sources.open_checkpoint = refused
+    try:
+        return sst.load(path, {"w": torch.zeros(6, 2)}, opts)
+    finally:
+        sources.open_checkpoint = opened
 
 
 def main() -> None:

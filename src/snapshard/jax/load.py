@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -103,7 +103,14 @@ def load(
     given, is filled with what the restore read and how long it took.
     """
     stats = stats if stats is not None else ReadStats()
-    with open_for_load(directory, options, stats) as (storage, source, _):
+
+    def refused(url: str, e: Exception) -> NoReturn:
+        """The other processes learn it rather than wait for this one (a global load)."""
+        if _own_load(target):
+            raise e
+        refuse_target(url, options.read_once, default_coordinator(), options.timeout_s, e)
+
+    with open_for_load(directory, options, stats, refused) as (storage, source, _):
         manifest, url = source.manifest, storage.url
         try:
             if target is None:
@@ -115,11 +122,8 @@ def load(
                 matched = _match_target(manifest, target, url)
                 pairs = list(zip(matched.paths, matched.leaves, strict=True))
             results, reqs = _values_and_requests(storage, manifest, pairs, resplit, mesh)
-        except Exception as e:  # the other processes learn it rather than wait for this one
-            if _own_load(target):
-                raise
-            coord = default_coordinator()
-            refuse_target(url, options.read_once, coord, options.timeout_s, e)
+        except Exception as e:
+            refused(url, e)
         if all(r.sharding is None for _, r in reqs):  # NumPy only: nothing to wait for
             options = dataclasses.replace(options, read_once=False)
         built = execute_read_once([r for _, r in reqs], source, options, stats, location=url)

@@ -12,10 +12,10 @@ names the tensors it wants), by byte ranges (safetensors.source).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 import numpy as np
 
@@ -93,18 +93,28 @@ def open_checkpoint(
 
 @contextmanager
 def open_for_load(
-    directory: Location | Storage, options: ReadOptions, stats: ReadStats
+    directory: Location | Storage,
+    options: ReadOptions,
+    stats: ReadStats,
+    refused: Callable[[str, Exception], NoReturn] | None = None,
 ) -> Iterator[tuple[Storage, TreeSource, ReadDests]]:
     """What every load of a saved tree begins and ends with: the options checked, the
     storage opened (and closed after, where opened here), the checkpoint's source and the
     reader that fills buffers from it into `stats`; at the end, the load's whole time in
-    `stats.total_s`."""
+    `stats.total_s`. A checkpoint that cannot be opened (deleted, access refused) goes to
+    `refused(url, error)`, which raises it: a wing's multi-process load tells the other
+    processes there (read_once_policy.refuse_target) rather than leave them waiting."""
     require(options, ReadOptions)
     t_start = time.perf_counter()
     owns = not isinstance(directory, Storage)
     storage = storage_for(directory)
     try:
-        source, read = open_checkpoint(storage, options, stats)
+        try:
+            source, read = open_checkpoint(storage, options, stats)
+        except Exception as e:
+            if refused is None:
+                raise
+            refused(storage.url, e)
         yield storage, source, read
     finally:
         if owns:

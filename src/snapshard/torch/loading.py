@@ -9,7 +9,7 @@ Entries the target omits are not read.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -175,7 +175,14 @@ def load(
     if target is None and transform is not None:
         raise ValueError("transform= needs a target: the state dict whose names it maps onto")
     stats = stats if stats is not None else ReadStats()
-    with open_for_load(directory, options, stats) as (storage, source, read):
+
+    def refused(url: str, e: Exception) -> NoReturn:
+        """The other ranks learn it rather than wait for this one (a load into a target)."""
+        if target is None:  # (each rank on its own: see below)
+            raise e
+        refuse_target(url, options.read_once, default_coordinator(), options.timeout_s, e)
+
+    with open_for_load(directory, options, stats, refused) as (storage, source, read):
         manifest = source.manifest
         if target is None:
             whole, scalars = _whole_target(manifest)
