@@ -155,17 +155,23 @@ def test_manager_and_safetensors(tmp_path, how, layout):
 
 
 @pytest.mark.multiprocess
-def test_a_failing_reader_fails_every_process_naming_it(saved_4x2):
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_failing_reader_fails_every_process_naming_it(saved_4x2, failing):
+    """Every process raises at once, naming the failing one, with one error class (process
+    0's own failure too: an `except` written for one catches it on every process)."""
     t0 = time.monotonic()
     procs, results = _restore(
-        saved_4x2, 4, 2, "rep4", "--fail-read", 1, "--timeout", 60, check=False, timeout=120
-    )
+        saved_4x2, 4, 2, "rep4", "--fail-read", failing, "--timeout", 60, check=False,
+        timeout=120,
+    )  # fmt: skip
     elapsed = time.monotonic() - t0
     for p, r in zip(procs, results, strict=True):
         assert p.returncode == 3, (p.process_id, p.stderr[-2000:])
         assert not r["ok"]
-        assert "process 1 failed" in r["error"] and "injected read failure" in r["error"], r
+        assert f"process {failing} failed" in r["error"], r
+        assert "injected read failure" in r["error"], r
         assert r["seconds"] < 30, r  # not the 60 s timeout: the failure is reported at once
+    assert {r["error"].split(":")[0] for r in results} == {"StorageError"}, results
     assert elapsed < 100
 
 

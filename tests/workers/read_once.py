@@ -124,10 +124,11 @@ def restored(args, pid: int, n: int, **tag: str) -> dict:
             "h": np.zeros((64,), np.float32),
         }
     if args.fail_read == pid:
+        from snapshard.errors import StorageError
         from snapshard.storage import local
 
         def read_into(self, name, offset, buffers):
-            raise OSError(5, f"injected read failure on process {pid}")
+            raise StorageError(f"injected read failure on process {pid}")
 
         local.LocalStorage.read_into = read_into
     stats = snapshard.ReadStats()

@@ -55,6 +55,18 @@ _RELIST_S = 1.0
 _relay_classes: dict[str, type[CoordinationError]] = {}
 
 
+def _report_doc(error: BaseException | None) -> dict[str, Any]:
+    """A process's report of its part: whether it succeeded, and its failure as the
+    others raise it (`relayed_error`)."""
+    return {
+        "ok": error is None,
+        "error": None if error is None else f"{type(error).__name__}: {error}",
+        "error_type": None if error is None else type(error).__name__,
+        # what a failure tells the other processes beyond its text (see `relay`)
+        "relay": getattr(error, "relay", None),
+    }
+
+
 def relayed_error(context: str, doc: dict[str, Any]) -> CoordinationError:
     """Another process's failure (its report or outcome `doc`), raised here: a
     CoordinationError that is also of the failure's own class where that is one of
@@ -126,15 +138,7 @@ class Rendezvous:
         return max(self.deadline - time.monotonic(), 0.001)
 
     def report(self, key: str, error: BaseException | None = None, **payload: Any) -> None:
-        doc = {
-            "ok": error is None,
-            "error": None if error is None else f"{type(error).__name__}: {error}",
-            "error_type": None if error is None else type(error).__name__,
-            # what a failure tells the other processes beyond its text (see `relay`)
-            "relay": getattr(error, "relay", None),
-            **payload,
-        }
-        self.coord.set(f"{self.prefix}/{key}", json.dumps(doc))
+        self.coord.set(f"{self.prefix}/{key}", json.dumps({**_report_doc(error), **payload}))
 
     def report_own(self, key: str, error: BaseException | None = None, **payload: Any) -> None:
         """This process's report `key/<pid>`, for process 0's `gather(key)`. A process other
@@ -345,8 +349,8 @@ def all_succeeded(rv: Rendezvous, step: str, error: BaseException | None) -> Non
         sub.await_outcome()  # raises the outcome's error, naming the failing process
         return
     failure: CoordinationError | None = None
-    if error is not None:
-        failure = CoordinationError(f"{rv.what}: process 0 failed: {type(error).__name__}: {error}")
+    if error is not None:  # (of its own class, as the others raise it)
+        failure = relayed_error(f"{rv.what}: process 0 failed", _report_doc(error))
     else:
         try:
             sub.gather("ok")
