@@ -231,6 +231,41 @@ def test_an_object_store_step_deleted_while_it_is_read_is_not_found(monkeypatch)
         snapshard.load(url)
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_checkpoint_overwritten_while_it_is_read_is_not_found_not_damaged(
+    tmp_path, monkeypatch, capsys, where
+):
+    """A save with overwrite=True replaces the checkpoint after a reader read its manifest:
+    the reader's load and `verify` say it was replaced (not found: read it again), never
+    that it is damaged; the next load reads the new one."""
+    import uuid
+
+    from snapshard.cli import main
+    from snapshard.errors import CheckpointNotFoundError
+    from snapshard.storage.local import LocalStorage
+    from snapshard.storage.objstore import ObjectStorage
+
+    cls = LocalStorage if where == "local" else ObjectStorage
+    url = str(tmp_path / "c") if where == "local" else f"memory://over-{uuid.uuid4().hex[:8]}/c"
+    snapshard.save(url, {"w": np.zeros(1 << 16, np.float32)})
+    real, armed = cls.read_manifest, [1, 2] if where == "local" else [1]  # (verify: local)
+
+    def read_then_overwritten(self):
+        data = real(self)
+        if armed:  # what another job's overwrite does, beside this reader
+            snapshard.save(url, {"w": np.full(1 << 16, armed.pop(), np.float32)}, overwrite=True)
+        return data
+
+    monkeypatch.setattr(cls, "read_manifest", read_then_overwritten)
+    with pytest.raises(CheckpointNotFoundError, match="replaced while it was read"):
+        snapshard.load(url)
+    if where == "local":
+        capsys.readouterr()
+        assert main(["verify", url]) == 2
+        assert "replaced while it was read" in capsys.readouterr().err
+    assert snapshard.load(url)["w"][0] == 1
+
+
 def test_a_readers_restore_of_the_newest_step_lists_again(tmp_path):
     """A reader's listing ([1, 2]) whose every step the writer's retention deleted since:
     restore() restores the newest step there is now."""

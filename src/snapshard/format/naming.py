@@ -41,6 +41,15 @@ def values_file_name(process: int, nonce: str) -> str:
     return f"{INDEX_DIR}/p{process:05d}-{nonce}.values.json"
 
 
+def file_nonce(name: str) -> str | None:
+    """The nonce of the save that wrote a data, record or values file (None: another name)."""
+    found = _SAVED_FILE.match(name)
+    return found.group(1) if found else None
+
+
+_SAVED_FILE = re.compile(rf"(?:{DATA_DIR}|{INDEX_DIR})/p[0-9]+-([0-9a-f]{{8}})")
+
+
 def tree_file_name(digest: str) -> str:
     """A tree of a save of differing trees, named by its content's digest: every process of
     that tree writes the same bytes to it, the committer reads it and removes it before the

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import CheckpointNotFoundError
+from ..errors import CheckpointNotFoundError, CorruptCheckpointError
+from ..format.naming import file_nonce
 from .location import parse_location
 
 # The package's `storage_for`, which knows every backend: the backends import this module,
@@ -42,13 +43,28 @@ def deleted_while_read(url: str, name: str) -> CheckpointNotFoundError:
     )
 
 
-def retained_step(url: str) -> CheckpointNotFoundError:
-    """The error of a read of a step kept only for the files later steps refer to."""
-    return CheckpointNotFoundError(
-        f"{url}: this step is kept only for the files later steps refer to (a "
-        "CheckpointManager's retention dropped it, an incremental run's later steps use its "
-        "data); it is no checkpoint to read: read a kept step"
-    )
+def missing_file(
+    url: str, name: str, manifest: bytes | None, retained: bool
+) -> CheckpointNotFoundError | CorruptCheckpointError:
+    """The error of a committed file found missing, told from what is there now: no
+    manifest (deleted while it was read: a writer's retention), a step kept only for the
+    files later steps refer to (`retained`), a manifest of another save (replaced while it
+    was read: an overwrite), or else damage."""
+    if manifest is None:
+        return deleted_while_read(url, name)
+    if retained:
+        return CheckpointNotFoundError(
+            f"{url}: this step is kept only for the files later steps refer to (a "
+            "CheckpointManager's retention dropped it, an incremental run's later steps use "
+            "its data); it is no checkpoint to read: read a kept step"
+        )
+    nonce = file_nonce(name)
+    if nonce is not None and nonce.encode() not in manifest:
+        return CheckpointNotFoundError(
+            f"{url}: the checkpoint was replaced while it was read (file {name!r} is of the "
+            "save an overwrite replaced): read it again"
+        )
+    return CorruptCheckpointError(f"{url}: file {name!r} is missing")
 
 
 def buffer_nbytes(p: Buffer) -> int:

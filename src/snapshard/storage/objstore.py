@@ -27,7 +27,7 @@ from ..errors import (
 from ..format.manifest import Manifest
 from ..format.naming import MANIFEST_NAME, RETAINED_MARKER
 from ..format.refs import split_ref_name
-from .base import CheckpointRoot, FileWriter, Storage, deleted_while_read, retained_step
+from .base import CheckpointRoot, FileWriter, Storage, missing_file
 from .bucket import TransferConfig
 from .lease import LEASE_DIR, LeaseFiles
 from .object_client import ObjectClient, RequestStats
@@ -179,11 +179,12 @@ class ObjectStorage(Storage):
         try:
             self.client.read_into(name, offset, buffers)
         except CorruptCheckpointError:
-            if not self.is_committed():  # (its marker goes first when it is deleted)
-                raise deleted_while_read(self.url, name) from None
-            if self.client.exists(RETAINED_MARKER):
-                raise retained_step(self.url) from None
-            raise
+            # (its marker goes first when it is deleted)
+            manifest = self.client.get(MANIFEST_NAME) if self.is_committed() else None
+            error = missing_file(self.url, name, manifest, self.client.exists(RETAINED_MARKER))
+            if isinstance(error, CorruptCheckpointError):
+                raise  # (the client's own words: what was wrong with the file)
+            raise error from None
 
     def delete(self) -> None:
         """Remove the marker first: from then on the checkpoint does not exist, and a
