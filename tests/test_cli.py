@@ -506,3 +506,29 @@ def test_progress_bar_when_the_terminal_reports_width_zero(saved, tmp_path, caps
     assert "convert" in err and "%|" in err  # a bar, not only the counts
     monkeypatch.setattr(output.os, "get_terminal_size", lambda *a: os.terminal_size((120, 40)))
     assert output._bar_width() is None
+
+
+def test_ls_asks_tensorstore_only_where_orbax_files_are(monkeypatch, capsys):
+    """An unfinished save on an object store is listed as such without asking TensorStore
+    whether it is an Orbax step (without credentials it waits minutes, and logs each try)."""
+    import uuid
+
+    from snapshard.orbax import reader
+    from snapshard.storage import storage_for
+
+    def asked(location):
+        raise AssertionError(f"TensorStore asked about {location}")
+
+    monkeypatch.setattr(reader, "step_info", asked)
+    root = f"memory://ls-{uuid.uuid4().hex[:8]}/run"
+    snapshard.save(f"{root}/1", {"w": np.ones(4, np.float32)})
+    with storage_for(f"{root}/2") as unfinished:
+        unfinished.client.put("data/p00000-0badcafe-0.bin", b"0" * 8)
+    code, doc = run_json(capsys, "ls", root)
+    assert code == 0
+    assert [(e["name"], e["state"]) for e in doc["checkpoints"]] == [
+        ("1", "complete"),
+        ("2", "incomplete"),
+    ]
+    code, _, err = run(capsys, "info", root)  # a directory of steps, not an unfinished save
+    assert code == 2 and "only below others" in err and "incomplete save" not in err, err

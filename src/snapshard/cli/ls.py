@@ -12,7 +12,7 @@ from typing import Any
 from ..errors import CheckpointNotFoundError, SnapshardError
 from ..format import DATA_DIR, INDEX_DIR
 from ..format.reading import read_summary
-from ..orbax.foreign import looks_like_orbax
+from ..orbax.foreign import holds_orbax_markers, looks_like_orbax
 from ..orbax.meta import step_order
 from ..storage import CheckpointRoot, root_for, stale_staging, storage_for
 from ..storage.location import local_path
@@ -28,11 +28,18 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p.set_defaults(run=run)
 
 
-def _orbax_entry(location: str) -> dict[str, Any] | None:
-    """State, time and size of an Orbax checkpoint at `location`; None when it is not one."""
+def _orbax_entry(root: CheckpointRoot, name: str) -> dict[str, Any] | None:
+    """State, time and size of an Orbax checkpoint at entry `name`; None when it is not one.
+    TensorStore is asked only where Orbax's metadata files are there: where it has no
+    credentials it waits long, and its client logs at every try."""
+    location = f"{root.url.rstrip('/')}/{name}"
     local = local_path(location)
     if local is not None and not looks_like_orbax(local):
         return None
+    if local is None:
+        with root.child(name) as child:
+            if not holds_orbax_markers(child):
+                return None
     try:
         from ..orbax.reader import step_info
     except ImportError:  # without TensorStore, only local Orbax steps are recognised
@@ -80,7 +87,7 @@ def _entry(root: CheckpointRoot, name: str, committed: bool) -> dict[str, Any] |
             "bytes": m.total_bytes,
             "metrics": m.extra.get("metrics"),
         }
-    orbax = _orbax_entry(f"{root.url.rstrip('/')}/{name}")
+    orbax = _orbax_entry(root, name)
     if orbax is not None:
         return {**entry, **orbax}
     return {**entry, **_uncommitted(root, name)}

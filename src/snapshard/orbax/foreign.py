@@ -29,7 +29,7 @@ def looks_like_orbax(local_dir: str) -> bool:
     return any(os.path.exists(os.path.join(local_dir, m)) for m in ORBAX_MARKERS)
 
 
-def _holds_orbax_markers(storage: Storage) -> bool:
+def holds_orbax_markers(storage: Storage) -> bool:
     """Whether an object-store location holds Orbax's metadata files (through snapshard's
     own client, whose errors name the store and what to set)."""
     from ..storage.objstore import ObjectStorage
@@ -44,7 +44,7 @@ def open_foreign(storage: Storage, not_found: CheckpointNotFoundError) -> OrbaxC
     local = parsed.local_path
     if parsed.scheme not in ORBAX_SCHEMES or (local is not None and not os.path.isdir(local)):
         raise not_found
-    if local is None and not _holds_orbax_markers(storage):
+    if local is None and not holds_orbax_markers(storage):
         raise not_found  # never ask TensorStore: where it has no credentials it waits long
     try:
         from .reader import open_orbax  # TensorStore is an optional dependency

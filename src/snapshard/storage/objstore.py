@@ -25,7 +25,7 @@ from ..errors import (
     StorageError,
 )
 from ..format.manifest import Manifest
-from ..format.naming import MANIFEST_NAME, RETAINED_MARKER
+from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME, RETAINED_MARKER
 from ..format.refs import split_ref_name
 from .base import CheckpointRoot, FileWriter, Storage, missing_file
 from .bucket import TransferConfig
@@ -37,6 +37,7 @@ log = logging.getLogger("snapshard")
 
 COMMIT_MARKER = "COMMITTED"
 _PROTOCOL_FILES = (MANIFEST_NAME, COMMIT_MARKER)
+_SAVED_DIRS = (DATA_DIR, INDEX_DIR)  # what a save writes below its prefix
 
 
 class ObjectStorage(Storage):
@@ -161,8 +162,11 @@ class ObjectStorage(Storage):
 
     def read_manifest(self) -> bytes:
         if not self.client.exists(COMMIT_MARKER):
-            if self.client.listing():
+            names = self.client.listing()
+            if any(n == MANIFEST_NAME or n.split("/", 1)[0] in _SAVED_DIRS for n in names):
                 why = "only an incomplete save is there (no commit marker)"
+            elif names:  # (a directory of checkpoints, say)
+                why = "no checkpoint's files are stored at this prefix, only below others"
             else:
                 why = "nothing is stored under this prefix"
             raise CheckpointNotFoundError(f"no checkpoint at {self.url}: {why}")
