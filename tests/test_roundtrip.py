@@ -288,6 +288,17 @@ def test_target_mismatches_are_clear(ckpt):
         snapshard.load(ckpt, {"a": np.zeros((5, 4), np.float32)})
     with pytest.raises(snapshard.TargetMismatchError, match=r"'n' is a saved int value"):
         snapshard.load(ckpt, {"n": np.zeros(())})
+    # A per-process value is one leaf: an empty container or a subtree there is refused
+    # (an empty one restored nothing, silently), naming it
+    one = ckpt.parent / "one_leaf"
+    snapshard.save(one, {"loader": snapshard.PerProcess({"pos": 7}), "n": 1})
+    with pytest.raises(snapshard.TargetMismatchError, match=r"empty container at 'loader', wh"):
+        snapshard.load(one, {"loader": {}})
+    with pytest.raises(
+        snapshard.TargetMismatchError, match=r"subtree at 'loader' .*a snapshard.PerProcess value"
+    ):
+        snapshard.load(one, {"loader": {"pos": 0}})
+    assert snapshard.load(one, {"loader": snapshard.PerProcess(None)})["loader"] == {"pos": 7}
     cut = NamedSharding(mesh(2), P("data"))  # 2 devices do not cut 5 rows
     with pytest.raises(snapshard.TargetMismatchError, match=r"leaf 'a/w': .*dimension size is 5"):
         snapshard.load(ckpt, {"a": {"w": jax.ShapeDtypeStruct((5, 4), np.float32, sharding=cut)}})

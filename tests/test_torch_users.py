@@ -50,6 +50,15 @@ def test_a_plain_tensor_that_differs_between_ranks_is_refused_naming_leaf_and_ra
     assert not (root / "differ").exists()
 
 
+def test_the_same_keys_in_another_order_are_refused_saying_so(two_ranks):
+    _, saved, _ = two_ranks
+    for r in saved:
+        assert (
+            "process 1 saved the same leaves in another order (leaf 1 is 'c' there, 'b' "
+            in (r["order"]["message"])
+        ), r["order"]
+
+
 def test_each_rank_gets_its_own_per_rank_tensor_and_values_back(two_ranks):
     _, _, loaded = two_ranks
     for rank, r in enumerate(loaded):

@@ -86,6 +86,11 @@ def save(root: str, rank: int, world: int) -> dict[str, Any]:
     differ = {"model": {"w": sharded(world)}, "rng": torch.get_rng_state()}
     out["differ"] = attempt(lambda: sst.save(f"{root}/differ", differ, opts))
 
+    # The same keys in another order on rank 1 (a dict built from a set): said so.
+    keys = ["a", "b", "c"] if rank == 0 else ["a", "c", "b"]
+    ordered = {k: torch.zeros(2) for k in keys}
+    out["order"] = attempt(lambda: sst.save(f"{root}/order", ordered, opts))
+
     # A meta tensor on one rank: that rank fails in its blocking phase, the other in seconds.
     for bad in range(world):
         w = torch.empty(6, 2, device="meta") if rank == bad else torch.zeros(6, 2)

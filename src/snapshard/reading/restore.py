@@ -136,6 +136,19 @@ def build_from_host(
 def missing_target_leaf(url: str, path: Path, saved: Mapping[Path, Any]) -> TargetMismatchError:
     """The error for a target leaf at `path` that the checkpoint (leaves `saved`) lacks: it
     names the subtree saved there, or the leaves saved beside it."""
+    above = next((path[:k] for k in range(len(path) - 1, 0, -1) if path[:k] in saved), None)
+    if above is not None:
+        leaf = saved[above]
+        what = "a snapshard.PerProcess value" if isinstance(leaf, PerProcessLeaf) else "a value"
+        if isinstance(leaf, ArrayLeaf):
+            what = f"an array, {leaf.dtype}{list(leaf.shape)}"
+            if leaf.dtype == "uint8" and len(leaf.shape) == 1:  # (what DCP pickled, maybe)
+                what += " (an object DCP pickled is kept as its bytes: load_pickled reads it)"
+        return TargetMismatchError(
+            f"{url}: the target has a subtree at {path_str(above)!r} (leaf {path_str(path)!r}), "
+            f"where the checkpoint has one leaf, {what}: give one leaf there in the target "
+            "(snapshard.PerProcess(None) for a per-process value), or leave it out"
+        )
     below = [p for p in saved if p[: len(path)] == path]
     if below:
         return TargetMismatchError(
@@ -158,6 +171,13 @@ def refuse_empty_containers(url: str, target: Any, names: Iterable[str]) -> None
     names = list(names)
     for path in empty:
         prefix = path_str(path) + "/" if path else ""
+        if path_str(path) in names:  # one leaf there (a per-process value, a value)
+            raise TargetMismatchError(
+                f"{url}: the target has an empty container at {path_str(path)!r}, where the "
+                "checkpoint has one leaf (a snapshard.PerProcess value is one leaf, whatever "
+                "it holds): give snapshard.PerProcess(None) there, or leave the entry out "
+                "of the target to restore the rest without it"
+            )
         below = [n for n in names if n.startswith(prefix)]
         if below:
             where = f"has an empty container at {path_str(path)!r}" if path else "is empty"

@@ -81,6 +81,14 @@ def _other_leaves(prep: PreparedSave, q: int, theirs: np.ndarray) -> Coordinatio
         else:
             extra.append("first" if last_common is None else f"after {last_common!r}")
             extra_at.append(j)
+    if not extra and not lacking and len(theirs) == len(mine):  # one set, in another order
+        j = next(j for j, d in enumerate(theirs["description"].tolist()) if d != mine[j])
+        theirs_j = prep.leaves[ours[int(theirs["description"][j])]].name
+        return CoordinationError(
+            f"{prep.rendezvous.what}: process {q} saved the same leaves in another order "
+            f"(leaf {j} is {theirs_j!r} there, {prep.leaves[j].name!r} on process 0): every "
+            "process gives its tree in one order (a dict built from a set has none)"
+        )
     count = lambda n: f"{n} leaf" if n == 1 else f"{n} leaves"  # noqa: E731
     parts = [f"process {q} saved {count(len(theirs))}, process 0 saved {count(len(mine))}"]
     trees_differ = (
