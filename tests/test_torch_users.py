@@ -80,6 +80,13 @@ def test_a_target_refused_on_one_rank_fails_every_rank_at_once_naming_the_leaf(t
     assert "process 1 failed" in loaded[0]["refused"]["message"]
 
 
+def test_one_rank_alone_loads_values_without_the_others(two_ranks):
+    """A target of values only (no tensor) is one rank's own load: the loads after it stay
+    paired (the refusal and the unopened checkpoint below would otherwise time out)."""
+    _, _, loaded = two_ranks
+    assert loaded[0]["peek"] == {"position": 10, "epoch": 1}
+
+
 def test_a_checkpoint_one_rank_cannot_open_fails_every_rank_at_once(two_ranks):
     """Access refused on one rank (or the step deleted between the ranks' reads of its
     manifest): every rank raises at once, naming it, and the next load pairs."""

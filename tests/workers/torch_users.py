@@ -174,6 +174,13 @@ def load(root: str, rank: int, world: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         sst.load(f"{root}/per_rank", options=ReadOptions(read_once=True, timeout_s=20))
         alone = time.perf_counter() - t0
+    peek = None
+    if rank == 0:  # rank 0 alone looks up a value (a launcher's habit): nothing waits, and
+        # the loads after it stay paired with the other rank's
+        import snapshard
+
+        got = sst.load(f"{root}/per_rank", {"loader": snapshard.PerProcess(None)})
+        peek = got["loader"]
     dist.barrier()
     # Rank 1's target has another shape: both ranks fail at once, naming the leaf, and the
     # next load of the location is theirs alike.
@@ -197,6 +204,7 @@ def load(root: str, rank: int, world: int) -> dict[str, Any]:
         "whole_loader": whole["loader"],
         "w": whole["model"]["w"].tolist(),
         "alone_s": alone,
+        "peek": peek,
     }
 
 

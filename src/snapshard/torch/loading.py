@@ -175,10 +175,11 @@ def load(
     if target is None and transform is not None:
         raise ValueError("transform= needs a target: the state dict whose names it maps onto")
     stats = stats if stats is not None else ReadStats()
+    values_only = target is not None and not _holds_arrays(target)
 
     def refused(url: str, e: Exception) -> NoReturn:
         """The other ranks learn it rather than wait for this one (a load into a target)."""
-        if target is None:  # (each rank on its own: see below)
+        if target is None or values_only:  # (each rank on its own: see below)
             raise e
         refuse_target(url, options.read_once, default_coordinator(), options.timeout_s, e)
 
@@ -192,10 +193,20 @@ def load(
             out = _load_into(storage, source, read, whole, alone, stats, None, resplit)
             out = _put_back(out, (), {p: a[()] for p, a in scalars.items()})
         else:
+            table = manifest.processes
+            if values_only and (table is None or table.leaf_map is None):
+                # Nothing to read together (Python and per-process values): one rank may
+                # look up the step alone. (Where trees differ by rank, a rank without
+                # arrays still takes part in the others' exchange: see _read_once.)
+                options = dataclasses.replace(options, read_once=False)
             out = _load_into(storage, source, read, target, options, stats, transform, resplit)
     if target is None:
         warn_lost_classes(manifest.structure, hint=TORCH_TARGET_HINT)
     return out
+
+
+def _holds_arrays(target: Any) -> bool:
+    return any(isinstance(x, torch.Tensor | np.ndarray) for x in flatten(target, is_leaf).leaves)
 
 
 def _load_into(
