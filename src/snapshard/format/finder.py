@@ -265,6 +265,14 @@ def attach_lazy_tables(storage: Storage, manifest: Manifest) -> ChunkFinder:
     return finder
 
 
+def detach_lazy_tables(manifest: Manifest) -> None:
+    """Every lazy table of `manifest` not fetched yet stops holding its finder: one fetch
+    from then on fails (AttributeError). For a manifest whose readers are done."""
+    for leaf in manifest.arrays:
+        if isinstance(leaf.chunks, LazyChunkTable):
+            leaf.chunks.__dict__.pop("_load", None)
+
+
 def loaded_table(leaf: ArrayLeaf) -> ChunkTable | None:
     """The leaf's table if it is in memory (v1, or a v2 table already fetched)."""
     t = leaf.chunks

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import CheckpointNotFoundError
 from ..format import ArrayLeaf, Manifest
-from ..format.finder import ChunkFinder
+from ..format.finder import ChunkFinder, detach_lazy_tables
 from ..format.reading import read_checkpoint
 from ..options import ReadOptions, require
 from ..storage import Location, Storage, storage_for
@@ -71,6 +71,12 @@ class SnapshardSource:
     def saved_boxes(self, leaf: ArrayLeaf) -> tuple[np.ndarray, np.ndarray] | None:
         return saved_boxes(self.manifest, self.finder, leaf)
 
+    def release(self) -> None:
+        """A load is done with it: its leaves' lazy tables let go of the finder (and so of
+        the storage and its connections), which they would otherwise hold in reference
+        cycles (leaf, table, loader) that only the cyclic collector frees."""
+        detach_lazy_tables(self.manifest)
+
 
 def open_source(storage: Storage, options: ReadOptions) -> TreeSource:
     """The checkpoint at `storage`: snapshard's, else one of another library (Orbax)."""
@@ -115,7 +121,11 @@ def open_for_load(
             if refused is None:
                 raise
             refused(storage.url, e)
-        yield storage, source, read
+        try:
+            yield storage, source, read
+        finally:
+            if isinstance(source, SnapshardSource):
+                source.release()
     finally:
         if owns:
             storage.close()
