@@ -54,7 +54,8 @@ def _directory(location: str) -> Path:
     if local is None:
         raise SnapshardError(
             f"{location}: snapshard clean works on local directories; on an object store a "
-            "CheckpointManager's start removes unfinished saves"
+            "CheckpointManager removes unfinished saves when it becomes the writer (its first "
+            "save, or its start with LeasePolicy(at_start=True))"
         )
     path = Path(os.path.abspath(local))
     if not path.is_dir():
