@@ -8,7 +8,7 @@ device: the mesh axes the target leaves unused are appended to the spec of one a
 so that each device reads a piece of its own target box. Each process reads its boxes of
 the read sharding through the ordinary restore executor, and one jitted identity with the
 target as output sharding moves the bytes (an all-gather over the job's collectives);
-arrays of one kind move stacked (`_stacks`), one collective a stack.
+arrays of one kind move stacked, one collective a stack (reshard.py).
 
 Collectives must be entered by every process, so before them the processes agree, through
 the coordinator, that every read of the batch succeeded: a process whose read failed
@@ -61,6 +61,7 @@ from ..reading import (
 )
 from ..reading import execute as execute_all
 from ..reading.read_once_policy import too_small, wanted_alike
+from . import reshard
 
 if TYPE_CHECKING:
     import jax
@@ -243,43 +244,6 @@ class _Once:
     from_peers: int  # bytes of this process's target boxes it does not read itself
 
 
-@lru_cache(maxsize=64)
-def _reshard(shardings: tuple[jax.sharding.Sharding, ...]) -> Any:
-    """One program moving arrays onto their target shardings (one compilation), all of
-    one device assignment."""
-    import jax
-
-    return jax.jit(lambda *xs: xs, out_shardings=shardings)
-
-
-def _reshard_batch(shardings: list[jax.sharding.Sharding], arrays: list[Any]) -> list[Any]:
-    """`arrays` moved onto `shardings`: one program per device assignment, since a program
-    runs on one (targets on sub-meshes of the job's devices: a mesh of the first devices
-    of each process beside one of every device), in the order each first comes, the same
-    on every process. Outside any context mesh, which would otherwise have to be the
-    targets' own."""
-    from .arrays import outside_context_mesh
-
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for k, s in enumerate(shardings):
-        groups.setdefault(_device_assignment(s), []).append(k)
-    outs: list[Any] = [None] * len(arrays)
-    with outside_context_mesh():
-        for ks in groups.values():
-            moved = _reshard(tuple(shardings[k] for k in ks))(*(arrays[k] for k in ks))
-            for k, out in zip(ks, moved, strict=True):
-                outs[k] = out
-    return outs
-
-
-def _device_assignment(sharding: jax.sharding.Sharding) -> tuple[Any, ...]:
-    """The devices of a sharding in the order a jitted program using it runs on them."""
-    found = getattr(sharding, "_device_assignment", None)  # (every sharding of JAX 0.4.14+)
-    if found is not None:
-        return tuple(found)
-    return tuple(sorted(sharding.device_set, key=lambda d: d.id))
-
-
 def plan(
     reqs: list[Request],
     process: int,
@@ -326,107 +290,10 @@ def plan(
 
 def _once_request(o: _Once, stacked: bool) -> Request:
     """The request that reads `o`'s array on its read sharding (`stacked`: as the host
-    arrays of this process's boxes, which `_stacked` stacks with others of its kind)."""
+    arrays of this process's boxes, which reshard.py stacks with others of its kind)."""
     r = o.request
     kind = "boxes" if stacked else "jax"
     return request_boxes(Request(r.saved, kind, r.dtype, o.read_sharding), o.read_sharding)
-
-
-# Read-once arrays of one kind (shape, dtype, read and target sharding) move stacked on a
-# new first axis, up to this many bytes a stack: one collective and two small programs a
-# stack, where a program moving each array costs a collective per array and compiles for a
-# time that grows faster than its arrays (minutes for 10,000 arrays on a CPU).
-STACK_BYTES = 64 << 20
-
-
-def _stacks(batch: list[int], once: dict[int, _Once]) -> list[list[int]]:
-    """The batch cut into stacks of one kind within STACK_BYTES (an array of no other's
-    kind, or not on NamedShardings, alone), in the order each stack's first array comes:
-    the same on every process, whose plans are alike."""
-    from jax.sharding import NamedSharding
-
-    open_stacks: dict[tuple[Any, ...], list[int]] = {}
-    out: list[list[int]] = []
-    for i in batch:
-        o = once[i]
-        r = o.request
-        if not isinstance(o.read_sharding, NamedSharding) or not isinstance(
-            r.sharding, NamedSharding
-        ):
-            out.append([i])
-            continue
-        key = (tuple(r.saved.shape), r.dtype, o.read_sharding, r.sharding)
-        stack = open_stacks.get(key)
-        size = math.prod(r.saved.shape) * r.dtype.itemsize
-        if stack is None or (len(stack) + 1) * size > STACK_BYTES:
-            stack = open_stacks[key] = []
-            out.append(stack)
-        stack.append(i)
-    return out
-
-
-def _with_stack_axis(sharding: jax.sharding.Sharding) -> NamedSharding:
-    """A NamedSharding (what `_stacks` stacks) with a whole stack axis first."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
-
-    assert isinstance(sharding, NamedSharding)
-    return NamedSharding(sharding.mesh, P(None, *sharding.spec), memory_kind=sharding.memory_kind)
-
-
-def _stacked(pieces: list[list[np.ndarray]], o: _Once, plan_boxes: tuple[Any, ...]) -> Any:
-    """The arrays of one stack as one array on their read sharding with a stack axis first:
-    `pieces` are each array's host boxes, in the order of `plan_boxes` (its box plan)."""
-    from .arrays import local_device_boxes
-    from .assemble import array_from_host_boxes
-
-    r = o.request
-    shape = (len(pieces), *r.saved.shape)
-    sharding = _with_stack_axis(o.read_sharding)
-    boxes = local_device_boxes(sharding, shape)
-    at = {(tuple(s), tuple(e)): j for j, (s, e, _) in enumerate(plan_boxes)}
-    blocks = [np.stack([p[at[(tuple(s[1:]), tuple(e[1:]))]] for p in pieces]) for s, e, _ in boxes]
-    return array_from_host_boxes(shape, sharding, boxes, blocks, r.dtype)
-
-
-@lru_cache(maxsize=64)
-def _unstack(sharding: jax.sharding.Sharding) -> Any:
-    """One program taking the k-th array of a stack onto `sharding` (k an argument: one
-    compilation for every k; each device slices its own shard, no collective)."""
-    import jax
-    from jax import lax
-
-    return jax.jit(
-        lambda a, k: lax.dynamic_index_in_dim(a, k, 0, keepdims=False), out_shardings=sharding
-    )
-
-
-def _move(
-    stacks: list[list[int]], once: dict[int, _Once], reqs: dict[int, Request], built: dict[int, Any]
-) -> dict[int, Any]:
-    """The arrays read on their read shardings (`built`), moved onto their targets: those
-    alone in one program, then each stack, waited for before the next (programs whose
-    collectives could run at once on a process would not meet the others' in order)."""
-    import jax
-
-    from .arrays import outside_context_mesh
-
-    alone = [s[0] for s in stacks if len(s) == 1]
-    moved = _reshard_batch([once[i].request.sharding for i in alone], [built[i] for i in alone])
-    out = dict(zip(alone, moved, strict=True))
-    with outside_context_mesh():
-        for stack in (s for s in stacks if len(s) > 1):
-            o = once[stack[0]]
-            plan = reqs[stack[0]].box_plan
-            assert plan is not None
-            target = o.request.sharding
-            whole = _stacked([built[i] for i in stack], o, plan.boxes)
-            (there,) = _reshard((_with_stack_axis(target),))(whole)
-            jax.block_until_ready(there)
-            take = _unstack(target)
-            for k, i in enumerate(stack):
-                out[i] = take(there, np.int32(k))
-    return out
 
 
 def execute(
@@ -501,7 +368,7 @@ def _read_and_share(
     results: dict[int, Any] = {}
     costs = {i: o.cost for i, o in once.items()}
     for k, batch in enumerate(batches(sorted(once), costs.__getitem__, budget)):
-        stacks = _stacks(batch, once)
+        stacks = reshard.stacks(batch, once)
         order = [i for s in stacks for i in s]
         reqs = {i: _once_request(once[i], len(s) > 1) for s in stacks for i in s}
         built: dict[int, Any] = {}
@@ -515,7 +382,7 @@ def _read_and_share(
                 error = e
         all_succeeded(rv, f"read/{k}", error)
         t0 = time.perf_counter()
-        moved = _move(stacks, once, reqs, built)
+        moved = reshard.move(stacks, once, reqs, built)
         del built
         jax.block_until_ready(list(moved.values()))
         stats.reshard_s += time.perf_counter() - t0
