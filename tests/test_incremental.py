@@ -229,6 +229,17 @@ def test_a_base_deleted_by_hand_fails_one_save_and_the_next_writes_whole(tmp_pat
             assert_same(m.restore(step), tree(step))
 
 
+def test_a_referenced_data_file_gone_is_named_with_the_leaf_read_from_it(tmp_path):
+    snapshard.save(tmp_path / "a", tree(1), options=SaveOptions(hashes=True))
+    changed = tree(1)
+    changed["frozen"]["w"] = changed["frozen"]["w"] + 1
+    snapshard.save(tmp_path / "b", changed, base=tmp_path / "a")
+    for f in (tmp_path / "a" / "data").iterdir():
+        f.unlink()
+    with pytest.raises(snapshard.CorruptCheckpointError, match=r"is missing \(reading leaf '"):
+        snapshard.load(tmp_path / "b")
+
+
 def test_retained_step_is_deleted_once_nothing_refers_to_it(tmp_path):
     with CheckpointManager(tmp_path, max_to_keep=1, incremental=True) as m:
         m.save(1, {"a": np.ones(1000, np.float32)})

@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 
+from ..errors import SnapshardError
 from ..storage import Storage
 from .plan import ReadUnit
 
@@ -25,11 +26,15 @@ _PREFETCH_BYTES = 64 << 20
 def probe_cached(storage: Storage, tasks: list[ReadUnit]) -> bool | None:
     """Whether the bytes of a restore's largest reads are in memory (each range's last byte
     is read last: if even it is cached, the range is); None where the storage cannot tell
-    or there are too few reads for it to matter."""
+    or there are too few reads for it to matter, or a file cannot be opened (the read of it
+    says so then, naming the leaves it was for)."""
     if len(tasks) <= 1 or storage.cold_read_piece_bytes is None:
         return None
     probe = tasks[:_PROBED_READS]
-    last = [storage.in_memory(t.file, t.file_start + t.size - 1) for t in probe]
+    try:
+        last = [storage.in_memory(t.file, t.file_start + t.size - 1) for t in probe]
+    except SnapshardError:
+        return None
     if any(x is None for x in last):
         return None
     return all(last)
