@@ -10,7 +10,6 @@ from typing import Any
 from ..format import ArrayLeaf, Leaf, Manifest
 from ..format.kinds import LeafKind
 from ..format.leaves import PerProcessLeaf
-from ..manager.references import is_retained
 from .ls import open_for_command
 from .options import add_listing_options, name_selector, shown_count
 from .output import (
@@ -80,7 +79,7 @@ def checkpoint_doc(
         doc.update(version=m.version_text, write_mode=m.write_mode)  # "2.1": as the manifest says
         if "step" in m.extra:
             doc["step"] = m.extra["step"]
-        if reader.storage is not None and is_retained(reader.storage):
+        if reader.storage is not None and reader.storage.is_retained():
             doc["retained"] = True  # its files kept for later steps' references: no step
         if m.extra.get("metrics") is not None:
             doc["metrics"] = m.extra["metrics"]

@@ -75,9 +75,8 @@ def _entry(root: CheckpointRoot, name: str, committed: bool) -> dict[str, Any] |
             }  # fmt: skip
         finally:
             child.close()
-        from ..manager.references import is_retained
-
-        retained = is_retained(root.child(name))
+        with root.child(name) as step:
+            retained = step.is_retained()
         return {
             **entry,
             "format": "snapshard",

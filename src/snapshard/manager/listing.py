@@ -19,7 +19,6 @@ from ..errors import CheckpointNotFoundError
 from ..format.reading import read_summary
 from ..storage import CheckpointRoot
 from .policies import KeepBest, StepInfo
-from .references import is_retained
 
 
 class StepListing:
@@ -79,7 +78,7 @@ class StepListing:
                 continue
             try:
                 with self._root.child(name) as storage:
-                    if is_retained(storage):
+                    if storage.is_retained():
                         retained.add(name)
                         continue
                     summary = read_summary(storage)

@@ -32,13 +32,6 @@ from ..tree import FlatTree, Path
 log = logging.getLogger("snapshard")
 
 
-def is_retained(storage: Storage) -> bool:
-    if isinstance(storage, LocalStorage):
-        return (storage.final / RETAINED_MARKER).is_file()
-    client = getattr(storage, "client", None)
-    return bool(client is not None and client.exists(RETAINED_MARKER))
-
-
 def _mark_retained(storage: Storage) -> None:
     if isinstance(storage, LocalStorage):
         path = storage.final / RETAINED_MARKER

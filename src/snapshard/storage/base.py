@@ -238,6 +238,11 @@ class Storage(ABC):
     @abstractmethod
     def is_committed(self) -> bool: ...
 
+    def is_retained(self) -> bool:
+        """Whether this is a step kept only for the files later steps refer to (its
+        RETAINED marker: manager/references.py), no checkpoint to read."""
+        return False
+
     @abstractmethod
     def read_manifest(self) -> bytes:
         """The manifest bytes; raises CheckpointNotFoundError when nothing is committed here."""

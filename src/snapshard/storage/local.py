@@ -245,6 +245,9 @@ class LocalStorage(Storage):
     def is_committed(self) -> bool:
         return is_regular(self.final / MANIFEST_NAME)
 
+    def is_retained(self) -> bool:
+        return is_regular(self.final / RETAINED_MARKER)
+
     def _read_whole(self, base: Path, name: str) -> bytes:
         try:
             fd = open_checkpoint_file(base, name, self.url, referenced=self.referenced)
@@ -300,8 +303,7 @@ class LocalStorage(Storage):
             manifest: bytes | None = (self.final / MANIFEST_NAME).read_bytes()
         except OSError:
             manifest = None
-        retained = is_regular(self.final / RETAINED_MARKER)
-        return missing_file(self.url, name, manifest, retained)
+        return missing_file(self.url, name, manifest, self.is_retained())
 
     def file_size(self, name: str) -> int:
         """The size of the committed file `name` (a referenced checkpoint's too), opened as

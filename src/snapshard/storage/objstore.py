@@ -160,6 +160,9 @@ class ObjectStorage(Storage):
     def is_committed(self) -> bool:
         return self.client.exists(COMMIT_MARKER)
 
+    def is_retained(self) -> bool:
+        return self.client.exists(RETAINED_MARKER)
+
     def read_manifest(self) -> bytes:
         if not self.client.exists(COMMIT_MARKER):
             names = self.client.listing()
@@ -185,7 +188,7 @@ class ObjectStorage(Storage):
         except CorruptCheckpointError:
             # (its marker goes first when it is deleted)
             manifest = self.client.get(MANIFEST_NAME) if self.is_committed() else None
-            error = missing_file(self.url, name, manifest, self.client.exists(RETAINED_MARKER))
+            error = missing_file(self.url, name, manifest, self.is_retained())
             if isinstance(error, CorruptCheckpointError):
                 raise  # (the client's own words: what was wrong with the file)
             raise error from None
