@@ -34,7 +34,7 @@ from ..reading.sources import TreeSource, open_for_load
 from ..storage import Location, Storage
 from ..transforms.surgery import Transform
 from ..transforms.virtual import Derived, Stored, VArray
-from ..tree import ABSENT, Path, flatten, path_str, unflatten, warn_lost_classes
+from ..tree import ABSENT, FlatTree, Path, flatten, path_str, unflatten, warn_lost_classes
 from .coordination import default_coordinator
 from .dtypes import torch_dtype
 from .leaves import is_leaf, this_rank
@@ -175,7 +175,10 @@ def load(
     if target is None and transform is not None:
         raise ValueError("transform= needs a target: the state dict whose names it maps onto")
     stats = stats if stats is not None else ReadStats()
-    values_only = target is not None and not _holds_arrays(target)
+    flat = flatten(target, is_leaf) if target is not None else None  # (flattened once)
+    values_only = flat is not None and not any(
+        isinstance(x, torch.Tensor | np.ndarray) for x in flat.leaves
+    )
 
     def refused(url: str, e: Exception) -> NoReturn:
         """The other ranks learn it rather than wait for this one (a load into a target)."""
@@ -190,7 +193,8 @@ def load(
             # Each rank on its own, as before a target existed: a rank may load a whole
             # checkpoint alone (to look into it), so nothing waits for the other ranks.
             alone = dataclasses.replace(options, read_once=False)
-            out = _load_into(storage, source, read, whole, alone, stats, None, resplit)
+            whole_flat = flatten(whole, is_leaf)
+            out = _load_into(storage, source, read, whole, whole_flat, alone, stats, None, resplit)
             out = _put_back(out, (), {p: a[()] for p, a in scalars.items()})
         else:
             table = manifest.processes
@@ -199,14 +203,13 @@ def load(
                 # look up the step alone. (Where trees differ by rank, a rank without
                 # arrays still takes part in the others' exchange: see _read_once.)
                 options = dataclasses.replace(options, read_once=False)
-            out = _load_into(storage, source, read, target, options, stats, transform, resplit)
+            assert flat is not None
+            out = _load_into(
+                storage, source, read, target, flat, options, stats, transform, resplit
+            )
     if target is None:
         warn_lost_classes(manifest.structure, hint=TORCH_TARGET_HINT)
     return out
-
-
-def _holds_arrays(target: Any) -> bool:
-    return any(isinstance(x, torch.Tensor | np.ndarray) for x in flatten(target, is_leaf).leaves)
 
 
 def _load_into(
@@ -214,14 +217,15 @@ def _load_into(
     source: TreeSource,
     read: ReadDests,
     target: Any,
+    flat: FlatTree,
     options: ReadOptions,
     stats: ReadStats,
     transform: Transform | None,
     resplit: Resplit | None,
 ) -> Any:
-    """`load` with the checkpoint open: fill `target`, return it."""
+    """`load` with the checkpoint open: fill `target` (`flat`: it flattened), return it."""
     try:
-        arrays, values = _checked_targets(storage, source, target, transform, resplit)
+        arrays, values = _checked_targets(storage, source, target, flat, transform, resplit)
     except Exception as e:  # the other ranks learn it rather than wait for this one
         coord = default_coordinator()
         refuse_target(storage.url, options.read_once, coord, options.timeout_s, e)
@@ -233,14 +237,14 @@ def _checked_targets(
     storage: Storage,
     source: TreeSource,
     target: Any,
+    flat: FlatTree,
     transform: Transform | None,
     resplit: Resplit | None,
 ) -> tuple[list[TargetArray], dict[Path, Any]]:
-    """The target's arrays to read, each checked against its saved leaf, and its values
-    (Python values, this rank's per-process values) by path."""
+    """The target's arrays to read (`flat`: the target flattened), each checked against its
+    saved leaf, and its values (Python values, this rank's per-process values) by path."""
     url, manifest = storage.url, source.manifest
     saved = manifest.leaf_by_path()
-    flat = flatten(target, is_leaf)
     values: dict[Path, Any] = {}
     arrays: list[TargetArray] = []
     own: list[tuple[Path, PerProcessLeaf, Any]] = []
