@@ -43,30 +43,6 @@ def deleted_while_read(url: str, name: str) -> CheckpointNotFoundError:
     )
 
 
-def missing_file(
-    url: str, name: str, manifest: bytes | None, retained: bool
-) -> CheckpointNotFoundError | CorruptCheckpointError:
-    """The error of a committed file found missing, told from what is there now: no
-    manifest (deleted while it was read: a writer's retention), a step kept only for the
-    files later steps refer to (`retained`), a manifest of another save (replaced while it
-    was read: an overwrite), or else damage."""
-    if manifest is None:
-        return deleted_while_read(url, name)
-    if retained:
-        return CheckpointNotFoundError(
-            f"{url}: this step is kept only for the files later steps refer to (a "
-            "CheckpointManager's retention dropped it, an incremental run's later steps use "
-            "its data); it is no checkpoint to read: read a kept step"
-        )
-    nonce = file_nonce(name)
-    if nonce is not None and nonce.encode() not in manifest:
-        return CheckpointNotFoundError(
-            f"{url}: the checkpoint was replaced while it was read (file {name!r} is of the "
-            "save an overwrite replaced): read it again"
-        )
-    return CorruptCheckpointError(f"{url}: file {name!r} is missing")
-
-
 def buffer_nbytes(p: Buffer) -> int:
     """How many bytes a buffer holds (bytes, memoryviews, NumPy arrays and scalars)."""
     n = getattr(p, "nbytes", None)
@@ -242,6 +218,29 @@ class Storage(ABC):
         """Whether this is a step kept only for the files later steps refer to (its
         RETAINED marker: manager/references.py), no checkpoint to read."""
         return False
+
+    def missing_file(
+        self, name: str, manifest: bytes | None
+    ) -> CheckpointNotFoundError | CorruptCheckpointError:
+        """The error of a committed file found missing, told from what is there now (the
+        `manifest` there, None: none): deleted while it was read (a writer's retention), a
+        step kept only for the files later steps refer to, replaced while it was read (an
+        overwrite: the manifest names the save's nonce no more), or else damage."""
+        if manifest is None:
+            return deleted_while_read(self.url, name)
+        if self.is_retained():
+            return CheckpointNotFoundError(
+                f"{self.url}: this step is kept only for the files later steps refer to (a "
+                "CheckpointManager's retention dropped it, an incremental run's later steps "
+                "use its data); it is no checkpoint to read: read a kept step"
+            )
+        nonce = file_nonce(name)
+        if nonce is not None and nonce.encode() not in manifest:
+            return CheckpointNotFoundError(
+                f"{self.url}: the checkpoint was replaced while it was read (file {name!r} is "
+                "of the save an overwrite replaced): read it again"
+            )
+        return CorruptCheckpointError(f"{self.url}: file {name!r} is missing")
 
     @abstractmethod
     def read_manifest(self) -> bytes:

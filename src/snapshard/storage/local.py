@@ -30,7 +30,7 @@ from ..errors import (
 from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME, RETAINED_MARKER
 from ..format.refs import check_checkpoint_name, split_ref_name
 from .atomic_rename import fsync_dir, is_empty_dir, move_into_place
-from .base import FileWriter, Storage, missing_file
+from .base import FileWriter, Storage
 from .local_files import LocalFileWriter, is_regular, open_checkpoint_file, pread_into, read_fd
 from .owner_records import ensure_owner_record, remove_own_record
 from .stale_staging import DELETING_SUFFIX, STAGING_SUFFIX, sweep
@@ -298,12 +298,12 @@ class LocalStorage(Storage):
             return fd
 
     def _missing(self, name: str) -> CheckpointNotFoundError | CorruptCheckpointError:
-        """A committed file that is not there (see base.missing_file)."""
+        """A committed file that is not there (see Storage.missing_file)."""
         try:
             manifest: bytes | None = (self.final / MANIFEST_NAME).read_bytes()
         except OSError:
             manifest = None
-        return missing_file(self.url, name, manifest, self.is_retained())
+        return self.missing_file(name, manifest)
 
     def file_size(self, name: str) -> int:
         """The size of the committed file `name` (a referenced checkpoint's too), opened as

@@ -27,7 +27,7 @@ from ..errors import (
 from ..format.manifest import Manifest
 from ..format.naming import DATA_DIR, INDEX_DIR, MANIFEST_NAME, RETAINED_MARKER
 from ..format.refs import split_ref_name
-from .base import CheckpointRoot, FileWriter, Storage, missing_file
+from .base import CheckpointRoot, FileWriter, Storage
 from .bucket import TransferConfig
 from .lease import LEASE_DIR, LeaseFiles
 from .object_client import ObjectClient, RequestStats
@@ -188,7 +188,7 @@ class ObjectStorage(Storage):
         except CorruptCheckpointError:
             # (its marker goes first when it is deleted)
             manifest = self.client.get(MANIFEST_NAME) if self.is_committed() else None
-            error = missing_file(self.url, name, manifest, self.is_retained())
+            error = self.missing_file(name, manifest)
             if isinstance(error, CorruptCheckpointError):
                 raise  # (the client's own words: what was wrong with the file)
             raise error from None
