@@ -51,16 +51,13 @@ class ExportNames:
     def selects(self, name: str) -> bool:
         if not self.select:
             return True
-        return any(
-            name == p or name.startswith(p + ".") or fnmatch.fnmatchcase(name, p)
-            for p in self.select
-        )
+        return any(_selected_by(name, p) for p in self.select)
 
     def check_selected(self, names: list[str]) -> None:
         """Refuse a select pattern that matches none of `names` (a typo would otherwise
         write a file without the tensors it was meant for)."""
         for p in self.select:
-            if not any(ExportNames((p,)).selects(n) for n in names):
+            if not any(_selected_by(n, p) for n in names):
                 shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
                 raise ValueError(
                     f"select pattern {p!r} matches no leaf (leaves: {shown or 'none'})"
@@ -99,6 +96,11 @@ class ExportNames:
             seen[new] = name
             out.append((name, new, self.transposes(new)))
         return out
+
+
+def _selected_by(name: str, pattern: str) -> bool:
+    """A select pattern: the name itself, a prefix of whole components, or a glob."""
+    return name == pattern or name.startswith(pattern + ".") or fnmatch.fnmatchcase(name, pattern)
 
 
 def export_names(
