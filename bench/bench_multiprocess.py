@@ -101,17 +101,10 @@ def worker() -> None:
     r = int(os.environ[ENV_ROUND])
     scale = float(os.environ[ENV_SCALE])
     bc.force_cpu_devices(DEVICES)
-    import jax
-
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"127.0.0.1:{os.environ[ENV_PORT]}",
-        num_processes=PROCS,
-        process_id=pid,
-        initialization_timeout=120,
-    )
+    bc.join_jax_job(f"127.0.0.1:{os.environ[ENV_PORT]}", PROCS, pid, timeout_s=120)
     import warnings
 
+    import jax
     import orbax.checkpoint as ocp
     from jax._src import distributed
     from jax.experimental import multihost_utils

@@ -49,14 +49,8 @@ MODES = {"jax": ["on", "off"], "torch": ["on", "off", "on, collective"]}
 
 # ================================================================ worker side
 def _init() -> tuple[int, int]:
-    import jax
-
     pid = int(os.environ["BENCH_RO_PID"])
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"127.0.0.1:{os.environ['BENCH_RO_PORT']}", num_processes=PROCS, process_id=pid,
-        initialization_timeout=120,
-    )  # fmt: skip
+    bc.join_jax_job(f"127.0.0.1:{os.environ['BENCH_RO_PORT']}", PROCS, pid, timeout_s=120)
     return pid, PROCS
 
 

@@ -39,11 +39,7 @@ def worker(args: argparse.Namespace) -> None:
     from snapshard.coordination import default_coordinator
 
     pid = int(os.environ["BENCH_ROL_PID"])
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        f"127.0.0.1:{os.environ['BENCH_ROL_PORT']}", num_processes=PROCS, process_id=pid,
-        initialization_timeout=120,
-    )  # fmt: skip
+    bc.join_jax_job(f"127.0.0.1:{os.environ['BENCH_ROL_PORT']}", PROCS, pid, timeout_s=120)
     mesh = jax.make_mesh((PROCS, DEVICES), ("data", "model"))
     specs = [P("data", "model"), P(None, "model"), P()]
     rng = np.random.default_rng(0)

@@ -44,8 +44,7 @@ def _jax_job(args: argparse.Namespace, pid: int) -> None:
 
     import snapshard
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=PROCS, process_id=pid)
+    bc.join_jax_job(f"127.0.0.1:{args.port}", PROCS, pid)
     block = np.random.default_rng(0).standard_normal((args.arrays, 64, 16), np.float32)
     mesh = Mesh(np.array(jax.devices()), ("d",))
     cut, whole = NamedSharding(mesh, P("d")), NamedSharding(mesh, P())

@@ -38,10 +38,9 @@ PROCS, DEVICES = 4, 2
 # ================================================================ worker side
 def worker(args: argparse.Namespace) -> None:
     bc.force_cpu_devices(DEVICES)
+    bc.join_jax_job(f"127.0.0.1:{args.port}", PROCS, args.pid)
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=PROCS, process_id=args.pid)
     import snapshard
 
     tier = snapshard.LocalTier(args.local, interval=1, max_to_keep=2, replicas=1)

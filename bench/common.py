@@ -124,6 +124,17 @@ WARMUP_LEAVES = ("layers.00.w", "layers.00.b", "embed.0")
 
 
 # ---------------------------------------------------------------- JAX set-up
+def join_jax_job(address: str, processes: int, process_id: int, timeout_s: int = 300) -> None:
+    """Join a jax.distributed job on the CPU backend, its collectives over gloo
+    (`timeout_s`: how long to wait for the others, JAX's default 300 s)."""
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        address, num_processes=processes, process_id=process_id, initialization_timeout=timeout_s
+    )
+
+
 def force_cpu_devices(n: int) -> None:
     """Ask XLA for n CPU devices; must run before jax is imported."""
     os.environ["XLA_FLAGS"] = (

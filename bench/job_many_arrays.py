@@ -361,11 +361,7 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     args = ap.parse_args()
     if args.processes > 1:
-        import jax
-
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=args.processes,
-                                   process_id=args.process_id, initialization_timeout=120)  # fmt: skip
+        bc.join_jax_job(f"127.0.0.1:{args.port}", args.processes, args.process_id, timeout_s=120)
     host, kinds = host_state(args.arrays, args.side, bool(args.mesh), args.mix)
     root = bc.ckpt_dir(f"many-{args.lib}")
     if args.process_id == 0:

@@ -108,13 +108,10 @@ def init_jax(timeout_s: float) -> Group:
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax
 
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
+    bc.join_jax_job(
         f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-        num_processes=int(os.environ["WORLD_SIZE"]),
-        process_id=int(os.environ["RANK"]),
-        initialization_timeout=int(timeout_s),
-    )
+        int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), timeout_s=int(timeout_s),
+    )  # fmt: skip
     if len(jax.local_devices()) != 1:
         raise SystemExit(f"one CPU device per process expected, not {jax.local_devices()}")
     return Group(timeout_s)
