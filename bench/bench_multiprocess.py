@@ -146,6 +146,18 @@ def worker() -> None:
             counting.hit("coord.barrier")
             self.inner.barrier(name, timeout_s)
 
+        def get_dir(self, prefix):
+            counting.hit("coord.get_dir")
+            return self.inner.get_dir(prefix)
+
+        def delete(self, prefix, keys=None):
+            counting.hit("coord.delete")
+            self.inner.delete(prefix, keys)
+
+        def increment(self, key, by=1):
+            counting.hit("coord.increment")
+            return self.inner.increment(key, by)
+
     coord = CountingCoordinator(JaxDistributedCoordinator())
     step_no = [0]
 
