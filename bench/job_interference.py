@@ -156,18 +156,27 @@ def baseline(rounds: int, seconds: float) -> Window:
 
 
 class Watcher:
-    """Waits for a save in a thread of its own; `done` is set, with the time and any error,
-    when the library's wait returns."""
+    """Waits for a save in a thread of its own, started before the save (`watch` hands it the
+    library's wait: a thread started just after the blocking phase would wait for the
+    interpreter with the loop, a cost of the bench, not of the library); `done` is set, with
+    the time and any error, when the library's wait returns."""
 
-    def __init__(self, wait: Callable[[], Any]):
+    def __init__(self) -> None:
         self.done = threading.Event()
         self.end = 0.0
         self.error: BaseException | None = None
-        self._wait = wait
+        self._wait: Callable[[], Any] | None = None
+        self._given = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench watcher", daemon=True)
         self._thread.start()
 
+    def watch(self, wait: Callable[[], Any]) -> None:
+        self._wait = wait
+        self._given.set()
+
     def _run(self) -> None:
+        self._given.wait()
+        assert self._wait is not None
         try:
             self._wait()
         except BaseException as e:  # reported in the RESULT, not lost
@@ -412,11 +421,14 @@ def measure(method: Method, rounds: int, baseline_s: float) -> dict[str, Any]:
     through its background phase; figures in seconds and steps per second."""
     state = method.state()
     before = baseline(rounds, baseline_s / 2)
+    watcher = Watcher()
     t0 = time.perf_counter()
     wait = method.start("measured", state)
     t1 = time.perf_counter()
-    watcher = Watcher(wait)
+    cpu0, loop0 = time.process_time(), time.thread_time()
+    watcher.watch(wait)
     _, ends = run_loop(rounds, watcher.done.is_set)
+    cpu1, loop1 = time.process_time(), time.thread_time()
     watcher.join()
     if watcher.error is not None:
         raise watcher.error
@@ -434,6 +446,9 @@ def measure(method: Method, rounds: int, baseline_s: float) -> dict[str, Any]:
         "steps_during": sum(1 for t in ends if t <= watcher.end),
         "blocking_s": round(t1 - t0, 5),
         "background_s": round(watcher.end - t1, 4),
+        # The training process's CPU time during the background phase outside the loop's
+        # thread: the library's threads (serving a writer process, or writing themselves).
+        "other_threads_cpu_s": round((cpu1 - cpu0) - (loop1 - loop0), 4),
     }
 
 

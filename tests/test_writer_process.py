@@ -298,6 +298,32 @@ def test_a_writer_that_cannot_read_this_process_reads_through_a_window(
                 np.testing.assert_array_equal(out[k], v)
 
 
+def test_the_window_s_small_items_are_asked_for_many_runs_at_a_time(
+    tmp_path, monkeypatch, writer_runs
+):
+    """Each request through the window wakes a thread of the training process (its recv,
+    its copy, its reply: hand-overs of the interpreter a training loop pays for): a file's
+    small items are read up to READ_AHEAD bytes at a time, not a run (4 MiB) at a time."""
+    writer_process.stop_writer()
+    monkeypatch.setattr(writer_process, "_WINDOW_ONLY", True)
+    rows = []
+    real = writer_exposure.Exposure.copy
+
+    def counted(self, asked):
+        rows.append(len(asked))
+        return real(self, asked)
+
+    monkeypatch.setattr(writer_exposure.Exposure, "copy", counted)
+    tree = {f"a{i}": np.full((64, 64), i, np.float32) for i in range(2000)}  # 32 MiB
+    try:
+        snapshard.save_async(tmp_path / "x", tree, PROCESS).wait()
+    finally:
+        writer_process.stop_writer()
+    assert sum(rows) == 2000 and len(rows) <= 3, rows  # (runs of 4 MiB: 8 requests)
+    out = snapshard.load(tmp_path / "x")
+    assert all(float(out[f"a{i}"][63, 63]) == i for i in range(2000))
+
+
 def test_a_writer_killed_while_reading_through_the_window_leaves_nothing(
     tmp_path, monkeypatch, through_the_window
 ):

@@ -199,6 +199,23 @@ def _runs(small: np.ndarray, stored: np.ndarray) -> list[tuple[int, int, bool]]:
     return out
 
 
+def _read_ahead(
+    items: list[StagedItem], small: np.ndarray, stored: np.ndarray, i: int, j: int, ahead: int
+) -> int:
+    """Read the bytes of the small items from i on (those of the run [i, j) at least, and
+    more while they come to at most `ahead` bytes) in one bulk read, where their deferred
+    bytes ask for it (WindowBytes.READ_AHEAD); the index after the last."""
+    end = j
+    total = int(stored[i:j].sum())
+    while end < len(items) and small[end] and total + int(stored[end]) <= ahead:
+        total += int(stored[end])
+        end += 1
+    together = getattr(items[i].deferred, "read_together", None)
+    if together is not None:
+        together([it.deferred for it in items[i:end]])
+    return end
+
+
 def _contiguous(data: Any) -> np.ndarray:
     """The item's host bytes as one C-contiguous buffer."""
     if type(data) is np.ndarray and data.flags.c_contiguous:
@@ -292,7 +309,11 @@ def write_file(
         if small.any():
             blocks[small], nblocks[small] = _tables(stored[small])
             stored += 4 * nblocks
+        ahead = getattr(type(items[0].deferred), "READ_AHEAD", 0) if items else 0
+        read_to = 0  # the small items before it were read ahead
         for i, j, run in _runs(small, stored) if items else ():
+            if run and ahead and j > read_to:
+                read_to = _read_ahead(items, small, stored, i, j, ahead)
             if run:
                 tables = (blocks[i:j], nblocks[i:j])
                 fixed, offset = _write_run(writer, items[i:j], tables, file, offset, key)

@@ -180,6 +180,12 @@ class WindowBytes:
     item is written, or with the run of items it is written in (`read_together`)."""
 
     __slots__ = ("dtype", "got", "item", "shape", "window")
+    # A file's small items are read this many bytes ahead of their writing, not a run
+    # (4 MiB) at a time: each request wakes a thread of the training process three times
+    # (its recv, its copy, its reply), each waiting up to a switch interval (5 ms) for the
+    # interpreter. 10,000 arrays of 16 KB on a gVisor host: 40 requests, a background phase
+    # of 1.28 s; 10 requests, 0.80 s.
+    READ_AHEAD = 16 << 20
 
     def __init__(self, window: Window, item: int, dtype: np.dtype, shape: tuple[int, ...]):
         self.window, self.item, self.dtype, self.shape = window, item, dtype, shape
