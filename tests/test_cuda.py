@@ -196,3 +196,20 @@ def test_jax_arrays_on_the_gpu(tmp_path: Path, asynchronous: bool) -> None:
         assert out[k].sharding == swap[k], k
         assert {d.platform for d in out[k].devices()} == {"gpu"}, k
         np.testing.assert_array_equal(np.asarray(out[k]), v)
+
+
+def test_a_shard_s_fingerprint_is_the_same_on_the_gpu_as_on_the_cpu():
+    """Copies of a DTensor's part are compared by fingerprint at the commit (saving/
+    copies.py): a rank holding its part on the GPU and one holding it on the CPU, strided or
+    not, sampled (large) or whole (small), must agree, gathered in one transfer."""
+    torch = _torch_cuda()
+    from snapshard.torch.leaves import TorchSource
+
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(300, 200, generator=g), torch.randn(8, 8, generator=g)]
+    parts += [parts[0].t(), parts[1].to(torch.bfloat16), torch.tensor(2.5)]
+    starts = np.zeros((1, 2), np.int64)
+    on_cpu = TorchSource.copy_digests([TorchSource(p, starts) for p in parts])
+    on_gpu = TorchSource.copy_digests([TorchSource(p.cuda(), starts) for p in parts])
+    assert on_cpu == on_gpu
+    assert len(set(on_cpu)) == len(on_cpu)

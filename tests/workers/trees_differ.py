@@ -173,7 +173,10 @@ def clash(path: str) -> None:
     checkpoint exists after it: "True" / "False", rank r gives "shared" with r + 2 elements
     and "own<r>" (with trees_differ and without); "dtensors", rank r gives "x" (valued r)
     as a DTensor on its own stage's sub-mesh; "plain-dtensor", rank 0 a plain tensor and
-    rank 1 a DTensor of the same shape."""
+    rank 1 a DTensor of the same shape. Without trees_differ, where a DTensor on a stage's
+    sub-mesh is taken to be copied along the other stage: "stages" and "stages-writer" (the
+    same through save_async and a writer process), rank r's stage gives "w" and "b" valued
+    r under the same names; "copies", both give them equal (copies indeed)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
 
@@ -188,16 +191,62 @@ def clash(path: str) -> None:
         "False": (shared, False),
         "dtensors": ({"x": distribute_tensor(x, stage, [Replicate()])}, True),
         "plain-dtensor": ({"x": x if rank == 0 else distribute_tensor(x, stage, [Replicate()])}, True),
+        "stages": (_stage_state(stage, float(rank)), False),
+        "stages-writer": (_stage_state(stage, float(rank)), False),
+        "copies": (_stage_state(stage, 7.0), False),
     }  # fmt: skip
     out = {}
     for name, (state, trees_differ) in saves.items():
         where = f"{path}/{name}"
         try:
-            snapshard.torch.save(where, state, SaveOptions(trees_differ=trees_differ))
+            if name == "stages-writer":
+                options = SaveOptions(background="process")
+                snapshard.torch.save_async(where, state, options).wait()
+            else:
+                snapshard.torch.save(where, state, SaveOptions(trees_differ=trees_differ))
             out[name] = {"error": None, "exists": os.path.exists(where)}
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
             out[name] = {"error": error, "exists": os.path.exists(where)}
+    report(**out)
+
+
+def _stage_state(mesh: object, value: float) -> dict[str, object]:
+    """A stage's state under stage-local names, its tensors valued `value`, on `mesh`."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    return {
+        "0.weight": distribute_tensor(torch.full((4, 3), value), mesh, [Shard(0)]),
+        "0.bias": distribute_tensor(torch.full((4,), value), mesh, [Replicate()]),
+        "step": torch.tensor(3.0),
+    }
+
+
+def submesh(path: str) -> None:
+    """4 ranks, a (pp 2, dp 2) mesh; without trees_differ, "w" sharded over each stage's dp
+    sub-mesh: "copies", the same tensor on both stages (each dp position's shard copied
+    along pp), saved and loaded back; "mixed", each stage's own values under the same name,
+    refused. Reports each save's error and whether it exists, and the copies' loaded sums."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import snapshard.torch
+
+    rank = dist.get_rank()
+    dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+    full = torch.arange(24.0).reshape(8, 3)
+    out: dict[str, object] = {}
+    for name, value in (("copies", full), ("mixed", full + rank // 2)):
+        where = f"{path}/{name}"
+        state = {"w": distribute_tensor(value, dp, [Shard(0)], src_data_rank=None)}
+        try:
+            snapshard.torch.save(where, state)
+            out[name] = {"error": None, "exists": os.path.exists(where)}
+        except Exception as e:
+            out[name] = {"error": f"{type(e).__name__}: {e}", "exists": os.path.exists(where)}
+    back = {"w": distribute_tensor(torch.zeros(8, 3), dp, [Shard(0)])}
+    snapshard.torch.load(f"{path}/copies", back)
+    out["loaded"] = back["w"].full_tensor().tolist()
     report(**out)
 
 
@@ -380,6 +429,8 @@ def main() -> None:
         clash(path)
     elif cmd == "uneven":
         uneven(path)
+    elif cmd == "submesh":
+        submesh(path)
     elif cmd == "moe-save":
         moe_save(path, int(rest[0]))
     elif cmd == "moe-load":

@@ -159,6 +159,7 @@ class ProcessReport:
     tree: str = ""
     planned_bytes: int = 0
     location: int = 0  # crc32c of the URL it saved to (a manager's step: every process's one)
+    copies: int = 0  # the fingerprints of the copies it holds (saving/copies.py), summed up
 
     def to_json(self) -> dict[str, Any]:
         """The report as the coordinator carries it."""
@@ -169,7 +170,7 @@ class ProcessReport:
             "values_crc": self.values_crc, "digest": self.digest,
             "refs_used": list(self.refs_used), "referenced_bytes": self.referenced_bytes,
             "ref_codecs": list(self.ref_codecs), "packed_saved": self.packed_saved,
-            "codecs": list(self.codecs), "location": self.location,
+            "codecs": list(self.codecs), "location": self.location, "copies": self.copies,
         }  # fmt: skip
 
     @classmethod
@@ -181,4 +182,5 @@ class ProcessReport:
             ints("refs_used"), int(doc.get("referenced_bytes", 0)), ints("ref_codecs"),
             int(doc.get("packed_saved", 0)), ints("codecs"), str(doc.get("tree", "")),
             int(doc.get("planned_bytes", 0)), int(doc.get("location", 0)),
+            int(doc.get("copies", 0)),
         )  # fmt: skip

@@ -23,6 +23,7 @@ from ..format.files import ProcessReport
 from ..format.leaves import leaf_from_json
 from ..format.naming import tree_file_name
 from . import tree_union
+from .copies import tree_digest
 from .state import PreparedSave
 
 
@@ -49,8 +50,11 @@ def _disagreement(prep: PreparedSave, q: int, theirs: np.ndarray | None) -> Coor
                 f"{what}: leaf {prep.leaves[int(differ[0])].name!r} differs between process 0 "
                 f"and process {q} (kind, dtype, shape or layout)"
             )
-        if len(differ) == 0:
-            values = np.flatnonzero(mine["value"] != theirs["value"])
+        if len(differ) == 0:  # (copies' fingerprints differ where other parts are held)
+            at = prep.copies
+            values = np.flatnonzero(
+                tree_digest(mine, at)["value"] != tree_digest(theirs, at)["value"]
+            )
             if len(values):
                 return CoordinationError(
                     f"{what}: leaf {prep.leaves[int(values[0])].name!r} has another value on "

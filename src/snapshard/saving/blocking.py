@@ -9,6 +9,8 @@ from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any
 
+import numpy as np
+
 from ..coordination import Coordinator, default_coordinator
 from ..coordination.rendezvous import (
     Rendezvous,
@@ -29,6 +31,7 @@ from ..planning import WritePlan, plan_writes
 from ..planning.write_plan import plan_by_holders
 from ..storage import Location, Storage, storage_for
 from ..tree import FlatTree, flatten
+from . import copies
 from .incremental import Increment
 from .leaves import classify_leaves, leaf_digests, path_json
 from .save_array import SaveArray
@@ -182,10 +185,14 @@ def _prepare(
     items, copied = adapter.stage(arrays, plan, coord.process_index, copy=asynchronous)
     # Host values are assumed equal on every process: their digests are compared at commit.
     digests = leaf_digests(leaves, values=coord.process_count > 1)
+    at = np.zeros(0, np.int64)
+    if coord.process_count > 1 and not options.trees_differ:
+        at = copies.copy_leaves(leaves)
+        copies.put_fingerprints(leaves, digests, at)
     storage.prepare_staging()  # from now on a load of the location can tell a save runs
     t2 = time.perf_counter()
     timings = SaveTimings(plan_s=t1 - t0, stage_s=t2 - t1, blocking_s=t2 - t0, bytes_staged=copied)
     return PreparedSave(
         storage, rv, leaves, flat.structure, plan, items, overwrite, options, extra or {},
-        digests, timings, increment, adapter=adapter, asynchronous=asynchronous,
+        digests, timings, increment, adapter=adapter, asynchronous=asynchronous, copies=at,
     )  # fmt: skip

@@ -28,6 +28,7 @@ from ..storage import Storage
 from ..storage.owner_records import is_owner_record
 from . import files
 from .agreement import check_agreement, check_same_save, named_by_us, read_union
+from .copies import check_copies
 from .incremental import check_refs_committed, manifest_refs
 from .leaves import describe_leaves
 from .state import PreparedSave, SaveTimings
@@ -45,6 +46,7 @@ def commit_save(prep: PreparedSave, docs: list[dict[str, Any]]) -> None:
     union = read_union(prep, reports) if prep.options.trees_differ else None
     if union is None:
         check_agreement(prep, reports)
+        check_copies(prep, reports, prep.copies)
     table = ProcessTable(
         nonces=[r.nonce for r in reports],
         data_sizes=[list(r.sizes) for r in reports],

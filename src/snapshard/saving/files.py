@@ -28,7 +28,7 @@ from ..format.leaves import PerProcessLeaf, leaf_to_json
 from ..format.naming import tree_file_name, values_file_name
 from ..format.records import RECORD_FIXED
 from ..storage import Storage, is_object_store_url
-from . import write_tuning
+from . import copies, write_tuning
 from .chunk_files import FileChunks, cut_files, files_at_once, write_files
 from .leaves import describe_leaves
 from .save_array import SaveArray
@@ -90,12 +90,16 @@ def write_own(prep: PreparedSave) -> dict[str, Any]:
     increment = inc.report() if inc is not None else {}
     return ProcessReport(
         nonce, sizes, len(data), crc32c(data), len(values), crc32c(values),
-        crc32c(prep.digests.tobytes(), crc32c(json_pieces.dumps(prep.structure).encode())),
+        crc32c(
+            copies.tree_digest(prep.digests, prep.copies).tobytes(),
+            crc32c(json_pieces.dumps(prep.structure).encode()),
+        ),
         refs_used=tuple(increment.get("refs_used", ())),
         referenced_bytes=int(increment.get("referenced_bytes", 0)),
         ref_codecs=tuple(increment.get("ref_codecs", ())),
         packed_saved=packed[1], codecs=packed[2], tree=tree, planned_bytes=planned,
         location=crc32c(prep.storage.url.encode()),
+        copies=copies.copies_digest(prep.digests, prep.copies),
     ).to_json()  # fmt: skip
 
 

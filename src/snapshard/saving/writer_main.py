@@ -126,7 +126,7 @@ def prepared(
     return PreparedSave(
         storage, rv, leaves, template.structure, plan, items, msg.overwrite, msg.options,
         msg.extra, msg.digests, msg.timings, msg.increment, nonce=msg.nonce,
-        adapter=adapter,  # type: ignore[arg-type]
+        adapter=adapter, copies=msg.copies,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

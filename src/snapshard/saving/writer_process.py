@@ -224,6 +224,7 @@ class WriterProcess:
             ),
             overwrite=prep.overwrite, options=prep.options, extra=prep.extra,
             nonce=prep.nonce, timings=prep.timings, increment=prep.increment,
+            copies=prep.copies,
         )  # fmt: skip
         self.exposure.expose(items, hosts, where, later)
         self._send("save", msg)

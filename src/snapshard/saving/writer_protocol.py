@@ -81,6 +81,7 @@ class Message:
     nonce: str
     timings: SaveTimings
     increment: Increment | None  # an incremental save's base and target (not yet opened)
+    copies: np.ndarray  # PreparedSave.copies
 
 
 @dataclass
