@@ -219,6 +219,24 @@ def test_diff_reports_added_removed_and_changed_leaves(tmp_path, capsys):
     assert code == 0 and doc["identical"]
 
 
+def test_diff_against_a_safetensors_export_matches_the_names_it_gave(tmp_path, capsys):
+    """A checkpoint against its own export: leaves are matched by the export's names (their
+    path joined with '.'), so only what an export leaves out (values) and real changes show."""
+    ck = tmp_path / "ck"
+    model = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3), "b": np.zeros(3, np.float32)}
+    snapshard.save(ck, {"model": model, "step": 3})
+    out = tmp_path / "model.safetensors"
+    assert run(capsys, "convert", ck, "--to", "safetensors", out)[0] == 0
+    code, doc = run_json(capsys, "diff", ck, out, "--values")
+    assert code == 1 and doc["added"] == [] and doc["changed"] == [] and doc["values"] == []
+    assert [d["name"] for d in doc["removed"]] == ["step"]
+    model["w"][1, 2] = -1.0
+    snapshard.save(ck, {"model": model}, overwrite=True)
+    code, doc = run_json(capsys, "diff", out, ck, "--values")
+    assert code == 1 and doc["added"] == doc["removed"] == []
+    assert [d["name"] for d in doc["values"]] == ["model.w"]
+
+
 # ---- convert ----------------------------------------------------------------------------
 
 

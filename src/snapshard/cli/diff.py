@@ -2,7 +2,8 @@
 changed in value (count and max abs difference), read slab by slab with bounded memory.
 
 A and B may be of different formats (an Orbax checkpoint and its conversion, say); leaves
-are matched by their path.
+are matched by their path, and against a safetensors file by the name an export gives them
+(their path joined with '.', as `convert --to safetensors` writes it).
 """
 
 from __future__ import annotations
@@ -178,8 +179,9 @@ def diff(
     selects: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     # Matched by path; names are made only for the leaves reported (or chosen by --select).
-    la = _by_path(a.manifest.leaves, selects)
-    lb = _by_path(b.manifest.leaves, selects)
+    exported = "safetensors" in (a.format, b.format)
+    la = _by_path(a.manifest.leaves, selects, exported)
+    lb = _by_path(b.manifest.leaves, selects, exported)
     changed = []
     to_compare: list[tuple[ArrayLeaf, ArrayLeaf]] = []
     for path, x in la.items():
@@ -213,10 +215,14 @@ def diff(
     return doc
 
 
-def _by_path(leaves: list[Leaf], selects: Callable[[str], bool] | None) -> dict[Any, Leaf]:
-    if selects is None:
-        return {leaf.path: leaf for leaf in leaves}
-    return {leaf.path: leaf for leaf in leaves if selects(leaf.name)}
+def _by_path(
+    leaves: list[Leaf], selects: Callable[[str], bool] | None, exported: bool
+) -> dict[Any, Leaf]:
+    """The leaves by path, or (`exported`) by the name a safetensors export gives them."""
+    chosen = leaves if selects is None else [leaf for leaf in leaves if selects(leaf.name)]
+    if exported:
+        return {".".join(map(str, leaf.path)): leaf for leaf in chosen}
+    return {leaf.path: leaf for leaf in chosen}
 
 
 def _brief(d: dict[str, Any]) -> str:
