@@ -179,6 +179,16 @@ def test_verify_finds_a_truncated_file(saved, capsys):
     assert f"has {offset + nbytes // 2} bytes" in p["message"]
 
 
+def test_verify_names_a_missing_record_file_and_the_checkpoint_once(saved, capsys):
+    record = next((saved / "index").glob("*.idx"))
+    record.unlink()
+    code, doc = run_json(capsys, "verify", saved)
+    assert code == 1 and doc["problem"]["file"] == f"index/{record.name}"
+    assert "is missing" in doc["problem"]["message"]
+    code, out, _ = run(capsys, "verify", saved)
+    assert code == 1 and out.count(str(saved)) == 1, out
+
+
 def test_verify_finds_a_damaged_manifest(saved, capsys):
     (saved / "manifest.json").write_bytes(b'{"format": "snapshard", "version": 1, "files": [')
     code, doc = run_json(capsys, "verify", saved)

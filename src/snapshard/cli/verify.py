@@ -122,8 +122,11 @@ def verify(reader: CheckpointReader, out: Output, buffer_bytes: int) -> dict[str
                 check_record_files(reader.storage, m)
                 load_all_tables(reader)
             validate_coverage(m, reader.url)
-        except CorruptCheckpointError as e:
-            doc["problem"] = {"message": str(e), "file": None, "leaf": None, "chunk": None}
+        except CorruptCheckpointError as e:  # (a record file missing or cut: named)
+            assert reader.storage is not None
+            doc["problem"] = record_file_problem(reader.storage, m) or {
+                "message": str(e), "file": None, "leaf": None, "chunk": None,
+            }  # fmt: skip
             return doc
         assert reader.storage is not None
         doc["problem"] = file_problem(reader.storage, m) or record_file_problem(reader.storage, m)
@@ -234,7 +237,10 @@ def _verify_or_damaged(reader: CheckpointReader, out: Output, buffer_bytes: int)
 
 def render(doc: dict[str, Any]) -> str:
     if not doc["ok"]:
-        return f"DAMAGED {doc['path']}: {doc['problem']['message']}"
+        message = doc["problem"]["message"]
+        if message.startswith(f"{doc['path']}: "):  # (most name the checkpoint themselves)
+            return f"DAMAGED {message}"
+        return f"DAMAGED {doc['path']}: {message}"
     what = "every checksum matches" if doc["checksums"] else "every chunk decodes (no checksums)"
     return (
         f"OK {doc['path']}: {doc['leaves']} leaves, {doc['chunks']} chunks, "
