@@ -276,6 +276,25 @@ def test_metadata_reads_no_data(ckpt):
     assert md["e"].dtype == "bfloat16"
 
 
+def test_a_target_key_not_saved_is_shown_the_closest_saved_names(ckpt):
+    layer = {k: np.ones(2) for k in ("alpha", "beta", "bias", "delta", "gamma", "kernel")}
+    snapshard.save(ckpt, {"model": {"layer_0": layer}})
+    cases = {  # target: what the error shows first
+        ("model", "layer_0", "kernal"): "saved beside it, closest first: model/layer_0/kernel,",
+        ("modle", "layer_0", "kernel"): "closest saved leaves: model/layer_0/kernel,",
+        ("xyz",): "saved beside it, closest first: model)",
+    }
+    for path, shown in cases.items():
+        target: dict = {}
+        at = target
+        for k in path[:-1]:
+            at = at.setdefault(k, {})
+        at[path[-1]] = np.zeros(2)
+        with pytest.raises(snapshard.TargetMismatchError) as e:
+            snapshard.load(ckpt, target)
+        assert shown in str(e.value), str(e.value)
+
+
 def test_target_mismatches_are_clear(ckpt):
     snapshard.save(ckpt, {"a": {"w": np.zeros((5, 4), np.float32)}, "n": 3})
     with pytest.raises(snapshard.TargetMismatchError, match=r"'a/w' has shape \(5, 4\).*\(4, 4\)"):

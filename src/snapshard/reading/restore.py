@@ -4,6 +4,7 @@ values, and an array leaf built from host data as a restore builds it (the local
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -155,11 +156,23 @@ def missing_target_leaf(url: str, path: Path, saved: Mapping[Path, Any]) -> Targ
             f"{url}: the target has a leaf at {path_str(path)!r}, the checkpoint has a subtree there "
             f"({len(below)} leaves, e.g. {path_str(below[0])!r})"
         )
-    near = sorted(path_str(p) for p in saved if p[:-1] == path[:-1])[:5]
+    name = path_str(path)
     return TargetMismatchError(
-        f"{url}: leaf {path_str(path)!r} of the target is not in the checkpoint"
-        + (f" (saved leaves beside it: {', '.join(near)})" if near else "")
+        f"{url}: leaf {name!r} of the target is not in the checkpoint" + _nearest(name, path, saved)
     )
+
+
+def _nearest(name: str, path: Path, saved: Mapping[Path, Any]) -> str:
+    """The saved names closest to `name`: of the entries (leaves or subtrees) beside it,
+    else (a misspelt key above it) of every leaf, where there are not too many to compare."""
+    k = len(path)
+    beside = {path_str(p[:k]) for p in saved if len(p) >= k and p[: k - 1] == path[:-1]}
+    close = difflib.get_close_matches(name, sorted(beside), n=5, cutoff=0.0)
+    if close:
+        return f" (saved beside it, closest first: {', '.join(close)})"
+    if len(saved) <= 20_000:
+        close = difflib.get_close_matches(name, [path_str(p) for p in saved], n=3, cutoff=0.6)
+    return f" (closest saved leaves: {', '.join(close)})" if close else ""
 
 
 def refuse_empty_containers(url: str, target: Any, names: Iterable[str]) -> None:
