@@ -151,9 +151,22 @@ def collect(procs: list[subprocess.Popen], timeout: float) -> list[Proc]:
                 json.loads(line[7:]) for line in stdout.splitlines() if line.startswith("RESULT ")
             ]
             out.append(Proc(pid, p.returncode, stdout, stderr, results))
+            if _port_taken(out[-1]):  # (the others would wait for a coordinator that is not)
+                kill_all(procs)
     finally:
         kill_all(procs)
     return out
+
+
+def _port_taken(p: Proc) -> bool:
+    """The process failed before reporting anything because its port was taken."""
+    return (
+        p.returncode not in (0, None)
+        and not p.results
+        and any(
+            s in p.stderr for s in ("EADDRINUSE", "Failed to add port", "address already in use")
+        )
+    )
 
 
 def run(
@@ -165,9 +178,14 @@ def run(
     env: dict[str, str] | None = None,
     check: bool = True,
 ) -> list[Proc]:
-    """Run `worker` as n processes of `devices` CPU devices each; all must exit 0 when check."""
-    procs = start(worker, n, devices, [str(a) for a in args], env=env)
-    done = collect(procs, timeout)
+    """Run `worker` as n processes of `devices` CPU devices each; all must exit 0 when check.
+    A run whose coordinator found its port taken (another program bound it between the
+    choice and the bind) starts again on another port, up to twice."""
+    for attempt in range(3):
+        procs = start(worker, n, devices, [str(a) for a in args], env=env)
+        done = collect(procs, timeout)
+        if attempt == 2 or not any(_port_taken(p) for p in done):
+            break
     if check:
         for p in done:
             assert p.exited_well(), (
