@@ -1,8 +1,8 @@
-"""Copies of one part of an array held by several processes, compared by fingerprint at the
-commit (saving/copies.py): which elements a fingerprint covers, that it depends on the
-values alone (not on strides), and which processes are grouped to be compared. The
-multi-process behaviour (pipeline stages under one name refused, copies saved) is in
-test_trees_differ.py."""
+"""Copies of one part of an array held by several processes, compared at the commit
+(saving/copies.py): which elements fingerprint a copy, that the fingerprint depends on the
+values alone (not strides or the device) and lets drift in the last bits pass, and which
+processes are grouped to be compared. The multi-process behaviour (pipeline stages under one
+name refused, copies and drifted copies saved) is in test_trees_differ.py."""
 
 from __future__ import annotations
 
@@ -24,11 +24,18 @@ def _array(layout: ArrayLayout) -> SaveArray:
     return SaveArray(("x",), LeafKind.ARRAY, np.dtype("f4"), layout.shape, layout, None, None, {})
 
 
-def test_a_small_part_is_taken_whole_and_a_large_one_sampled_from_first_to_last():
-    assert copies.sampled_at((64, 256), 4) is None  # 64 KiB: whole
-    at = copies.sampled_at((300, 200), 4)
-    assert at is not None and len(at) == copies.SAMPLES
-    assert at[0] == 0 and at[-1] == 300 * 200 - 1 and (np.diff(at) > 0).all()
+def test_the_samples_run_from_the_first_element_to_the_last():
+    assert copies.sample_indices(5).tolist() == [0, 1, 2, 3, 4]
+    at = copies.sample_indices(300 * 200)
+    assert len(at) == copies.SAMPLES and at[0] == 0 and at[-1] == 300 * 200 - 1
+    assert (np.diff(at) > 0).all()
+
+
+def test_the_fingerprint_is_the_signs_of_the_samples():
+    v = np.array([1.0, -2.0, 0.0, -0.0, np.nan, 3.0], np.float32)
+    assert copies.signs(v) == 0b100001
+    assert copies.signs(np.array([1 + 0j, -1 + 5j])) == 0b01
+    assert copies.signs(np.array([True, False, True])) == 0b101
 
 
 def test_processes_holding_the_same_parts_of_every_copied_array_are_grouped():
@@ -45,11 +52,22 @@ def test_processes_holding_the_same_parts_of_every_copied_array_are_grouped():
     assert len(set(alone.tolist())) == 1  # one box every process holds: one group
 
 
-def test_a_fingerprint_depends_on_the_values_not_the_strides():
+def test_sets_of_boxes_are_told_apart_not_summed():
+    """Process 0 holds boxes 1 and 4, process 1 box 6 (1 + 4 + 2 = 6 + 1: a plain sum of
+    box numbers would group them), process 2 every box."""
+    rows = [(1, 0), (4, 0), (6, 1), *((b, 2) for b in range(8))]
+    starts = np.array([[b] for b, _ in rows])
+    layout = ArrayLayout((8,), 4, starts, starts + 1, np.zeros(len(rows)), [p for _, p in rows])
+    sig = copies.holder_signatures([_array(layout)], np.array([0]), 3)
+    assert len(set(sig.tolist())) == 3
+
+
+def test_a_fingerprint_depends_on_the_tensor_not_its_strides_or_last_bits():
     g = torch.Generator().manual_seed(0)
     big, small = torch.randn(300, 200, generator=g), torch.randn(8, 8, generator=g)
     starts = np.zeros((1, 2), np.int64)
-    parts = [big, big.t().contiguous().t(), small, small.t().contiguous().t(), big + 1]
+    parts = [big, big.t().contiguous().t(), big * (1 + 1e-6), small, small.to(torch.bfloat16)]
+    parts.append(torch.randn(300, 200, generator=g))  # another tensor of that shape
     prints = TorchSource.copy_digests([TorchSource(p, starts) for p in parts])
-    assert prints[0] == prints[1] and prints[2] == prints[3]
-    assert len({prints[0], prints[2], prints[4]}) == 3
+    assert prints[0] == prints[1] == prints[2] and prints[3] == prints[4]
+    assert bin(prints[0] ^ prints[5]).count("1") >= copies.FAR

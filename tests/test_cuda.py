@@ -201,7 +201,7 @@ def test_jax_arrays_on_the_gpu(tmp_path: Path, asynchronous: bool) -> None:
 def test_a_shard_s_fingerprint_is_the_same_on_the_gpu_as_on_the_cpu():
     """Copies of a DTensor's part are compared by fingerprint at the commit (saving/
     copies.py): a rank holding its part on the GPU and one holding it on the CPU, strided or
-    not, sampled (large) or whole (small), must agree, gathered in one transfer."""
+    not, of any dtype, must agree, the GPU's samples gathered in one transfer."""
     torch = _torch_cuda()
     from snapshard.torch.leaves import TorchSource
 
@@ -212,4 +212,3 @@ def test_a_shard_s_fingerprint_is_the_same_on_the_gpu_as_on_the_cpu():
     on_cpu = TorchSource.copy_digests([TorchSource(p, starts) for p in parts])
     on_gpu = TorchSource.copy_digests([TorchSource(p.cuda(), starts) for p in parts])
     assert on_cpu == on_gpu
-    assert len(set(on_cpu)) == len(on_cpu)

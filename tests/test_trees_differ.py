@@ -115,7 +115,7 @@ def test_a_key_given_with_two_shapes_fails_every_rank_naming_it(tmp_path):
         for name in ("stages", "stages-writer"):
             assert not r[name]["exists"], name
             assert "processes 0 and 1 hold copies of the same part" in r[name]["error"], name
-            assert "leaves '0.weight', '0.bias'" in r[name]["error"], name
+            assert "(leaf '0.weight':" in r[name]["error"], name  # (the bias: 4 signs only)
             assert "SaveOptions(trees_differ=True)" in r[name]["error"], name
         assert r["copies"] == {"error": None, "exists": True}
 
@@ -123,15 +123,17 @@ def test_a_key_given_with_two_shapes_fails_every_rank_naming_it(tmp_path):
 def test_stages_under_one_name_on_sub_meshes_are_refused_and_copies_saved(tmp_path):
     """4 ranks, (pp 2, dp 2), without trees_differ: a tensor sharded over each stage's dp
     mesh is taken to be copied along pp. Where it is (each dp position holds its own shard,
-    alike on both stages), it is saved and loads back whole; where the stages hold their
-    own values under that name, every rank is refused, naming it, and nothing is left."""
+    alike on both stages, or apart in the last bits only), it is saved and loads back
+    whole; where the stages hold their own values under that name, every rank is refused,
+    naming it, and nothing is left."""
     full = [[float(3 * r + c) for c in range(3)] for r in range(8)]
     for r in _run(4, "submesh", tmp_path, timeout=120):
-        assert r["copies"] == {"error": None, "exists": True}
+        assert r["copies"] == r["drift"] == {"error": None, "exists": True}
         assert r["loaded"] == full
         assert not r["mixed"]["exists"]
         assert "hold copies of the same part of an array" in r["mixed"]["error"]
-        assert "(leaf 'w')" in r["mixed"]["error"]
+        assert "that are different tensors" in r["mixed"]["error"]
+        assert "(leaf 'w':" in r["mixed"]["error"]
 
 
 def test_a_rank_without_state_or_per_process_values_takes_part(tmp_path):

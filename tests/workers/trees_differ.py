@@ -225,8 +225,10 @@ def _stage_state(mesh: object, value: float) -> dict[str, object]:
 def submesh(path: str) -> None:
     """4 ranks, a (pp 2, dp 2) mesh; without trees_differ, "w" sharded over each stage's dp
     sub-mesh: "copies", the same tensor on both stages (each dp position's shard copied
-    along pp), saved and loaded back; "mixed", each stage's own values under the same name,
-    refused. Reports each save's error and whether it exists, and the copies' loaded sums."""
+    along pp), saved and loaded back; "drift", the copies apart in their last bits (a
+    replicated parameter each rank updates itself), saved; "mixed", each stage's own values
+    under the same name, refused. Reports each save's error and whether it exists, and the
+    copies' loaded values."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -236,7 +238,8 @@ def submesh(path: str) -> None:
     dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
     full = torch.arange(24.0).reshape(8, 3)
     out: dict[str, object] = {}
-    for name, value in (("copies", full), ("mixed", full + rank // 2)):
+    drift = full * (1 + 1e-6 * (rank // 2))  # last bits apart along pp (kernels' order)
+    for name, value in (("copies", full), ("drift", drift), ("mixed", full if rank < 2 else -full - 1)):
         where = f"{path}/{name}"
         state = {"w": distribute_tensor(value, dp, [Shard(0)], src_data_rank=None)}
         try:

@@ -111,7 +111,7 @@ class ReplicatedSource:
 
     @classmethod
     def copy_digests(cls, sources: list[ReplicatedSource]) -> list[int]:
-        """A fingerprint of each source's part, as the training step left it: crc32c of the
-        elements `copies.sampled_at` names, in C order; one call for the sources of one
-        class, so that parts on a device reach the host in one transfer."""
+        """A fingerprint of each source's part, as the training step left it: the signs of
+        the elements `copies.sample_indices` names, in C order (`copies.signs`); one call for
+        the sources of one class, so that parts on a device reach the host in one transfer."""
         raise NotImplementedError

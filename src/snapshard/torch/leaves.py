@@ -21,7 +21,7 @@ from ..format.leaves import PerProcessLeaf, ValueLeaf
 from ..per_process import PerProcess, checked
 from ..planning.layout import host_layout, own_layout
 from ..saving import ReplicatedSource
-from ..saving.copies import sampled_at
+from ..saving.copies import sample_indices, signs
 from ..saving.save_array import VALUE_TYPES, SaveArray
 from ..tree import Path, path_str
 from .dtypes import TO_NUMPY, host_view, numpy_dtype
@@ -201,37 +201,33 @@ class TorchSource(ReplicatedSource):
 
     @classmethod
     def copy_digests(cls, sources: list[ReplicatedSource]) -> list[int]:
-        """crc32c of each rank's shard, or of samples of it (ReplicatedSource.copy_digests),
-        picked where the shard lives: those off the CPU are gathered there and reach the
-        host in one transfer, their bytes cut apart after it."""
+        """The signs of sampled elements of each rank's shard (ReplicatedSource.
+        copy_digests), picked where the shard lives: those off the CPU are gathered there and
+        reach the host in one transfer, cut apart after it."""
         picked: list[Any] = []
         for s in sources:
             assert isinstance(s, TorchSource)
             t = s.local.detach()
-            at = sampled_at(tuple(t.shape), t.element_size())
+            at = sample_indices(t.numel())
             if t.device.type == "cpu":
                 view = host_view(t)
-                if at is None:
-                    part = np.ascontiguousarray(view).reshape(-1)
-                elif view.flags.c_contiguous:
-                    part = view.reshape(-1)[at]
+                if view.flags.c_contiguous:
+                    picked.append(view.reshape(-1)[at])
                 else:  # (not flattened: that would copy all of it)
-                    part = view[np.unravel_index(at, view.shape)]
-                picked.append(part.view(np.uint8))
+                    picked.append(view[np.unravel_index(at, view.shape)])
             else:
-                on = t.contiguous().view(-1)
-                if at is not None:
-                    on = on[torch.from_numpy(at).to(t.device)]
-                picked.append(on.view(torch.uint8))
+                index = torch.from_numpy(at).to(t.device)
+                picked.append(t.contiguous().view(-1)[index])
         by_device: dict[Any, list[int]] = {}
         for k, p in enumerate(picked):
             if isinstance(p, torch.Tensor):
                 by_device.setdefault(p.device, []).append(k)
         for ks in by_device.values():
-            host = torch.cat([picked[k] for k in ks]).cpu().split([len(picked[k]) for k in ks])
+            parts = [picked[k].view(torch.uint8) for k in ks]
+            host = torch.cat(parts).cpu().split([len(q) for q in parts])
             for k, h in zip(ks, host, strict=True):
-                picked[k] = h.numpy()
-        return [crc32c(p.data) for p in picked]
+                picked[k] = h.numpy().view(numpy_dtype(picked[k].dtype))
+        return [signs(p) for p in picked]
 
 
 def classify(
