@@ -18,9 +18,10 @@ and two different tensors (another stage's weights) disagree in about half of.
 
 The protocol, kept out of the way of the save:
 
-1. Blocking phase, every process: for each array leaf held in copies (`copy_leaves`: a
-   layout with a box held by two or more processes, not a value the process holds whole,
-   whose digest the commit compares already) the framework's source gives the fingerprint
+1. Blocking phase, every process: for each array leaf whose copies are the save's own
+   assumption (`copy_leaves`: a DTensor on a sub-mesh; a Replicate placement is the
+   framework's word, as DCP takes it, and a value every process holds whole has its digest
+   compared already) the framework's source gives the fingerprint
    of this process's copy (`ReplicatedSource.copy_digests`, taken before the training step
    can change it). It goes in the leaf's value digest, which the record file keeps
    (docs/format.md).
@@ -67,14 +68,15 @@ def held_in_copies(layout: ArrayLayout) -> bool:
 
 
 def copy_leaves(leaves: list[Leaf | SaveArray]) -> np.ndarray:
-    """Indices of the leaves whose copies are fingerprinted: arrays held in copies whose
-    source is a framework's (ReplicatedSource) part of a sharded array."""
+    """Indices of the leaves whose copies are fingerprinted: arrays held in copies that are
+    the save's own assumption (ReplicatedSource.copies_assumed), not the framework's word
+    (a Replicate placement)."""
     found = [
         i
         for i, leaf in enumerate(leaves)
         if isinstance(leaf, SaveArray)
         and isinstance(leaf.source, ReplicatedSource)
-        and leaf.source.sharded
+        and leaf.source.copies_assumed
         and held_in_copies(leaf.layout)
     ]
     return np.asarray(found, np.int64)

@@ -101,10 +101,11 @@ class ReplicatedSource:
     (a plain torch tensor): its value's digest is compared at commit, as a NumPy leaf's is;
     0 where the source is sharded (each process holds its own part). A base class, not a
     runtime-checked Protocol: the check runs once per leaf of every save (5 us against
-    0.1 us). A sharded source's copies, where other processes hold the same part, are
-    compared by fingerprint instead (`copy_digest`, saving/copies.py)."""
+    0.1 us). A part whose copies on other processes are the save's own assumption (a torch
+    DTensor on a sub-mesh, taken to be copied along its root mesh's other dimensions) is
+    compared by fingerprint instead (`copy_digests`, saving/copies.py)."""
 
-    sharded = False  # this process holds a part of the array, not the whole of it
+    copies_assumed = False
 
     def value_digest(self) -> int:
         raise NotImplementedError

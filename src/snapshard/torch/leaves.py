@@ -111,10 +111,10 @@ def mesh_ranks(mesh: Any, widen: bool = True) -> tuple[np.ndarray, bool]:
     return out
 
 
-# (id(mesh), placements, their types, shape, itemsize) -> (mesh, layout, description): the
-# layouts of a state's many leaves repeat, and tensor_layout's own cache key costs more to
-# build.
-_layouts: dict[tuple[Any, ...], tuple[Any, TensorLayout, dict[str, Any]]] = {}
+# (id(mesh), placements, their types, shape, itemsize, widen) -> (mesh, layout, description,
+# widened): the layouts of a state's many leaves repeat, and tensor_layout's own cache key
+# costs more to build.
+_layouts: dict[tuple[Any, ...], tuple[Any, TensorLayout, dict[str, Any], bool]] = {}
 
 
 def dtensor_layout(value: Any, itemsize: int, leaf: str = "?") -> TensorLayout:
@@ -123,9 +123,9 @@ def dtensor_layout(value: Any, itemsize: int, leaf: str = "?") -> TensorLayout:
 
 def _dtensor_entry(
     value: Any, itemsize: int, leaf: str | Path, widen: bool = True
-) -> tuple[Any, TensorLayout, dict[str, Any]]:
-    """(mesh, layout, description) of a DTensor; `leaf` (its name or path) for errors;
-    `widen`: see mesh_ranks."""
+) -> tuple[Any, TensorLayout, dict[str, Any], bool]:
+    """(mesh, layout, description, widened) of a DTensor; `leaf` (its name or path) for
+    errors; `widen`: see mesh_ranks."""
     mesh = value.device_mesh
     placements = value.placements
     # The types too: a placement may compare equal to one of a subclass (_StridedShard).
@@ -140,7 +140,7 @@ def _dtensor_entry(
     tl = tensor_layout(tuple(value.shape), itemsize, ranks, specs)
     if len(_layouts) > 4096:
         _layouts.clear()
-    hit = _layouts[key] = (mesh, tl, describe(value))
+    hit = _layouts[key] = (mesh, tl, describe(value), widened)
     return hit
 
 
@@ -183,6 +183,7 @@ class TorchSource(ReplicatedSource):
 
     local: torch.Tensor
     local_starts: np.ndarray | None  # (rows, ndim); None: rows are global boxes of `local`
+    copies_assumed: bool = False  # a DTensor on a sub-mesh, widened (mesh_ranks)
 
     def value_digest(self) -> int:
         """crc32c of a plain tensor's bytes (saving.ReplicatedSource), 0 for a DTensor's
@@ -194,10 +195,6 @@ class TorchSource(ReplicatedSource):
         if not view.flags.c_contiguous:
             view = np.ascontiguousarray(view)
         return crc32c(view.reshape(-1).view(np.uint8).data)
-
-    @property
-    def sharded(self) -> bool:  # type: ignore[override]
-        return self.local_starts is not None
 
     @classmethod
     def copy_digests(cls, sources: list[ReplicatedSource]) -> list[int]:
@@ -285,13 +282,13 @@ def _tensor_leaf(
         return SaveArray(path, LeafKind.ARRAY, dt, shape, layout, None, source, describe(value))
     if value.is_meta or local.is_meta:
         refuse_meta(value, path_str(path))
-    _, tl, desc = _dtensor_entry(value, dt.itemsize, path, widen=not trees_differ)
+    _, tl, desc, widened = _dtensor_entry(value, dt.itemsize, path, widen=not trees_differ)
     if len(tl.rows_of(rank)) and tuple(local.shape) != tl.local_shape(rank):
         raise UnsupportedLeafError(
             f"leaf {path_str(path)!r}: rank {rank}'s local tensor has shape "
             f"{tuple(local.shape)}, its mesh and placements say {tl.local_shape(rank)}"
         )
-    source = TorchSource(local, tl.local_starts)
+    source = TorchSource(local, tl.local_starts, copies_assumed=widened)
     return SaveArray(path, LeafKind.ARRAY, dt, shape, tl.layout, None, source, desc)
 
 
