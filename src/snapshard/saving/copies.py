@@ -55,7 +55,7 @@ SAMPLES = 32  # elements whose signs fingerprint a copy (the bits of a value dig
 # Signs in which two copies of one tensor differ only by mistake (a part of fewer elements
 # is never refused on its own: a stage's weights are refused with it).
 FAR = SAMPLES // 4
-_CHECKED = 32  # process pairs whose record files one commit reads at most
+_CHECKED = 32  # record files one commit reads at most to compare copies
 
 
 def held_in_copies(layout: ArrayLayout) -> bool:
@@ -177,10 +177,11 @@ def check_copies(prep: PreparedSave, reports: list[ProcessReport], at: np.ndarra
         for x in (p, q):
             if x not in read:
                 read[x] = _prints(prep, reports, x, at)
-        mine, theirs = read[p], read[q]
-        if mine is None or theirs is None:
-            raise _differing(prep, p, q, "which, their record files cannot tell")
-        apart = _popcount(mine ^ theirs)
+            if read[x] is None:
+                raise CoordinationError(
+                    f"{prep.rendezvous.what}: process {x}'s record file cannot be read back"
+                )
+        apart = _popcount(read[p] ^ read[q])  # type: ignore[operator]
         far = at[apart >= FAR]
         if len(far):
             names = ", ".join(repr(prep.leaves[int(i)].name) for i in far[:3])
