@@ -239,7 +239,11 @@ def submesh(path: str) -> None:
     full = torch.arange(24.0).reshape(8, 3)
     out: dict[str, object] = {}
     drift = full * (1 + 1e-6 * (rank // 2))  # last bits apart along pp (kernels' order)
-    for name, value in (("copies", full), ("drift", drift), ("mixed", full if rank < 2 else -full - 1)):
+    for name, value in (
+        ("copies", full),
+        ("drift", drift),
+        ("mixed", full if rank < 2 else -full - 1),
+    ):
         where = f"{path}/{name}"
         state = {"w": distribute_tensor(value, dp, [Shard(0)], src_data_rank=None)}
         try:
