@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import warnings
@@ -250,6 +251,24 @@ def test_retained_step_is_deleted_once_nothing_refers_to_it(tmp_path):
         m.wait_until_finished()
         assert_same(m.restore(3), {"a": np.zeros(1000, np.float32)})
     assert steps_on_disk(tmp_path) == ["3"]
+
+
+def test_a_retained_step_whose_referrers_were_deleted_by_hand_frees_its_number(tmp_path):
+    """Every kept step deleted by hand leaves a step retained for their references that no
+    step needs: a new writer removes it, and a save of that step number works (it failed
+    in the background with advice the manager cannot follow: pass overwrite=True)."""
+    with CheckpointManager(tmp_path, max_to_keep=1, incremental=True) as m:
+        m.save(1, {"a": np.ones(1000, np.float32)})
+        m.save(2, {"a": np.ones(1000, np.float32)})
+        m.wait_until_finished()
+    assert (tmp_path / "1" / "RETAINED").exists()
+    shutil.rmtree(tmp_path / "2")
+    with CheckpointManager(tmp_path, max_to_keep=1, incremental=True) as m:
+        assert m.all_steps() == []
+        m.save(1, {"a": np.full(1000, 7, np.float32)})
+        m.wait_until_finished()
+        assert_same(m.restore(1), {"a": np.full(1000, 7, np.float32)})
+    assert steps_on_disk(tmp_path) == ["1"] and not (tmp_path / "1" / "RETAINED").exists()
 
 
 def test_identity_shortcut_skips_hashing_the_same_jax_array(tmp_path, monkeypatch):

@@ -144,7 +144,9 @@ class StepWriter(StepListing):
 
     def _take_lease(self) -> None:
         """Process 0: the directory's writer lease, then the clean-up of incomplete steps
-        (a writer's act: with no lease, a live writer's staging area could be one)."""
+        (a writer's act: with no lease, a live writer's staging area could be one) and of
+        steps retained for references that no committed step needs any more (their steps
+        deleted by hand: a retained step would otherwise keep its number from a new save)."""
         policy = self._lease_policy
         files = self._root.lease_files()
         lease = WriterLease(files, timeout_s=policy.timeout_s, owner=self._owner)
@@ -154,6 +156,9 @@ class StepWriter(StepListing):
             if not committed:
                 log.info("removing incomplete checkpoint %s/%s", self._root.url, name)
                 self._root.remove_incomplete(name)
+        steps, retained = self._scan()
+        if retained:
+            self._references.remove([], [str(s) for s in steps], retained)
 
     def should_save(self, step: int) -> bool:
         if self._read_only:
