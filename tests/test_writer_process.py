@@ -324,6 +324,41 @@ def test_the_window_s_small_items_are_asked_for_many_runs_at_a_time(
     assert all(float(out[f"a{i}"][63, 63]) == i for i in range(2000))
 
 
+def test_items_left_for_later_by_the_host_budget_are_not_read_ahead(tmp_path, monkeypatch, copying):
+    """Through the window the training process makes the host copies of the items the host
+    budget left for later when a request asks for them, and holds them until they are
+    copied: those are asked for a run (4 MiB) at a time, not READ_AHEAD's 16 MiB."""
+    writer_process.stop_writer()
+    monkeypatch.setattr(writer_process, "_WINDOW_ONLY", True)
+    held: list[int] = []
+    most = [0]
+    real_stage, real_unstage = writer_exposure.Exposure.stage, writer_exposure.Exposure.unstage
+
+    def stage(self, j):
+        held.append(j)
+        most[0] = max(most[0], len(held))
+        return real_stage(self, j)
+
+    def unstage(self, j):
+        held.remove(j)
+        real_unstage(self, j)
+
+    monkeypatch.setattr(writer_exposure.Exposure, "stage", stage)
+    monkeypatch.setattr(writer_exposure.Exposure, "unstage", unstage)
+    from conftest import mesh, sharded
+
+    m = mesh(1, 1)
+    tree = {f"a{i}": sharded(np.full((64, 64), i, np.float32), m) for i in range(1500)}
+    opts = SaveOptions(background="process", host_budget=1 << 20, writers=1)
+    try:
+        snapshard.save_async(tmp_path / "x", tree, opts).wait(120)
+    finally:
+        writer_process.stop_writer()
+    assert held == [] and 0 < most[0] <= (4 << 20) // (64 * 64 * 4), most[0]
+    out = snapshard.load(tmp_path / "x")
+    assert all(float(out[f"a{i}"][5, 5]) == i for i in range(1500))
+
+
 def test_a_writer_killed_while_reading_through_the_window_leaves_nothing(
     tmp_path, monkeypatch, through_the_window
 ):

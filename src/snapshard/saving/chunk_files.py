@@ -203,11 +203,17 @@ def _read_ahead(
     items: list[StagedItem], small: np.ndarray, stored: np.ndarray, i: int, j: int, ahead: int
 ) -> int:
     """Read the bytes of the small items from i on (those of the run [i, j) at least, and
-    more while they come to at most `ahead` bytes) in one bulk read, where their deferred
-    bytes ask for it (WindowBytes.READ_AHEAD); the index after the last."""
+    more while they come to at most `ahead` bytes, none the host budget left for later) in
+    one bulk read, where their deferred bytes ask for it (WindowBytes.READ_AHEAD); the
+    index after the last."""
     end = j
     total = int(stored[i:j].sum())
-    while end < len(items) and small[end] and total + int(stored[end]) <= ahead:
+    while (
+        end < len(items)
+        and small[end]
+        and not getattr(items[end].deferred, "later", False)
+        and total + int(stored[end]) <= ahead
+    ):
         total += int(stored[end])
         end += 1
     together = getattr(items[i].deferred, "read_together", None)

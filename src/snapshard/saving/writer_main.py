@@ -113,7 +113,7 @@ def prepared(
         shape = tuple((stop - start).tolist())
         deferred: RemoteBytes | WindowBytes | StagedLater
         if window is not None:  # (the training process stages an item staged later itself)
-            deferred = WindowBytes(window, j, arr.dtype, shape)
+            deferred = WindowBytes(window, j, arr.dtype, shape, staged_later)
         else:
             remote = RemoteBytes(parent, a, arr.dtype, shape)
             deferred = StagedLater(link, j, remote) if staged_later else remote

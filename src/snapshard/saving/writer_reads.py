@@ -179,16 +179,20 @@ class WindowBytes:
     """A staged item's bytes in the training process, read through its `Window` when the
     item is written, or with the run of items it is written in (`read_together`)."""
 
-    __slots__ = ("dtype", "got", "item", "shape", "window")
+    __slots__ = ("dtype", "got", "item", "later", "shape", "window")
     # A file's small items are read this many bytes ahead of their writing, not a run
     # (4 MiB) at a time: each request wakes a thread of the training process three times
     # (its recv, its copy, its reply), each waiting up to a switch interval (5 ms) for the
     # interpreter. 10,000 arrays of 16 KB on a gVisor host: 40 requests, a background phase
-    # of 1.28 s; 10 requests, 0.80 s.
+    # of 1.28 s; 10 requests, 0.80 s. Not items the host budget left for later (`later`):
+    # the training process holds a request's worth of their host copies at once.
     READ_AHEAD = 16 << 20
 
-    def __init__(self, window: Window, item: int, dtype: np.dtype, shape: tuple[int, ...]):
+    def __init__(
+        self, window: Window, item: int, dtype: np.dtype, shape: tuple[int, ...], later: bool
+    ):
         self.window, self.item, self.dtype, self.shape = window, item, dtype, shape
+        self.later = later  # its host copy is made when the request comes (Exposure.copy)
         self.got: np.ndarray | None = None
 
     @staticmethod
