@@ -324,41 +324,6 @@ def test_the_window_s_small_items_are_asked_for_many_runs_at_a_time(
     assert all(float(out[f"a{i}"][63, 63]) == i for i in range(2000))
 
 
-def test_items_left_for_later_by_the_host_budget_are_not_read_ahead(tmp_path, monkeypatch, copying):
-    """Through the window the training process makes the host copies of the items the host
-    budget left for later when a request asks for them, and holds them until they are
-    copied: those are asked for a run (4 MiB) at a time, not READ_AHEAD's 16 MiB."""
-    writer_process.stop_writer()
-    monkeypatch.setattr(writer_process, "_WINDOW_ONLY", True)
-    held: list[int] = []
-    most = [0]
-    real_stage, real_unstage = writer_exposure.Exposure.stage, writer_exposure.Exposure.unstage
-
-    def stage(self, j):
-        held.append(j)
-        most[0] = max(most[0], len(held))
-        return real_stage(self, j)
-
-    def unstage(self, j):
-        held.remove(j)
-        real_unstage(self, j)
-
-    monkeypatch.setattr(writer_exposure.Exposure, "stage", stage)
-    monkeypatch.setattr(writer_exposure.Exposure, "unstage", unstage)
-    from conftest import mesh, sharded
-
-    m = mesh(1, 1)
-    tree = {f"a{i}": sharded(np.full((64, 64), i, np.float32), m) for i in range(1500)}
-    opts = SaveOptions(background="process", host_budget=1 << 20, writers=1)
-    try:
-        snapshard.save_async(tmp_path / "x", tree, opts).wait(120)
-    finally:
-        writer_process.stop_writer()
-    assert held == [] and 0 < most[0] <= (4 << 20) // (64 * 64 * 4), most[0]
-    out = snapshard.load(tmp_path / "x")
-    assert all(float(out[f"a{i}"][5, 5]) == i for i in range(1500))
-
-
 def test_a_writer_killed_while_reading_through_the_window_leaves_nothing(
     tmp_path, monkeypatch, through_the_window
 ):
@@ -416,25 +381,9 @@ def test_a_writer_that_cannot_be_started_sends_saves_to_threads_and_keeps_no_fil
 
 
 @pytest.fixture
-def copying(monkeypatch):
-    """JAX's CPU arrays copied in the blocking phase (as on an accelerator), so that a host
-    budget leaves copies to the background phase."""
-    from snapshard.jax import arrays as jax_arrays
-
-    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", False)
-
-
-@pytest.mark.parametrize("read", ["memory", "window"])
-def test_items_beyond_the_host_budget_are_copied_when_the_writer_asks(
-    tmp_path, writer_runs, copying, monkeypatch, request, read
-):
-    """A host budget smaller than the bytes owned: the save still runs in the writer, which
-    asks for each remaining item's host copy as it writes it and lets it go after: one at
-    a time with one writer reading memory, a window's worth at most through the window."""
-    from conftest import mesh, sharded
-
-    if read == "window":
-        request.getfixturevalue("through_the_window")
+def staged_copies(monkeypatch):
+    """The items the host budget left for later whose host copies the training process holds
+    now (`Exposure.stage` to `unstage`), and the most it held at once: ([items], [most])."""
     held: list[int] = []
     most = [0]
     real_stage, real_unstage = writer_exposure.Exposure.stage, writer_exposure.Exposure.unstage
@@ -450,12 +399,36 @@ def test_items_beyond_the_host_budget_are_copied_when_the_writer_asks(
 
     monkeypatch.setattr(writer_exposure.Exposure, "stage", stage)
     monkeypatch.setattr(writer_exposure.Exposure, "unstage", unstage)
+    return held, most
+
+
+@pytest.fixture
+def copying(monkeypatch):
+    """JAX's CPU arrays copied in the blocking phase (as on an accelerator), so that a host
+    budget leaves copies to the background phase."""
+    from snapshard.jax import arrays as jax_arrays
+
+    monkeypatch.setattr(jax_arrays, "_cpu_donation_safe", False)
+
+
+@pytest.mark.parametrize("read", ["memory", "window"])
+def test_items_beyond_the_host_budget_are_copied_when_the_writer_asks(
+    tmp_path, writer_runs, copying, staged_copies, request, read
+):
+    """A host budget smaller than the bytes owned: the save still runs in the writer, which
+    asks for each remaining item's host copy as it writes it and lets it go after: one at
+    a time with one writer reading memory, a window's worth at most through the window."""
+    from conftest import mesh, sharded
+
+    if read == "window":
+        request.getfixturevalue("through_the_window")
     m = mesh(2, 4)
     values = {f"w{i}": np.arange(64 * 64, dtype=np.float32).reshape(64, 64) + i for i in range(4)}
     tree = {k: sharded(v, m, None, "model") for k, v in values.items()}
     budget = 2 * 64 * 64 * 4
     opts = SaveOptions(background="process", host_budget=budget, writers=1)
     t = snapshard.save_async(tmp_path / "c", tree, opts).wait(60)
+    held, most = staged_copies
     assert len(writer_runs) == 1
     assert 0 < t.bytes_staged <= budget
     assert held == []  # every copy let go
@@ -464,6 +437,29 @@ def test_items_beyond_the_host_budget_are_copied_when_the_writer_asks(
     out = snapshard.load(tmp_path / "c")
     for k, v in values.items():
         np.testing.assert_array_equal(out[k], v)
+
+
+def test_items_left_for_later_by_the_host_budget_are_not_read_ahead(
+    tmp_path, monkeypatch, copying, staged_copies
+):
+    """Through the window the training process makes the host copies of the items the host
+    budget left for later when a request asks for them, and holds them until they are
+    copied: those are asked for a run (4 MiB) at a time, not READ_AHEAD's 16 MiB."""
+    writer_process.stop_writer()
+    monkeypatch.setattr(writer_process, "_WINDOW_ONLY", True)
+    from conftest import mesh, sharded
+
+    m = mesh(1, 1)
+    tree = {f"a{i}": sharded(np.full((64, 64), i, np.float32), m) for i in range(1500)}
+    opts = SaveOptions(background="process", host_budget=1 << 20, writers=1)
+    try:
+        snapshard.save_async(tmp_path / "x", tree, opts).wait(120)
+    finally:
+        writer_process.stop_writer()
+    held, most = staged_copies
+    assert held == [] and 0 < most[0] <= (4 << 20) // (64 * 64 * 4), most[0]
+    out = snapshard.load(tmp_path / "x")
+    assert all(float(out[f"a{i}"][5, 5]) == i for i in range(1500))
 
 
 @pytest.mark.parametrize("read", ["memory", "window"])
