@@ -39,12 +39,17 @@ class StepListing:
         self._retained: set[str] = set()
 
     def _agreed_steps(
-        self, kind: str, what: str, act: Callable[[], None] | None = None
+        self,
+        kind: str,
+        what: str,
+        act: Callable[[], None] | None = None,
+        tidy: Callable[[dict[int, StepInfo], set[str]], None] | None = None,
     ) -> dict[int, StepInfo]:
-        """The committed steps as process 0 lists them (after `act`, when given); the others
-        take its listing with its outcome, so every process of a job holds the same steps
-        even while another job commits and deletes, and learns of a failure. Sets the
-        steps retained for references too."""
+        """The committed steps as process 0 lists them (after `act`, when given; `tidy`
+        given the listing may remove retained steps from it first); the others take its
+        listing with its outcome, so every process of a job holds the same steps even while
+        another job commits and deletes, and learns of a failure. Sets the steps retained
+        for references too."""
         rv = Rendezvous(
             self._coord,
             namespace(kind, self._root.url),
@@ -60,6 +65,8 @@ class StepListing:
             if act is not None:
                 act()
             steps, self._retained = self._scan()
+            if tidy is not None:
+                tidy(steps, self._retained)
         except BaseException as e:
             rv.publish_outcome(e)
             raise

@@ -132,8 +132,9 @@ class StepWriter(StepListing):
         others learn of a refusal too)."""
         try:
             steps = self._agreed_steps(
-                "manager-writer", "writer start of the checkpoint manager", self._take_lease
-            )
+                "manager-writer", "writer start of the checkpoint manager", self._take_lease,
+                self._drop_unneeded_retained,
+            )  # fmt: skip
         except BaseException:
             if self._lease is not None:  # the lease was taken, a later part failed
                 self._lease.release()
@@ -144,9 +145,7 @@ class StepWriter(StepListing):
 
     def _take_lease(self) -> None:
         """Process 0: the directory's writer lease, then the clean-up of incomplete steps
-        (a writer's act: with no lease, a live writer's staging area could be one) and of
-        steps retained for references that no committed step needs any more (their steps
-        deleted by hand: a retained step would otherwise keep its number from a new save)."""
+        (a writer's act: with no lease, a live writer's staging area could be one)."""
         policy = self._lease_policy
         files = self._root.lease_files()
         lease = WriterLease(files, timeout_s=policy.timeout_s, owner=self._owner)
@@ -156,7 +155,11 @@ class StepWriter(StepListing):
             if not committed:
                 log.info("removing incomplete checkpoint %s/%s", self._root.url, name)
                 self._root.remove_incomplete(name)
-        steps, retained = self._scan()
+
+    def _drop_unneeded_retained(self, steps: dict[int, StepInfo], retained: set[str]) -> None:
+        """Process 0, as it becomes the writer: the steps retained for references that no
+        committed step needs any more (their referrers deleted by hand) are removed, and
+        `retained` with them; such a step would keep its number from a new save."""
         if retained:
             self._references.remove([], [str(s) for s in steps], retained)
 

@@ -43,7 +43,6 @@ class LayoutMemo:
     description: Any = None  # saving: (format.layouts description, Mesh or None)
     holders: bytes | None = None  # write_plan.plan_by_holders: the holding processes
     own: bool = False  # own_layout: held by the saving process, whichever it is
-    copies: bool | None = None  # saving/copies.py: a box held by several processes
 
 
 @dataclass(eq=False)

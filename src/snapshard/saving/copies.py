@@ -45,7 +45,6 @@ from ..errors import CoordinationError, SnapshardError
 from ..format import record_file_name, records
 from ..format.files import ProcessReport
 from ..format.leaves import Leaf
-from ..planning.layout import ArrayLayout
 from .save_array import SaveArray
 from .state import PreparedSave, ReplicatedSource
 
@@ -58,18 +57,10 @@ FAR = SAMPLES // 4
 _CHECKED = 32  # record files one commit reads at most to compare copies
 
 
-def held_in_copies(layout: ArrayLayout) -> bool:
-    """Whether a box of `layout` is held by two or more processes (kept in its memo)."""
-    memo = layout.memo
-    if memo.copies is None:
-        groups = layout.shards
-        memo.copies = not memo.own and bool(groups.count) and int(groups.num_candidates.max()) > 1
-    return memo.copies
-
-
 def copy_leaves(leaves: list[Leaf | SaveArray]) -> np.ndarray:
     """Indices of the leaves whose copies are fingerprinted: arrays held in copies that are
-    the save's own assumption (ReplicatedSource.copies_assumed), not the framework's word
+    the save's own assumption (ReplicatedSource.copies_assumed: a sub-mesh widened to its
+    copies, two or more, so every box has two holders or more), not the framework's word
     (a Replicate placement)."""
     found = [
         i
@@ -77,7 +68,6 @@ def copy_leaves(leaves: list[Leaf | SaveArray]) -> np.ndarray:
         if isinstance(leaf, SaveArray)
         and isinstance(leaf.source, ReplicatedSource)
         and leaf.source.copies_assumed
-        and held_in_copies(leaf.layout)
     ]
     return np.asarray(found, np.int64)
 
